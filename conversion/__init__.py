@@ -1,0 +1,1 @@
+"""Conversion of pretrained softmax models to FAVOR+ (installed as ``hf_performer.conversion``)."""

@@ -1,0 +1,331 @@
+"""Conversion of a pretrained softmax-attention model into a Performer model (FAVOR+ attention).
+
+Every weight of the source model (Q/K/V/O projections, embeddings, norms, feed-forward layers, heads) is
+reused unchanged: the Performer model wraps the stock transformers model of the same architecture and
+loads the source state dict into it; only the attention function changes (``attn_implementation="favor"``)
+and each converted attention module gains its feature map (projection buffers). Optionally:
+
+* ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model);
+* ``max_position_embeddings``: a longer learned absolute position table (BERT/RoBERTa 512, GPT-2 1024, ...),
+  made by tiling the learned rows, so that the converted model accepts thousands of tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers.utils import logging
+
+from hf_performer.configuration_performer import (
+    PerformerConfig,
+    PerformerConfigError,
+    check_source_architecture,
+    supported_architectures_message,
+)
+from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
+from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
+
+
+logger = logging.get_logger(__name__)
+
+TASKS = tuple(PERFORMER_CLASSES_BY_TASK)
+"""Accepted ``task`` names: "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm"."""
+
+
+class ConversionError(ValueError):
+    """The model cannot be converted as asked (unsupported architecture or class, bad option)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Source model and task
+# --------------------------------------------------------------------------------------------
+
+
+def task_of_source_class(model_class: type, config) -> str | None:
+    """The task whose transformers Auto mapping gives ``model_class`` for ``config``'s architecture
+    (``BertForMaskedLM`` -> "masked-lm", ``BertModel`` -> "base"), or ``None``."""
+    for task in TASKS:
+        if model_class in _classes_for(task, config):
+            return task
+    return None
+
+
+def _check_task(task: str | None) -> None:
+    if task is not None and task not in TASKS:
+        raise ConversionError(f"unknown task {task!r}; accepted: {', '.join(TASKS)}")
+
+
+def _task_from_architectures(config) -> str:
+    """The task of the class a checkpoint was saved from (``config.architectures``), "base" if none matches."""
+    for name in getattr(config, "architectures", None) or ():
+        for task, performer_class in PERFORMER_CLASSES_BY_TASK.items():
+            try:
+                model_class = performer_class.source_model_mapping[type(config)]
+            except KeyError:
+                continue
+            if model_class.__name__ == name:
+                return task
+    return "base"
+
+
+def load_source(
+    name_or_path: str | os.PathLike, task: str | None = None, **from_pretrained_kwargs
+) -> tuple[PreTrainedModel, object | None]:
+    """Load a pretrained softmax model and its tokenizer (``None`` when the folder has none).
+
+    Args:
+        name_or_path: a local folder (or a Hub name available offline).
+        task: one of :data:`TASKS`; ``None`` takes the task of the class the checkpoint was saved from
+            (``config.architectures``), else "base".
+        **from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``dtype``).
+
+    Raises:
+        ConversionError: unknown task, or an architecture FAVOR+ cannot be plugged into.
+    """
+    _check_task(task)
+    config = AutoConfig.from_pretrained(name_or_path)
+    _check_architecture(config)
+    task = task or _task_from_architectures(config)
+    performer_class = PERFORMER_CLASSES_BY_TASK[task]
+    model_class = performer_class.source_model_class(config)
+    model = model_class.from_pretrained(name_or_path, **from_pretrained_kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as error:
+        logger.info(f"no tokenizer loaded from {name_or_path}: {error}")
+        tokenizer = None
+    return model, tokenizer
+
+
+def _check_architecture(config) -> None:
+    try:
+        check_source_architecture(config)
+    except PerformerConfigError as error:
+        raise ConversionError(str(error)) from None
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------
+
+
+def convert_to_performer(
+    model_or_name_or_path: PreTrainedModel | str | os.PathLike,
+    task: str | None = None,
+    feature_map: str = "favor+",
+    nb_features: int | None = None,
+    keep_softmax_layers: Iterable[int] = (),
+    max_position_embeddings: int | None = None,
+    seed: int = 0,
+    *,
+    orthogonal: bool | None = None,
+    row_norms: str | None = None,
+    redraw_interval: int | None = None,
+    chunk_size: int | None = None,
+) -> PerformerPreTrainedModel:
+    """Convert a softmax-attention transformers model into the matching Performer model.
+
+    Args:
+        model_or_name_or_path: a transformers model (``BertForMaskedLM``, ``GPT2LMHeadModel``, ``BertModel``, ...)
+            or a folder / Hub name to load one from (offline).
+        task: one of :data:`TASKS`. ``None`` keeps the source model's task. A different task of the same
+            architecture reuses the base model's weights and initialises the new head (e.g. "base" MiniLM ->
+            "sequence-classification").
+        feature_map: one of ``hf_performer.available_feature_maps()`` ("favor+", "trig", "relu", "elu+1").
+        nb_features: random features per head; ``None`` takes the map's default (``FAVOR_DEFAULTS``: 256 for
+            random maps; elu+1 has exactly ``head_dim``).
+        keep_softmax_layers: layer indices that keep exact softmax attention.
+        max_position_embeddings: extend a learned absolute position table to this many positions (see
+            :func:`extend_position_embeddings`); ``None`` keeps it.
+        seed: layer ``i`` draws its projection with seed ``seed + i``.
+        orthogonal, row_norms, redraw_interval, chunk_size: other FAVOR+ settings; ``None`` takes the default.
+
+    Returns:
+        The Performer model (in eval mode, on the source's device and dtype; feature-map projections in float32).
+        Every tensor of the source state dict is copied unchanged into ``performer.source_model``.
+
+    Raises:
+        ConversionError: unsupported architecture or model class, unknown task, invalid settings.
+    """
+    _check_task(task)
+    if isinstance(model_or_name_or_path, (str, os.PathLike)):
+        source, _ = load_source(model_or_name_or_path, task)
+    elif isinstance(model_or_name_or_path, PerformerPreTrainedModel):
+        raise ConversionError(f"{type(model_or_name_or_path).__name__} is already a Performer model")
+    elif isinstance(model_or_name_or_path, PreTrainedModel):
+        source = model_or_name_or_path
+    else:
+        raise ConversionError(
+            "convert_to_performer takes a transformers PreTrainedModel or a model folder / name, got "
+            f"{type(model_or_name_or_path).__name__}"
+        )
+
+    _check_architecture(source.config)
+    source_task = task_of_source_class(type(source), source.config)
+    if source_task is None:
+        raise ConversionError(
+            f"{type(source).__name__} is not a class this package converts: accepted are the {source.config.model_type} "
+            f"classes of the tasks {', '.join(TASKS)} (e.g. "
+            f"{', '.join(c.__name__ for t in TASKS for c in _classes_for(t, source.config))})"
+        )
+    task = task or source_task
+
+    settings = {"feature_map": feature_map, "seed": seed, "softmax_layers": sorted(set(keep_softmax_layers))}
+    optional = dict(nb_features=nb_features, orthogonal=orthogonal, row_norms=row_norms,
+                    redraw_interval=redraw_interval, chunk_size=chunk_size)
+    settings.update({key: value for key, value in optional.items() if value is not None})
+    try:
+        config = PerformerConfig(source_config=source.config, favor_settings=settings)
+    except PerformerConfigError as error:
+        raise ConversionError(str(error)) from None
+    config.dtype = source.dtype
+
+    performer_class = PERFORMER_CLASSES_BY_TASK[task]
+    try:
+        performer = performer_class(config)
+    except PerformerConfigError as error:
+        raise ConversionError(str(error)) from None
+    _copy_weights(source, performer.source_model, same_task=(task == source_task))
+    _cast_like_source(performer, source)
+    if max_position_embeddings is not None:
+        extend_position_embeddings(performer, max_position_embeddings)
+    performer.config.name_or_path = getattr(source, "name_or_path", "") or ""
+    return performer.eval()
+
+
+def _classes_for(task: str, config) -> list[type]:
+    """The transformers classes of ``config``'s architecture for ``task`` (empty if it has none)."""
+    try:
+        classes = PERFORMER_CLASSES_BY_TASK[task].source_model_class(config)
+    except PerformerConfigError:
+        return []
+    return list(classes) if isinstance(classes, (tuple, list)) else [classes]
+
+
+def _is_feature_map_key(key: str) -> bool:
+    return f".{FEATURE_MAP_ATTRIBUTE}." in f".{key}"
+
+
+def _copy_weights(source: PreTrainedModel, target: PreTrainedModel, same_task: bool) -> None:
+    """Load ``source``'s tensors into ``target`` (same architecture) unchanged; raise on any mismatch.
+
+    With a different task, only the base model is copied and the target's head keeps its fresh initialisation.
+    """
+    if not same_task:
+        source, target = source.base_model, target.base_model
+        logger.warning(
+            f"converting to another task: the base model's weights are reused; the head of "
+            f"{type(target).__name__} is newly initialised and must be trained"
+        )
+    missing, unexpected = target.load_state_dict(source.state_dict(), strict=False)
+    missing = [key for key in missing if not _is_feature_map_key(key)]
+    if missing or unexpected:
+        raise ConversionError(
+            f"the weights of {type(source).__name__} do not match {type(target).__name__}: missing {missing}, "
+            f"unexpected {unexpected}"
+        )
+
+
+def _cast_like_source(performer: PerformerPreTrainedModel, source: PreTrainedModel) -> None:
+    """Move the Performer model to the source's device and dtype, keeping feature-map projections in float32."""
+    parameter = next(source.parameters(), None)
+    if parameter is None:
+        return
+    performer.to(device=parameter.device, dtype=parameter.dtype)
+    for module in performer.modules():
+        feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
+        if isinstance(feature_map, nn.Module):
+            feature_map.float()
+
+
+# --------------------------------------------------------------------------------------------
+# Longer learned position tables
+# --------------------------------------------------------------------------------------------
+
+
+def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.Embedding]:
+    """``(parent module, attribute name, embedding)`` of the learned absolute position table of ``model``."""
+    config = model.config
+    size = getattr(config, "max_position_embeddings", None)
+    candidates = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Embedding)
+        and module.num_embeddings == size
+        and ("position" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")
+    ]
+    if getattr(config, "sinusoidal_pos_embds", False):
+        raise ConversionError(
+            f"{config.model_type} uses fixed sinusoidal position embeddings (sinusoidal_pos_embds=True), not a learned "
+            "table; extending it is not supported"
+        )
+    if len(candidates) != 1:
+        raise ConversionError(
+            f"max_position_embeddings: {type(model).__name__} has no single learned absolute position table of "
+            f"{size} rows (found {[name for name, _ in candidates]}); only architectures with one, such as BERT, "
+            "RoBERTa, DistilBERT and GPT-2, can be extended. Rotary or relative positions (Llama, ...) need no table."
+        )
+    name, embedding = candidates[0]
+    parent_name, _, attribute = name.rpartition(".")
+    return model.get_submodule(parent_name), attribute, embedding
+
+
+@torch.no_grad()
+def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: int) -> PreTrainedModel:
+    """Extend the learned absolute position table of ``model`` so that sequences of
+    ``max_position_embeddings`` tokens are accepted.
+
+    The new rows repeat the learned ones: position ``p`` gets the learned row ``p mod L`` (``L`` learned
+    positions), the usual initialisation for long-context fine-tuning. Rows before the first position are kept:
+    RoBERTa-like tables start at ``padding_idx + 1`` (their config counts those extra rows, so its
+    ``max_position_embeddings`` becomes ``max_position_embeddings + padding_idx + 1``). The ``position_ids`` /
+    ``token_type_ids`` buffers of the embedding module are rebuilt and the config is updated.
+
+    Args:
+        model: a Performer model or a transformers model with one learned absolute position table.
+        max_position_embeddings: number of token positions to support; at least the current number.
+
+    Raises:
+        ConversionError: no learned table (rotary / relative / sinusoidal positions), or a smaller size.
+    """
+    target = model.source_model if isinstance(model, PerformerPreTrainedModel) else model
+    parent, attribute, old = _learned_position_table(target)
+    offset = 0 if old.padding_idx is None else old.padding_idx + 1
+    learned = old.num_embeddings - offset
+    if not isinstance(max_position_embeddings, int) or max_position_embeddings < learned:
+        raise ConversionError(
+            f"max_position_embeddings must be an int >= the {learned} positions the model already has, got "
+            f"{max_position_embeddings!r}"
+        )
+    new_rows = max_position_embeddings + offset
+    new = nn.Embedding(
+        new_rows, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device, dtype=old.weight.dtype
+    )
+    positions = torch.arange(max_position_embeddings, device=old.weight.device)
+    new.weight[:offset] = old.weight[:offset]
+    new.weight[offset:] = old.weight[offset + positions % learned]
+    new.weight.requires_grad_(old.weight.requires_grad)
+    setattr(parent, attribute, new)
+
+    old_rows = old.num_embeddings
+    for name, buffer in list(parent.named_buffers(recurse=False)):
+        if buffer.dim() == 0 or buffer.shape[-1] != old_rows:
+            continue
+        persistent = name not in parent._non_persistent_buffers_set
+        if name == "position_ids":
+            replacement = torch.arange(new_rows, dtype=buffer.dtype, device=buffer.device).expand((1, -1))
+        elif name == "token_type_ids":
+            replacement = torch.zeros((1, new_rows), dtype=buffer.dtype, device=buffer.device)
+        else:
+            raise ConversionError(
+                f"{type(parent).__name__}.{name} has one entry per position and is not a buffer this converter "
+                "knows how to extend"
+            )
+        parent.register_buffer(name, replacement, persistent=persistent)
+
+    target.config.max_position_embeddings = new_rows
+    return model

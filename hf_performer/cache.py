@@ -1,0 +1,170 @@
+"""Constant-memory generation cache for FAVOR+ / linear attention.
+
+Softmax attention caches every past key and value (memory ``O(L)``). Causal linear attention only
+needs its recurrent state after the past tokens (see :class:`~.linear_attention.LinearAttentionState`):
+
+* ``kv``         ``[B, H, m, dv]``: ``sum_j exp(-c) phi(k_j) v_j^T``,
+* ``k_sum``      ``[B, H, m]``:     ``sum_j exp(-c) phi(k_j)`` (the normaliser),
+* ``stabilizer`` ``[B, H]``:        ``c``, the running maximum of the key log-scales,
+
+whose size does not depend on the number of tokens. :class:`FavorCacheLayer` is a transformers cache
+layer that holds this state instead of keys and values:
+
+* ``update(key, value)`` (called by the model *before* the attention function) returns the new keys
+  and values unchanged and only counts tokens, so ``get_seq_length()`` (position ids) and
+  ``get_mask_sizes()`` (2-D padding masks over all seen tokens) keep working;
+* the favor attention function (``favor_attention.py``) runs the causal kernel from ``state`` and
+  stores the new state with :meth:`FavorCacheLayer.set_state`;
+* ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` select rows of the state
+  (beam search, contrastive search).
+
+A layer that received tokens the attention function never folded into its state (the model does not
+run favor attention on it, or the attention module cannot see the cache) raises at the next
+``update`` instead of silently attending to the new tokens only.
+
+The class sets ``_layer_type = "favor"``, which registers it in transformers'
+``DYNAMIC_LAYER_TYPE_MAPPING`` (so ``Cache(layers=[FavorCacheLayer(), ...])`` and
+``DYNAMIC_LAYER_TYPE_MAPPING["favor"]`` work). Note that transformers 5.23 validates
+``config.layer_types`` against a closed list, so ``config.layer_types = ["favor", ...]`` is rejected
+by the config; ``generate()`` instead gets this layer through the attention modules' pre-hook
+installed by ``attach_feature_maps`` (see ``favor_attention.py``), or explicitly with
+``past_key_values=make_favor_cache(model)``.
+
+This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved
+models for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
+
+from .linear_attention import LinearAttentionState
+
+
+class FavorCacheLayer(CacheLayerMixin):
+    """Cache layer of one causal linear-attention layer: a token counter and the recurrent state.
+
+    Attributes:
+        state: the :class:`LinearAttentionState` after all tokens seen so far (``None`` before the first
+            forward): ``kv [B, H, m, dv]``, ``k_sum [B, H, m]``, ``stabilizer [B, H]``, in float32.
+        seen_tokens: number of tokens (padding included) passed through ``update``.
+        pending_tokens: tokens given to ``update`` whose contribution is not yet in ``state``.
+    """
+
+    _layer_type = "favor"
+    is_sliding = False
+    is_compileable = False
+    # A recurrent state cannot be rolled back to an earlier token.
+    is_croppable = False
+
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.state: LinearAttentionState | None = None
+        self.seen_tokens = 0
+        self.pending_tokens = 0
+        self.dtype = None
+        self.device = None
+
+    def __repr__(self):
+        return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens})"
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Count the new tokens and return ``key_states`` / ``value_states`` ``[B, Hkv, q_len, d]`` as is."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.pending_tokens:
+            raise RuntimeError(
+                f"FavorCacheLayer: the previous {self.pending_tokens} token(s) given to this cache layer were never "
+                "folded into its recurrent state by the favor attention function, so continuing would silently drop "
+                "them. Use this cache only with attn_implementation='favor' on a model prepared with "
+                "hf_performer.attach_feature_maps(model) (it lets attention modules see the cache), and do not use "
+                "it for layers listed in favor_settings['softmax_layers']."
+            )
+        new_tokens = key_states.shape[-2]
+        self.seen_tokens += new_tokens
+        self.pending_tokens = new_tokens
+        return key_states, value_states
+
+    def set_state(self, state: LinearAttentionState) -> None:
+        """Store the state after the tokens of the last ``update`` (called by the attention function)."""
+        self.state = state
+        self.pending_tokens = 0
+
+    def get_seq_length(self) -> int:
+        return self.seen_tokens
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)``: 2-D padding masks cover every token seen, plus the new ones."""
+        return self.seen_tokens + query_length, 0
+
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = LinearAttentionState(*(fn(t) for t in self.state))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Select batch rows of the state (beam search)."""
+        if self.state is not None:
+            self.state = self.state.reorder(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_state(lambda t: t[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_state(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        self.state = None
+        self.seen_tokens = 0
+        self.pending_tokens = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove != 0:
+            raise RuntimeError(
+                "FavorCacheLayer holds a recurrent state: tokens cannot be removed from it (no crop, so no assisted "
+                "or speculative decoding that rolls the cache back)."
+            )
+
+    def offload(self):
+        self._map_state(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.device is not None:
+            self._map_state(lambda t: t.to(self.device, non_blocking=True))
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the state (independent of the number of tokens seen)."""
+        return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+
+
+def make_favor_cache(config_or_model) -> DynamicCache:
+    """A :class:`~transformers.DynamicCache` whose favor (linear-attention) layers are :class:`FavorCacheLayer`.
+
+    Args:
+        config_or_model: a transformers model or its config. The layers listed in
+            ``config.favor_settings["softmax_layers"]`` keep transformers' own cache layer (full keys and values);
+            every other layer stores a constant-size recurrent state.
+
+    Use it as ``model.generate(..., past_key_values=make_favor_cache(model))`` or in a manual decoding loop.
+    The model must run ``attn_implementation="favor"`` and have been prepared with
+    ``attach_feature_maps(model)``.
+    """
+    from .favor_attention import resolve_favor_settings  # favor_attention imports this module
+
+    config = getattr(config_or_model, "config", config_or_model)
+    text_config = config.get_text_config(decoder=True)
+    settings = resolve_favor_settings(getattr(text_config, "favor_settings", None) or getattr(config, "favor_settings", None))
+    cache = DynamicCache(config=text_config)
+    for layer_idx in range(len(cache.layers)):
+        if layer_idx not in settings["softmax_layers"]:
+            cache.layers[layer_idx] = FavorCacheLayer()
+    return cache

@@ -1,0 +1,32 @@
+"""The ``hf-performer`` command line: one subcommand per task (``hf-performer --help``).
+
+Each subcommand lives next to the code it drives and exposes ``add_parser(subparsers)``, which adds
+its parser and sets ``func`` to the function that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import benchmark
+
+    parser = argparse.ArgumentParser(
+        prog="hf-performer",
+        description="FAVOR+ / linear attention for Hugging Face transformers.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    benchmark.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Configuration of Performer models: a source architecture's configuration plus FAVOR+ settings.
+
+A :class:`PerformerConfig` holds
+
+* ``source_config``: the complete configuration of the architecture being wrapped (a ``BertConfig``,
+  ``GPT2Config``, ... object at run time, serialised as a dict with its ``model_type``);
+* ``favor_settings``: how attention is approximated (feature map, number of features, projection kind,
+  redraw policy, seed, chunk size of the causal scan, layers kept on softmax attention). They are
+  validated by :func:`~.favor_attention.resolve_favor_settings`, the one place where the accepted keys and
+  their defaults (:data:`~.favor_attention.FAVOR_DEFAULTS`) are defined. Each setting can also be read or
+  set as an attribute (``config.nb_features``).
+
+Task fields (``id2label``, ``label2id``, ``problem_type``) belong to the Performer config (pipelines read
+them there) and are copied into the source config when a model is built. Any other attribute of the
+source architecture can be read and set through the Performer config (``config.hidden_size``,
+``config.pad_token_id = 0``): it is forwarded to ``source_config``, so there is one copy of each value.
+
+Unknown or misspelt keyword arguments raise an error listing what is accepted: nothing is ignored.
+
+This module imports only ``transformers`` and relative siblings: it is copied next to saved models for
+``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import fields
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+from .favor_attention import FAVOR_DEFAULTS, resolve_favor_settings
+
+
+PERFORMER_MODEL_TYPE = "performer"
+
+VERIFIED_SOURCE_MODEL_TYPES = ("bert", "distilbert", "gpt2", "llama", "roberta")
+"""Source architectures converted and tested by this package. Others are accepted when their transformers
+implementation dispatches attention through the ``AttentionInterface`` registry (see
+:func:`check_source_architecture`)."""
+
+TASK_FIELDS = ("id2label", "label2id", "problem_type")
+"""Fields owned by the Performer config and copied into the source config when a model is built."""
+
+# Keyword arguments that transformers itself passes to or stores on any config (handled by
+# `PreTrainedConfig.__post_init__` or written by `save_pretrained` / the Auto classes).
+_GENERIC_CONFIG_KWARGS = frozenset(
+    {
+        "_commit_hash",
+        "_name_or_path",
+        "attn_implementation",
+        "auto_map",
+        "custom_pipelines",
+        "experts_implementation",
+        "name_or_path",
+        "num_labels",
+        "output_attentions",
+        "per_layer_config",
+        "torch_dtype",
+    }
+)
+
+
+class PerformerConfigError(ValueError):
+    """An invalid Performer configuration (unknown key, unsupported architecture, bad setting)."""
+
+
+def supported_architectures_message() -> str:
+    return (
+        f"verified: {', '.join(VERIFIED_SOURCE_MODEL_TYPES)}; otherwise any decoder-only or encoder-only "
+        "transformers architecture whose attention goes through transformers' AttentionInterface registry "
+        "(its PreTrainedModel sets _supports_attention_backend = True)"
+    )
+
+
+def _sliding_window_in_use(config: PreTrainedConfig) -> bool:
+    layer_types = getattr(config, "layer_types", None) or ()
+    if any("sliding" in str(layer_type) for layer_type in layer_types):
+        return True
+    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+
+
+def check_source_architecture(config: PreTrainedConfig) -> None:
+    """Raise :class:`PerformerConfigError` unless FAVOR+ can replace the attention of ``config``'s architecture.
+
+    Accepted: the verified architectures (:data:`VERIFIED_SOURCE_MODEL_TYPES`) and any other transformers
+    architecture whose base model declares ``_supports_attention_backend`` (its attention modules call
+    ``ALL_ATTENTION_FUNCTIONS.get_interface``, where "favor" is registered). Rejected: encoder-decoder models
+    and sliding-window attention (a pattern linear attention cannot express).
+    """
+    model_type = getattr(config, "model_type", None)
+    if model_type == PERFORMER_MODEL_TYPE:
+        raise PerformerConfigError("source_config is already a Performer config; pass the original architecture's config")
+    if model_type not in CONFIG_MAPPING:
+        raise PerformerConfigError(
+            f"unknown source architecture {model_type!r}: it is not a transformers model type. Supported: "
+            f"{supported_architectures_message()}."
+        )
+    if model_type not in VERIFIED_SOURCE_MODEL_TYPES:
+        class_name = MODEL_MAPPING_NAMES.get(model_type)
+        model_class = None
+        if isinstance(class_name, str):
+            import transformers
+
+            model_class = getattr(transformers, class_name, None)
+        if model_class is None or not getattr(model_class, "_supports_attention_backend", False):
+            raise PerformerConfigError(
+                f"source architecture {model_type!r} is not supported: its transformers implementation does not "
+                f"dispatch attention through the AttentionInterface registry, so FAVOR+ cannot be plugged in. "
+                f"Supported: {supported_architectures_message()}."
+            )
+    if getattr(config, "is_encoder_decoder", False):
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} is an encoder-decoder model, which this package does not convert. "
+            f"Supported: {supported_architectures_message()}."
+        )
+    if _sliding_window_in_use(config):
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} is configured with sliding-window attention "
+            f"(sliding_window={getattr(config, 'sliding_window', None)}), which linear attention cannot express. "
+            "Set sliding_window=None (full causal attention) in the source config before converting."
+        )
+
+
+def canonical_favor_settings(settings: dict | None) -> dict:
+    """Validated settings with every default made explicit (so a saved model records them all), except
+    the keys the chosen feature map does not take (deterministic maps have no projection options)."""
+    settings = dict(settings or {})
+    resolved = resolve_favor_settings(settings)
+    if resolved["nb_features"] is None:
+        # A deterministic map (elu+1): it has its own size and no random-projection options.
+        return {key: resolved[key] for key in ("feature_map", "chunk_size", "softmax_layers")}
+    return resolved
+
+
+def _close_matches(word: str, candidates) -> str:
+    matches = difflib.get_close_matches(word, sorted(candidates), n=3, cutoff=0.6)
+    return f" (did you mean {', '.join(repr(m) for m in matches)}?)" if matches else ""
+
+
+def _favor_setting_property(key: str):
+    def getter(self):
+        return resolve_favor_settings(self.favor_settings).get(key)
+
+    def setter(self, value):
+        self.favor_settings = canonical_favor_settings({**self.favor_settings, key: value})
+        self._sync_favor_settings()
+
+    return property(getter, setter, doc=f"``favor_settings[{key!r}]`` (see ``FAVOR_DEFAULTS``).")
+
+
+@strict
+class PerformerConfig(PreTrainedConfig):
+    r"""
+    Configuration of a Performer model: a transformers architecture (BERT, RoBERTa, GPT-2, DistilBERT, Llama, ...)
+    whose attention is computed by FAVOR+ / linear attention.
+
+    Args:
+        source_config (`dict` or `PreTrainedConfig`, *optional*):
+            The complete configuration of the wrapped architecture. A dict must hold its `model_type`. It is
+            copied (the caller's object is never modified) and stored as a config object. `None` gives an empty
+            config that cannot build a model.
+        favor_settings (`dict`, *optional*):
+            FAVOR+ settings; accepted keys and defaults are those of `FAVOR_DEFAULTS`: `feature_map` (one of
+            `available_feature_maps()`), `nb_features`, `orthogonal` (orthogonal or iid projections), `row_norms`
+            ("chi" or "fixed"), `redraw_interval` (training calls between redraws, 0 = never), `seed` (layer `i`
+            uses `seed + i`), `chunk_size` (causal scan), `softmax_layers` (layer indices kept on softmax attention).
+            Every one of these keys may also be passed as a keyword argument of its own.
+        kwargs:
+            Generic `PreTrainedConfig` arguments (`id2label`, `num_labels`, `problem_type`, ...) and attributes of
+            the source architecture (forwarded to `source_config`). Anything else raises an error.
+
+    Example:
+
+    ```python
+    >>> from transformers import BertConfig
+    >>> from hf_performer import PerformerConfig, PerformerModel
+    >>> config = PerformerConfig(source_config=BertConfig(num_hidden_layers=2), nb_features=128, softmax_layers=[1])
+    >>> model = PerformerModel(config)
+    ```
+    """
+
+    model_type = PERFORMER_MODEL_TYPE
+
+    source_config: dict | PreTrainedConfig | None = None
+    favor_settings: dict | None = None
+
+    def __post_init__(self, **kwargs):
+        kwargs.pop("model_type", None)  # written by to_dict; the class fixes it
+
+        # FAVOR+ settings given as keyword arguments of their own.
+        settings = dict(self.favor_settings or {})
+        for key in FAVOR_DEFAULTS:
+            if key in kwargs:
+                value = kwargs.pop(key)
+                if key in settings and settings[key] != value:
+                    raise PerformerConfigError(
+                        f"FAVOR+ setting {key!r} given twice with different values: favor_settings[{key!r}]="
+                        f"{settings[key]!r} and {key}={value!r}"
+                    )
+                settings[key] = value
+        try:
+            self.favor_settings = canonical_favor_settings(settings)
+        except (ValueError, TypeError) as error:
+            raise PerformerConfigError(f"invalid FAVOR+ settings: {error}") from error
+
+        self.source_config = self._build_source_config(self.source_config)
+
+        # Task fields: take the source's unless given here.
+        source = self.source_config
+        if source is not None and self.id2label is None and "num_labels" not in kwargs:
+            for field_name in TASK_FIELDS:
+                if getattr(source, field_name, None) is not None:
+                    setattr(self, field_name, getattr(source, field_name))
+
+        # Keyword arguments that are neither generic nor FAVOR+ settings must be attributes of the source.
+        forwarded = {}
+        for key in list(kwargs):
+            if key in _GENERIC_CONFIG_KWARGS or key.startswith("_"):
+                continue
+            if source is not None and hasattr(source, key):
+                forwarded[key] = kwargs.pop(key)
+                continue
+            candidates = set(FAVOR_DEFAULTS) | {f.name for f in fields(self)} | set(_GENERIC_CONFIG_KWARGS)
+            if source is not None:
+                candidates |= set(source.to_dict())
+            raise PerformerConfigError(
+                f"PerformerConfig got an unknown argument {key!r}{_close_matches(key, candidates)}. Accepted: "
+                f"source_config, favor_settings, the FAVOR+ settings {sorted(FAVOR_DEFAULTS)}, the generic "
+                "PreTrainedConfig arguments (id2label, num_labels, problem_type, ...) and attributes of the source "
+                f"architecture{f' ({source.model_type})' if source is not None else ' (no source_config given)'}."
+            )
+        super().__post_init__(**kwargs)
+        for key, value in forwarded.items():
+            setattr(source, key, value)
+        self._check_softmax_layers()
+        self._sync_favor_settings()
+
+    # ----------------------------------------------------------------------------------------
+    # Source configuration
+    # ----------------------------------------------------------------------------------------
+
+    def _build_source_config(self, source) -> PreTrainedConfig | None:
+        if source is None:
+            return None
+        if isinstance(source, PreTrainedConfig):
+            source = source.to_dict()
+        elif not isinstance(source, dict):
+            raise PerformerConfigError(
+                f"source_config must be a dict (with its model_type) or a PreTrainedConfig, got {type(source).__name__}"
+            )
+        source = dict(source)
+        model_type = source.pop("model_type", None)
+        if model_type is None:
+            raise PerformerConfigError(
+                "source_config has no 'model_type': say which architecture it configures "
+                f"({supported_architectures_message()})"
+            )
+        stored_settings = source.pop("favor_settings", None)
+        if stored_settings is not None and canonical_favor_settings(stored_settings) != self.favor_settings:
+            raise PerformerConfigError(
+                f"source_config carries favor_settings {stored_settings} that differ from the Performer config's "
+                f"{self.favor_settings}; give the settings once, as PerformerConfig(favor_settings=...)"
+            )
+        source.pop("transformers_version", None)
+        if model_type not in CONFIG_MAPPING:
+            raise PerformerConfigError(
+                f"unknown source architecture {model_type!r}: it is not a transformers model type. Supported: "
+                f"{supported_architectures_message()}."
+            )
+        config = CONFIG_MAPPING[model_type](**source)
+        check_source_architecture(config)
+        return config
+
+    def _check_softmax_layers(self) -> None:
+        layers = self.favor_settings.get("softmax_layers", [])
+        if self.source_config is None or not layers:
+            return
+        num_layers = getattr(self.source_config, "num_hidden_layers", None)
+        if isinstance(num_layers, int):
+            out_of_range = [i for i in layers if i >= num_layers]
+            if out_of_range:
+                raise PerformerConfigError(
+                    f"softmax_layers {out_of_range} do not exist: the source model has {num_layers} layers "
+                    f"(indices 0..{num_layers - 1})"
+                )
+
+    def _sync_favor_settings(self) -> None:
+        """Give the source config the settings the attention function reads (``module.config.favor_settings``)."""
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig):
+            source.favor_settings = dict(self.favor_settings)
+
+    def prepare_source_config(self) -> PreTrainedConfig:
+        """The source config, ready to build the wrapped model: task fields copied from this config, FAVOR+
+        settings attached and attention implementation set to "favor". Returns ``self.source_config`` itself
+        (one object shared by the Performer config and the wrapped model).
+
+        Raises:
+            PerformerConfigError: no ``source_config`` was given.
+        """
+        source = self.source_config
+        if source is None:
+            raise PerformerConfigError(
+                "this PerformerConfig has no source_config: build it with PerformerConfig(source_config=...) or "
+                "convert a model with hf_performer.conversion.convert_to_performer"
+            )
+        for field_name in TASK_FIELDS:
+            setattr(source, field_name, getattr(self, field_name))
+        self._check_softmax_layers()
+        self._sync_favor_settings()
+        source._attn_implementation = "favor"
+        return source
+
+    @property
+    def resolved_favor_settings(self) -> dict:
+        """Every FAVOR+ setting, defaults included (the dict the attention function works with)."""
+        return resolve_favor_settings(self.favor_settings)
+
+    def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
+        """The source config (what generation, caches and embedding resizing need), or ``self`` without one."""
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig):
+            return source.get_text_config(decoder=decoder, encoder=encoder)
+        return self
+
+    # ----------------------------------------------------------------------------------------
+    # Serialisation and attribute forwarding
+    # ----------------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        output = super().to_dict()
+        source = output.get("source_config")
+        if isinstance(source, dict):
+            source.pop("favor_settings", None)  # recorded once, at the top level
+        return output
+
+    def __getattr__(self, name):
+        # Only called when normal lookup fails: read the attribute from the source config.
+        if name.startswith("_"):
+            raise AttributeError(name)
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig) and hasattr(source, name):
+            return getattr(source, name)
+        raise AttributeError(f"{type(self).__name__} (and its source_config) has no attribute {name!r}")
+
+    def __setattr__(self, key, value):
+        source = self.__dict__.get("source_config")
+        if (
+            isinstance(source, PreTrainedConfig)
+            and not key.startswith("_")
+            and key not in _OWN_ATTRIBUTES
+            and key not in self.__dict__
+            and hasattr(source, key)
+        ):
+            setattr(source, key, value)
+            return
+        super().__setattr__(key, value)
+
+
+for _key in FAVOR_DEFAULTS:
+    setattr(PerformerConfig, _key, _favor_setting_property(_key))
+
+_OWN_ATTRIBUTES = frozenset(
+    {f.name for f in fields(PerformerConfig)}
+    | {name for klass in PerformerConfig.__mro__ for name in vars(klass)}
+)
+
+
+__all__ = [
+    "PerformerConfig",
+    "PerformerConfigError",
+    "VERIFIED_SOURCE_MODEL_TYPES",
+    "canonical_favor_settings",
+    "check_source_architecture",
+]

@@ -1,0 +1,671 @@
+"""FAVOR+ / linear attention as a transformers attention implementation (``attn_implementation="favor"``).
+
+Importing this module registers:
+
+* ``AttentionInterface.register("favor", favor_attention_forward)``: stock models that dispatch attention
+  through ``ALL_ATTENTION_FUNCTIONS`` (BERT, RoBERTa, DistilBERT, GPT-2, Llama, ... in transformers 5.x)
+  accept ``from_pretrained(..., attn_implementation="favor")`` and ``model.set_attn_implementation("favor")``;
+* ``AttentionMaskInterface.register("favor", favor_attention_mask)``: without it transformers builds *no*
+  mask for an unknown implementation and padding would be silently ignored. The mask is the 2-D key
+  padding mask ``[batch, kv_length]`` (``True`` = token) of flash attention, or ``None`` when nothing
+  is padded; patterns linear attention cannot express (sliding windows, chunked attention, packed
+  sequences, custom ``or``/``and`` mask functions) raise an error.
+
+Behaviour of :func:`favor_attention_forward`:
+
+* causal or bidirectional exactly like transformers' sdpa function: ``kwargs["is_causal"]`` if given,
+  else ``module.is_causal``;
+* ``exp(scaling * q.k)`` is estimated with the ``scaling`` the model passes (GPT-2 may fold a per-layer
+  factor into it); grouped-query attention (fewer key/value heads) is supported;
+* attention masks: ``None``, a 2-D key padding mask (bool or 0/1), or a 4-D mask ``[B, 1 or H, Lq, Lk]``
+  (bool, or additive float with 0 / large negative values) *only if* it is exactly "key padding AND
+  (causal or full)" (fully masked query rows are accepted: they are padding queries). Any other mask
+  raises :class:`FavorMaskError`: it is never silently dropped;
+* attention dropout cannot be applied to linear attention (there is no attention matrix): a
+  ``dropout > 0`` in training is ignored with a one-time warning;
+* ``output_attentions``: there are no attention weights; ``None`` is returned (one-time warning);
+* layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
+  softmax), with the 2-D padding mask turned into the mask sdpa would have been given.
+
+Settings are read from ``module.config.favor_settings`` (a dict validated strictly; absent keys take
+:data:`FAVOR_DEFAULTS`). Each favor attention module owns a submodule ``favor_feature_map`` (seed
+``settings["seed"] + layer_idx``), so projections and redraw counters live in the state dict and reload
+bit-identically. :func:`attach_feature_maps` creates them eagerly (call it before loading a state
+dict); a stock model switched with ``set_attn_implementation("favor")`` gets them lazily on its first
+forward.
+
+Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
+hands the layer's ``past_key_values`` to the attention function and, for causal favor layers, replaces an
+*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (the layer
+``generate()`` and the models create by default). Prefill and token-by-token decoding then carry the
+recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys
+and values (e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the
+causal kernel is run over all cached keys at every step (``O(L)`` per token). Static caches (whose key
+length differs from the mask length) raise.
+
+This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved
+models for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import weakref
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    bidirectional_mask_function,
+    causal_mask_function,
+    flash_attention_mask,
+    sdpa_mask,
+)
+from transformers.utils import logging
+
+from .cache import FavorCacheLayer
+from .feature_maps import FEATURE_MAPS, FeatureMap, RandomFeatureMap, available_feature_maps, make_feature_map
+from .linear_attention import LinearAttentionError, linear_attention
+
+
+logger = logging.get_logger(__name__)
+
+ATTN_IMPLEMENTATION = "favor"
+FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
+
+FAVOR_DEFAULTS: dict = {
+    "feature_map": "favor+",
+    "nb_features": 256,
+    "orthogonal": True,
+    "row_norms": "chi",
+    "redraw_interval": 0,
+    "seed": 0,
+    "chunk_size": 64,
+    "softmax_layers": [],
+}
+"""Defaults of ``config.favor_settings``, the one place where they are defined.
+
+* ``feature_map``: a name of ``available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", ...).
+* ``nb_features``: ``m`` random features per head (random maps); ``None`` lets the map choose.
+* ``orthogonal``, ``row_norms`` ("chi" or "fixed"), ``redraw_interval`` (training calls between redraws,
+  0 = never): options of random feature maps.
+* ``seed``: layer ``i`` draws its projection with seed ``seed + i``.
+* ``chunk_size``: tokens per chunk of the causal scan.
+* ``softmax_layers``: layer indices kept on exact softmax attention (sdpa).
+"""
+
+RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
+
+
+class FavorMaskError(LinearAttentionError):
+    """An attention mask that linear attention cannot express (raised instead of ignoring it)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Settings
+# --------------------------------------------------------------------------------------------
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def resolve_favor_settings(settings: dict | None = None) -> dict:
+    """Validate ``favor_settings`` and fill absent keys from :data:`FAVOR_DEFAULTS`.
+
+    Args:
+        settings: a dict (e.g. ``config.favor_settings``) or ``None`` for all defaults.
+
+    Returns:
+        A new dict with every key of :data:`FAVOR_DEFAULTS` (``softmax_layers`` as a sorted list of ints).
+
+    Raises:
+        ValueError: unknown key, unknown feature map or out-of-range value. TypeError: wrong type.
+    """
+    if settings is None:
+        settings = {}
+    if not isinstance(settings, dict):
+        raise TypeError(f"favor_settings must be a dict, got {type(settings).__name__}: {settings!r}")
+    unknown = sorted(set(settings) - set(FAVOR_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown favor_settings key(s) {unknown}; accepted keys: {sorted(FAVOR_DEFAULTS)} "
+            f"(defaults: {FAVOR_DEFAULTS})"
+        )
+    resolved = {**FAVOR_DEFAULTS, **settings}
+
+    if resolved["feature_map"] not in FEATURE_MAPS:
+        raise ValueError(
+            f"favor_settings['feature_map']={resolved['feature_map']!r} is not a known feature map; "
+            f"available: {available_feature_maps()}"
+        )
+    nb_features = resolved["nb_features"]
+    if nb_features is not None and not (_is_int(nb_features) and nb_features > 0):
+        raise ValueError(f"favor_settings['nb_features'] must be a positive int or None, got {nb_features!r}")
+    if not isinstance(resolved["orthogonal"], bool):
+        raise TypeError(f"favor_settings['orthogonal'] must be a bool, got {resolved['orthogonal']!r}")
+    if resolved["row_norms"] not in ("chi", "fixed"):
+        raise ValueError(f"favor_settings['row_norms'] must be 'chi' or 'fixed', got {resolved['row_norms']!r}")
+    if not (_is_int(resolved["redraw_interval"]) and resolved["redraw_interval"] >= 0):
+        raise ValueError(
+            f"favor_settings['redraw_interval'] must be an int >= 0 (0 = never), got {resolved['redraw_interval']!r}"
+        )
+    if not _is_int(resolved["seed"]):
+        raise TypeError(f"favor_settings['seed'] must be an int, got {resolved['seed']!r}")
+    if not (_is_int(resolved["chunk_size"]) and resolved["chunk_size"] >= 1):
+        raise ValueError(f"favor_settings['chunk_size'] must be an int >= 1, got {resolved['chunk_size']!r}")
+    softmax_layers = resolved["softmax_layers"]
+    if not isinstance(softmax_layers, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in softmax_layers):
+        raise ValueError(
+            f"favor_settings['softmax_layers'] must be a list of layer indices (ints >= 0), got {softmax_layers!r}"
+        )
+    resolved["softmax_layers"] = sorted(set(softmax_layers))
+
+    if not _is_random_map(resolved["feature_map"]):
+        explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings]
+        if explicit:
+            raise ValueError(
+                f"favor_settings {explicit} only apply to random feature maps; {resolved['feature_map']!r} has no "
+                "random projection"
+            )
+        if "nb_features" not in settings:
+            resolved["nb_features"] = None  # deterministic maps have their own size (elu+1: head_dim)
+    return resolved
+
+
+def favor_settings_of(module_or_config) -> dict:
+    """Resolved settings of an attention module (``module.config.favor_settings``) or of a config."""
+    config = getattr(module_or_config, "config", module_or_config)
+    return resolve_favor_settings(getattr(config, "favor_settings", None))
+
+
+def _is_random_map(name: str) -> bool:
+    factory = FEATURE_MAPS[name]
+    return isinstance(factory, type) and issubclass(factory, RandomFeatureMap)
+
+
+def build_feature_map(settings: dict, head_dim: int, layer_idx: int) -> FeatureMap:
+    """The feature map of layer ``layer_idx`` from resolved settings (seed ``settings["seed"] + layer_idx``)."""
+    name = settings["feature_map"]
+    if _is_random_map(name):
+        return make_feature_map(
+            name,
+            head_dim,
+            settings["nb_features"],
+            orthogonal=settings["orthogonal"],
+            row_norms=settings["row_norms"],
+            redraw_interval=settings["redraw_interval"],
+            seed=settings["seed"] + layer_idx,
+        )
+    # Deterministic maps (elu+1) have a fixed size; an nb_features other than theirs is rejected by the map.
+    return make_feature_map(name, head_dim, settings["nb_features"])
+
+
+# --------------------------------------------------------------------------------------------
+# Attention modules: recognition, layer index, head dim
+# --------------------------------------------------------------------------------------------
+
+
+def is_attention_module(module: nn.Module) -> bool:
+    """Whether ``module`` dispatches through transformers' attention registry, i.e. is the ``module``
+    argument an attention function receives (``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``,
+    ``DistilBertSelfAttention``, ...): its ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS``."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``(qualified name, module)`` of every attention module of ``model``, in module order."""
+    return [(name, module) for name, module in model.named_modules() if is_attention_module(module)]
+
+
+# Modules without `layer_idx` (DistilBERT) met lazily are numbered in call order, per config object.
+_LAZY_LAYER_COUNTERS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def layer_index_of(module: nn.Module) -> int:
+    """The layer index of an attention module: ``module.layer_idx``, else ``module.favor_layer_idx`` (set by
+    :func:`attach_feature_maps`), else the next index in call order among this config's modules."""
+    layer_idx = getattr(module, "layer_idx", None)
+    if layer_idx is None:
+        layer_idx = getattr(module, "favor_layer_idx", None)
+    if layer_idx is None:
+        config = getattr(module, "config", None)
+        key = id(config)
+        entry = _LAZY_LAYER_COUNTERS.get(key)
+        count = entry[1] if entry is not None and entry[0]() is config else 0
+        try:
+            _LAZY_LAYER_COUNTERS[key] = (weakref.ref(config), count + 1)
+        except TypeError:  # no config, or not weak-referenceable
+            pass
+        layer_idx = count
+        module.favor_layer_idx = layer_idx
+    return int(layer_idx)
+
+
+def _module_head_dim(module: nn.Module) -> int | None:
+    for attribute in ("head_dim", "attention_head_size", "head_size"):
+        value = getattr(module, attribute, None)
+        if _is_int(value):
+            return value
+    config = getattr(module, "config", None)
+    if config is None:
+        return None
+    head_dim = getattr(config, "head_dim", None)
+    if _is_int(head_dim):
+        return head_dim
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if _is_int(hidden) and _is_int(heads) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    parameter = next(module.parameters(recurse=True), None)
+    return parameter.device if parameter is not None else torch.device("cpu")
+
+
+def uses_favor(module: nn.Module) -> bool:
+    """Whether this attention module runs favor attention (implementation "favor", not a softmax layer)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        return False
+    return layer_index_of(module) not in favor_settings_of(module)["softmax_layers"]
+
+
+def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMap:
+    feature_map.train(module.training)
+    module.add_module(FEATURE_MAP_ATTRIBUTE, feature_map)
+    return feature_map
+
+
+def attach_feature_maps(model: nn.Module) -> list[int]:
+    """Create ``favor_feature_map`` on every attention module of ``model`` that uses favor attention.
+
+    Call it on a model whose config has ``_attn_implementation == "favor"`` (``attn_implementation="favor"``
+    at load time or ``model.set_attn_implementation("favor")``), before ``load_state_dict`` of a converted
+    model. Existing feature maps are kept. It also installs the forward hooks that let the attention
+    function use a constant-memory :class:`~.cache.FavorCacheLayer` during generation.
+
+    Modules without ``layer_idx`` (DistilBERT) are numbered in module order (``module.favor_layer_idx``).
+
+    Returns:
+        The sorted layer indices that have a favor feature map.
+
+    Raises:
+        ValueError: no attention module of ``model`` uses ``attn_implementation="favor"``.
+    """
+    modules = find_attention_modules(model)
+    next_unindexed = 0
+    for _, module in modules:
+        if getattr(module, "layer_idx", None) is None and getattr(module, "favor_layer_idx", None) is None:
+            module.favor_layer_idx = next_unindexed
+            next_unindexed += 1
+        elif getattr(module, "layer_idx", None) is None:
+            next_unindexed = max(next_unindexed, module.favor_layer_idx + 1)
+
+    favor_layers = set()
+    for name, module in modules:
+        if not uses_favor(module):
+            continue
+        install_cache_hooks(module)
+        layer_idx = layer_index_of(module)
+        if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), FeatureMap):
+            head_dim = _module_head_dim(module)
+            if head_dim is None:
+                raise ValueError(
+                    f"cannot tell the head dimension of attention module {name!r} ({type(module).__name__}): it has "
+                    "no head_dim / attention_head_size attribute and its config no head_dim or "
+                    "hidden_size / num_attention_heads"
+                )
+            feature_map = build_feature_map(favor_settings_of(module), head_dim, layer_idx)
+            _attach_feature_map(module, feature_map.to(_module_device(module)))
+        favor_layers.add(layer_idx)
+    if not favor_layers and not any(
+        getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION for _, m in modules
+    ):
+        found = sorted({getattr(getattr(m, "config", None), "_attn_implementation", None) or "?" for _, m in modules})
+        raise ValueError(
+            f"attach_feature_maps: no attention module of {type(model).__name__} uses attn_implementation='favor' "
+            f"(found {found or 'no attention modules'}); load it with attn_implementation='favor' or call "
+            "model.set_attn_implementation('favor') first"
+        )
+    return sorted(favor_layers)
+
+
+def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, head_dim: int, device) -> FeatureMap:
+    """The module's feature map, created on first use for stock models switched to favor."""
+    feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
+    if isinstance(feature_map, FeatureMap):
+        return feature_map
+    install_cache_hooks(module)  # later calls will see the cache
+    return _attach_feature_map(module, build_feature_map(settings, head_dim, layer_idx).to(device))
+
+
+@contextlib.contextmanager
+def _no_redraw(feature_map: FeatureMap, active: bool):
+    """Continuing a recurrent state needs exactly the features used before: no redraw, even in training."""
+    if not active or not feature_map.training:
+        yield
+        return
+    feature_map.train(False)
+    try:
+        yield
+    finally:
+        feature_map.train(True)
+
+
+# --------------------------------------------------------------------------------------------
+# Cache hand-over: forward hooks on attention modules
+# --------------------------------------------------------------------------------------------
+
+CACHE_ATTRIBUTE = "_favor_past_key_values"
+_PAST_KEY_VALUES_POSITION: dict[type, int | None] = {}
+
+
+def _past_key_values_from_call(module: nn.Module, args: tuple, kwargs: dict):
+    if "past_key_values" in kwargs:
+        return kwargs["past_key_values"]
+    cls = type(module)
+    if cls not in _PAST_KEY_VALUES_POSITION:
+        names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
+        _PAST_KEY_VALUES_POSITION[cls] = names.index("past_key_values") if "past_key_values" in names else None
+    position = _PAST_KEY_VALUES_POSITION[cls]
+    return args[position] if position is not None and position < len(args) else None
+
+
+def _self_attention_cache(cache) -> Cache | None:
+    if isinstance(cache, EncoderDecoderCache):
+        cache = cache.self_attention_cache
+    return cache if isinstance(cache, Cache) else None
+
+
+def _install_favor_cache_layer(cache: Cache, layer_idx: int) -> None:
+    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a :class:`FavorCacheLayer`."""
+    layers = cache.layers
+    if layer_idx < len(layers):
+        layer = layers[layer_idx]
+        if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
+            layers[layer_idx] = FavorCacheLayer()
+    elif cache.layer_class_to_replicate is DynamicLayer:  # DynamicCache() without config: layers added lazily
+        while len(layers) < layer_idx:
+            layers.append(cache.layer_class_to_replicate())
+        layers.append(FavorCacheLayer())
+
+
+def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
+    cache = _self_attention_cache(_past_key_values_from_call(module, args, kwargs))
+    setattr(module, CACHE_ATTRIBUTE, cache)
+    if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
+        _install_favor_cache_layer(cache, layer_index_of(module))
+    return None
+
+
+def _favor_cache_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
+    setattr(module, CACHE_ATTRIBUTE, None)
+    return None
+
+
+def install_cache_hooks(module: nn.Module) -> None:
+    """Install (once) the hooks that hand ``past_key_values`` to the attention function."""
+    if getattr(module, "_favor_cache_hooks", False):
+        return
+    module.register_forward_pre_hook(_favor_cache_pre_hook, with_kwargs=True)
+    module.register_forward_hook(_favor_cache_post_hook, with_kwargs=True, always_call=True)
+    module._favor_cache_hooks = True
+    setattr(module, CACHE_ATTRIBUTE, None)
+
+
+def _cache_layer_of(module: nn.Module, layer_idx: int):
+    cache = getattr(module, CACHE_ATTRIBUTE, None)
+    if cache is None or layer_idx >= len(cache.layers):
+        return None
+    return cache.layers[layer_idx]
+
+
+# --------------------------------------------------------------------------------------------
+# Masks
+# --------------------------------------------------------------------------------------------
+
+
+def favor_attention_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function=causal_mask_function,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs,
+) -> torch.Tensor | None:
+    """Mask builder registered in ``AttentionMaskInterface`` for "favor": the 2-D key padding mask
+    ``[batch_size, kv_length]`` (bool, ``True`` = token) of flash attention, or ``None`` without padding.
+
+    Raises:
+        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional (sliding
+            window, chunked, packed sequences, custom or/and mask functions).
+    """
+    if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        name = getattr(mask_function, "__qualname__", None) or repr(mask_function)
+        raise FavorMaskError(
+            f"favor (linear) attention can only express causal or bidirectional attention with key padding; the "
+            f"model asked for the mask pattern {name} (sliding-window, chunked, packed-sequence (position_ids "
+            "restarting inside a row) or custom or/and masks cannot be expressed). Use attn_implementation='sdpa' "
+            "for this model, or unpack the sequences and pass a 2-D attention_mask."
+        )
+    return flash_attention_mask(
+        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
+    )
+
+
+def _key_padding_from_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    """``[B, Lk]`` key padding mask equal to a 4-D mask ``[B, 1 or H, Lq, Lk]``, or raise."""
+    if mask.dtype == torch.bool:
+        allowed = mask
+    elif mask.is_floating_point():
+        allowed = mask == 0
+        blocked_values = mask.masked_select(~allowed)
+        if blocked_values.numel() and bool((blocked_values > torch.finfo(mask.dtype).min / 2).any()):
+            raise FavorMaskError(
+                "favor attention got a 4-D float mask holding biases other than 0 (attend) and a large negative "
+                "value (masked); linear attention cannot add a bias to attention scores. Pass a 2-D key padding "
+                "mask [batch, key_length] instead."
+            )
+    else:
+        allowed = mask != 0
+    q_len, k_len = allowed.shape[-2:]
+    key_padding = allowed.any(dim=(1, 2))  # [B, Lk]
+    expected = key_padding[:, None, None, :].expand(allowed.shape)
+    if causal:
+        query_positions = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)
+        expected = expected & (torch.arange(k_len, device=mask.device)[None, :] <= query_positions)
+    padding_queries = ~allowed.any(dim=-1, keepdim=True)  # rows that attend to nothing
+    if not bool(((allowed == expected) | padding_queries).all()):
+        raise FavorMaskError(
+            f"favor attention got a 4-D attention mask of shape {tuple(mask.shape)} that is not "
+            f"'key padding AND {'causal' if causal else 'full'}': linear attention can only express a key padding "
+            "mask (plus causality). Pass a 2-D attention_mask [batch, key_length] (True/1 = token), or use "
+            "attn_implementation='sdpa' for arbitrary masks."
+        )
+    return key_padding
+
+
+def _key_padding_mask(attention_mask, causal: bool) -> torch.Tensor | None:
+    """The 2-D bool key padding mask ``[B, M]`` described by ``attention_mask`` (``None`` if nothing is padded)."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise FavorMaskError(
+            f"favor attention accepts None, a 2-D key padding mask or an equivalent 4-D mask; got "
+            f"{type(attention_mask).__name__}"
+        )
+    if attention_mask.dim() == 4:
+        mask = _key_padding_from_4d(attention_mask, causal)
+    elif attention_mask.dim() == 2:
+        mask = attention_mask
+        if mask.dtype != torch.bool:
+            if not bool(((mask == 0) | (mask == 1)).all()):
+                raise FavorMaskError(
+                    "a 2-D attention mask for favor attention must hold only 0 (padding) and 1 (token), or be bool; "
+                    f"got values {mask.unique()[:8].tolist()} (additive masks are not accepted)"
+                )
+            mask = mask != 0
+    else:
+        raise FavorMaskError(
+            f"favor attention accepts a 2-D key padding mask [batch, key_length] or an equivalent 4-D mask; got a "
+            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}"
+        )
+    return None if bool(mask.all()) else mask
+
+
+# --------------------------------------------------------------------------------------------
+# Attention functions
+# --------------------------------------------------------------------------------------------
+
+
+def _softmax_attention_forward(module, query, key, value, attention_mask, scaling, dropout, causal, kwargs):
+    """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
+    if isinstance(_cache_layer_of(module, layer_index_of(module)), FavorCacheLayer):
+        raise RuntimeError(
+            f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
+            "layer is a FavorCacheLayer, which keeps no keys/values; build the cache with make_favor_cache(model)"
+        )
+    if attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
+        # The 2-D padding mask of the favor mask builder: build what the model would have given sdpa.
+        q_len, kv_len = query.shape[2], key.shape[2]
+        if attention_mask is not None and attention_mask.shape[-1] != kv_len:
+            raise FavorMaskError(
+                f"softmax layer {layer_index_of(module)}: the 2-D mask covers {attention_mask.shape[-1]} keys but "
+                f"the layer has {kv_len} keys"
+            )
+        padding_mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        if causal:
+            attention_mask = sdpa_mask(
+                batch_size=query.shape[0],
+                q_length=q_len,
+                kv_length=kv_len,
+                q_offset=kv_len - q_len,
+                mask_function=causal_mask_function,
+                attention_mask=padding_mask,
+                allow_is_causal_skip=True,
+                device=query.device,
+            )
+        else:
+            attention_mask = sdpa_mask(
+                batch_size=query.shape[0],
+                q_length=q_len,
+                kv_length=kv_len,
+                mask_function=bidirectional_mask_function,
+                attention_mask=padding_mask,
+                allow_is_causal_skip=False,
+                allow_is_bidirectional_skip=True,
+                device=query.device,
+            )
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def favor_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """FAVOR+ / linear attention with transformers' attention-function contract.
+
+    Args:
+        module: the model's attention module (per-layer feature map and settings live there).
+        query: ``[B, H, Lq, d]``.
+        key, value: ``[B, Hkv, Lk, d]`` with ``H % Hkv == 0`` (after the model's cache update).
+        attention_mask: ``None``, a 2-D key padding mask ``[B, Lk]`` (or ``[B, seen + Lq]`` when the layer's
+            cache is a :class:`FavorCacheLayer`), or an equivalent 4-D mask (see the module docstring).
+        scaling: softmax temperature to reproduce, ``exp(scaling * q.k)``; default ``d ** -0.5``.
+        dropout: attention dropout probability (cannot apply to linear attention; warned once in training).
+        **kwargs: ``is_causal`` overrides ``module.is_causal``; others are ignored (``output_attentions``
+            gives ``None`` weights).
+
+    Returns:
+        ``(attn_output [B, Lq, H, d], None)``.
+    """
+    is_causal = kwargs.get("is_causal")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    settings = favor_settings_of(module)
+    layer_idx = layer_index_of(module)
+
+    if layer_idx in settings["softmax_layers"]:
+        return _softmax_attention_forward(
+            module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
+        )
+
+    if dropout > 0.0 and module.training:
+        logger.warning_once(
+            "favor attention: attention dropout (p>0) cannot be applied to linear attention, which never forms an "
+            "attention matrix; it is ignored (other dropouts of the model still apply)."
+        )
+    if kwargs.get("output_attentions"):
+        logger.warning_once("favor attention: linear attention has no attention weights; they are returned as None.")
+
+    feature_map = _feature_map_for(module, layer_idx, settings, query.shape[-1], query.device)
+    key_padding_mask = _key_padding_mask(attention_mask, causal)
+    q_len, k_len = query.shape[2], key.shape[2]
+    cache_layer = _cache_layer_of(module, layer_idx) if causal else None
+    common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
+
+    if isinstance(cache_layer, FavorCacheLayer):
+        # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
+        if k_len != q_len:
+            raise LinearAttentionError(
+                f"favor cache layer {layer_idx}: expected as many new keys as queries, got {k_len} and {q_len}"
+            )
+        if key_padding_mask is not None:
+            if key_padding_mask.shape[-1] != cache_layer.get_seq_length():
+                raise FavorMaskError(
+                    f"favor cache layer {layer_idx}: the 2-D attention mask covers {key_padding_mask.shape[-1]} "
+                    f"tokens but the cache has seen {cache_layer.get_seq_length()} (past + new); pass the mask of "
+                    "all tokens so far"
+                )
+            key_padding_mask = key_padding_mask[:, -k_len:]
+        with _no_redraw(feature_map, active=cache_layer.state is not None):
+            out, state = linear_attention(
+                query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
+                initial_state=cache_layer.state, return_state=True, **common,
+            )
+        cache_layer.set_state(state)
+    else:
+        if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
+            raise FavorMaskError(
+                f"favor attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} keys "
+                f"but there are {k_len} keys (static caches, whose key buffer is longer than the tokens seen, are "
+                "not supported: use the default cache or make_favor_cache(model))"
+            )
+        if causal and k_len > q_len:
+            # A cache holding full keys/values: the queries are the last `q_len` positions. Run the causal
+            # kernel over all keys with placeholder queries for the past ones (O(L) per step, still exact).
+            placeholder = query.new_zeros(query.shape[0], query.shape[1], k_len - q_len, query.shape[3])
+            with _no_redraw(feature_map, active=True):
+                out = linear_attention(
+                    torch.cat([placeholder, query], dim=2), key, value, feature_map, causal=True,
+                    key_padding_mask=key_padding_mask, **common,
+                )
+            out = out[:, :, -q_len:]
+        elif causal and k_len < q_len:
+            raise LinearAttentionError(
+                f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
+            )
+        else:
+            out = linear_attention(
+                query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask, **common
+            )
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, favor_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, favor_attention_mask)

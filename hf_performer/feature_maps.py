@@ -1,0 +1,358 @@
+"""Feature maps phi for linear attention: softmax(q.k) ~ phi(q).phi(k).
+
+Every map turns a tensor ``x`` of shape ``[..., L, d]`` into :class:`Features` of shape
+``[..., L, m]``. Exponential maps return their features in a stabilised form,
+``phi(x) = values * exp(log_scale)`` with ``values <= 1``; the attention kernels choose how the
+per-row ``log_scale`` is shared between keys (one constant per example and head, or a running
+maximum in causal mode) so that nothing overflows and no future token changes a past output.
+
+Maps implemented here:
+
+* ``favor+`` (Choromanski et al. 2021, "Rethinking Attention with Performers"): positive random
+  features ``phi(x) = exp(w_i.x - |x|^2 / 2) / sqrt(m)``, an unbiased estimator of ``exp(q.k)``.
+  Orthogonal projections (block-orthogonal rows, Haar-distributed thanks to the sign correction of
+  the QR factorisation, row norms drawn from the chi distribution or fixed to ``sqrt(d)``) or iid
+  Gaussian rows.
+* ``trig``: random Fourier features ``exp(|x|^2 / 2) [sin(w.x), cos(w.x)] / sqrt(m)``, the
+  unbiased but not positive estimator of the same kernel (kept for comparison: its denominators
+  can vanish or turn negative).
+* ``relu``: the generalised kernel ``relu(w.x) + eps`` of the Performer paper.
+* ``elu+1``: ``elu(x) + 1`` of Katharopoulos et al. 2020 ("Transformers are RNNs"), no projection.
+
+Random maps keep their projection in a persistent buffer (saved in the state dict) and redraw it
+only in training mode, every ``redraw_interval`` forward calls, from ``seed`` and the redraw count.
+
+New maps (learned ones included) subclass :class:`FeatureMap` and register a name with
+:func:`register_feature_map`; trainable parameters are ordinary ``nn.Parameter`` s.
+
+This module imports only ``torch``: it is copied next to saved models for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, NamedTuple
+
+import torch
+from torch import nn
+
+
+class Features(NamedTuple):
+    """Output of a feature map: ``phi(x) = values * exp(log_scale)[..., None]``.
+
+    Attributes:
+        values: ``[..., L, m]`` feature values (for exponential maps, at most 1).
+        log_scale: ``[..., L]`` per-row log multiplier, or ``None`` when ``values`` is the whole map.
+    """
+
+    values: torch.Tensor
+    log_scale: torch.Tensor | None
+
+
+def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
+    """Feature maps and linear-attention sums run in float32, or float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+class FeatureMap(nn.Module):
+    """Base class of all feature maps.
+
+    Args:
+        head_dim: size ``d`` of the query/key vectors.
+        nb_features: number ``m`` of features produced per vector.
+
+    Subclasses implement :meth:`features`. Calling the module maps queries and keys together, so
+    that both always use the same projection and a redraw happens at most once per attention call.
+
+    Class attributes:
+        name: the registry name (``"favor+"``, ...).
+        is_positive: ``True`` when every feature is > 0, so denominators cannot vanish.
+    """
+
+    name: str = ""
+    is_positive: bool = True
+
+    def __init__(self, head_dim: int, nb_features: int):
+        super().__init__()
+        if head_dim <= 0 or nb_features <= 0:
+            raise ValueError(f"head_dim and nb_features must be positive, got {head_dim} and {nb_features}")
+        self.head_dim = head_dim
+        self.nb_features = nb_features
+
+    def features(self, x: torch.Tensor) -> Features:
+        """Map ``x`` ``[..., L, d]`` (already multiplied by ``sqrt(scaling)``) to :class:`Features`."""
+        raise NotImplementedError
+
+    def maybe_redraw(self) -> None:
+        """Hook called once per attention call; random maps redraw their projection here."""
+
+    def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
+        """Optional: the gradient with respect to ``x`` of ``sum(grad_values * values)``.
+
+        ``values`` is ``features(x).values`` times any per-row constant (a stabiliser rescaling).
+        Maps whose only inputs are ``x`` (no trainable parameters) may implement it to let the
+        bidirectional kernel run a hand-written backward without storing autograd intermediates.
+        """
+        raise NotImplementedError
+
+    @property
+    def has_features_vjp(self) -> bool:
+        return type(self).features_vjp is not FeatureMap.features_vjp and not any(
+            p.requires_grad for p in self.parameters()
+        )
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[Features, Features]:
+        """Map queries ``[..., Lq, d]`` and keys ``[..., Lk, d]`` with the same parameters."""
+        self.maybe_redraw()
+        return self.features(query), self.features(key)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, nb_features={self.nb_features}"
+
+
+# --------------------------------------------------------------------------------------------
+# Random projections
+# --------------------------------------------------------------------------------------------
+
+PROJECTION_KINDS = ("orthogonal", "iid")
+ROW_NORMS = ("chi", "fixed")
+
+
+def gaussian_orthogonal_random_matrix(
+    nb_rows: int,
+    nb_columns: int,
+    *,
+    orthogonal: bool = True,
+    row_norms: str = "chi",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Draw the ``[nb_rows, nb_columns]`` projection ``W`` of random-feature maps (float32).
+
+    ``orthogonal=True`` stacks independent ``d x d`` blocks whose rows are orthonormal and uniformly
+    (Haar) distributed: the QR factor ``Q`` of a Gaussian matrix is multiplied by ``sign(diag(R))``,
+    without which it is not uniform. Rows are then rescaled so that their norms follow the chi
+    distribution with ``d`` degrees of freedom (``row_norms="chi"``: each row is marginally
+    ``N(0, I_d)``, so the estimator stays unbiased) or are all ``sqrt(d)`` (``row_norms="fixed"``).
+    ``orthogonal=False`` returns iid ``N(0, I_d)`` rows.
+    """
+    if row_norms not in ROW_NORMS:
+        raise ValueError(f"row_norms must be one of {ROW_NORMS}, got {row_norms!r}")
+    d = nb_columns
+    if not orthogonal:
+        return torch.randn(nb_rows, d, generator=generator, dtype=torch.float64).float()
+    blocks = []
+    for _ in range(math.ceil(nb_rows / d)):
+        gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64)
+        q, r = torch.linalg.qr(gaussian)
+        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # columns of q, sign-corrected
+        blocks.append(q.T)
+    directions = torch.cat(blocks, dim=0)[:nb_rows]
+    if row_norms == "fixed":
+        norms = torch.full((nb_rows,), math.sqrt(d), dtype=torch.float64)
+    else:
+        norms = torch.randn(nb_rows, d, generator=generator, dtype=torch.float64).norm(dim=1)
+    return (directions * norms.unsqueeze(1)).float()
+
+
+class RandomFeatureMap(FeatureMap):
+    """A feature map built on a random projection ``W`` of shape ``[m, d]``.
+
+    Args:
+        head_dim: ``d``.
+        nb_features: ``m``.
+        orthogonal: block-orthogonal rows (default) or iid Gaussian rows.
+        row_norms: ``"chi"`` (unbiased, default) or ``"fixed"`` (all rows of norm ``sqrt(d)``).
+        redraw_interval: in training mode, draw a new projection every this many calls; ``0`` never.
+        seed: seed of the draws; draw number ``k`` uses ``seed + k`` so every draw is reproducible.
+
+    Buffers (saved in the state dict): ``projection`` ``[m, d]``, ``redraws`` (how many draws
+    were made after the first) and ``calls`` (training calls since the last draw).
+    """
+
+    projection_rows_per_feature = 1
+
+    def __init__(
+        self,
+        head_dim: int,
+        nb_features: int = 256,
+        *,
+        orthogonal: bool = True,
+        row_norms: str = "chi",
+        redraw_interval: int = 0,
+        seed: int = 0,
+    ):
+        super().__init__(head_dim, nb_features)
+        if row_norms not in ROW_NORMS:
+            raise ValueError(f"row_norms must be one of {ROW_NORMS}, got {row_norms!r}")
+        if redraw_interval < 0:
+            raise ValueError(f"redraw_interval must be >= 0 (0 = never), got {redraw_interval}")
+        self.orthogonal = orthogonal
+        self.row_norms = row_norms
+        self.redraw_interval = redraw_interval
+        self.seed = seed
+        self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("projection", self.draw_projection(0))
+
+    @property
+    def nb_projection_rows(self) -> int:
+        return self.nb_features // self.projection_rows_per_feature
+
+    def draw_projection(self, draw_index: int) -> torch.Tensor:
+        """The ``draw_index``-th projection of this map's seed (deterministic)."""
+        generator = torch.Generator().manual_seed(self.seed + draw_index)
+        return gaussian_orthogonal_random_matrix(
+            self.nb_projection_rows,
+            self.head_dim,
+            orthogonal=self.orthogonal,
+            row_norms=self.row_norms,
+            generator=generator,
+        )
+
+    @torch.no_grad()
+    def redraw_projection(self) -> None:
+        """Draw the next projection now (whatever the mode)."""
+        self.redraws += 1
+        self.calls.zero_()
+        new = self.draw_projection(int(self.redraws))
+        self.projection.copy_(new.to(self.projection.device, self.projection.dtype))
+
+    @torch.no_grad()
+    def maybe_redraw(self) -> None:
+        if not self.training or self.redraw_interval == 0:
+            return
+        if int(self.calls) >= self.redraw_interval:
+            self.redraw_projection()
+        self.calls += 1
+
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` in the compute dtype: ``[..., L, d] -> [..., L, m_rows]``."""
+        dtype = compute_dtype_for(x)
+        return torch.matmul(x.to(dtype), self.projection.to(dtype).T)
+
+    def extra_repr(self) -> str:
+        kind = "orthogonal" if self.orthogonal else "iid"
+        return (
+            f"{super().extra_repr()}, projection={kind}, row_norms={self.row_norms}, "
+            f"redraw_interval={self.redraw_interval}, seed={self.seed}"
+        )
+
+
+class FavorPlusFeatureMap(RandomFeatureMap):
+    """Positive random features (FAVOR+): ``phi(x)_i = exp(w_i.x - |x|^2 / 2) / sqrt(m)``.
+
+    ``E[phi(q).phi(k)] = exp(q.k)`` for ``w_i ~ N(0, I_d)``. Returned stabilised: ``values =
+    exp(w.x - |x|^2/2 - max_i(...))`` and ``log_scale = max_i(...) - log(m)/2`` (the row maximum is
+    a constant of the computation, so it carries no gradient; the kernels cancel or share it).
+    """
+
+    name = "favor+"
+
+    def features(self, x: torch.Tensor) -> Features:
+        logits = self.project(x) - 0.5 * x.to(compute_dtype_for(x)).square().sum(-1, keepdim=True)
+        row_max = logits.detach().amax(dim=-1, keepdim=True)
+        values = torch.exp(logits - row_max)
+        return Features(values, row_max.squeeze(-1) - 0.5 * math.log(self.nb_features))
+
+    def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
+        # values = exp(Wx - |x|^2/2 - const): d/dx = (grad * values) W - x * sum(grad * values).
+        grad_logits = grad_values.mul_(values)
+        grad_x = torch.matmul(grad_logits, self.projection.to(grad_logits.dtype))
+        return grad_x.sub_(x * grad_logits.sum(-1, keepdim=True))
+
+
+class TrigFeatureMap(RandomFeatureMap):
+    """Random Fourier features: ``phi(x) = exp(|x|^2/2) [sin(Wx), cos(Wx)] / sqrt(m/2)``.
+
+    Unbiased for ``exp(q.k)`` but not positive: the attention denominator can be ~0 or negative,
+    which is why FAVOR+ exists. ``nb_features`` must be even (``m/2`` projections).
+    """
+
+    name = "trig"
+    is_positive = False
+    projection_rows_per_feature = 2
+
+    def __init__(self, head_dim: int, nb_features: int = 256, **kwargs):
+        if nb_features % 2:
+            raise ValueError(f"the trig feature map needs an even nb_features, got {nb_features}")
+        super().__init__(head_dim, nb_features, **kwargs)
+
+    def features(self, x: torch.Tensor) -> Features:
+        projected = self.project(x)
+        values = torch.cat([torch.sin(projected), torch.cos(projected)], dim=-1)
+        log_scale = 0.5 * x.to(projected.dtype).square().sum(-1) - 0.5 * math.log(self.nb_projection_rows)
+        return Features(values, log_scale)
+
+
+class ReluFeatureMap(RandomFeatureMap):
+    """Generalised-kernel features of the Performer paper: ``phi(x) = relu(Wx) + eps``.
+
+    ``eps`` (default 1e-3, as in the paper's code) keeps every feature positive.
+    """
+
+    name = "relu"
+
+    def __init__(self, head_dim: int, nb_features: int = 256, *, feature_epsilon: float = 1e-3, **kwargs):
+        super().__init__(head_dim, nb_features, **kwargs)
+        self.feature_epsilon = feature_epsilon
+
+    def features(self, x: torch.Tensor) -> Features:
+        return Features(torch.relu(self.project(x)) + self.feature_epsilon, None)
+
+
+class EluPlusOneFeatureMap(FeatureMap):
+    """``phi(x) = elu(x) + 1`` (Katharopoulos et al. 2020): deterministic, ``m = d``."""
+
+    name = "elu+1"
+
+    def __init__(self, head_dim: int, nb_features: int | None = None):
+        if nb_features is not None and nb_features != head_dim:
+            raise ValueError(
+                f"the elu+1 feature map has exactly head_dim={head_dim} features; got nb_features={nb_features}"
+            )
+        super().__init__(head_dim, head_dim)
+
+    def features(self, x: torch.Tensor) -> Features:
+        return Features(nn.functional.elu(x.to(compute_dtype_for(x))) + 1.0, None)
+
+
+# --------------------------------------------------------------------------------------------
+# Registry
+# --------------------------------------------------------------------------------------------
+
+FEATURE_MAPS: dict[str, Callable[..., FeatureMap]] = {}
+
+
+def register_feature_map(name: str, factory: Callable[..., FeatureMap]) -> None:
+    """Make ``make_feature_map(name, head_dim, ...)`` build ``factory(head_dim, ...)``."""
+    FEATURE_MAPS[name] = factory
+
+
+for _cls in (FavorPlusFeatureMap, TrigFeatureMap, ReluFeatureMap, EluPlusOneFeatureMap):
+    register_feature_map(_cls.name, _cls)
+
+
+def make_feature_map(name: str, head_dim: int, nb_features: int | None = None, **kwargs) -> FeatureMap:
+    """Build the feature map registered as ``name``.
+
+    Args:
+        name: one of ``available_feature_maps()`` (``"favor+"``, ``"trig"``, ``"relu"``, ``"elu+1"``).
+        head_dim: ``d``.
+        nb_features: ``m``; ``None`` takes the map's default (256 for random maps, ``d`` for elu+1).
+        **kwargs: the map's options, e.g. ``orthogonal``, ``row_norms``, ``redraw_interval``, ``seed``.
+
+    Raises:
+        ValueError: for an unknown name. TypeError: for an option the map does not take.
+    """
+    if name not in FEATURE_MAPS:
+        raise ValueError(f"unknown feature map {name!r}; available: {', '.join(available_feature_maps())}")
+    if nb_features is not None:
+        kwargs["nb_features"] = nb_features
+    try:
+        return FEATURE_MAPS[name](head_dim, **kwargs)
+    except TypeError as error:
+        raise TypeError(f"bad option for feature map {name!r}: {error}") from error
+
+
+def available_feature_maps() -> list[str]:
+    return sorted(FEATURE_MAPS)

@@ -1,0 +1,438 @@
+"""Performer models: transformers architectures whose attention is FAVOR+ / linear attention.
+
+Each Performer class wraps the *stock* transformers model of the source architecture for its task
+(``BertForMaskedLM``, ``GPT2LMHeadModel``, ``LlamaModel``, ...), built from
+``PerformerConfig.source_config`` with ``attn_implementation="favor"`` (registered by
+:mod:`.favor_attention`), and with its per-layer feature maps created eagerly by
+:func:`~.favor_attention.attach_feature_maps`. No layer of the source architecture is re-implemented:
+weights, embeddings, heads, losses and outputs are the source model's own.
+
+State-dict layout (what ``save_pretrained`` writes):
+
+* task heads hold the source head model in ``self.performer``: ``performer.bert.encoder.layer.0...``,
+  ``performer.classifier.weight``;
+* :class:`PerformerModel` holds the source base model under the source's own prefix: ``bert.encoder...``
+  (``transformer.h...`` for GPT-2, ``model.layers...`` for Llama).
+
+So ``base_model_prefix = "performer"`` lets transformers load a head checkpoint into ``PerformerModel``
+(strip ``performer.``) and a ``PerformerModel`` checkpoint into any head (add ``performer.``), as for stock
+models. Feature-map projections are buffers of the attention modules
+(``...attention.self.favor_feature_map.projection``) and are saved and reloaded bit-identically.
+
+Importing this module (``import hf_performer``) registers the classes with ``AutoConfig`` / ``AutoModel*``
+and marks them for ``save_pretrained`` to copy their code (``auto_map``). The saved code is this package's
+own modules, which import only torch, transformers and relative siblings, so
+``AutoModel*.from_pretrained(folder, trust_remote_code=True)`` works where ``hf_performer`` is not installed.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForMaskedLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    GenerationMixin,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    MODEL_FOR_MASKED_LM_MAPPING,
+    MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING,
+    MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING,
+    MODEL_MAPPING,
+)
+
+from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
+from .favor_attention import attach_feature_maps
+
+
+# Arguments checked against the source model's forward signature before a call; anything else given as a
+# keyword (output_attentions, output_hidden_states, return_dict, num_items_in_batch, ...) is passed through.
+_INPUT_ARGUMENTS = (
+    "input_ids",
+    "attention_mask",
+    "token_type_ids",
+    "position_ids",
+    "inputs_embeds",
+    "labels",
+    "past_key_values",
+    "use_cache",
+    "cache_position",
+    "logits_to_keep",
+)
+
+
+class PerformerPreTrainedModel(PreTrainedModel):
+    """Base class of the Performer models: builds and holds the source architecture's model for the task.
+
+    Class attributes:
+        source_model_mapping: the transformers Auto mapping (config class -> model class) giving the source
+            model class for this task.
+        task: the task name used by the converter and the error messages.
+    """
+
+    config_class = PerformerConfig
+    base_model_prefix = "performer"
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    source_model_mapping = MODEL_MAPPING
+    task = "base"
+
+    def __init__(self, config: PerformerConfig):
+        super().__init__(config)
+        source_config = config.prepare_source_config()
+        source_class = self.source_model_class(source_config)
+        source_model = source_class(source_config)
+        attach_feature_maps(source_model)
+        self._source_attribute = self._source_model_attribute(source_class)
+        self.add_module(self._source_attribute, source_model)
+        if self.can_generate():
+            self.generation_config = source_model.generation_config
+        self.post_init()
+
+    # ----------------------------------------------------------------------------------------
+    # The wrapped source model
+    # ----------------------------------------------------------------------------------------
+
+    @classmethod
+    def source_model_class(cls, source_config) -> type[PreTrainedModel]:
+        """The transformers class of ``source_config``'s architecture for this class's task.
+
+        Raises:
+            PerformerConfigError: the architecture has no model for this task in transformers.
+        """
+        try:
+            return cls.source_model_mapping[type(source_config)]
+        except KeyError:
+            offered = [
+                performer_class.task
+                for performer_class in PERFORMER_CLASSES_BY_TASK.values()
+                if type(source_config) in performer_class.source_model_mapping
+            ]
+            raise PerformerConfigError(
+                f"{cls.__name__} needs a {cls.task!r} model of the source architecture, but transformers has none "
+                f"for {source_config.model_type!r}; tasks available for it: {offered}"
+            ) from None
+
+    def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
+        return self.base_model_prefix
+
+    @property
+    def source_model(self) -> PreTrainedModel:
+        """The wrapped transformers model (e.g. ``BertForMaskedLM``) running FAVOR+ attention."""
+        return getattr(self, self._source_attribute)
+
+    @property
+    def accepts_loss_kwargs(self) -> bool:
+        """Whether the source model's loss uses ``num_items_in_batch`` (read by ``Trainer``)."""
+        source = self.source_model
+        if hasattr(source, "accepts_loss_kwargs"):
+            return source.accepts_loss_kwargs
+        parameters = inspect.signature(source.forward).parameters.values()
+        return any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in parameters)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """``PreTrainedModel.save_pretrained``, with every Performer class written into ``auto_map`` so that any
+        Auto class (e.g. ``AutoModel`` on a saved masked LM) loads the folder with ``trust_remote_code=True``."""
+        self.config.auto_map = {**(getattr(self.config, "auto_map", None) or {}), **_auto_map()}
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def get_input_embeddings(self) -> torch.nn.Module:
+        return self.source_model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: torch.nn.Module) -> None:
+        self.source_model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> torch.nn.Module | None:
+        return self.source_model.get_output_embeddings()
+
+    def set_output_embeddings(self, new_embeddings: torch.nn.Module) -> None:
+        self.source_model.set_output_embeddings(new_embeddings)
+
+    def _forward_source(self, arguments: dict, kwargs: dict):
+        """Call the source model with the given (not ``None``) arguments.
+
+        Raises:
+            TypeError: an input argument the source architecture does not take (e.g. ``token_type_ids`` for
+                GPT-2's causal LM head is fine, for Llama it is not).
+        """
+        call = {name: value for name, value in arguments.items() if value is not None}
+        accepted = inspect.signature(type(self.source_model).forward).parameters
+        unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted]
+        if unsupported:
+            raise TypeError(
+                f"{type(self.source_model).__name__} (source architecture {self.config.source_config.model_type!r}) "
+                f"does not take {unsupported}; it takes {[n for n in accepted if n in _INPUT_ARGUMENTS]}"
+            )
+        for flag in ("output_attentions", "output_hidden_states"):
+            if call.get(flag) is None and getattr(self.config, flag, False):
+                call[flag] = True
+        if call.get("return_dict") is None and not self.config.return_dict:
+            call["return_dict"] = False
+        return self.source_model(**call, **kwargs)
+
+
+class PerformerModel(PerformerPreTrainedModel):
+    """The bare source architecture (``BertModel``, ``GPT2Model``, ``LlamaModel``, ...) with FAVOR+ attention.
+
+    The source model is held under the source's own prefix (``self.bert``, ``self.transformer``, ``self.model``)
+    so that head checkpoints load into it and its checkpoints load into heads.
+    """
+
+    source_model_mapping = MODEL_MAPPING
+    task = "base"
+
+    def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
+        prefix = source_class.base_model_prefix
+        if not prefix or prefix == self.base_model_prefix:
+            raise PerformerConfigError(
+                f"{source_class.__name__} has base_model_prefix={prefix!r}; PerformerModel cannot hold it"
+            )
+        return prefix
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        past_key_values=None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        r"""
+        Runs the source base model. Arguments are those of the source architecture's model (``None`` ones are not
+        passed on):
+
+        Args:
+            input_ids: ``[batch, seq_len]`` token ids.
+            attention_mask: ``[batch, seq_len]``, 1 for tokens and 0 for padding.
+            token_type_ids: ``[batch, seq_len]`` segment ids (BERT-like architectures).
+            position_ids: ``[batch, seq_len]``.
+            inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
+            past_key_values: a cache (decoder architectures); see ``make_favor_cache``.
+
+        Returns:
+            The source model's output, e.g. ``BaseModelOutputWithPoolingAndCrossAttentions`` with
+            ``last_hidden_state`` ``[batch, seq_len, hidden_size]``.
+        """
+        return self._forward_source(
+            dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                past_key_values=past_key_values,
+                use_cache=use_cache,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+                return_dict=return_dict,
+            ),
+            kwargs,
+        )
+
+
+class _PerformerEncoderHeadModel(PerformerPreTrainedModel):
+    """Shared forward of the heads that take ``labels`` and no cache."""
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        r"""
+        Runs the source head model (``None`` arguments are not passed on).
+
+        Args:
+            input_ids: ``[batch, seq_len]`` token ids.
+            attention_mask: ``[batch, seq_len]``, 1 for tokens and 0 for padding.
+            token_type_ids: ``[batch, seq_len]`` segment ids (BERT-like architectures).
+            position_ids: ``[batch, seq_len]``.
+            inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
+            labels: the head's labels (``[batch]`` for sequence classification, ``[batch, seq_len]`` for token
+                classification and masked LM, -100 = ignored).
+
+        Returns:
+            The source head's output (``SequenceClassifierOutput``, ``TokenClassifierOutput``,
+            ``MaskedLMOutput``): ``loss`` when ``labels`` are given, ``logits`` ``[batch, num_labels]``,
+            ``[batch, seq_len, num_labels]`` or ``[batch, seq_len, vocab_size]``.
+        """
+        return self._forward_source(
+            dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+                return_dict=return_dict,
+            ),
+            kwargs,
+        )
+
+
+class PerformerForSequenceClassification(_PerformerEncoderHeadModel):
+    """The source architecture's sequence classification model (``BertForSequenceClassification``, ...) with
+    FAVOR+ attention. ``config.num_labels`` / ``id2label`` / ``problem_type`` are those of the Performer config."""
+
+    source_model_mapping = MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING
+    task = "sequence-classification"
+
+
+class PerformerForTokenClassification(_PerformerEncoderHeadModel):
+    """The source architecture's token classification model with FAVOR+ attention."""
+
+    source_model_mapping = MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING
+    task = "token-classification"
+
+
+class PerformerForMaskedLM(_PerformerEncoderHeadModel):
+    """The source architecture's masked language model (``BertForMaskedLM``, ``RobertaForMaskedLM``, ...) with
+    FAVOR+ attention (bidirectional linear attention)."""
+
+    source_model_mapping = MODEL_FOR_MASKED_LM_MAPPING
+    task = "masked-lm"
+
+
+class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
+    """The source architecture's causal language model (``GPT2LMHeadModel``, ``LlamaForCausalLM``, ...) with
+    causal FAVOR+ attention.
+
+    ``generate()`` decodes with constant memory per layer: the attention modules replace the default cache
+    layers by :class:`~.cache.FavorCacheLayer` (recurrent state instead of keys and values); layers kept on
+    softmax attention keep ordinary key/value layers.
+    """
+
+    source_model_mapping = MODEL_FOR_CAUSAL_LM_MAPPING
+    task = "causal-lm"
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        token_type_ids: torch.LongTensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.FloatTensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        return_dict: bool | None = None,
+        **kwargs,
+    ):
+        r"""
+        Runs the source causal LM (``None`` arguments are not passed on).
+
+        Args:
+            input_ids: ``[batch, seq_len]`` token ids (only the new ones when ``past_key_values`` holds the past).
+            attention_mask: ``[batch, past + seq_len]``, 1 for tokens and 0 for padding.
+            position_ids: ``[batch, seq_len]``.
+            past_key_values: the cache of earlier tokens (``make_favor_cache(model)``, or the one ``generate()``
+                builds).
+            inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
+            labels: ``[batch, seq_len]`` next-token labels (shifted inside, -100 = ignored).
+            use_cache: return the updated cache.
+            **kwargs: e.g. ``logits_to_keep``, ``cache_position``; passed on.
+
+        Returns:
+            ``CausalLMOutputWithPast`` (or the source's equivalent): ``logits`` ``[batch, seq_len, vocab_size]``,
+            ``past_key_values``, ``loss`` when ``labels`` are given.
+        """
+        return self._forward_source(
+            dict(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                token_type_ids=token_type_ids,
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                inputs_embeds=inputs_embeds,
+                labels=labels,
+                use_cache=use_cache,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+                return_dict=return_dict,
+            ),
+            kwargs,
+        )
+
+    def prepare_inputs_for_generation(self, *args, **kwargs):
+        """The source model's own preparation of generation inputs."""
+        return self.source_model.prepare_inputs_for_generation(*args, **kwargs)
+
+
+PERFORMER_CLASSES_BY_TASK: dict[str, type[PerformerPreTrainedModel]] = {
+    cls.task: cls
+    for cls in (
+        PerformerModel,
+        PerformerForSequenceClassification,
+        PerformerForTokenClassification,
+        PerformerForMaskedLM,
+        PerformerForCausalLM,
+    )
+}
+"""Performer class of each task name (``"base"``, ``"sequence-classification"``, ``"token-classification"``,
+``"masked-lm"``, ``"causal-lm"``)."""
+
+AUTO_CLASSES = {
+    PerformerModel: AutoModel,
+    PerformerForSequenceClassification: AutoModelForSequenceClassification,
+    PerformerForTokenClassification: AutoModelForTokenClassification,
+    PerformerForMaskedLM: AutoModelForMaskedLM,
+    PerformerForCausalLM: AutoModelForCausalLM,
+}
+"""The transformers Auto class each Performer class is registered with."""
+
+
+def _auto_map() -> dict[str, str]:
+    """``auto_map`` entries of every Performer class (``"AutoModelForMaskedLM": "modeling_performer.Perf..."``)."""
+    module = __name__.rsplit(".", 1)[-1]
+    config_module = PerformerConfig.__module__.rsplit(".", 1)[-1]
+    auto_map = {"AutoConfig": f"{config_module}.{PerformerConfig.__name__}"}
+    auto_map.update({auto.__name__: f"{module}.{cls.__name__}" for cls, auto in AUTO_CLASSES.items()})
+    return auto_map
+
+
+# Marks the classes so that save_pretrained copies this module (and its relative imports) and writes auto_map.
+PerformerConfig.register_for_auto_class()
+for _cls, _auto in AUTO_CLASSES.items():
+    _cls.register_for_auto_class(_auto.__name__)
+
+# In-process registration. A copy of this file loaded as remote code (trust_remote_code=True) is reached through
+# auto_map instead; transformers registers it itself.
+if __name__.startswith("hf_performer."):
+    AutoConfig.register(PERFORMER_MODEL_TYPE, PerformerConfig, exist_ok=True)
+    for _cls, _auto in AUTO_CLASSES.items():
+        _auto.register(PerformerConfig, _cls, exist_ok=True)
+
+
+__all__ = [
+    "PERFORMER_CLASSES_BY_TASK",
+    "PerformerForCausalLM",
+    "PerformerForMaskedLM",
+    "PerformerForSequenceClassification",
+    "PerformerForTokenClassification",
+    "PerformerModel",
+    "PerformerPreTrainedModel",
+]

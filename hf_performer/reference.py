@@ -1,0 +1,100 @@
+"""Slow, obvious references for the linear-attention kernels (float64, quadratic or token by token).
+
+Tests check every fast path against these. Nothing here is stabilised or chunked: the features are
+``phi = values * exp(log_scale)`` taken literally, so keep test inputs moderate.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .feature_maps import FeatureMap
+
+
+def _dense_features(feature_map: FeatureMap, x: torch.Tensor) -> torch.Tensor:
+    features = feature_map.features(x)
+    if features.log_scale is None:
+        return features.values
+    return features.values * torch.exp(features.log_scale).unsqueeze(-1)
+
+
+def _prepare(query, key, value, feature_map, scaling):
+    scale = (query.shape[-1] ** -0.5 if scaling is None else float(scaling)) ** 0.5
+    q, k, v = (t.to(torch.float64) for t in (query, key, value))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return _dense_features(feature_map, q * scale), _dense_features(feature_map, k * scale), v
+
+
+def reference_linear_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """``A = phi(Q) phi(K)^T`` ``[B, H, Lq, Lk]`` with masked entries zeroed, ``out = A V / A 1``.
+
+    Same arguments as :func:`~.linear_attention.linear_attention`; returns float64 ``[B, H, Lq, dv]``.
+    Does not redraw the feature map's projection.
+    """
+    phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
+    scores = phi_q @ phi_k.transpose(-1, -2)
+    if key_padding_mask is not None:
+        scores = scores * key_padding_mask.to(torch.bool)[:, None, None, :]
+    if causal:
+        scores = scores.tril()
+    return (scores @ v) / scores.sum(-1, keepdim=True)
+
+
+def reference_recurrent_linear_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Causal linear attention as an RNN, one token at a time, carrying ``S = sum phi(k) v^T`` and
+    ``z = sum phi(k)``: ``out_i = phi(q_i) S_i / phi(q_i) z_i``. Returns float64 ``[B, H, L, dv]``."""
+    phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
+    if key_padding_mask is not None:
+        keep = key_padding_mask.to(torch.bool)[:, None, :, None]
+        phi_k, v = phi_k * keep, v * keep
+    batch, heads, length, m = phi_k.shape
+    kv = phi_k.new_zeros(batch, heads, m, v.shape[-1])
+    k_sum = phi_k.new_zeros(batch, heads, m)
+    outputs = []
+    for i in range(length):
+        kv = kv + phi_k[:, :, i, :, None] * v[:, :, i, None, :]
+        k_sum = k_sum + phi_k[:, :, i]
+        numerator = torch.einsum("bhm,bhmd->bhd", phi_q[:, :, i], kv)
+        outputs.append(numerator / torch.einsum("bhm,bhm->bh", phi_q[:, :, i], k_sum).unsqueeze(-1))
+    return torch.stack(outputs, dim=2)
+
+
+def softmax_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+) -> torch.Tensor:
+    """Exact softmax attention in float64, the quantity FAVOR+ estimates. ``[B, H, Lq, dv]``."""
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q, k, v = (t.to(torch.float64) for t in (query, key, value))
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = scale * q @ k.transpose(-1, -2)
+    if key_padding_mask is not None:
+        scores = scores.masked_fill(~key_padding_mask.to(torch.bool)[:, None, None, :], float("-inf"))
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
