@@ -90,6 +90,8 @@ def _check_inputs(query, key, value, feature_map, causal, key_padding_mask, init
             f"causal linear attention needs as many queries as keys (pass earlier tokens as "
             f"initial_state); got {q_len} queries and {key.shape[2]} keys"
         )
+    if q_len == 0 or key.shape[2] == 0:
+        raise LinearAttentionError("linear attention needs at least one query and one key")
     if not causal and initial_state is not None:
         raise LinearAttentionError("initial_state is only meaningful for causal attention")
     if key_padding_mask is not None:
@@ -190,39 +192,64 @@ def bidirectional_linear_attention(
     return _normalise(torch.matmul(q_features.values, kv), eps)
 
 
+def _fused_bidirectional_inputs(query, key, value, feature_map, key_padding_mask):
+    """``phi(Q)`` ``[B, H, Lq, m]``, stabilised and masked ``phi(K)`` ``[B, H, Lk, m]`` and the values with
+    their normaliser column ``[B, H, Lk, dv + 1]`` (padded keys zeroed), without autograd."""
+    with torch.no_grad():
+        phi_q = feature_map.features(query).values
+        k_features = feature_map.features(key)
+        phi_k = k_features.values
+        if k_features.log_scale is not None:
+            phi_k.mul_(_shared_key_weights(k_features.log_scale, key_padding_mask))
+        value = _with_ones_column(value)
+        if key_padding_mask is not None:
+            keep = key_padding_mask[:, None, :, None]
+            phi_k.mul_(keep)
+            value.masked_fill_(~keep, 0.0)
+    return phi_q, phi_k, value
+
+
 class _FusedBidirectionalLinearAttention(torch.autograd.Function):
     """Bidirectional linear attention with the feature map inside and a hand-written backward.
 
     For maps that provide ``features_vjp`` (FAVOR+): saves ``phi(Q)``, ``phi(K)`` and ``[m, dv+1]``
-    sums instead of autograd's intermediates, and reuses buffers in place. Inputs ``query`` and
-    ``key`` ``[B, H, L, d]`` are already scaled; ``key`` is already repeated for grouped heads.
+    sums instead of autograd's intermediates (or, with ``recompute_features``, recomputes the
+    features in the backward and saves only ``[L, d]`` tensors). Inputs ``query`` and ``key``
+    ``[B, H, L, d]`` are already scaled; ``key`` is already repeated for grouped heads.
     """
 
     @staticmethod
-    def forward(ctx, query, key, value, feature_map, key_padding_mask, eps):
+    def forward(ctx, query, key, value, feature_map, key_padding_mask, eps, recompute_features):
+        phi_q, phi_k, value_ones = _fused_bidirectional_inputs(query, key, value, feature_map, key_padding_mask)
         with torch.no_grad():
-            phi_q = feature_map.features(query).values
-            k_features = feature_map.features(key)
-            phi_k = k_features.values
-            if k_features.log_scale is not None:
-                phi_k.mul_(_shared_key_weights(k_features.log_scale, key_padding_mask))
-            value = _with_ones_column(value)
-            if key_padding_mask is not None:
-                keep = key_padding_mask[:, None, :, None]
-                phi_k.mul_(keep)
-                value.masked_fill_(~keep, 0.0)
-            kv = torch.matmul(phi_k.transpose(-1, -2), value)  # [B, H, m, dv+1]
+            kv = torch.matmul(phi_k.transpose(-1, -2), value_ones)  # [B, H, m, dv+1]
             numerator_and_denominator = torch.matmul(phi_q, kv)
             denominator = _safe_denominator(numerator_and_denominator[..., -1:], eps)
             out = numerator_and_denominator[..., :-1] / denominator
         ctx.feature_map = feature_map
-        ctx.save_for_backward(query, key, value, phi_q, phi_k, kv, out, denominator)
+        ctx.recompute_features = recompute_features
+        if recompute_features:
+            ctx.projection_version = getattr(feature_map, "redraws", None)
+            ctx.projection_version = None if ctx.projection_version is None else int(ctx.projection_version)
+            ctx.save_for_backward(query, key, value, key_padding_mask, kv, out, denominator)
+        else:
+            ctx.save_for_backward(query, key, value_ones, phi_q, phi_k, kv, out, denominator)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value, phi_q, phi_k, kv, out, denominator = ctx.saved_tensors
         feature_map = ctx.feature_map
+        if ctx.recompute_features:
+            query, key, value, key_padding_mask, kv, out, denominator = ctx.saved_tensors
+            redraws = getattr(feature_map, "redraws", None)
+            if ctx.projection_version is not None and int(redraws) != ctx.projection_version:
+                raise RuntimeError(
+                    "recompute_features=True: the feature map redrew its projection between this call's forward and "
+                    "backward, so the features cannot be recomputed; use recompute_features=False"
+                )
+            phi_q, phi_k, value = _fused_bidirectional_inputs(query, key, value, feature_map, key_padding_mask)
+        else:
+            query, key, value, phi_q, phi_k, kv, out, denominator = ctx.saved_tensors
         # out = N / D: dN = g / D, dD = -(g . out) / D, stacked as the gradient of [N, D].
         grad_numerator = grad_out / denominator
         grad_nd = torch.cat([grad_numerator, -(grad_numerator * out).sum(-1, keepdim=True)], dim=-1)
@@ -232,7 +259,7 @@ class _FusedBidirectionalLinearAttention(torch.autograd.Function):
         grad_value = torch.matmul(phi_k, grad_kv)[..., :-1]
         grad_phi_k = torch.matmul(value, grad_kv.transpose(-1, -2))
         grad_key = feature_map.features_vjp(key, phi_k, grad_phi_k)
-        return grad_query, grad_key, grad_value, None, None, None
+        return grad_query, grad_key, grad_value, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +267,7 @@ class _FusedBidirectionalLinearAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 
-def _chunk_scan_forward(phi_q, phi_k, value, running, start_state, start_stabilizer):
+def _chunk_scan_forward(phi_q, phi_k, value, start_state, running, start_stabilizer):
     """Chunked causal scan on chunked inputs (see :class:`_CausalChunkScan`).
 
     Shapes: ``phi_q, phi_k`` ``[G, N, C, m]``, ``value`` ``[G, N, C, e]``, ``running`` ``[G, N, C]``,
@@ -261,15 +288,46 @@ def _chunk_scan_forward(phi_q, phi_k, value, running, start_state, start_stabili
     # Chunk summaries relative to the stabiliser at the chunk's end, then the scan over chunks.
     to_end = torch.exp(running - chunk_end.unsqueeze(-1)).unsqueeze(-1)
     chunk_kv = torch.matmul((phi_k * to_end).transpose(-1, -2), value)  # [G, N, m, e]
-    carry = torch.exp(boundary - chunk_end)  # [G, N]
-    states = torch.empty_like(chunk_kv)
-    state = start_state
+    carry = torch.exp(boundary - chunk_end)[..., None, None]  # [G, N, 1, 1]
+    # states[:, n] is the state before chunk n; one fused op per step keeps the loop cheap.
+    states = chunk_kv.new_empty(chunk_kv.shape[0], n_chunks + 1, *chunk_kv.shape[2:])
+    states[:, 0] = start_state
     for n in range(n_chunks):
-        states[:, n] = state
-        state = torch.addcmul(chunk_kv[:, n], state, carry[:, n, None, None])
+        torch.addcmul(chunk_kv[:, n], states[:, n], carry[:, n], out=states[:, n + 1])
     from_boundary = torch.exp(boundary.unsqueeze(-1) - running).unsqueeze(-1)  # [G, N, C, 1]
-    out.add_(torch.matmul(phi_q, states).mul_(from_boundary))
-    return out, states, weights, decay, to_end, carry, from_boundary, state
+    states_before = states[:, :-1]
+    out.add_(torch.matmul(phi_q, states_before).mul_(from_boundary))
+    return out, states_before, weights, decay, to_end, carry, from_boundary, states[:, -1]
+
+
+def _chunk_scan_backward(saved, grad_out, grad_final):
+    """Gradients of :func:`_chunk_scan_forward` with respect to ``phi_q``, ``phi_k``, ``value`` and
+    the start state (the stabiliser rescalings are constants)."""
+    phi_q, phi_k, value, states, weights, decay, to_end, carry, from_boundary = saved
+    grad_out = grad_out.contiguous()
+    # Inter-chunk part: out += r * (Q P_n).
+    scaled = grad_out * from_boundary
+    grad_q = torch.matmul(scaled, states.transpose(-1, -2))
+    grad_states = torch.matmul(phi_q.transpose(-1, -2), scaled)  # dL/dP_n from the outputs
+    # Reverse scan: dP_n = (dL/dP_n from the outputs) + a_n dP_{n+1}, and dU_n = dP_{n+1}.
+    n_chunks = states.shape[1]
+    grad_scan = grad_states.new_empty(grad_states.shape[0], n_chunks + 1, *grad_states.shape[2:])
+    if grad_final is None:
+        grad_scan[:, n_chunks].zero_()
+    else:
+        grad_scan[:, n_chunks] = grad_final
+    for n in range(n_chunks - 1, -1, -1):
+        torch.addcmul(grad_states[:, n], grad_scan[:, n + 1], carry[:, n], out=grad_scan[:, n])
+    grad_chunk_kv, grad_start = grad_scan[:, 1:], grad_scan[:, 0]
+    # Chunk summaries U_n = (K * t)^T V.
+    grad_value = torch.matmul(phi_k * to_end, grad_chunk_kv)
+    grad_k = torch.matmul(value, grad_chunk_kv.transpose(-1, -2)).mul_(to_end)
+    # Intra-chunk part: out += ((Q K^T) * D) V.
+    grad_value.add_(torch.matmul(weights.transpose(-1, -2), grad_out))
+    grad_scores = torch.matmul(grad_out, value.transpose(-1, -2)).mul_(decay)
+    grad_q.add_(torch.matmul(grad_scores, phi_k))
+    grad_k.add_(torch.matmul(grad_scores.transpose(-1, -2), phi_q))
+    return grad_q, grad_k, grad_value, grad_start
 
 
 class _CausalChunkScan(torch.autograd.Function):
@@ -284,36 +342,78 @@ class _CausalChunkScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi_q, phi_k, value, start_state, running, start_stabilizer):
-        out, states, weights, decay, to_end, carry, from_boundary, final = _chunk_scan_forward(
-            phi_q, phi_k, value, running, start_state, start_stabilizer
-        )
-        ctx.save_for_backward(phi_q, phi_k, value, states, weights, decay, to_end, carry, from_boundary)
+        out, *saved, final = _chunk_scan_forward(phi_q, phi_k, value, start_state, running, start_stabilizer)
+        ctx.save_for_backward(phi_q, phi_k, value, *saved)
         return out, final
 
     @staticmethod
     def backward(ctx, grad_out, grad_final):
-        phi_q, phi_k, value, states, weights, decay, to_end, carry, from_boundary = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        # Inter-chunk part: out += r * (Q P_n).
-        scaled = grad_out * from_boundary
-        grad_q = torch.matmul(scaled, states.transpose(-1, -2))
-        grad_states = torch.matmul(phi_q.transpose(-1, -2), scaled)  # dL/dP_n from the outputs
-        # Reverse scan: dP_n += a_n dP_{n+1}; dU_n = dP_{n+1}.
-        grad_chunk_kv = torch.empty_like(grad_states)
-        running_grad = torch.zeros_like(states[:, 0]) if grad_final is None else grad_final.clone()
-        for n in range(states.shape[1] - 1, -1, -1):
-            grad_chunk_kv[:, n] = running_grad
-            running_grad = torch.addcmul(grad_states[:, n], running_grad, carry[:, n, None, None])
-        grad_start = running_grad
-        # Chunk summaries U_n = (K * t)^T V.
-        grad_value = torch.matmul(phi_k * to_end, grad_chunk_kv)
-        grad_k = torch.matmul(value, grad_chunk_kv.transpose(-1, -2)).mul_(to_end)
-        # Intra-chunk part: out += ((Q K^T) * D) V.
-        grad_value.add_(torch.matmul(weights.transpose(-1, -2), grad_out))
-        grad_scores = torch.matmul(grad_out, value.transpose(-1, -2)).mul_(decay)
-        grad_q.add_(torch.matmul(grad_scores, phi_k))
-        grad_k.add_(torch.matmul(grad_scores.transpose(-1, -2), phi_q))
-        return grad_q, grad_k, grad_value, grad_start, None, None
+        return (*_chunk_scan_backward(ctx.saved_tensors, grad_out, grad_final), None, None)
+
+
+class _CausalInputs(NamedTuple):
+    """Causal-kernel inputs in chunks of ``C`` tokens, ``G = B * H`` groups (see :func:`_chunk_causal_inputs`)."""
+
+    phi_q: torch.Tensor  # [G, N, C, m]
+    phi_k: torch.Tensor  # [G, N, C, m], padded keys zeroed, row j relative to running[j]
+    value: torch.Tensor  # [G, N, C, dv + 1], with the normaliser column
+    start_state: torch.Tensor  # [G, m, dv + 1]
+    running: torch.Tensor  # [G, N, C], the running stabiliser (non-decreasing)
+    start_stabilizer: torch.Tensor  # [G]
+
+
+def _chunk_causal_inputs(phi_q, phi_k, k_log_scale, value, key_padding_mask, initial_state, chunk_size):
+    """Mask, stabilise (running maximum), pad to whole chunks and reshape into :class:`_CausalInputs`.
+
+    ``phi_q, phi_k`` ``[B, H, L, m]``, ``k_log_scale`` ``[B, H, L]`` or ``None``, ``value``
+    ``[B, H, L, dv]``. Differentiable (ordinary torch ops).
+    """
+    batch, heads, length, m = phi_k.shape
+    dv = value.shape[-1]
+    floor = _finite_min(phi_k.dtype)
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :, None]
+        phi_k = phi_k * keep
+        value = value.masked_fill(~keep, 0.0)
+    value = _with_ones_column(value)
+    if initial_state is None:
+        state = value.new_zeros(batch, heads, m, dv + 1)
+        start = value.new_full((batch, heads), floor)
+    else:
+        state = torch.cat([initial_state.kv, initial_state.k_sum.unsqueeze(-1)], dim=-1).to(value.dtype)
+        start = initial_state.stabilizer.to(value.dtype)
+    if k_log_scale is not None:
+        log_scale = _masked_key_log_scale(k_log_scale, key_padding_mask)
+        running = torch.cummax(torch.maximum(log_scale.detach(), start.unsqueeze(-1)), dim=-1).values
+        running = running.clamp_min(floor)  # [B, H, L], non-decreasing
+        phi_k = phi_k * torch.exp(log_scale - running).unsqueeze(-1)
+    else:
+        running = value.new_zeros(batch, heads, length)
+        start = torch.zeros_like(start)
+    # Pad to whole chunks; padded keys have zero features and no effect.
+    chunk_size = min(chunk_size, length)
+    n_chunks = -(-length // chunk_size)
+    pad = n_chunks * chunk_size - length
+    if pad:
+        pad_tokens = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad))  # noqa: E731
+        phi_q, phi_k, value = pad_tokens(phi_q), pad_tokens(phi_k), pad_tokens(value)
+        running = torch.cat([running, running[..., -1:].expand(-1, -1, pad)], dim=-1)
+    groups = batch * heads
+    chunks = lambda t: t.reshape(groups, n_chunks, chunk_size, *t.shape[3:])  # noqa: E731
+    return _CausalInputs(
+        chunks(phi_q), chunks(phi_k), chunks(value), state.reshape(groups, m, dv + 1),
+        chunks(running), start.reshape(groups),
+    )
+
+
+def _causal_outputs(out, final, running, batch, heads, length, eps):
+    """``[G, N, C, dv + 1]`` sums, the final ``[G, m, dv + 1]`` state and the chunked running
+    stabiliser ``[G, N, C]`` -> ``out`` ``[B, H, L, dv]`` and the :class:`LinearAttentionState`."""
+    m, e = final.shape[-2:]
+    out = _normalise(out.reshape(batch, heads, -1, e)[:, :, :length], eps)
+    final = final.reshape(batch, heads, m, e)
+    stabilizer = running[:, -1, -1].reshape(batch, heads)
+    return out, LinearAttentionState(final[..., :-1], final[..., -1], stabilizer)
 
 
 def causal_linear_attention(
@@ -341,54 +441,73 @@ def causal_linear_attention(
     Returns:
         ``out`` ``[B, H, L, dv]`` and the state after the last token.
     """
-    if chunk_size < 1:
-        raise LinearAttentionError(f"chunk_size must be >= 1, got {chunk_size}")
-    phi_q, phi_k = q_features.values, k_features.values
-    batch, heads, length, m = phi_k.shape
-    dv = value.shape[-1]
-    dtype = phi_k.dtype
-    floor = _finite_min(dtype)
-
-    if key_padding_mask is not None:
-        keep = key_padding_mask[:, None, :, None]
-        phi_k = phi_k * keep
-        value = value.masked_fill(~keep, 0.0)
-    value = _with_ones_column(value)
-
-    if initial_state is None:
-        state = value.new_zeros(batch, heads, m, dv + 1)
-        start = value.new_full((batch, heads), floor)
-    else:
-        state = torch.cat([initial_state.kv, initial_state.k_sum.unsqueeze(-1)], dim=-1).to(dtype)
-        start = initial_state.stabilizer.to(dtype)
-
-    if k_features.log_scale is not None:
-        log_scale = _masked_key_log_scale(k_features.log_scale, key_padding_mask)
-        running = torch.cummax(torch.maximum(log_scale.detach(), start.unsqueeze(-1)), dim=-1).values
-        running = running.clamp_min(floor)  # [B, H, L], non-decreasing
-        phi_k = phi_k * torch.exp(log_scale - running).unsqueeze(-1)
-    else:
-        running = value.new_zeros(batch, heads, length)
-        start = torch.zeros_like(start)
-
-    # Pad to whole chunks; padded keys have zero features and no effect.
-    chunk_size = min(chunk_size, length)
-    n_chunks = -(-length // chunk_size)
-    pad = n_chunks * chunk_size - length
-    if pad:
-        pad_tokens = lambda t: torch.nn.functional.pad(t, (0, 0, 0, pad))  # noqa: E731
-        phi_q, phi_k, value = pad_tokens(phi_q), pad_tokens(phi_k), pad_tokens(value)
-        running = torch.cat([running, running[..., -1:].expand(-1, -1, pad)], dim=-1)
-    groups = batch * heads
-    chunks = lambda t: t.reshape(groups, n_chunks, chunk_size, *t.shape[3:])  # noqa: E731
-    out, final = _CausalChunkScan.apply(
-        chunks(phi_q), chunks(phi_k), chunks(value), state.reshape(groups, m, dv + 1),
-        chunks(running), start.reshape(groups),
+    batch, heads, length, _ = k_features.values.shape
+    inputs = _chunk_causal_inputs(
+        q_features.values, k_features.values, k_features.log_scale, value, key_padding_mask, initial_state, chunk_size
     )
-    out = _normalise(out.reshape(batch, heads, n_chunks * chunk_size, dv + 1)[:, :, :length], eps)
-    final = final.reshape(batch, heads, m, dv + 1)
-    final_stabilizer = running[..., -1] if length else start
-    return out, LinearAttentionState(final[..., :-1], final[..., -1], final_stabilizer)
+    out, final = _CausalChunkScan.apply(*inputs)
+    return _causal_outputs(out, final, inputs.running, batch, heads, length, eps)
+
+
+class _FusedCausalLinearAttention(torch.autograd.Function):
+    """Causal linear attention with the feature map inside and a hand-written backward.
+
+    For maps that provide ``features_vjp`` (FAVOR+): no autograd graph over ``[L, m]`` feature
+    tensors; the backward runs the scan backward, then the feature map's vector-Jacobian product.
+    Returns the un-normalised sums ``[G, N, C, dv + 1]``, the final state and the chunked inputs'
+    running stabiliser (needed to report the state).
+    """
+
+    @staticmethod
+    def forward(ctx, query, key, value, start_kv, start_k_sum, start_stabilizer, feature_map, key_padding_mask,
+                chunk_size):
+        with torch.no_grad():
+            q_features, k_features = feature_map.features(query), feature_map.features(key)
+            initial_state = None if start_kv is None else LinearAttentionState(start_kv, start_k_sum, start_stabilizer)
+            inputs = _chunk_causal_inputs(
+                q_features.values, k_features.values, k_features.log_scale, value, key_padding_mask, initial_state,
+                chunk_size,
+            )
+            out, *saved, final = _chunk_scan_forward(*inputs)
+        ctx.feature_map = feature_map
+        ctx.has_initial_state = start_kv is not None
+        ctx.save_for_backward(query, key, key_padding_mask, inputs.phi_q, inputs.phi_k, inputs.value, *saved)
+        ctx.mark_non_differentiable(inputs.running)
+        return out, final, inputs.running
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_final, _):
+        query, key, key_padding_mask, *saved = ctx.saved_tensors
+        grad_phi_q, grad_phi_k, grad_value, grad_start = _chunk_scan_backward(saved, grad_out, grad_final)
+        phi_q, phi_k = saved[0], saved[1]
+        batch, heads, length, head_dim = query.shape
+        unchunk = lambda t: t.reshape(batch, heads, -1, t.shape[-1])[:, :, :length]  # noqa: E731
+        grad_query = ctx.feature_map.features_vjp(query, unchunk(phi_q), unchunk(grad_phi_q))
+        # phi_k already holds the stabilised, masked features: their vjp is the keys' gradient.
+        grad_key = ctx.feature_map.features_vjp(key, unchunk(phi_k), unchunk(grad_phi_k))
+        grad_value = unchunk(grad_value)[..., :-1]
+        if key_padding_mask is not None:
+            grad_value = grad_value.masked_fill(~key_padding_mask[:, None, :, None], 0.0)
+        grad_start_kv = grad_start_k_sum = None
+        if ctx.has_initial_state:
+            grad_start = grad_start.reshape(batch, heads, *grad_start.shape[-2:])
+            grad_start_kv, grad_start_k_sum = grad_start[..., :-1], grad_start[..., -1]
+        return grad_query, grad_key, grad_value, grad_start_kv, grad_start_k_sum, None, None, None, None
+
+
+def fused_causal_linear_attention(query, key, value, feature_map, key_padding_mask=None, initial_state=None,
+                                  chunk_size=DEFAULT_CHUNK_SIZE, eps=1e-12):
+    """:func:`causal_linear_attention` with the feature map fused in (maps with ``features_vjp``).
+
+    ``query``, ``key`` ``[B, H, L, d]`` already scaled and repeated for grouped heads, ``value``
+    ``[B, H, L, dv]``; returns ``out`` ``[B, H, L, dv]`` and the state after the last token.
+    """
+    batch, heads, length, _ = query.shape
+    start = (None, None, None) if initial_state is None else tuple(initial_state)
+    out, final, running = _FusedCausalLinearAttention.apply(
+        query, key, value, *start, feature_map, key_padding_mask, chunk_size
+    )
+    return _causal_outputs(out, final, running, batch, heads, length, eps)
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,6 +535,7 @@ def linear_attention(
     return_state: bool = False,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
+    recompute_features: bool = False,
 ):
     """Linear attention ``phi(Q) phi(K)^T V`` normalised per query, in O(L) time and memory.
 
@@ -433,6 +553,9 @@ def linear_attention(
         return_state: causal only; also return the state after the last token.
         chunk_size: causal only; tokens per chunk of the chunked scan.
         eps: smallest magnitude of a denominator.
+        recompute_features: bidirectional FAVOR+ only; recompute ``phi(Q)``, ``phi(K)`` in the backward
+            instead of keeping them (``2 L m`` floats per head less activation memory, the feature
+            map's work done twice).
 
     Returns:
         ``[B, H, Lq, dv]`` in ``value.dtype``, and the :class:`LinearAttentionState` if
@@ -441,6 +564,13 @@ def linear_attention(
     _check_inputs(query, key, value, feature_map, causal, key_padding_mask, initial_state)
     if return_state and not causal:
         raise LinearAttentionError("return_state is only meaningful for causal attention")
+    if chunk_size < 1:
+        raise LinearAttentionError(f"chunk_size must be >= 1, got {chunk_size}")
+    if recompute_features and (causal or not feature_map.has_features_vjp):
+        raise LinearAttentionError(
+            "recompute_features is implemented for bidirectional attention with maps that have features_vjp "
+            f"(favor+); got causal={causal}, feature map {feature_map.name!r}"
+        )
     mask = _as_bool_mask(key_padding_mask)
     head_dim = query.shape[-1]
     scale = (head_dim**-0.5 if scaling is None else float(scaling)) ** 0.5
@@ -449,10 +579,17 @@ def linear_attention(
     dtype = compute_dtype_for(query)
     with _no_autocast(query.device.type):
         query, key, value = query.to(dtype) * scale, key.to(dtype) * scale, value.to(dtype)
-        if not causal and feature_map.has_features_vjp:
+        if feature_map.has_features_vjp:
             feature_map.maybe_redraw()
             key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
-            out = _FusedBidirectionalLinearAttention.apply(query, key, value, feature_map, mask, eps)
+            if causal:
+                out, state = fused_causal_linear_attention(
+                    query, key, value, feature_map, mask, initial_state, chunk_size=chunk_size, eps=eps
+                )
+                return (out.to(out_dtype), state) if return_state else out.to(out_dtype)
+            out = _FusedBidirectionalLinearAttention.apply(
+                query, key, value, feature_map, mask, eps, recompute_features
+            )
             return out.to(out_dtype)
         q_features, k_features = feature_map(query, key)
         k_features = Features(
