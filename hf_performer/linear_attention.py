@@ -371,11 +371,13 @@ def _chunk_causal_inputs(phi_q, phi_k, k_log_scale, value, key_padding_mask, ini
     batch, heads, length, m = phi_k.shape
     dv = value.shape[-1]
     floor = _finite_min(phi_k.dtype)
+    # Without autograd (the fused path), the fresh feature tensors are rescaled in place.
+    inplace = not torch.is_grad_enabled()
+    value = _with_ones_column(value)
     if key_padding_mask is not None:
         keep = key_padding_mask[:, None, :, None]
-        phi_k = phi_k * keep
+        phi_k = phi_k.mul_(keep) if inplace else phi_k * keep
         value = value.masked_fill(~keep, 0.0)
-    value = _with_ones_column(value)
     if initial_state is None:
         state = value.new_zeros(batch, heads, m, dv + 1)
         start = value.new_full((batch, heads), floor)
@@ -386,7 +388,8 @@ def _chunk_causal_inputs(phi_q, phi_k, k_log_scale, value, key_padding_mask, ini
         log_scale = _masked_key_log_scale(k_log_scale, key_padding_mask)
         running = torch.cummax(torch.maximum(log_scale.detach(), start.unsqueeze(-1)), dim=-1).values
         running = running.clamp_min(floor)  # [B, H, L], non-decreasing
-        phi_k = phi_k * torch.exp(log_scale - running).unsqueeze(-1)
+        weights = torch.exp(log_scale - running).unsqueeze(-1)
+        phi_k = phi_k.mul_(weights) if inplace else phi_k * weights
     else:
         running = value.new_zeros(batch, heads, length)
         start = torch.zeros_like(start)
