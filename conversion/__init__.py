@@ -1,1 +1,34 @@
-"""Conversion of pretrained softmax models to FAVOR+ (installed as ``hf_performer.conversion``)."""
+"""Conversion of pretrained softmax models to FAVOR+ (installed as ``hf_performer.conversion``).
+
+* :func:`convert_to_performer`: a transformers model (or a folder) -> the matching Performer model, every
+  source weight reused unchanged; hybrid layers (``keep_softmax_layers``) and longer learned position tables
+  (``max_position_embeddings``) optional.
+* :func:`fidelity_report`: per-layer attention errors, final hidden-state cosine and head agreement of a
+  converted model against its source.
+* ``hf-performer convert SOURCE OUTPUT``: both, writing a complete model folder (see :mod:`.cli`).
+"""
+
+from .convert import (
+    TASKS,
+    ConversionError,
+    convert_to_performer,
+    extend_position_embeddings,
+    load_source,
+    task_of_source_class,
+)
+from .fidelity import DEFAULT_SENTENCES, REPORT_FILE_NAME, FidelityReport, LayerFidelity, fidelity_report
+
+
+__all__ = [
+    "DEFAULT_SENTENCES",
+    "REPORT_FILE_NAME",
+    "TASKS",
+    "ConversionError",
+    "FidelityReport",
+    "LayerFidelity",
+    "convert_to_performer",
+    "extend_position_embeddings",
+    "fidelity_report",
+    "load_source",
+    "task_of_source_class",
+]

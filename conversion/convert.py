@@ -120,7 +120,7 @@ def convert_to_performer(
     nb_features: int | None = None,
     keep_softmax_layers: Iterable[int] = (),
     max_position_embeddings: int | None = None,
-    seed: int = 0,
+    seed: int | None = None,
     *,
     orthogonal: bool | None = None,
     row_norms: str | None = None,
@@ -141,7 +141,7 @@ def convert_to_performer(
         keep_softmax_layers: layer indices that keep exact softmax attention.
         max_position_embeddings: extend a learned absolute position table to this many positions (see
             :func:`extend_position_embeddings`); ``None`` keeps it.
-        seed: layer ``i`` draws its projection with seed ``seed + i``.
+        seed: layer ``i`` draws its projection with seed ``seed + i`` (``None``: the default, 0).
         orthogonal, row_norms, redraw_interval, chunk_size: other FAVOR+ settings; ``None`` takes the default.
 
     Returns:
@@ -174,8 +174,8 @@ def convert_to_performer(
         )
     task = task or source_task
 
-    settings = {"feature_map": feature_map, "seed": seed, "softmax_layers": sorted(set(keep_softmax_layers))}
-    optional = dict(nb_features=nb_features, orthogonal=orthogonal, row_norms=row_norms,
+    settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
+    optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:

@@ -549,3 +549,7 @@ def add_parser(subparsers) -> None:
     approx.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
     approx.add_argument("--name", default="approximation")
     approx.set_defaults(func=_run_approximation)
+
+    from .decode_benchmark import add_parser as add_decode_parser
+
+    add_decode_parser(kinds)

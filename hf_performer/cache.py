@@ -162,7 +162,8 @@ def make_favor_cache(config_or_model) -> DynamicCache:
 
     config = getattr(config_or_model, "config", config_or_model)
     text_config = config.get_text_config(decoder=True)
-    settings = resolve_favor_settings(getattr(text_config, "favor_settings", None) or getattr(config, "favor_settings", None))
+    favor_settings = getattr(text_config, "favor_settings", None) or getattr(config, "favor_settings", None)
+    settings = resolve_favor_settings(favor_settings)
     cache = DynamicCache(config=text_config)
     for layer_idx in range(len(cache.layers)):
         if layer_idx not in settings["softmax_layers"]:

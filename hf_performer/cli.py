@@ -12,6 +12,7 @@ import sys
 
 def build_parser() -> argparse.ArgumentParser:
     from . import benchmark
+    from .conversion import cli as conversion_cli
 
     parser = argparse.ArgumentParser(
         prog="hf-performer",
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     benchmark.add_parser(subparsers)
+    conversion_cli.add_parser(subparsers)
     return parser
 
 

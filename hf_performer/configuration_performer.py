@@ -26,6 +26,7 @@ from __future__ import annotations
 import difflib
 from dataclasses import fields
 
+import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
@@ -102,8 +103,6 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
         class_name = MODEL_MAPPING_NAMES.get(model_type)
         model_class = None
         if isinstance(class_name, str):
-            import transformers
-
             model_class = getattr(transformers, class_name, None)
         if model_class is None or not getattr(model_class, "_supports_attention_backend", False):
             raise PerformerConfigError(
@@ -188,7 +187,13 @@ class PerformerConfig(PreTrainedConfig):
     favor_settings: dict | None = None
 
     def __post_init__(self, **kwargs):
-        kwargs.pop("model_type", None)  # written by to_dict; the class fixes it
+        model_type = kwargs.pop("model_type", PERFORMER_MODEL_TYPE)  # written by to_dict; the class fixes it
+        if model_type != PERFORMER_MODEL_TYPE:
+            raise PerformerConfigError(
+                f"this is a {model_type!r} configuration, not a Performer one; wrap it as "
+                "PerformerConfig(source_config=...) or convert the model with "
+                "hf_performer.conversion.convert_to_performer"
+            )
 
         # FAVOR+ settings given as keyword arguments of their own.
         settings = dict(self.favor_settings or {})
@@ -236,6 +241,7 @@ class PerformerConfig(PreTrainedConfig):
         for key, value in forwarded.items():
             setattr(source, key, value)
         self._check_softmax_layers()
+        self._sync_task_fields()
         self._sync_favor_settings()
 
     # ----------------------------------------------------------------------------------------
@@ -287,6 +293,13 @@ class PerformerConfig(PreTrainedConfig):
                     f"(indices 0..{num_layers - 1})"
                 )
 
+    def _sync_task_fields(self) -> None:
+        """Copy ``id2label`` / ``label2id`` / ``problem_type`` into the source config (this config owns them)."""
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig):
+            for field_name in TASK_FIELDS:
+                setattr(source, field_name, getattr(self, field_name))
+
     def _sync_favor_settings(self) -> None:
         """Give the source config the settings the attention function reads (``module.config.favor_settings``)."""
         source = self.__dict__.get("source_config")
@@ -307,8 +320,7 @@ class PerformerConfig(PreTrainedConfig):
                 "this PerformerConfig has no source_config: build it with PerformerConfig(source_config=...) or "
                 "convert a model with hf_performer.conversion.convert_to_performer"
             )
-        for field_name in TASK_FIELDS:
-            setattr(source, field_name, getattr(self, field_name))
+        self._sync_task_fields()
         self._check_softmax_layers()
         self._sync_favor_settings()
         source._attn_implementation = "favor"

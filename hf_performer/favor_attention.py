@@ -215,7 +215,7 @@ def is_attention_module(module: nn.Module) -> bool:
     argument an attention function receives (``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``,
     ``DistilBertSelfAttention``, ...): its ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS``."""
     forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
@@ -267,7 +267,9 @@ def _module_head_dim(module: nn.Module) -> int | None:
 
 def _module_device(module: nn.Module) -> torch.device:
     parameter = next(module.parameters(recurse=True), None)
-    return parameter.device if parameter is not None else torch.device("cpu")
+    if parameter is None or parameter.device.type == "meta":  # a meta buffer would lose the projection
+        return torch.device("cpu")
+    return parameter.device
 
 
 def uses_favor(module: nn.Module) -> bool:
@@ -301,13 +303,10 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
         ValueError: no attention module of ``model`` uses ``attn_implementation="favor"``.
     """
     modules = find_attention_modules(model)
-    next_unindexed = 0
-    for _, module in modules:
-        if getattr(module, "layer_idx", None) is None and getattr(module, "favor_layer_idx", None) is None:
-            module.favor_layer_idx = next_unindexed
-            next_unindexed += 1
-        elif getattr(module, "layer_idx", None) is None:
-            next_unindexed = max(next_unindexed, module.favor_layer_idx + 1)
+    unindexed = [module for _, module in modules if getattr(module, "layer_idx", None) is None]
+    for ordinal, module in enumerate(unindexed):
+        if getattr(module, "favor_layer_idx", None) is None:
+            module.favor_layer_idx = ordinal
 
     favor_layers = set()
     for name, module in modules:
@@ -315,7 +314,7 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
             continue
         install_cache_hooks(module)
         layer_idx = layer_index_of(module)
-        if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), FeatureMap):
+        if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
             head_dim = _module_head_dim(module)
             if head_dim is None:
                 raise ValueError(
@@ -323,7 +322,10 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
                     "no head_dim / attention_head_size attribute and its config no head_dim or "
                     "hidden_size / num_attention_heads"
                 )
-            feature_map = build_feature_map(favor_settings_of(module), head_dim, layer_idx)
+            # Drawn on the CPU even under a meta-device context (from_pretrained builds models on meta):
+            # the projection must exist when a checkpoint does not hold it.
+            with torch.device("cpu"):
+                feature_map = build_feature_map(favor_settings_of(module), head_dim, layer_idx)
             _attach_feature_map(module, feature_map.to(_module_device(module)))
         favor_layers.add(layer_idx)
     if not favor_layers and not any(
@@ -341,7 +343,7 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
 def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, head_dim: int, device) -> FeatureMap:
     """The module's feature map, created on first use for stock models switched to favor."""
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
-    if isinstance(feature_map, FeatureMap):
+    if isinstance(feature_map, nn.Module):  # not isinstance FeatureMap: remote-code copies define their own class
         return feature_map
     install_cache_hooks(module)  # later calls will see the cache
     return _attach_feature_map(module, build_feature_map(settings, head_dim, layer_idx).to(device))
@@ -426,6 +428,21 @@ def _cache_layer_of(module: nn.Module, layer_idx: int):
     if cache is None or layer_idx >= len(cache.layers):
         return None
     return cache.layers[layer_idx]
+
+
+def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
+    """Static / sliding cache layers hold a key buffer whose slots are not the tokens seen: refuse them."""
+    if layer is not None and not _is_favor_cache_layer(layer) and layer.get_max_length() != -1:
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): cache layer {type(layer).__name__} has a fixed size "
+            f"({layer.get_max_length()} slots); static and sliding-window caches are not supported. Use the default "
+            "cache (generate() without cache_implementation) or make_favor_cache(model)."
+        )
+
+
+def _is_favor_cache_layer(layer) -> bool:
+    # By layer type rather than isinstance: a copy of this package loaded as remote code defines its own class.
+    return getattr(type(layer), "_layer_type", None) == FavorCacheLayer._layer_type
 
 
 # --------------------------------------------------------------------------------------------
@@ -530,7 +547,9 @@ def _key_padding_mask(attention_mask, causal: bool) -> torch.Tensor | None:
 
 def _softmax_attention_forward(module, query, key, value, attention_mask, scaling, dropout, causal, kwargs):
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
-    if isinstance(_cache_layer_of(module, layer_index_of(module)), FavorCacheLayer):
+    cache_layer = _cache_layer_of(module, layer_index_of(module))
+    _reject_fixed_size_cache(cache_layer, layer_index_of(module))
+    if _is_favor_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
             "layer is a FavorCacheLayer, which keeps no keys/values; build the cache with make_favor_cache(model)"
@@ -617,9 +636,10 @@ def favor_attention_forward(
     key_padding_mask = _key_padding_mask(attention_mask, causal)
     q_len, k_len = query.shape[2], key.shape[2]
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
+    _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
 
-    if isinstance(cache_layer, FavorCacheLayer):
+    if _is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
         if k_len != q_len:
             raise LinearAttentionError(
@@ -658,7 +678,8 @@ def favor_attention_forward(
             out = out[:, :, -q_len:]
         elif causal and k_len < q_len:
             raise LinearAttentionError(
-                f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
+                f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries "
+                f"({q_len})"
             )
         else:
             out = linear_attention(

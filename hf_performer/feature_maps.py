@@ -126,7 +126,8 @@ def gaussian_orthogonal_random_matrix(
     row_norms: str = "chi",
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """Draw the ``[nb_rows, nb_columns]`` projection ``W`` of random-feature maps (float32).
+    """Draw the ``[nb_rows, nb_columns]`` projection ``W`` of random-feature maps (float32, on the CPU,
+    whatever the default device, so that a seed gives the same matrix everywhere).
 
     ``orthogonal=True`` stacks independent ``d x d`` blocks whose rows are orthonormal and uniformly
     (Haar) distributed: the QR factor ``Q`` of a Gaussian matrix is multiplied by ``sign(diag(R))``,
@@ -139,18 +140,18 @@ def gaussian_orthogonal_random_matrix(
         raise ValueError(f"row_norms must be one of {ROW_NORMS}, got {row_norms!r}")
     d = nb_columns
     if not orthogonal:
-        return torch.randn(nb_rows, d, generator=generator, dtype=torch.float64).float()
+        return torch.randn(nb_rows, d, generator=generator, dtype=torch.float64, device="cpu").float()
     blocks = []
     for _ in range(math.ceil(nb_rows / d)):
-        gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64)
+        gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64, device="cpu")
         q, r = torch.linalg.qr(gaussian)
         q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # columns of q, sign-corrected
         blocks.append(q.T)
     directions = torch.cat(blocks, dim=0)[:nb_rows]
     if row_norms == "fixed":
-        norms = torch.full((nb_rows,), math.sqrt(d), dtype=torch.float64)
+        norms = torch.full((nb_rows,), math.sqrt(d), dtype=torch.float64, device="cpu")
     else:
-        norms = torch.randn(nb_rows, d, generator=generator, dtype=torch.float64).norm(dim=1)
+        norms = torch.randn(nb_rows, d, generator=generator, dtype=torch.float64, device="cpu").norm(dim=1)
     return (directions * norms.unsqueeze(1)).float()
 
 

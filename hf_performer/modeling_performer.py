@@ -81,6 +81,11 @@ class PerformerPreTrainedModel(PreTrainedModel):
     base_model_prefix = "performer"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
+    # The wrapper has no attention of its own: these let `set_attn_implementation("sdpa")` switch the wrapped model
+    # to exact softmax attention (same weights) and `set_attn_implementation("favor")` switch it back.
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
     source_model_mapping = MODEL_MAPPING
     task = "base"
 

@@ -42,7 +42,9 @@ VOCAB = 99
 
 
 def bert_config():
-    return BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=VOCAB)
+    return BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=VOCAB
+    )
 
 
 def roberta_config():
@@ -256,7 +258,8 @@ def test_softmax_layers_equal_sdpa_exactly(name):
 
 
 def _projections(model):
-    return {name: buffer for name, buffer in model.state_dict().items() if name.endswith("favor_feature_map.projection")}
+    state = model.state_dict()
+    return {name: buffer for name, buffer in state.items() if name.endswith("favor_feature_map.projection")}
 
 
 def test_projections_seeded_per_layer_and_reproducible():

