@@ -13,14 +13,16 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from . import benchmark
     from .conversion import cli as conversion_cli
+    from .conversion import quickstart
 
     parser = argparse.ArgumentParser(
         prog="hf-performer",
         description="FAVOR+ / linear attention for Hugging Face transformers.",
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    benchmark.add_parser(subparsers)
+    quickstart.add_parser(subparsers)
     conversion_cli.add_parser(subparsers)
+    benchmark.add_parser(subparsers)
     return parser
 
 

