@@ -69,7 +69,7 @@ from transformers.utils import logging
 
 from .cache import FavorCacheLayer
 from .feature_maps import FEATURE_MAPS, FeatureMap, RandomFeatureMap, available_feature_maps, make_feature_map
-from .linear_attention import LinearAttentionError, linear_attention
+from .linear_attention import DEFAULT_CHUNK_SIZE, LinearAttentionError, linear_attention
 
 
 logger = logging.get_logger(__name__)
@@ -84,7 +84,7 @@ FAVOR_DEFAULTS: dict = {
     "row_norms": "chi",
     "redraw_interval": 0,
     "seed": 0,
-    "chunk_size": 64,
+    "chunk_size": DEFAULT_CHUNK_SIZE,
     "softmax_layers": [],
 }
 """Defaults of ``config.favor_settings``, the one place where they are defined.

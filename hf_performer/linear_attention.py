@@ -36,7 +36,7 @@ import torch
 
 from .feature_maps import FeatureMap, Features, compute_dtype_for
 
-DEFAULT_CHUNK_SIZE = 64
+DEFAULT_CHUNK_SIZE = 128
 
 
 class LinearAttentionState(NamedTuple):
@@ -272,9 +272,9 @@ def _chunk_scan_forward(phi_q, phi_k, value, start_state, running, start_stabili
 
     Shapes: ``phi_q, phi_k`` ``[G, N, C, m]``, ``value`` ``[G, N, C, e]``, ``running`` ``[G, N, C]``,
     ``start_state`` ``[G, m, e]``, ``start_stabilizer`` ``[G]``. ``phi_k`` row ``j`` is relative
-    to its own stabiliser ``running_j``. Returns ``out`` ``[G, N, C, e]``, the states before each
-    chunk ``[G, N, m, e]`` (each relative to ``boundary``), the intra-chunk weights, the
-    ``boundary`` ``[G, N]`` and the final state.
+    to its own stabiliser ``running_j``. Returns ``out`` ``[G, N, C, e]``, the tensors the backward
+    needs (among them the states before each chunk ``[G, N, m, e]``, each relative to the
+    stabiliser at the previous chunk's end) and the final state ``[G, m, e]``.
     """
     n_chunks, chunk_size = phi_q.shape[1], phi_q.shape[2]
     causal_mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=phi_q.device).tril()
@@ -285,43 +285,45 @@ def _chunk_scan_forward(phi_q, phi_k, value, start_state, running, start_stabili
     decay.masked_fill_(~causal_mask, 0.0)
     weights = torch.matmul(phi_q, phi_k.transpose(-1, -2)).mul_(decay)  # [G, N, C, C]
     out = torch.matmul(weights, value)
-    # Chunk summaries relative to the stabiliser at the chunk's end, then the scan over chunks.
-    to_end = torch.exp(running - chunk_end.unsqueeze(-1)).unsqueeze(-1)
-    chunk_kv = torch.matmul((phi_k * to_end).transpose(-1, -2), value)  # [G, N, m, e]
+    # Chunk summaries relative to the stabiliser at the chunk's end: U_n = K^T (t * V), the
+    # per-token rescaling t applied to the narrow values rather than to the [C, m] features.
+    to_end = torch.exp(running - chunk_end.unsqueeze(-1)).unsqueeze(-1)  # [G, N, C, 1]
+    value_to_end = value * to_end
+    chunk_kv = torch.matmul(phi_k.transpose(-1, -2), value_to_end)  # [G, N, m, e]
     carry = torch.exp(boundary - chunk_end)[..., None, None]  # [G, N, 1, 1]
-    # states[:, n] is the state before chunk n; one fused op per step keeps the loop cheap.
-    states = chunk_kv.new_empty(chunk_kv.shape[0], n_chunks + 1, *chunk_kv.shape[2:])
+    # states[:, n] is the state before chunk n (contiguous, so matmuls take it without a copy);
+    # one fused op per step keeps the sequential loop cheap.
+    states = torch.empty_like(chunk_kv)
     states[:, 0] = start_state
-    for n in range(n_chunks):
+    for n in range(n_chunks - 1):
         torch.addcmul(chunk_kv[:, n], states[:, n], carry[:, n], out=states[:, n + 1])
+    final = torch.addcmul(chunk_kv[:, -1], states[:, -1], carry[:, -1])
     from_boundary = torch.exp(boundary.unsqueeze(-1) - running).unsqueeze(-1)  # [G, N, C, 1]
-    states_before = states[:, :-1]
-    out.add_(torch.matmul(phi_q, states_before).mul_(from_boundary))
-    return out, states_before, weights, decay, to_end, carry, from_boundary, states[:, -1]
+    out.add_(torch.matmul(phi_q, states).mul_(from_boundary))
+    return out, value_to_end, states, weights, decay, to_end, carry, from_boundary, final
 
 
 def _chunk_scan_backward(saved, grad_out, grad_final):
     """Gradients of :func:`_chunk_scan_forward` with respect to ``phi_q``, ``phi_k``, ``value`` and
     the start state (the stabiliser rescalings are constants)."""
-    phi_q, phi_k, value, states, weights, decay, to_end, carry, from_boundary = saved
+    phi_q, phi_k, value, value_to_end, states, weights, decay, to_end, carry, from_boundary = saved
     grad_out = grad_out.contiguous()
     # Inter-chunk part: out += r * (Q P_n).
     scaled = grad_out * from_boundary
     grad_q = torch.matmul(scaled, states.transpose(-1, -2))
     grad_states = torch.matmul(phi_q.transpose(-1, -2), scaled)  # dL/dP_n from the outputs
-    # Reverse scan: dP_n = (dL/dP_n from the outputs) + a_n dP_{n+1}, and dU_n = dP_{n+1}.
-    n_chunks = states.shape[1]
-    grad_scan = grad_states.new_empty(grad_states.shape[0], n_chunks + 1, *grad_states.shape[2:])
+    # Reverse scan: dU_n = dP_{n+1} and dP_n = (dL/dP_n from the outputs) + a_n dP_{n+1}.
+    grad_chunk_kv = torch.empty_like(grad_states)
     if grad_final is None:
-        grad_scan[:, n_chunks].zero_()
+        grad_chunk_kv[:, -1].zero_()
     else:
-        grad_scan[:, n_chunks] = grad_final
-    for n in range(n_chunks - 1, -1, -1):
-        torch.addcmul(grad_states[:, n], grad_scan[:, n + 1], carry[:, n], out=grad_scan[:, n])
-    grad_chunk_kv, grad_start = grad_scan[:, 1:], grad_scan[:, 0]
-    # Chunk summaries U_n = (K * t)^T V.
-    grad_value = torch.matmul(phi_k * to_end, grad_chunk_kv)
-    grad_k = torch.matmul(value, grad_chunk_kv.transpose(-1, -2)).mul_(to_end)
+        grad_chunk_kv[:, -1] = grad_final
+    for n in range(states.shape[1] - 1, 0, -1):
+        torch.addcmul(grad_states[:, n], grad_chunk_kv[:, n], carry[:, n], out=grad_chunk_kv[:, n - 1])
+    grad_start = torch.addcmul(grad_states[:, 0], grad_chunk_kv[:, 0], carry[:, 0])
+    # Chunk summaries U_n = K^T (t * V).
+    grad_value = torch.matmul(phi_k, grad_chunk_kv).mul_(to_end)
+    grad_k = torch.matmul(value_to_end, grad_chunk_kv.transpose(-1, -2))
     # Intra-chunk part: out += ((Q K^T) * D) V.
     grad_value.add_(torch.matmul(weights.transpose(-1, -2), grad_out))
     grad_scores = torch.matmul(grad_out, value.transpose(-1, -2)).mul_(decay)

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from hf_performer.linear_attention import DEFAULT_CHUNK_SIZE
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -135,7 +137,7 @@ def test_config_save_load_with_overrides(tmp_path):
 
 def test_deterministic_feature_map_records_only_its_settings():
     config = PerformerConfig(source_config=bert_config(), feature_map="elu+1")
-    assert config.favor_settings == {"feature_map": "elu+1", "chunk_size": 64, "softmax_layers": []}
+    assert config.favor_settings == {"feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": []}
     assert isinstance(PerformerModel(config), PerformerModel)
 
 
