@@ -17,6 +17,7 @@ import tempfile
 
 from hf_performer.favor_attention import FAVOR_DEFAULTS
 from hf_performer.feature_maps import available_feature_maps
+from hf_performer.hub import write_model_card
 
 from .convert import TASKS, ConversionError, convert_to_performer, load_source
 from .fidelity import fidelity_report
@@ -136,6 +137,7 @@ def run_convert(args: argparse.Namespace) -> int:
             if args.max_position_embeddings is not None:
                 tokenizer.model_max_length = args.max_position_embeddings
             tokenizer.save_pretrained(staging)
+        write_model_card(staging, report=report, model_name=os.path.basename(output))  # README.md model card
         report.save(staging)
         _replace_folder(staging, output)
     except BaseException:

@@ -1,0 +1,713 @@
+"""Model cards and Hub upload (``hf_performer.hub``, ``hf-performer card`` / ``hf-performer push``).
+
+Everything runs offline. The card is parsed back with huggingface_hub's own parsers (``metadata_load``,
+``ModelCard``, ``model-index`` round trip). The upload is tested end to end against :class:`FakeHub`, a
+small threaded HTTP server on 127.0.0.1 that implements the part of the Hub API ``HfApi.create_repo``,
+``create_branch`` and ``upload_folder`` use (repo creation, README metadata validation, preupload, NDJSON
+commit with inline base64 files, branch creation), checks the token, records every request, and stops by
+itself (request cap, lifetime timer, socket timeouts).
+"""
+
+import base64
+import hashlib
+import json
+import shutil
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from huggingface_hub import EvalResult, ModelCard, constants, metadata_load
+from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+from transformers.utils import logging
+
+from hf_performer import hub
+from hf_performer.cli import main as cli_main
+from hf_performer.conversion import REPORT_FILE_NAME
+from hf_performer.conversion import cli as convert_cli
+from hf_performer.hub import (
+    CARD_TAGS,
+    FolderValidationError,
+    ModelCardError,
+    PushError,
+    build_model_card,
+    load_metrics,
+    push_folder,
+    upload_file_list,
+    validate_folder,
+    write_model_card,
+)
+
+logging.set_verbosity_error()
+
+TOKEN = "hf_fake_token_for_tests_0123456789"
+REPO_ID = "tester/tiny-performer"
+VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
+                *"abcdefghijklmnopqrstuvwxyz.,"]
+CODE_FILES = ["cache.py", "configuration_performer.py", "favor_attention.py", "feature_maps.py",
+              "linear_attention.py", "modeling_performer.py"]
+
+
+# --------------------------------------------------------------------------------------------
+# A converted folder (tiny BERT, converted with the real `convert` command)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """A tiny BERT sequence classifier converted by ``hf-performer convert`` (which writes the card)."""
+    root = tmp_path_factory.mktemp("hub")
+    source = root / "source"
+    (root / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
+    BertForSequenceClassification(config).save_pretrained(source)
+    BertTokenizer(str(root / "vocab.txt")).save_pretrained(source)
+    output = root / "tiny-performer"
+    assert convert_cli.main([str(source), str(output), "--nb-features", "16", "--task", "sequence-classification",
+                             "--text", "the quick brown fox", "--text", "a lazy dog"]) == 0
+    return output
+
+
+@pytest.fixture
+def folder(converted, tmp_path):
+    """A private copy of the converted folder (tests may break it)."""
+    copy = tmp_path / "tiny-performer"
+    shutil.copytree(converted, copy)
+    return copy
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+# --------------------------------------------------------------------------------------------
+# Model card
+# --------------------------------------------------------------------------------------------
+
+
+def test_convert_writes_a_valid_card(converted):
+    card_path = converted / "README.md"
+    assert card_path.is_file()
+    metadata = metadata_load(card_path)  # huggingface_hub's own YAML front-matter reader
+    assert metadata["library_name"] == "transformers"
+    assert metadata["pipeline_tag"] == "text-classification"
+    assert set(CARD_TAGS) | {"bert"} <= set(metadata["tags"])
+    assert "base_model" not in metadata  # the source was a local folder: never written as base_model
+    assert "model-index" not in metadata  # no results yet
+    card = ModelCard.load(card_path)
+    assert card.data.library_name == "transformers"
+
+    text = card.text
+    # How to load.
+    assert "AutoModelForSequenceClassification.from_pretrained" in text and "trust_remote_code=True" in text
+    for code_file in CODE_FILES:
+        assert f"`{code_file}`" in text
+    # Conversion settings, from config.json.
+    settings = json.loads((converted / "config.json").read_text())["favor_settings"]
+    assert settings["nb_features"] == 16
+    assert "| `nb_features` | 16 |" in text and "| `feature_map` | `favor+` |" in text
+    assert "| `softmax_layers` | none |" in text and "| `seed` | 0 |" in text
+    # Fidelity table, from conversion_report.json (every layer, same numbers).
+    report = json.loads((converted / REPORT_FILE_NAME).read_text())
+    assert len(report["layers"]) == 2
+    for layer in report["layers"]:
+        row = (f"| {layer['layer']} | favor | {layer['own_inputs_relative_error']:.4f} | "
+               f"{layer['propagated_relative_error']:.4f} |")
+        assert row in text
+    assert f"mean cosine similarity {report['final_hidden_state_cosine']:.4f}" in text
+    assert f"prediction agreement {100 * report['prediction_agreement']:.1f}%" in text
+    assert "2 user texts" in text and str(converted.parent) not in text  # no local path leaks into the card
+    # Honest speed notes.
+    assert "Converted, not fine-tuned" in text
+    assert "At this model's maximum length of 64 tokens FAVOR+ is **not faster**" in text
+    assert "797 tokens bidirectional" in text and "2369 tokens causal" in text
+    assert "| 512 | 0.61x | 0.56x |" in text and "| 8192 | 9.96x | 2.80x |" in text
+    assert "**Memory is O(L)**" in text and "not a causal language model" in text
+
+
+def test_card_with_results_round_trips_through_huggingface_hub(folder, tmp_path):
+    results = [
+        {"task": "sst2", "metric": "accuracy", "value": 0.8853, "split": "validation", "metric_name": "Dev accuracy"},
+        {"task": "text-classification", "dataset": "stanfordnlp/imdb", "dataset_name": "IMDB", "split": "test",
+         "metric": "accuracy", "value": 0.871},
+    ]
+    recovery = [
+        {"setting": "(a) softmax fine-tuned", "task": "sst2", "dataset": "glue", "metric": "accuracy",
+         "value": 0.9014, "steps": 2000},
+        {"variant": "(b) converted, no training", "task": "sst2", "dataset": "glue", "metric": "accuracy",
+         "value": 0.5092, "steps": 0, "notes": "the collapse"},
+    ]
+    card = build_model_card(folder, base_model="sentence-transformers/all-MiniLM-L6-v2", results=results,
+                            recovery=recovery, repo_id=REPO_ID, license="apache-2.0", fine_tuned=True)
+    path = tmp_path / "README.md"
+    card.save(path)
+
+    metadata = metadata_load(path)
+    assert metadata["base_model"] == "sentence-transformers/all-MiniLM-L6-v2"
+    assert metadata["datasets"] == ["nyu-mll/glue", "stanfordnlp/imdb"]
+    assert metadata["license"] == "apache-2.0"
+    model_index = metadata["model-index"]
+    name, eval_results = model_index_to_eval_results(model_index)
+    assert name == "tiny-performer"
+    assert eval_results_to_model_index(name, eval_results) == model_index  # round trip
+    assert eval_results == [
+        EvalResult(task_type="text-classification", task_name="SST-2", dataset_type="nyu-mll/glue",
+                   dataset_name="nyu-mll/glue (sst2)", dataset_config="sst2", dataset_split="validation",
+                   metric_type="accuracy", metric_name="Dev accuracy", metric_value=0.8853),
+        EvalResult(task_type="text-classification", dataset_type="stanfordnlp/imdb", dataset_name="IMDB",
+                   dataset_split="test", metric_type="accuracy", metric_value=0.871),
+    ]
+    loaded = ModelCard.load(path)
+    assert loaded.data.eval_results == eval_results and loaded.data.model_name == "tiny-performer"
+
+    text = loaded.text
+    assert "Converted, not fine-tuned" not in text and "then fine-tuned" in text
+    assert f'from_pretrained("{REPO_ID}", trust_remote_code=True)' in text
+    assert "| SST-2 | nyu-mll/glue (sst2) | validation | Dev accuracy | 0.8853 |" in text
+    assert "| (a) softmax fine-tuned | sst2 | glue | accuracy | 0.9014 | 2000 |  |" in text
+    assert "| (b) converted, no training | sst2 | glue | accuracy | 0.5092 | 0 | the collapse |" in text
+    assert "[sentence-transformers/all-MiniLM-L6-v2](https://huggingface.co/sentence-transformers/all-MiniLM-L6-v2)" in text
+
+
+def test_causal_card_describes_constant_memory_decoding(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["PerformerForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(config))
+    card = build_model_card(folder)
+    assert card.data.pipeline_tag == "text-generation"
+    text = card.text
+    assert "AutoModelForCausalLM" in text and "model.generate(" in text
+    # 2 layers x 2 heads x (m*d + m + 1) float32 with m=16, d=16: 2*2*273*4 bytes.
+    assert "**Constant-memory decoding.**" in text and "4.3 KiB per sequence" in text
+    assert "(measured causal crossover: ~2369 tokens)" in text
+
+
+def test_card_rejects_bad_input(folder):
+    with pytest.raises(ModelCardError, match="unknown key 'acc'"):
+        build_model_card(folder, results=[{"task": "sst2", "metric": "accuracy", "acc": 0.9}])
+    with pytest.raises(ModelCardError, match="metric_value is required"):
+        build_model_card(folder, results=[{"task": "sst2", "metric": "accuracy"}])
+    with pytest.raises(ModelCardError, match="not finite"):
+        build_model_card(folder, results=[{"task": "sst2", "metric": "accuracy", "value": float("nan")}])
+    with pytest.raises(ModelCardError, match="dataset_type is required"):
+        build_model_card(folder, results=[{"task": "text-classification", "metric": "accuracy", "value": 0.5}])
+    with pytest.raises(ModelCardError, match="missing value"):
+        build_model_card(folder, recovery=[{"setting": "a", "task": "sst2", "dataset": "glue", "metric": "acc"}])
+    with pytest.raises(ModelCardError, match="not a Hub model id"):
+        build_model_card(folder, base_model="/home/me/models/bert")
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(ModelCardError, match="no favor_settings: not a Performer model folder"):
+        build_model_card(folder)
+
+
+def test_load_metrics_layouts(tmp_path):
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps([{"task": "sst2", "metric": "accuracy", "value": 0.9}]))
+    assert load_metrics(path) == ([{"task": "sst2", "metric": "accuracy", "value": 0.9}], [])
+    path.write_text(json.dumps({"results": [{"task": "rte", "metric": "accuracy", "value": 0.6}],
+                                "recovery": [{"setting": "s", "task": "rte", "dataset": "glue", "metric": "accuracy",
+                                              "value": 0.6}]}))
+    results, recovery = load_metrics(path)
+    assert results[0]["task"] == "rte" and recovery[0]["setting"] == "s"
+    path.write_text(json.dumps({"task": "stsb", "split": "validation", "train_runtime": 12.5, "seed": 0,
+                                "metrics": {"eval_pearson": 0.81, "eval_spearmanr": 0.8, "note": "text"}}))
+    results, recovery = load_metrics(path)
+    assert results == [
+        {"task": "stsb", "split": "validation", "metric": "pearson", "value": 0.81},
+        {"task": "stsb", "split": "validation", "metric": "spearmanr", "value": 0.8},
+    ] and recovery == []
+    path.write_text(json.dumps({"results": [], "extra": 1}))
+    with pytest.raises(ModelCardError, match="unknown top-level keys"):
+        load_metrics(path)
+    with pytest.raises(ModelCardError, match="not found"):
+        load_metrics(tmp_path / "absent.json")
+
+
+def test_card_command_rewrites_the_card(folder, tmp_path, capsys):
+    metrics = tmp_path / "metrics.json"
+    metrics.write_text(json.dumps({"task": "sst2", "split": "validation", "metrics": {"accuracy": 0.88}}))
+    assert cli_main(["card", str(folder), "--metrics", str(metrics), "--base-model", "google-bert/bert-base-uncased",
+                     "--repo-id", REPO_ID, "--fine-tuned"]) == 0
+    assert f"wrote {folder / 'README.md'}" in capsys.readouterr().out
+    metadata = metadata_load(folder / "README.md")
+    assert metadata["base_model"] == "google-bert/bert-base-uncased"
+    name, results = model_index_to_eval_results(metadata["model-index"])
+    assert name == "tiny-performer" and results[0].metric_value == 0.88 and results[0].dataset_config == "sst2"
+
+    metrics.write_text(json.dumps([{"task": "sst2", "metric": "accuracy", "value": True}]))
+    with pytest.raises(SystemExit, match="hf-performer card: error: result 0: the metric value must be a number"):
+        cli_main(["card", str(folder), "--metrics", str(metrics)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["card", "--help"])
+    assert exit_info.value.code == 0 and "model-index" in capsys.readouterr().out
+
+
+# --------------------------------------------------------------------------------------------
+# Folder validation
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_converted_folder_is_valid(converted):
+    check = validate_folder(converted)
+    assert check.code_files == CODE_FILES
+    assert check.weight_files == ["model.safetensors"]
+    assert {"tokenizer.json", "tokenizer_config.json"} <= set(check.tokenizer_files)
+    assert set(check.required_files) == {"config.json", "model.safetensors", *CODE_FILES, *check.tokenizer_files}
+    assert [f.path for f in check.files] == sorted(folder_bytes(converted))
+    assert check.warnings == []
+
+
+def _drop_auto_map(folder):
+    config = json.loads((folder / "config.json").read_text())
+    del config["auto_map"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _lfs_pointer(folder):
+    (folder / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0000\nsize 123456\n")
+
+
+def _truncate_weights(folder):
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+
+
+def _rename_class(folder):
+    path = folder / "modeling_performer.py"
+    path.write_text(path.read_text().replace("class PerformerForSequenceClassification(", "class Renamed("))
+
+
+def _remove(*names):
+    def breaker(folder):
+        for name in names:
+            (folder / name).unlink()
+    return breaker
+
+
+@pytest.mark.parametrize(
+    "breaker, message",
+    [
+        (_remove("config.json"), "config.json: missing"),
+        (_drop_auto_map, "config.json: auto_map missing"),
+        (_remove("modeling_performer.py"), "modeling_performer.py: missing (needed by config.json auto_map['AutoModel'])"),
+        (_remove("configuration_performer.py"), "configuration_performer.py: missing (needed by config.json auto_map['AutoConfig'])"),
+        # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
+        (_remove("favor_attention.py"), "favor_attention.py: missing (needed by configuration_performer.py "
+                                        "(from .favor_attention import FAVOR_DEFAULTS, resolve_favor_settings))"),
+        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_attention.py (from .linear_attention"),
+        (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
+        (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),
+        (_lfs_pointer, "model.safetensors: not a safetensors file (bad header length; a Git LFS pointer"),
+        (_truncate_weights, "model.safetensors: truncated"),
+        (_remove("tokenizer_config.json"), "tokenizer: tokenizer_config.json missing"),
+        (_remove("tokenizer.json"), "tokenizer: no vocabulary file (expected tokenizer.json or vocab.txt"),
+    ],
+)
+def test_validate_folder_names_what_is_missing(folder, breaker, message):
+    breaker(folder)
+    with pytest.raises(FolderValidationError) as error:
+        validate_folder(folder)
+    assert message in str(error.value), str(error.value)
+    assert "would not load with from_pretrained(..., trust_remote_code=True)" in str(error.value)
+
+
+def test_validate_folder_lists_every_problem(folder):
+    _remove("feature_maps.py", "model.safetensors", "tokenizer.json")(folder)
+    with pytest.raises(FolderValidationError) as error:
+        validate_folder(folder)
+    problems = error.value.problems
+    assert any(p.startswith("feature_maps.py: missing") for p in problems)
+    assert any(p.startswith("weights: missing") for p in problems)
+    assert any(p.startswith("tokenizer: no vocabulary file") for p in problems)
+    with pytest.raises(FolderValidationError, match="not a folder"):
+        validate_folder(folder / "absent")
+
+
+def test_missing_card_is_a_warning(folder):
+    (folder / "README.md").unlink()
+    assert any("no README.md model card" in w for w in validate_folder(folder).warnings)
+
+
+# --------------------------------------------------------------------------------------------
+# A fake Hub on 127.0.0.1
+# --------------------------------------------------------------------------------------------
+
+
+class FakeHub:
+    """Enough of the Hub's HTTP API for ``create_repo``, ``create_branch`` and ``upload_folder``.
+
+    Endpoints: ``POST /api/repos/create``, ``POST /api/validate-yaml`` (parses the README with
+    huggingface_hub's ``ModelCard``), ``POST /api/models/{repo}/preupload/{rev}`` (files "regular", sent
+    inline, except those ending with one of ``lfs_suffixes``: "lfs"), ``POST /api/models/{repo}/commit/{rev}``
+    (NDJSON; base64 ``file`` lines and ``lfsFile`` lines of uploaded LFS objects are stored; deletions are
+    refused), ``POST /api/models/{repo}/branch/{name}`` and, for LFS files, the basic transfer of the Git LFS
+    batch API: ``POST /{repo}.git/info/lfs/objects/batch``, ``PUT /lfs-upload/{oid}`` (the sha256 is
+    checked) and ``POST /lfs-verify/{oid}``. Every request but the LFS ``PUT`` (a pre-signed URL on the real
+    Hub) needs the bearer token. Requests are recorded in ``self.requests``; repositories are dicts of branches of
+    ``{path: bytes}``. Bounded: at most ``max_requests`` requests, a lifetime after which the server
+    shuts itself down, and socket timeouts on every connection.
+    """
+
+    def __init__(self, token: str = TOKEN, max_requests: int = 40, lifetime_s: float = 60.0,
+                 lfs_suffixes: tuple[str, ...] = ()):
+        self.token = token
+        self.lfs_suffixes = lfs_suffixes
+        self.lfs_objects: dict[str, bytes] = {}
+        self.max_requests = max_requests
+        self.requests: list[dict] = []
+        self.repos: dict[str, dict] = {}
+        self.commits: list[dict] = []
+        self.lock = threading.Lock()
+        hub_server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            timeout = 10  # seconds of socket inactivity before a connection is dropped
+
+            def log_message(self, *args):  # keep pytest output clean
+                pass
+
+            def do_GET(self):
+                hub_server._handle(self)
+
+            def do_POST(self):
+                hub_server._handle(self)
+
+            def do_PUT(self):
+                hub_server._handle(self)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self.timer = threading.Timer(lifetime_s, self.server.shutdown)
+        self.timer.daemon = True
+
+    def __enter__(self):
+        self.thread.start()
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+    # ----------------------------------------------------------------------------------------
+
+    def _reply(self, handler, status: int, payload, headers: dict | None = None):
+        body = json.dumps(payload).encode()
+        handler.send_response(status)
+        handler.send_header("Content-Type", "application/json")
+        handler.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            handler.send_header(key, value)
+        handler.end_headers()
+        handler.wfile.write(body)
+
+    @staticmethod
+    def _read_body(handler) -> bytes:
+        if handler.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            chunks = []
+            while True:
+                size = int(handler.rfile.readline().split(b";")[0].strip(), 16)
+                if size == 0:
+                    handler.rfile.readline()  # the empty line after the last chunk
+                    return b"".join(chunks)
+                chunks.append(handler.rfile.read(size))
+                handler.rfile.readline()  # CRLF after each chunk
+        length = int(handler.headers.get("Content-Length") or 0)
+        return handler.rfile.read(length) if length else b""
+
+    def _handle(self, handler):
+        body = self._read_body(handler)
+        url = urllib.parse.urlsplit(handler.path)
+        record = {"method": handler.command, "path": url.path, "query": url.query,
+                  "headers": {k.lower(): v for k, v in handler.headers.items()}, "body": body}
+        with self.lock:
+            if len(self.requests) >= self.max_requests:
+                return self._reply(handler, 429, {"error": "FakeHub: request limit reached"})
+            self.requests.append(record)
+        is_lfs_put = handler.command == "PUT" and url.path.startswith("/lfs-upload/")
+        if not is_lfs_put and record["headers"].get("authorization") != f"Bearer {self.token}":
+            return self._reply(handler, 401, {"error": "Invalid credentials in Authorization header"})
+        try:
+            status, payload, headers = self._route(handler.command, url.path, body)
+        except Exception as error:  # a bug in the fake server must show up as a failed request
+            status, payload, headers = 500, {"error": f"FakeHub: {type(error).__name__}: {error}"}, {}
+        return self._reply(handler, status, payload, headers)
+
+    def _route(self, method: str, path: str, body: bytes):
+        not_found = (404, {"error": f"FakeHub: no route for {method} {path}"}, {})
+        if method == "PUT" and path.startswith("/lfs-upload/"):
+            oid = path.rsplit("/", 1)[1]
+            if hashlib.sha256(body).hexdigest() != oid:
+                return 400, {"error": "FakeHub: the uploaded bytes do not match the oid"}, {}
+            with self.lock:
+                self.lfs_objects[oid] = body
+            return 200, {}, {}
+        if method != "POST":
+            return not_found
+        if path.startswith("/lfs-verify/"):
+            data = json.loads(body)
+            stored = self.lfs_objects.get(data["oid"])
+            if stored is None or len(stored) != data["size"]:
+                return 404, {"error": "FakeHub: LFS object not uploaded"}, {}
+            return 200, {}, {}
+        if path.endswith(".git/info/lfs/objects/batch"):
+            repo_id = path[1:-len(".git/info/lfs/objects/batch")]
+            if repo_id not in self.repos:
+                return 404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
+            data = json.loads(body)
+            objects = [
+                {"oid": o["oid"], "size": o["size"], "authenticated": True,
+                 "actions": {"upload": {"href": f"{self.url}/lfs-upload/{o['oid']}"},
+                             "verify": {"href": f"{self.url}/lfs-verify/{o['oid']}"}}}
+                for o in data["objects"]
+            ]
+            return 200, {"transfer": "basic", "objects": objects}, {}
+        if path == "/api/repos/create":
+            data = json.loads(body)
+            repo_id = f"{data['organization']}/{data['name']}" if data.get("organization") else data["name"]
+            with self.lock:
+                if repo_id in self.repos:
+                    return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}, {}
+                self.repos[repo_id] = {"visibility": data.get("visibility"), "branches": {"main": {}}}
+            return 200, {"url": f"{self.url}/{repo_id}", "name": repo_id}, {}
+        if path == "/api/validate-yaml":
+            data = json.loads(body)
+            try:
+                ModelCard(data["content"])
+            except Exception as error:
+                return 400, {"errors": [{"message": str(error)}], "warnings": []}, {}
+            return 200, {"errors": [], "warnings": []}, {}
+
+        parts = path.split("/")  # ["", "api", "models", namespace, name, action, revision...]
+        if len(parts) < 7 or parts[:3] != ["", "api", "models"]:
+            return not_found
+        repo_id, action = f"{parts[3]}/{parts[4]}", parts[5]
+        revision = urllib.parse.unquote("/".join(parts[6:]))
+        repo = self.repos.get(repo_id)
+        if repo is None:
+            return 404, {"error": "Repository not found"}, {"X-Error-Code": "RepoNotFound"}
+        if action == "branch":
+            with self.lock:
+                if revision in repo["branches"]:
+                    return 409, {"error": f"Branch {revision} already exists"}, {}
+                start = json.loads(body or b"{}").get("startingPoint") or "main"
+                repo["branches"][revision] = dict(repo["branches"][start])
+            return 200, {}, {}
+        if revision not in repo["branches"]:
+            return 404, {"error": f"Invalid rev id: {revision}"}, {"X-Error-Code": "RevisionNotFound"}
+        if action == "preupload":
+            files = json.loads(body)["files"]
+            return 200, {"files": [{"path": f["path"], "shouldIgnore": False, "oid": None,
+                                    "uploadMode": "lfs" if f["path"].endswith(self.lfs_suffixes) else "regular"}
+                                   for f in files]}, {}
+        if action == "commit":
+            lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+            if not lines or lines[0]["key"] != "header":
+                return 400, {"error": "FakeHub: the commit payload must start with a header line"}, {}
+            files = {}
+            for line in lines[1:]:
+                value = line["value"]
+                if line["key"] == "file" and value.get("encoding") == "base64":
+                    files[value["path"]] = base64.b64decode(value["content"])
+                elif line["key"] == "lfsFile" and value.get("algo") == "sha256":
+                    stored = self.lfs_objects.get(value["oid"])
+                    if stored is None or len(stored) != value["size"]:
+                        return 422, {"error": f"FakeHub: LFS object of {value['path']} was not uploaded"}, {}
+                    files[value["path"]] = stored
+                else:
+                    return 422, {"error": f"FakeHub: unsupported commit operation {line['key']}"}, {}
+            with self.lock:
+                repo["branches"][revision].update(files)
+                oid = f"{len(self.commits) + 1:040x}"
+                self.commits.append({"repo_id": repo_id, "revision": revision, "header": lines[0]["value"],
+                                     "files": files, "oid": oid,
+                                     "kinds": {line["value"]["path"]: line["key"] for line in lines[1:]}})
+            return 200, {"commitUrl": f"{self.url}/{repo_id}/commit/{oid}", "commitOid": oid,
+                         "pullRequestUrl": None}, {}
+        return not_found
+
+
+@pytest.fixture
+def fake_hub(monkeypatch, tmp_path):
+    """A running FakeHub; ``HF_ENDPOINT`` points at it, ``HF_TOKEN`` holds its token, no cached login."""
+    with FakeHub() as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-cached-token"))
+        yield server
+
+
+def assert_upload_is_complete(uploaded: dict[str, bytes], folder: Path):
+    """The recorded upload holds every file of the folder, byte for byte, including all a load needs."""
+    local = folder_bytes(folder)
+    assert sorted(uploaded) == sorted(local)
+    for path, data in local.items():
+        assert uploaded[path] == data, f"{path}: uploaded bytes differ"
+    required = {"config.json", "model.safetensors", "README.md", "tokenizer.json", "tokenizer_config.json",
+                *CODE_FILES}
+    assert required <= set(uploaded)
+    auto_map = json.loads(uploaded["config.json"])["auto_map"]
+    for reference in auto_map.values():
+        assert f"{reference.split('.')[0]}.py" in uploaded
+
+
+# --------------------------------------------------------------------------------------------
+# Push
+# --------------------------------------------------------------------------------------------
+
+
+def test_dry_run_lists_every_file_and_sends_nothing(folder, fake_hub, capsys):
+    (folder / "__pycache__").mkdir()
+    (folder / "__pycache__" / "modeling_performer.cpython-311.pyc").write_bytes(b"\0" * 10)
+    result = push_folder(folder, REPO_ID, dry_run=True)
+    expected = {path: len(data) for path, data in folder_bytes(folder).items() if not path.startswith("__pycache__")}
+    assert {f.path: f.size for f in result.files} == expected
+    assert result.dry_run and result.commit_url is None and result.total_bytes == sum(expected.values())
+
+    assert cli_main(["push", str(folder), REPO_ID, "--dry-run", "--revision", "experiments"]) == 0
+    out = capsys.readouterr().out
+    assert f"dry run: would upload to {REPO_ID} (revision experiments)" in out and "nothing was uploaded" in out
+    for path, size in expected.items():
+        assert f"({size} bytes)" in next(line for line in out.splitlines() if line.strip().startswith(path + " "))
+    assert f"{len(expected)} files" in out
+    assert fake_hub.requests == []  # nothing was sent
+
+
+def test_push_uploads_everything_the_folder_needs(folder, fake_hub):
+    result = push_folder(folder, REPO_ID, private=True)
+    methods_paths = [(r["method"], r["path"]) for r in fake_hub.requests]
+    assert methods_paths == [
+        ("POST", "/api/repos/create"),
+        ("POST", "/api/validate-yaml"),
+        ("POST", f"/api/models/{REPO_ID}/preupload/main"),
+        ("POST", f"/api/models/{REPO_ID}/commit/main"),
+    ]
+    assert all(r["headers"]["authorization"] == f"Bearer {TOKEN}" for r in fake_hub.requests)
+    create = json.loads(fake_hub.requests[0]["body"])
+    assert create == {"name": "tiny-performer", "organization": "tester", "visibility": "private", "type": "model"}
+    assert fake_hub.requests[3]["headers"]["content-type"] == "application/x-ndjson"
+
+    assert len(fake_hub.commits) == 1 and fake_hub.commits[0]["header"]["summary"].startswith("Upload Performer")
+    uploaded = fake_hub.repos[REPO_ID]["branches"]["main"]
+    assert_upload_is_complete(uploaded, folder)
+    assert sorted(uploaded) == [f.path for f in result.files] == [f.path for f in upload_file_list(folder)]
+    assert result.commit_url == f"{fake_hub.url}/{REPO_ID}/commit/{fake_hub.commits[0]['oid']}"
+    assert result.repo_url == f"{fake_hub.url}/{REPO_ID}"
+
+
+def test_push_to_a_branch_creates_it_once(folder, fake_hub):
+    push_folder(folder, REPO_ID, revision="experiments")
+    (folder / "README.md").write_text(str(build_model_card(folder, repo_id=REPO_ID)).replace("tiny-performer is", "It is"))
+    push_folder(folder, REPO_ID, revision="experiments", commit_message="second")  # repo and branch exist: 409s
+    paths = [r["path"] for r in fake_hub.requests if "/branch/" in r["path"]]
+    assert paths == [f"/api/models/{REPO_ID}/branch/experiments"] * 2
+    assert [c["revision"] for c in fake_hub.commits] == ["experiments", "experiments"]
+    assert fake_hub.commits[1]["header"]["summary"] == "second"
+    assert fake_hub.repos[REPO_ID]["branches"]["main"] == {}  # main untouched
+    assert_upload_is_complete(fake_hub.repos[REPO_ID]["branches"]["experiments"], folder)
+    assert fake_hub.repos[REPO_ID]["visibility"] is None  # no --private: the Hub's default
+
+
+def test_push_command_end_to_end_with_explicit_token(folder, fake_hub, monkeypatch, capsys):
+    monkeypatch.delenv("HF_TOKEN")
+    fake_hub.token = "hf_explicit_token_given_on_the_command_line"
+    assert cli_main(["push", str(folder), REPO_ID, "--token", fake_hub.token, "--private"]) == 0
+    out = capsys.readouterr().out
+    assert f"uploaded to {REPO_ID}" in out and f"commit: {fake_hub.url}/{REPO_ID}/commit/" in out
+    assert all(r["headers"]["authorization"] == f"Bearer {fake_hub.token}" for r in fake_hub.requests)
+    assert_upload_is_complete(fake_hub.repos[REPO_ID]["branches"]["main"], folder)
+
+
+def test_push_refuses_a_broken_folder_and_sends_nothing(folder, fake_hub):
+    (folder / "favor_attention.py").unlink()
+    with pytest.raises(FolderValidationError, match="favor_attention.py: missing"):
+        push_folder(folder, REPO_ID)
+    with pytest.raises(SystemExit, match="hf-performer push: error: .* would not load"):
+        cli_main(["push", str(folder), REPO_ID, "--dry-run"])
+    assert fake_hub.requests == []
+
+
+def test_push_errors_are_clear(folder, fake_hub, monkeypatch):
+    with pytest.raises(PushError, match="not of the form namespace/name"):
+        push_folder(folder, "no-namespace")
+    with pytest.raises(PushError, match="is a commit id"):
+        push_folder(folder, REPO_ID, revision="a" * 40)
+    monkeypatch.delenv("HF_TOKEN")
+    with pytest.raises(PushError, match="no Hugging Face token"):
+        push_folder(folder, REPO_ID)
+    assert fake_hub.requests == []
+    with pytest.raises(PushError, match="the Hub refused the upload"):
+        push_folder(folder, REPO_ID, token="hf_wrong_token")
+    # create_repo answered 401; huggingface_hub then checks whether the repo exists (GET) before raising.
+    assert [r["path"] for r in fake_hub.requests] == ["/api/repos/create", f"/api/models/{REPO_ID}"]
+    assert fake_hub.commits == [] and fake_hub.repos == {}
+
+
+def test_push_help(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["push", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    for option in ("--private", "--revision", "--dry-run", "--token", "FOLDER", "REPO_ID"):
+        assert option in out
+
+
+def test_write_model_card_replaces_readme(folder):
+    (folder / "README.md").write_text("old")
+    path = write_model_card(folder, model_name="renamed")
+    assert path == folder / "README.md" and metadata_load(path)["library_name"] == "transformers"
+    assert "# renamed" in path.read_text()
+    assert hub.validate_model_card(path.read_text())["pipeline_tag"] == "text-classification"
+    (folder / REPORT_FILE_NAME).unlink()
+    assert "This folder has no `conversion_report.json`" in write_model_card(folder).read_text()
+
+
+@pytest.mark.filterwarnings("ignore:Use 'content=<...>':DeprecationWarning")  # raised inside huggingface_hub's LFS PUT
+def test_push_large_files_through_git_lfs(folder, monkeypatch):
+    """Without hf_xet (or with it disabled), files the Hub marks "lfs" go through the Git LFS batch API."""
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    with FakeHub(lfs_suffixes=(".safetensors",)) as server:
+        monkeypatch.setenv("HF_ENDPOINT", server.url)
+        monkeypatch.setenv("HF_TOKEN", TOKEN)
+        push_folder(folder, REPO_ID)
+    weights = (folder / "model.safetensors").read_bytes()
+    oid = hashlib.sha256(weights).hexdigest()
+    requests = [(r["method"], r["path"]) for r in server.requests]
+    assert ("POST", f"/{REPO_ID}.git/info/lfs/objects/batch") in requests
+    assert [path for method, path in requests if method == "PUT"] == [f"/lfs-upload/{oid}"]
+    assert ("POST", f"/lfs-verify/{oid}") in requests
+    assert server.lfs_objects == {oid: weights}
+    (commit,) = server.commits
+    assert commit["kinds"]["model.safetensors"] == "lfsFile" and commit["kinds"]["config.json"] == "file"
+    assert_upload_is_complete(server.repos[REPO_ID]["branches"]["main"], folder)
+
+
+def test_fake_hub_is_local_and_bounded():
+    """The test server binds 127.0.0.1 only, refuses requests past its cap and shuts itself down."""
+    import urllib.error
+    import urllib.request
+
+    with FakeHub(max_requests=2, lifetime_s=1.0) as server:
+        assert server.server.server_address[0] == "127.0.0.1"
+        statuses = []
+        for _ in range(3):
+            request = urllib.request.Request(f"{server.url}/api/validate-yaml", method="POST",
+                                             data=json.dumps({"content": "---\nlicense: mit\n---\n"}).encode(),
+                                             headers={"Authorization": f"Bearer {TOKEN}"})
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    statuses.append(response.status)
+            except urllib.error.HTTPError as error:
+                statuses.append(error.code)
+        assert statuses == [200, 200, 429] and len(server.requests) == 2
+        server.thread.join(timeout=5)  # the lifetime timer stops serve_forever by itself
+        assert not server.thread.is_alive()
