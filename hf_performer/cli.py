@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import benchmark
+    from . import benchmark, evaluation, hub
     from .conversion import cli as conversion_cli
     from .conversion import quickstart
 
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     quickstart.add_parser(subparsers)
     conversion_cli.add_parser(subparsers)
     benchmark.add_parser(subparsers)
+    evaluation.add_parser(subparsers)
+    hub.add_parser(subparsers)
     return parser
 
 

@@ -669,17 +669,13 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 
 
 def default_template_path() -> Path:
-    """``model_cards/performer_card.md``: next to the package in a source checkout (editable install), or
-    installed as ``hf_performer/model_cards/`` package data."""
-    here = Path(__file__).resolve().parent
-    candidates = [here.parent / "model_cards" / TEMPLATE_NAME, here / "model_cards" / TEMPLATE_NAME]
-    for candidate in candidates:
-        if candidate.is_file():
-            return candidate
-    raise ModelCardError(
-        f"model card template {TEMPLATE_NAME} not found (looked in {', '.join(str(c) for c in candidates)}); "
-        "install hf-performer from its source tree or pass template_path="
-    )
+    """``model_cards/performer_card.md``, installed as package data of ``hf_performer.model_cards``."""
+    from importlib.resources import files
+
+    path = Path(str(files("hf_performer.model_cards") / TEMPLATE_NAME))
+    if not path.is_file():
+        raise ModelCardError(f"model card template {TEMPLATE_NAME} not found at {path}; pass template_path=")
+    return path
 
 
 def _source_geometry(config: dict) -> dict:

@@ -1,0 +1,463 @@
+"""Evaluation: task metrics, perplexity, and the ``hf-performer evaluate`` command.
+
+Task metrics
+    :func:`compute_task_metrics` returns each task's GLUE metrics (CoLA: Matthews correlation; MRPC / QQP:
+    accuracy and F1 of the positive class; STS-B: Pearson and Spearman correlation; the others and IMDB:
+    accuracy). With ``backend="auto"`` it uses ``evaluate.load("glue", task)`` (``evaluate.load("accuracy")``
+    for IMDB) when that loads (it needs the Hugging Face Hub), else the same formulas computed locally with
+    scikit-learn (``accuracy_score``, ``f1_score``, ``matthews_corrcoef``) and scipy (``pearsonr``,
+    ``spearmanr``): the functions ``evaluate``'s GLUE metric itself calls. The backend used is reported
+    (``"evaluate"`` or ``"local"``) next to the numbers.
+
+Perplexity (:func:`perplexity`), a fixed protocol
+    The text is tokenised as one sequence of ``N`` tokens (no special tokens added). Windows of at most
+    ``context_length`` tokens start every ``stride`` tokens (``0, stride, 2*stride, ...``) until one reaches the
+    end: the sliding-window protocol of the transformers perplexity guide. Each window scores only the tokens
+    no earlier window scored (the first scores all of its tokens but the first one, which has no context), so
+    every token ``1..N-1`` is scored exactly once; a token scored by a later window sees at least
+    ``context_length - stride`` tokens of left context (and at most ``context_length - 1``). The result is
+    token-weighted: ``exp(sum of token NLLs / (N - 1))``. The summed NLLs are computed from the logits
+    (no per-window average rescaled by a token count). ``stride`` must be smaller than ``context_length`` (a
+    window starting where the previous one ended would have no context for its first token, which would then
+    go unscored); ``stride = context_length - 1`` is the cheapest setting, ``stride = 1`` the most faithful.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .data import LM_DATASETS, DataError, TaskSpec, get_task
+
+
+METRIC_BACKENDS = ("auto", "evaluate", "local")
+
+_EVALUATE_CACHE: dict[str, object] = {}
+
+
+class EvaluationError(ValueError):
+    """Evaluation asked for something inconsistent (a model whose labels do not match the task, ...)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Task metrics
+# --------------------------------------------------------------------------------------------
+
+
+def _local_metrics(spec: TaskSpec, predictions: np.ndarray, references: np.ndarray) -> dict[str, float]:
+    try:
+        from scipy.stats import pearsonr, spearmanr
+        from sklearn.metrics import accuracy_score, f1_score, matthews_corrcoef
+    except ImportError as error:
+        raise EvaluationError(
+            f"the local metrics need scikit-learn and scipy ({error}); `pip install scikit-learn scipy`, or use "
+            "--metrics-backend evaluate where the Hub is reachable"
+        ) from None
+
+    results: dict[str, float] = {}
+    for name in spec.metrics:
+        if name == "accuracy":
+            results[name] = float(accuracy_score(references, predictions))
+        elif name == "f1":
+            results[name] = float(f1_score(references, predictions))
+        elif name == "matthews_correlation":
+            results[name] = float(matthews_corrcoef(references, predictions))
+        elif name in ("pearson", "spearmanr"):
+            function = pearsonr if name == "pearson" else spearmanr
+            results[name] = float(function(predictions, references)[0])
+        else:  # pragma: no cover - the registry only names the metrics above
+            raise EvaluationError(f"no local implementation of metric {name!r}")
+    return results
+
+
+def _load_evaluate_metric(spec: TaskSpec):
+    """``evaluate.load`` for the task (cached per process, failures included); the exception if it fails."""
+    key = spec.name
+    if key not in _EVALUATE_CACHE:
+        try:
+            import evaluate
+
+            _EVALUATE_CACHE[key] = (
+                evaluate.load("glue", spec.name) if spec.hub[0] == "glue" else evaluate.load("accuracy")
+            )
+        except Exception as error:  # noqa: BLE001 - offline, missing scripts, ...: all mean "not available"
+            _EVALUATE_CACHE[key] = error
+    return _EVALUATE_CACHE[key]
+
+
+def compute_task_metrics(task: str | TaskSpec, predictions: Sequence, references: Sequence,
+                         backend: str = "auto") -> tuple[dict[str, float], str, str | None]:
+    """The task's metrics.
+
+    Args:
+        task: task name or spec (see :data:`hf_performer.data.TASKS`).
+        predictions: ``[n]`` class ids (float scores for STS-B).
+        references: ``[n]`` labels.
+        backend: ``"evaluate"`` (``evaluate.load``; raises if unavailable), ``"local"`` (scikit-learn / scipy) or
+            ``"auto"`` (``evaluate`` if it loads, else local).
+
+    Returns:
+        ``(metrics, backend_used, note)``: metrics by name (floats), ``"evaluate"`` or ``"local"``, and why the
+        local fallback was used (``None`` otherwise).
+    """
+    spec = task if isinstance(task, TaskSpec) else get_task(task)
+    if backend not in METRIC_BACKENDS:
+        raise EvaluationError(f"unknown metrics backend {backend!r}; accepted: {', '.join(METRIC_BACKENDS)}")
+    predictions = np.asarray(predictions)
+    references = np.asarray(references)
+    if predictions.shape != references.shape or predictions.ndim != 1:
+        raise EvaluationError(f"predictions {predictions.shape} and references {references.shape} must be [n]")
+    note = None
+    if backend in ("auto", "evaluate"):
+        metric = _load_evaluate_metric(spec)
+        if not isinstance(metric, Exception):
+            results = metric.compute(predictions=predictions.tolist(), references=references.tolist())
+            return {name: float(results[name]) for name in spec.metrics}, "evaluate", None
+        if backend == "evaluate":
+            raise EvaluationError(f"evaluate.load failed for {spec.name}: {metric}") from metric
+        note = (f"evaluate.load({'glue, ' + repr(spec.name) if spec.hub[0] == 'glue' else repr('accuracy')}) "
+                f"is unavailable ({type(metric).__name__}: {str(metric).splitlines()[0][:160]}); the same metrics "
+                "were computed locally with scikit-learn / scipy")
+    return _local_metrics(spec, predictions, references), "local", note
+
+
+# --------------------------------------------------------------------------------------------
+# Classification evaluation
+# --------------------------------------------------------------------------------------------
+
+
+def check_model_matches_task(model, spec: TaskSpec) -> None:
+    """Raise :class:`EvaluationError` when the model's head cannot produce the task's labels."""
+    num_labels = getattr(model.config, "num_labels", None)
+    if num_labels != spec.num_labels:
+        raise EvaluationError(
+            f"the model has {num_labels} output labels but task {spec.name} needs {spec.num_labels}"
+            + (" (STS-B is a regression: one output)" if spec.is_regression else "")
+        )
+
+
+@torch.no_grad()
+def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) -> tuple[np.ndarray, np.ndarray, float]:
+    """Run ``model`` over a tokenised task dataloader (batches with ``labels``).
+
+    Args:
+        model: a sequence classification model (Performer or softmax).
+        dataloader: batches from ``DataCollatorWithPadding`` (``input_ids`` ``[B, L]``, ``labels`` ``[B]``).
+        spec: the task.
+        accelerator: an ``accelerate.Accelerator`` when the dataloader is prepared (predictions are gathered
+            across processes, duplicates dropped); ``None`` runs on the model's device.
+
+    Returns:
+        ``(predictions [n], references [n], mean loss)``: argmax class ids, or float scores for regression.
+    """
+    was_training = model.training
+    model.eval()
+    device = None if accelerator is not None else next(model.parameters()).device
+    predictions, references, losses, counts = [], [], [], []
+    for batch in dataloader:
+        if device is not None:
+            batch = {key: value.to(device) for key, value in batch.items()}
+        logits = model(**batch).logits.float()
+        labels = batch["labels"]
+        # Per-example losses (the head's own loss: cross-entropy, or MSE for regression), so that the mean over
+        # the gathered examples is exact even when the last batch is padded across processes.
+        if spec.is_regression:
+            batch_predictions = logits.squeeze(-1)
+            example_loss = (batch_predictions - labels.float()) ** 2
+        else:
+            batch_predictions = logits.argmax(dim=-1)
+            example_loss = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+        if accelerator is not None:
+            batch_predictions, labels, example_loss = accelerator.gather_for_metrics(
+                (batch_predictions, labels, example_loss))
+        predictions.append(batch_predictions.cpu())
+        references.append(labels.cpu())
+        losses.append(example_loss.double().sum().item())
+        counts.append(int(labels.shape[0]))
+    model.train(was_training)
+    mean_loss = sum(losses) / max(sum(counts), 1)
+    return torch.cat(predictions).numpy(), torch.cat(references).numpy(), mean_loss
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity
+# --------------------------------------------------------------------------------------------
+
+
+def perplexity_windows(num_tokens: int, context_length: int, stride: int) -> list[tuple[int, int, int]]:
+    """The windows of the perplexity protocol (module docstring).
+
+    Returns:
+        ``[(begin, end, first_scored), ...]``: the window is ``ids[begin:end]`` and scores the tokens
+        ``first_scored..end-1`` (each predicted from the tokens before it inside the window).
+    """
+    if context_length < 2:
+        raise EvaluationError(f"context length must be >= 2, got {context_length}")
+    if not 1 <= stride < context_length:
+        raise EvaluationError(
+            f"stride must be in 1..context length - 1 ({context_length - 1}), got {stride}: every window after the "
+            "first needs at least one token of left context"
+        )
+    if num_tokens < 2:
+        raise EvaluationError(f"perplexity needs at least 2 tokens, got {num_tokens}")
+    windows, previous_end = [], 0
+    for begin in range(0, num_tokens, stride):
+        end = min(begin + context_length, num_tokens)
+        windows.append((begin, end, max(previous_end, begin + 1)))
+        previous_end = end
+        if end == num_tokens:
+            break
+    return windows
+
+
+@torch.no_grad()
+def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: int, stride: int,
+               batch_size: int = 1, accelerator=None, show_progress: bool = False) -> dict[str, float]:
+    """Token-weighted perplexity of a causal LM on one token sequence (protocol: module docstring).
+
+    Args:
+        model: a causal LM (``logits`` ``[B, L, vocab]``), e.g. ``PerformerForCausalLM`` or ``GPT2LMHeadModel``.
+        input_ids: ``[N]`` token ids of the whole text.
+        context_length: tokens per window (at most the model's positions).
+        stride: tokens between window starts (``< context_length``).
+        batch_size: windows of equal length per forward pass.
+        accelerator: with several processes, windows are shared out (each process runs the same number of
+            forward passes; sums are reduced); ``None`` runs on the model's device.
+        show_progress: a tqdm bar over windows.
+
+    Returns:
+        ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``.
+    """
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
+    windows = perplexity_windows(ids.numel(), context_length, stride)
+    world = accelerator.num_processes if accelerator is not None else 1
+    rank = accelerator.process_index if accelerator is not None else 0
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    # Each process takes every world-th window; padding entries (weight 0) keep forward counts equal (FSDP / ZeRO-3).
+    per_process = math.ceil(len(windows) / world)
+    mine = [(windows[i], 1.0) if i < len(windows) else (windows[0], 0.0)
+            for i in (rank + k * world for k in range(per_process))]
+    was_training = model.training
+    model.eval()
+    nll_sum = torch.zeros((), dtype=torch.float64, device=device)
+    count = torch.zeros((), dtype=torch.float64, device=device)
+    groups: list[list] = []
+    for item in mine:  # group consecutive windows of the same length into batches
+        length = item[0][1] - item[0][0]
+        if groups and len(groups[-1]) < batch_size and groups[-1][0][0][1] - groups[-1][0][0][0] == length:
+            groups[-1].append(item)
+        else:
+            groups.append([item])
+    progress = None
+    if show_progress:
+        from tqdm.auto import tqdm
+
+        progress = tqdm(total=len(mine), desc="perplexity", disable=accelerator is not None
+                        and not accelerator.is_local_main_process)
+    for group in groups:
+        batch = torch.stack([ids[begin:end] for (begin, end, _), _ in group]).to(device)
+        logits = model(input_ids=batch, use_cache=False).logits.float()  # [B, L, vocab]
+        log_probs = torch.log_softmax(logits[:, :-1], dim=-1)
+        token_nll = -log_probs.gather(-1, batch[:, 1:, None]).squeeze(-1).double()  # [B, L-1]: NLL of token j+1
+        for row, ((begin, _end, first), weight) in enumerate(group):
+            scored = token_nll[row, first - begin - 1:]
+            nll_sum += weight * scored.sum()
+            count += weight * scored.numel()
+        if progress is not None:
+            progress.update(len(group))
+    if progress is not None:
+        progress.close()
+    if accelerator is not None and world > 1:
+        nll_sum, count = accelerator.reduce(torch.stack([nll_sum, count]), reduction="sum")
+    model.train(was_training)
+    mean_nll = float(nll_sum / count)
+    return {"perplexity": math.exp(mean_nll), "nll": mean_nll, "num_tokens": int(count),
+            "context_length": context_length, "stride": stride, "windows": len(windows)}
+
+
+# --------------------------------------------------------------------------------------------
+# The ``hf-performer evaluate`` command
+# --------------------------------------------------------------------------------------------
+
+
+CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
+
+Classification (GLUE tasks, IMDB):
+  hf-performer evaluate MODEL --task sst2 --validation-file ../shared/data/glue/SST-2/dev.tsv --output metrics.json
+  (without --validation-file the Hub's validation split is loaded: needs Hub access)
+
+Perplexity (causal LMs):
+  hf-performer evaluate MODEL --task wikitext --text-file ../shared/data/wikitext-2-raw/wiki.test.raw \\
+      --context-length 1024 --stride 512
+  Windows of --context-length tokens start every --stride tokens; every token is scored once, with at least
+  context-length - stride tokens of left context after the first window; token-weighted.
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``evaluate`` subcommand to ``subparsers``."""
+    parser = subparsers.add_parser(
+        "evaluate",
+        help="evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
+        description=CLI_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("model", metavar="MODEL", help="model folder (or offline Hub name)")
+    parser.add_argument("--task", required=True,
+                        help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, or a causal-LM "
+                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity")
+    parser.add_argument("--validation-file", default=None,
+                        help="local evaluation file (TSV/CSV/JSON lines, .gz accepted) instead of the Hub split")
+    parser.add_argument("--max-eval-samples", type=int, default=None,
+                        help="evaluate a seeded random subset of N examples (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the --max-eval-samples subset (default: 0)")
+    parser.add_argument("--max-length", type=int, default=128, help="classification: tokens per example (default: 128)")
+    parser.add_argument("--batch-size", type=int, default=32, help="examples (or windows) per batch (default: 32)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
+    parser.add_argument("--metrics-backend", choices=METRIC_BACKENDS, default="auto",
+                        help="evaluate (Hub), local (scikit-learn/scipy) or auto: evaluate when it loads (default)")
+    parser.add_argument("--text-file", default=None, help="perplexity: raw text file instead of the Hub dataset")
+    parser.add_argument("--split", default="test", help="perplexity: Hub split (default: test)")
+    parser.add_argument("--max-chars", type=int, default=None, help="perplexity: use the first N characters only")
+    parser.add_argument("--context-length", type=int, default=None,
+                        help="perplexity: tokens per window (default: the model's max positions, at most 1024)")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="perplexity: tokens between window starts (default: context length / 2)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
+    parser.add_argument("--output", default=None, help="write the metrics to this JSON file")
+    parser.set_defaults(func=run_evaluate)
+    return parser
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as error:
+        raise EvaluationError(f"no tokenizer could be loaded from {path!r} ({error}); pass --tokenizer") from None
+
+
+def evaluate_classification_model(model_path: str, task: str, validation_file: str | None = None,
+                                  max_eval_samples: int | None = None, seed: int = 0, max_length: int = 128,
+                                  batch_size: int = 32, tokenizer_path: str | None = None,
+                                  metrics_backend: str = "auto", device: str | None = None,
+                                  trust_remote_code: bool = False) -> dict:
+    """Evaluate a sequence classification model folder on a task's validation split (see ``hf-performer
+    evaluate --help``). Returns the metrics record written by the command."""
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+    from . import modeling_performer  # noqa: F401 - registers the Performer classes with the Auto classes
+    from .data import load_task_split, tokenize_task_dataset
+
+    spec = get_task(task)
+    tokenizer = _load_tokenizer(tokenizer_path or model_path)
+    model = AutoModelForSequenceClassification.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    check_model_matches_task(model, spec)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    dataset = load_task_split(spec, "validation", validation_file, max_eval_samples, seed)
+    tokenized = tokenize_task_dataset(dataset, tokenizer, spec, max_length)
+    loader = DataLoader(tokenized, batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer))
+    start = time.perf_counter()
+    predictions, references, loss = predict_classification(model, loader, spec)
+    metrics, backend, note = compute_task_metrics(spec, predictions, references, metrics_backend)
+    return {
+        "task": spec.name,
+        "model": model_path,
+        "data": validation_file or f"hub:{'/'.join(spec.hub)}:{spec.validation_split}",
+        "num_examples": int(len(references)),
+        "metrics": metrics,
+        "main_metric": spec.main_metric,
+        "eval_loss": loss,
+        "metrics_backend": backend,
+        "metrics_note": note,
+        "eval_seconds": round(time.perf_counter() - start, 3),
+        "device": str(device),
+    }
+
+
+def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file: str | None = None,
+                              split: str = "test", max_chars: int | None = None, context_length: int | None = None,
+                              stride: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
+                              device: str | None = None, trust_remote_code: bool = False) -> dict:
+    """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
+    --help``). Returns the metrics record written by the command."""
+    from transformers import AutoModelForCausalLM
+
+    from . import modeling_performer  # noqa: F401
+    from .data import load_lm_text, tokenize_lm_text
+
+    tokenizer = _load_tokenizer(tokenizer_path or model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model.to(device)
+    if context_length is None:
+        positions = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1024
+        context_length = min(int(positions), 1024)
+    stride = stride if stride is not None else max(context_length // 2, 1)
+    text = load_lm_text(text_file, dataset=task, split=split, max_chars=max_chars)
+    ids = tokenize_lm_text(text, tokenizer)
+    start = time.perf_counter()
+    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=True)
+    return {
+        "task": "perplexity",
+        "model": model_path,
+        "data": text_file or f"hub:{'/'.join(LM_DATASETS.get(task, (task,)))}:{split}",
+        "metrics": {"perplexity": result["perplexity"], "nll": result["nll"]},
+        "protocol": {key: result[key] for key in ("context_length", "stride", "windows", "num_tokens")}
+        | {"text_tokens": len(ids), "max_chars": max_chars},
+        "eval_seconds": round(time.perf_counter() - start, 3),
+        "device": str(device),
+    }
+
+
+def run_evaluate(args: argparse.Namespace) -> int:
+    """Run ``hf-performer evaluate`` (see :func:`add_parser`). Returns the exit status."""
+    try:
+        if args.task.lower() in LM_DATASETS or args.text_file is not None:
+            record = evaluate_perplexity_model(
+                args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
+                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code)
+        else:
+            record = evaluate_classification_model(
+                args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
+                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code)
+    except (DataError, EvaluationError) as error:
+        raise SystemExit(f"hf-performer evaluate: error: {error}") from None
+    for name, value in record["metrics"].items():
+        print(f"{name}: {value:.6g}")
+    if record.get("metrics_note"):
+        print(f"note: {record['metrics_note']}")
+    if args.output:
+        folder = os.path.dirname(os.path.abspath(args.output))
+        os.makedirs(folder, exist_ok=True)
+        with open(args.output, "w") as handle:
+            json.dump(record, handle, indent=2)
+        print(f"wrote {args.output}")
+    return 0
+
+
+__all__ = [
+    "METRIC_BACKENDS",
+    "EvaluationError",
+    "add_parser",
+    "check_model_matches_task",
+    "compute_task_metrics",
+    "evaluate_classification_model",
+    "evaluate_perplexity_model",
+    "perplexity",
+    "perplexity_windows",
+    "predict_classification",
+    "run_evaluate",
+]

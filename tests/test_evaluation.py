@@ -1,0 +1,265 @@
+"""Evaluation and data loading: task metrics (evaluate or the local fallback), the perplexity protocol checked
+against a hand computation, local file loaders on each layout of ../shared/data (a few rows; skipped when the
+folder is absent) and on synthetic files, and the ``hf-performer evaluate`` command.
+"""
+
+import gzip
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification, BertTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers.utils import logging
+
+from hf_performer import evaluation
+from hf_performer.cli import main as cli_main
+from hf_performer.conversion import convert_to_performer
+from hf_performer.data import (
+    TASKS,
+    DataError,
+    get_task,
+    load_lm_text,
+    load_task_file,
+    read_records,
+    select_subset,
+    tokenize_task_dataset,
+)
+from hf_performer.evaluation import EvaluationError, compute_task_metrics, perplexity, perplexity_windows
+
+logging.set_verbosity_error()
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent")
+
+
+# --------------------------------------------------------------------------------------------
+# Task registry and metrics
+# --------------------------------------------------------------------------------------------
+
+
+def test_registry_covers_glue_and_imdb():
+    assert set(TASKS) == {"cola", "sst2", "mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli", "imdb"}
+    assert get_task("SST-2") is TASKS["sst2"] and get_task("sts-b").is_regression
+    assert TASKS["stsb"].num_labels == 1 and TASKS["mnli"].num_labels == 3
+    assert TASKS["mnli"].validation_split == "validation_matched" and TASKS["imdb"].validation_split == "test"
+    assert TASKS["cola"].metrics == ("matthews_correlation",) and TASKS["mrpc"].metrics == ("accuracy", "f1")
+    assert all(TASKS[t].is_pair for t in ("mrpc", "qqp", "stsb", "mnli", "qnli", "rte", "wnli"))
+    with pytest.raises(DataError, match="unknown task 'sst3'.*accepted: cola, sst2"):
+        get_task("sst3")
+
+
+def test_local_metrics_match_hand_computation():
+    predictions, references = [1, 0, 1, 1, 0, 1], [1, 0, 0, 1, 1, 1]
+    metrics, backend, _ = compute_task_metrics("mrpc", predictions, references, backend="local")
+    assert backend == "local"
+    tp, fp, fn = 3, 1, 1
+    assert metrics == pytest.approx({"accuracy": 4 / 6, "f1": 2 * tp / (2 * tp + fp + fn)})
+    tn = 1
+    mcc = (tp * tn - fp * fn) / math.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
+    assert compute_task_metrics("cola", predictions, references, "local")[0] == pytest.approx(
+        {"matthews_correlation": mcc})
+    x, y = np.array([0.1, 2.0, 3.5, 4.0, 1.0]), np.array([0.0, 2.5, 3.0, 5.0, 0.5])
+    pearson = np.corrcoef(x, y)[0, 1]
+    spearman = np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(y)))[0, 1]
+    assert compute_task_metrics("stsb", x, y, "local")[0] == pytest.approx(
+        {"pearson": pearson, "spearmanr": spearman})
+    with pytest.raises(EvaluationError, match="must be"):
+        compute_task_metrics("sst2", [1, 0], [1], "local")
+
+
+def test_auto_backend_uses_evaluate_when_it_loads_else_falls_back(monkeypatch):
+    class FakeMetric:
+        def compute(self, predictions, references):
+            return {"accuracy": 0.25}
+
+    monkeypatch.setitem(evaluation._EVALUATE_CACHE, "sst2", FakeMetric())
+    assert compute_task_metrics("sst2", [1, 0], [1, 1], "auto") == ({"accuracy": 0.25}, "evaluate", None)
+    monkeypatch.setitem(evaluation._EVALUATE_CACHE, "sst2", FileNotFoundError("no glue script offline"))
+    metrics, backend, note = compute_task_metrics("sst2", [1, 0], [1, 1], "auto")
+    assert (metrics, backend) == ({"accuracy": 0.5}, "local") and "no glue script offline" in note
+    with pytest.raises(EvaluationError, match="evaluate.load failed"):
+        compute_task_metrics("sst2", [1, 0], [1, 1], "evaluate")
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2():
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=50)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("num_tokens,context,stride", [(23, 8, 3), (23, 8, 7), (20, 6, 5), (9, 16, 4), (30, 4, 1)])
+def test_windows_score_every_token_once(num_tokens, context, stride):
+    windows = perplexity_windows(num_tokens, context, stride)
+    scored = [t for begin, end, first in windows for t in range(first, end)]
+    assert scored == list(range(1, num_tokens))
+    for begin, end, first in windows:
+        assert end - begin <= context and begin % stride == 0
+        if begin > 0:
+            assert first - begin >= context - stride  # at least context - stride tokens of left context
+
+
+def _hand_perplexity(model, ids, context, stride):
+    """Token by token: NLL of token t given the tokens of its window before it (protocol of the docstring)."""
+    total, count = 0.0, 0
+    starts = list(range(0, len(ids), stride))
+    for t in range(1, len(ids)):
+        begin = next(s for s in starts if min(s + context, len(ids)) > t)  # the first window containing t
+        with torch.no_grad():
+            logits = model(torch.tensor([ids[begin:t]])).logits[0, -1].double()
+        total -= torch.log_softmax(logits, -1)[ids[t]].item()
+        count += 1
+    return math.exp(total / count), count
+
+
+@pytest.mark.parametrize("context,stride,batch_size", [(8, 3, 2), (8, 7, 1), (40, 10, 1)])
+def test_perplexity_matches_hand_computation(tiny_gpt2, context, stride, batch_size):
+    ids = torch.randint(0, 50, (29,), generator=torch.Generator().manual_seed(1)).tolist()
+    result = perplexity(tiny_gpt2, ids, context, stride, batch_size=batch_size)
+    expected, count = _hand_perplexity(tiny_gpt2, ids, context, stride)
+    assert result["num_tokens"] == count == 28
+    assert result["perplexity"] == pytest.approx(expected, rel=1e-5)
+    if context >= len(ids):  # one window: the model's own mean loss
+        with torch.no_grad():
+            loss = tiny_gpt2(torch.tensor([ids]), labels=torch.tensor([ids])).loss
+        assert result["perplexity"] == pytest.approx(math.exp(loss.item()), rel=1e-5)
+
+
+def test_perplexity_of_a_converted_performer_matches_hand_computation(tiny_gpt2):
+    performer = convert_to_performer(tiny_gpt2, nb_features=16)
+    ids = torch.randint(0, 50, (21,), generator=torch.Generator().manual_seed(2)).tolist()
+    expected, _ = _hand_perplexity(performer, ids, 8, 4)
+    assert perplexity(performer, ids, 8, 4, batch_size=3)["perplexity"] == pytest.approx(expected, rel=1e-4)
+    with pytest.raises(EvaluationError, match="stride must be in 1..context length - 1"):
+        perplexity(performer, ids, 8, 8)
+
+
+# --------------------------------------------------------------------------------------------
+# Local files: the layouts of ../shared/data (a few rows) and synthetic ones
+# --------------------------------------------------------------------------------------------
+
+
+@needs_shared
+@pytest.mark.parametrize("task,path,columns,labels", [
+    ("sst2", "glue/SST-2/dev.tsv", ["sentence"], [1, 0, 1, 1]),
+    ("cola", "glue/CoLA/dev.tsv", ["sentence"], [1, 1, 1, 1]),  # no header: source, label, mark, sentence
+    ("rte", "glue/RTE/dev.tsv", ["sentence1", "sentence2"], [1, 0, 1, 1]),  # entailment / not_entailment
+    ("stsb", "glue/STS-B/dev.tsv", ["sentence1", "sentence2"], [5.0, 4.75, 5.0, 2.4]),  # the score column
+    ("imdb", "imdb/test.jsonl.gz", ["text"], [0, 0, 0, 0]),
+])
+def test_shared_data_layouts(task, path, columns, labels):
+    dataset = load_task_file(SHARED / path, task, max_rows=4)
+    assert dataset.column_names == [*columns, "label"] and dataset["label"] == labels
+    assert all(isinstance(dataset[0][c], str) and dataset[0][c] for c in columns)
+    if task == "cola":
+        assert dataset[0]["sentence"] == "The sailors rode the breeze clear of the rocks."
+
+
+@needs_shared
+def test_shared_wikitext_and_subset():
+    text = load_lm_text(SHARED / "wikitext-2-raw" / "wiki.valid.raw", max_chars=300)
+    assert len(text) == 300 and "Homarus gammarus" in text
+    dataset = load_task_file(SHARED / "imdb" / "test.jsonl.gz", "imdb", max_rows=40)
+    subset = select_subset(dataset, 10, seed=0)
+    assert len(subset) == 10 and subset["label"] == select_subset(dataset, 10, seed=0)["label"]
+
+
+def test_synthetic_formats_aliases_and_errors(tmp_path):
+    (tmp_path / "mnli.tsv").write_text("index\tsentence1\tsentence2\tgold_label\n0\tA man.\tA person.\tentailment\n"
+                                       "1\tA cat.\tA dog.\tcontradiction\n")
+    mnli = load_task_file(tmp_path / "mnli.tsv", "mnli")
+    assert mnli.column_names == ["premise", "hypothesis", "label"] and mnli["label"] == [0, 2]
+    (tmp_path / "qqp.csv").write_text('question1,question2,is_duplicate\n"How, why?",Why?,1\nA?,B?,0\n')
+    assert load_task_file(tmp_path / "qqp.csv", "qqp")["question1"] == ["How, why?", "A?"]
+    (tmp_path / "sst.json").write_text(json.dumps([{"sentence": "good", "label": 1}, {"sentence": "bad", "label": 0}]))
+    assert load_task_file(tmp_path / "sst.json", "sst2")["label"] == [1, 0]
+    with gzip.open(tmp_path / "imdb.jsonl.gz", "wt") as handle:
+        handle.write('{"text": "fine", "label": 1}\n\n{"text": "poor", "label": 0}\n')
+    assert load_task_file(tmp_path / "imdb.jsonl.gz", "imdb")["text"] == ["fine", "poor"]
+
+    with pytest.raises(DataError, match=r"no 'sentence2' column for task rte; found columns \['sentence1', 'label'\]"):
+        (tmp_path / "rte.tsv").write_text("sentence1\tlabel\nx\tentailment\n")
+        load_task_file(tmp_path / "rte.tsv", "rte")
+    with pytest.raises(DataError, match="neither a class id.*entailment, not_entailment"):
+        (tmp_path / "rte2.tsv").write_text("sentence1\tsentence2\tlabel\nx\ty\tmaybe\n")
+        load_task_file(tmp_path / "rte2.tsv", "rte")
+    with pytest.raises(DataError, match="cannot tell the format.*accepted: .tsv, .csv"):
+        read_records(tmp_path / "data.parquet")
+    with pytest.raises(DataError, match="line 2: not a JSON object"):
+        (tmp_path / "bad.jsonl").write_text('{"text": "a", "label": 1}\n{oops\n')
+        read_records(tmp_path / "bad.jsonl")
+    with pytest.raises(DataError, match="3 fields but 2 columns"):
+        (tmp_path / "ragged.tsv").write_text("sentence\tlabel\na\t1\tx\n")
+        read_records(tmp_path / "ragged.tsv")
+
+
+# --------------------------------------------------------------------------------------------
+# The evaluate command
+# --------------------------------------------------------------------------------------------
+
+
+def test_evaluate_command_classification(tmp_path, capsys):
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "film"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
+    torch.manual_seed(0)
+    source = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                      intermediate_size=37, vocab_size=len(vocab))).eval()
+    folder = tmp_path / "performer"
+    convert_to_performer(source, nb_features=16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    rows = ["good movie\t1", "bad film\t0", "good film\t1", "bad movie\t0", "movie\t1"]
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\n" + "\n".join(rows) + "\n")
+    output = tmp_path / "out" / "metrics.json"
+    assert cli_main(["evaluate", str(folder), "--task", "sst2", "--validation-file", str(tmp_path / "dev.tsv"),
+                     "--max-eval-samples", "4", "--batch-size", "3", "--metrics-backend", "local",
+                     "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    assert record["num_examples"] == 4 and record["metrics_backend"] == "local"
+    assert set(record["metrics"]) == {"accuracy"} and f"accuracy: {record['metrics']['accuracy']:.6g}" in (
+        capsys.readouterr().out)
+
+    # The same accuracy, computed directly from the reloaded model's predictions on the same subset.
+    from torch.utils.data import DataLoader
+    from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
+
+    data = tokenize_task_dataset(select_subset(load_task_file(tmp_path / "dev.tsv", "sst2"), 4, 0), tokenizer, "sst2")
+    model = AutoModelForSequenceClassification.from_pretrained(folder)
+    loader = DataLoader(data, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
+    predictions, references, loss = evaluation.predict_classification(model, loader, get_task("sst2"))
+    assert record["metrics"]["accuracy"] == pytest.approx(float(np.mean(predictions == references)))
+    with torch.no_grad():  # the mean per-example loss is the head's own loss over all examples
+        expected_loss = model.eval()(**DataCollatorWithPadding(tokenizer)([data[i] for i in range(4)])).loss
+    assert loss == pytest.approx(expected_loss.item(), rel=1e-5) and record["eval_loss"] == pytest.approx(loss)
+
+    with pytest.raises(SystemExit, match="the model has 2 output labels but task stsb needs 1"):
+        cli_main(["evaluate", str(folder), "--task", "stsb", "--validation-file", str(tmp_path / "dev.tsv")])
+
+
+@needs_shared
+def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    folder = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=len(tokenizer))
+                    ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    output = tmp_path / "ppl.json"
+    assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file",
+                     str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--context-length", "32",
+                     "--stride", "16", "--batch-size", "4", "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    ids = tokenizer(load_lm_text(SHARED / "wikitext-2-raw" / "wiki.test.raw", max_chars=600),
+                    add_special_tokens=False)["input_ids"]
+    assert record["protocol"]["num_tokens"] == len(ids) - 1 and record["protocol"]["stride"] == 16
+    assert math.isfinite(record["metrics"]["perplexity"]) and record["metrics"]["perplexity"] > 1

@@ -1,0 +1,274 @@
+"""The fine-tuning recipes (hf_performer.training, recipes/): a few steps on tiny random models and a handful of
+rows, on CPU and offline. Loss decreases, metrics and the curve are written, the saved folder reloads, an
+interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, LoRA trains
+only adapters (and the new head), the Accelerate configs load. The causal-LM run uses the real GPT-2 tokenizer
+of ../shared/data and is skipped when that folder is absent.
+"""
+
+import glob
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+)
+from transformers.utils import logging
+
+from hf_performer import training
+from hf_performer.training import RecipeError
+
+logging.set_verbosity_error()
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
+GPT2_TOKENIZER = SHARED / "gpt2-tokenizer"
+WIKI_VALID = SHARED / "wikitext-2-raw" / "wiki.valid.raw"
+
+WORDS = "the quick brown fox jumps over lazy dog a cat sat on mat movie film was is and".split()
+VOCAB = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS, "good", "great", "bad", "awful"]
+
+
+def _rows(n: int, seed: int) -> str:
+    """An SST-2-layout TSV: random words plus one sentiment word that decides the label."""
+    rng = random.Random(seed)
+    lines = ["sentence\tlabel"]
+    for i in range(n):
+        label = i % 2
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 8))]
+        words.insert(rng.randint(0, len(words)), rng.choice(["good", "great"] if label else ["bad", "awful"]))
+        lines.append(f"{' '.join(words)}\t{label}")
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """A tiny softmax BERT classifier folder (with a WordPiece tokenizer) and SST-2-layout train/dev files."""
+    root = tmp_path_factory.mktemp("recipes")
+    model_dir = root / "bert"
+    model_dir.mkdir()
+    (model_dir / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
+    BertTokenizer(str(model_dir / "vocab.txt")).save_pretrained(model_dir)
+    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=len(VOCAB), max_position_embeddings=64)
+    torch.manual_seed(0)
+    BertForSequenceClassification(config).save_pretrained(model_dir)
+    (root / "train.tsv").write_text(_rows(32, 0))
+    (root / "dev.tsv").write_text(_rows(16, 1))
+    return root
+
+
+def _args(workdir, output, *extra, kind="text-classification"):
+    base = ["--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
+            "--validation-file", str(workdir / "dev.tsv"), "--output-dir", str(output), "--nb-features", "16",
+            "--metrics-backend", "local", "--report-to", "none"]
+    return training.build_parser(kind).parse_args([*base, *extra])
+
+
+def test_classification_converts_trains_and_writes_everything(workdir, tmp_path):
+    """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + TensorBoard + reloadable folder."""
+    output = tmp_path / "run"
+    args = _args(workdir, output, "--validation-file", str(workdir / "train.tsv"), "--max-train-samples", "16",
+                 "--max-eval-samples", "16", "--learning-rate", "1e-2", "--per-device-train-batch-size", "16",
+                 "--max-train-steps", "10", "--warmup-steps", "0", "--eval-steps", "5", "--redraw-interval", "3",
+                 "--report-to", "tensorboard")
+    metrics = training.train(args)
+
+    assert metrics["model"]["converted"] and metrics["model"]["attention"] == "favor"
+    assert metrics["model"]["favor_settings"]["redraw_interval"] == 3
+    assert metrics["train_loss_last"] < metrics["train_loss_first"] - 0.1
+    curve = json.loads((output / "eval_curve.json").read_text())
+    assert [point["step"] for point in curve] == [5, 10]
+    assert curve[-1]["eval_loss"] < curve[0]["eval_loss"]
+    on_disk = json.loads((output / "metrics.json").read_text())
+    assert on_disk["final"]["accuracy"] == curve[-1]["accuracy"] and on_disk["metrics_backend"] == "local"
+    assert on_disk["completed_steps"] == 10
+    assert glob.glob(str(output / "runs" / "**" / "events.out.tfevents.*"), recursive=True)
+
+    # The folder is a complete Performer folder: code + auto_map, tokenizer; it reloads with the trained weights,
+    # and the feature maps were redrawn during training (10 steps x 2 layers' calls, every 3 calls).
+    assert (output / "modeling_performer.py").is_file()
+    config = json.loads((output / "config.json").read_text())
+    assert config["model_type"] == "performer" and "AutoModelForSequenceClassification" in config["auto_map"]
+    reloaded = AutoModelForSequenceClassification.from_pretrained(output).eval()
+    redraws = [int(b) for n, b in reloaded.named_buffers() if n.endswith("favor_feature_map.redraws")]
+    assert redraws and all(r > 0 for r in redraws)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    batch = tokenizer(["good movie", "bad film"], return_tensors="pt", padding=True)
+    assert reloaded(**batch).logits.shape == (2, 2)
+
+
+def test_softmax_baseline_trains_without_conversion(workdir, tmp_path):
+    metrics = training.train(_args(workdir, tmp_path / "softmax", "--attention", "softmax", "--max-train-steps", "2",
+                                   "--per-device-train-batch-size", "16", "--no-save-model"))
+    assert metrics["model"] == {"source": str(workdir / "bert"), "attention": "softmax", "converted": False,
+                                "favor_settings": None}
+    assert set(metrics["final"]) == {"accuracy", "eval_loss"}
+
+
+def test_performer_folder_trains_as_regression_with_redraw_override(workdir, tmp_path):
+    """A saved Performer *base* folder (what `hf-performer convert` writes for MiniLM) gets a new regression head
+    (STS-B layout with the `score` column); --redraw-interval overrides its saved favor_settings."""
+    from transformers import BertModel
+
+    from hf_performer.conversion import convert_to_performer
+
+    folder = tmp_path / "performer_base"
+    convert_to_performer(BertModel.from_pretrained(workdir / "bert"), nb_features=16).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(workdir / "bert").save_pretrained(folder)
+    rows = ["a good movie\ta great film\t4.5", "the cat\ta dog\t0.5", "bad film\tawful movie\t4.0",
+            "the fox\tthe mat\t1.0", "good\tbad\t2.0"]
+    (tmp_path / "stsb.tsv").write_text("index\tsentence1\tsentence2\tscore\n"
+                                       + "".join(f"{i}\t{row}\n" for i, row in enumerate(rows)))
+    output = tmp_path / "stsb_run"
+    args = training.build_parser("text-classification").parse_args([
+        "--model", str(folder), "--task", "stsb", "--train-file", str(tmp_path / "stsb.tsv"), "--validation-file",
+        str(tmp_path / "stsb.tsv"), "--output-dir", str(output), "--max-train-steps", "2", "--redraw-interval", "2",
+        "--metrics-backend", "local", "--report-to", "none"])
+    metrics = training.train(args)
+    assert not metrics["model"]["converted"] and metrics["model"]["favor_settings"]["redraw_interval"] == 2
+    assert set(metrics["final"]) == {"pearson", "spearmanr", "eval_loss"}
+    config = json.loads((output / "config.json").read_text())
+    assert config["problem_type"] == "regression" and config["favor_settings"]["redraw_interval"] == 2
+    assert config["architectures"] == ["PerformerForSequenceClassification"]
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def test_resume_from_checkpoint_matches_uninterrupted_run(workdir, tmp_path):
+    """Dropout on, projections redrawn every call, gradient accumulation 2 over 5 batches per epoch (a partial
+    accumulation at each epoch end): the run interrupted after step 5 and resumed from its step-4 checkpoint
+    (mid-epoch) ends with the same weights, curve and metrics as the uninterrupted one."""
+    common = ["--max-train-samples", "20", "--redraw-interval", "1", "--learning-rate", "1e-2",
+              "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2", "--max-train-steps", "6",
+              "--eval-steps", "3", "--checkpointing-steps", "2"]
+    straight = training.train(_args(workdir, tmp_path / "a", *common))
+
+    def interrupt(model, batch, outputs, step):
+        if step == 5:
+            raise _Interrupted
+        return None
+
+    with pytest.raises(_Interrupted):
+        training.train(_args(workdir, tmp_path / "b", *common), loss_hooks=[interrupt])
+    assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["step_2", "step_4"]
+    state = json.loads((tmp_path / "b" / "checkpoints" / "step_4" / "training_state.json").read_text())
+    assert state["epoch"] == 1 and state["batches_in_epoch"] == 2  # mid-epoch: batches must be skipped
+    resumed = training.train(_args(workdir, tmp_path / "b", *common, "--resume-from-checkpoint", "latest"))
+
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=0, atol=1e-6, msg=key)
+    assert resumed["final"] == pytest.approx(straight["final"], abs=1e-6)
+    assert (tmp_path / "a" / "eval_curve.json").read_text() == (tmp_path / "b" / "eval_curve.json").read_text()
+    assert resumed["completed_steps"] == straight["completed_steps"] == 6
+
+
+def test_lora_trains_only_adapters_and_head(workdir, tmp_path):
+    seen = {}
+
+    def capture(model, batch, outputs, step):
+        if step == 0:
+            seen["model"] = model
+            seen["before"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+        return None
+
+    metrics = training.train(_args(workdir, tmp_path / "lora", "--lora", "--max-train-steps", "3",
+                                   "--learning-rate", "1e-2", "--per-device-train-batch-size", "8",
+                                   "--no-save-model"), loss_hooks=[capture])
+    assert metrics["lora"] and 0 < metrics["trainable_parameters"] < metrics["total_parameters"] / 4
+    model, before = seen["model"], seen["before"]
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert changed and changed <= trainable
+    assert all("lora_" in n or "classifier" in n for n in trainable)
+    assert any(".query.lora_A" in n for n in changed) and any(".value.lora_B" in n for n in changed)
+
+
+def test_lora_saves_merged_performer_and_adapter(workdir, tmp_path):
+    output = tmp_path / "lora_saved"
+    training.train(_args(workdir, output, "--lora", "--max-train-steps", "1", "--per-device-train-batch-size", "16"))
+    assert (output / "adapter" / "adapter_config.json").is_file()
+    merged = AutoModelForSequenceClassification.from_pretrained(output)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+
+
+def test_option_errors(workdir, tmp_path):
+    with pytest.raises(RecipeError, match="--convert does not apply"):
+        training.train(_args(workdir, tmp_path / "e1", "--attention", "softmax", "--convert"))
+    with pytest.raises(RecipeError, match="needs --convert"):
+        training.train(_args(workdir, tmp_path / "e2", "--no-convert"))
+    with pytest.raises(RecipeError, match="no checkpoint"):
+        training.train(_args(workdir, tmp_path / "e3", "--resume-from-checkpoint", "latest"))
+    with pytest.raises(SystemExit, match="unknown task 'sst3'"):
+        training.main("text-classification", ["--model", str(workdir / "bert"), "--task", "sst3", "--output-dir",
+                                              str(tmp_path / "e4"), "--train-file", str(workdir / "train.tsv")])
+
+
+def test_recipe_scripts_help_lists_the_flags(capsys, monkeypatch):
+    """The thin scripts run as __main__ (what `python recipes/...` and `accelerate launch` do)."""
+    import runpy
+    import sys
+
+    for script, flag in (("text_classification.py", "--task"), ("causal_lm.py", "--block-size")):
+        monkeypatch.setattr(sys, "argv", [script, "--help"])
+        with pytest.raises(SystemExit) as exit_info:
+            runpy.run_path(str(REPO / "recipes" / script), run_name="__main__")
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        for expected in (flag, "--resume-from-checkpoint", "--lora", "--mixed-precision", "--redraw-interval"):
+            assert expected in out
+        assert f"recipes/{script}" in out
+
+
+@pytest.mark.skipif(not (GPT2_TOKENIZER.is_dir() and WIKI_VALID.is_file()), reason="../shared/data is absent")
+def test_causal_lm_recipe_on_wikitext_text(tmp_path):
+    """A tiny random GPT-2 (real GPT-2 tokenizer) converted on the fly, fine-tuned on the first characters of
+    WikiText-2 valid; perplexity with the documented protocol is reported and the loss falls."""
+    model_dir = tmp_path / "gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=128, vocab_size=len(tokenizer))
+                    ).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    output = tmp_path / "clm"
+    args = training.build_parser("causal-lm").parse_args([
+        "--model", str(model_dir), "--train-file", str(WIKI_VALID), "--validation-file", str(WIKI_VALID),
+        "--max-train-chars", "4000", "--max-eval-chars", "600", "--block-size", "32", "--context-length", "64",
+        "--stride", "32", "--nb-features", "16", "--per-device-train-batch-size", "8", "--max-train-steps", "6",
+        "--learning-rate", "3e-3", "--warmup-steps", "0", "--output-dir", str(output), "--report-to", "none"])
+    metrics = training.train(args)
+    assert metrics["model"]["converted"] and metrics["task"] == "causal-lm"
+    assert metrics["train_loss_last"] < metrics["train_loss_first"]
+    assert metrics["perplexity_protocol"]["context_length"] == 64 and metrics["perplexity_protocol"]["stride"] == 32
+    assert 1.0 < metrics["final"]["perplexity"] < len(tokenizer) * 2
+    assert (output / "modeling_performer.py").is_file() and (output / "tokenizer_config.json").is_file()
+
+
+def test_accelerate_configs_load():
+    from accelerate.commands.config.config_args import ClusterConfig, load_config_from_file
+
+    files = {Path(f).name: f for f in glob.glob(str(REPO / "recipes" / "configs" / "*.yaml"))}
+    assert {"ddp.yaml", "fsdp.yaml", "deepspeed_zero2.yaml", "deepspeed_zero3.yaml", "bf16.yaml"} <= set(files)
+    loaded = {name: load_config_from_file(path) for name, path in files.items()}  # unknown keys raise
+    assert all(isinstance(config, ClusterConfig) for config in loaded.values())
+    assert loaded["ddp.yaml"].distributed_type == "MULTI_GPU"
+    assert loaded["bf16.yaml"].mixed_precision == "bf16"
+    fsdp = loaded["fsdp.yaml"]
+    assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
+    assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"
+    assert loaded["deepspeed_zero2.yaml"].deepspeed_config["zero_stage"] == 2
+    assert loaded["deepspeed_zero3.yaml"].deepspeed_config["zero_stage"] == 3
