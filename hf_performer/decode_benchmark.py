@@ -6,7 +6,7 @@ What is measured (``hf-performer bench decode``):
   from ``GPT2LMHeadModel(GPT2Config(...))``, ``eval()``, under ``torch.inference_mode()``. ``n_positions`` is
   set large enough for the longest context plus the decode steps. **One** model (one set of weights) runs both
   implementations: it is switched with ``model.set_attn_implementation("favor" | "sdpa")``.
-* The two implementations, measured in the same run, interleaved length by length (FAVOR+ first):
+* The two implementations, measured in the same run, interleaved step by step at every length:
 
   - ``favor``: ``attn_implementation="favor"`` (FAVOR+, settings ``config.favor_settings``, defaults
     :data:`~.favor_attention.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`~.cache.make_favor_cache`:
@@ -36,15 +36,22 @@ What is measured (``hf-performer bench decode``):
   ``argmax`` that picks the next token, which is fed to the next step (as ``generate()`` does). For softmax it
   includes ``DynamicLayer``'s concatenation of the new key/value onto ``[B, H, L, d]``; for favor the
   recurrent update of the state (the favor model never sees past keys).
-* Timing: ``warmup`` steps, then ``repeats`` timed steps; the latency reported is the **median** seconds per
-  step (a step decodes one token for each of the ``B`` sequences). The cache grows by one token per step, so
-  the timed steps see contexts ``L + warmup`` ... ``L + warmup + repeats - 1`` (recorded).
+* Timing, per context length ``L`` (lengths in increasing order): ``warmup`` untimed steps of the favor
+  stream, then of the softmax stream, then ``repeats`` rounds in which the favor stream at ``L``, the softmax
+  stream at ``L`` and the favor stream of the *shortest* context (kept alive from the first length) each take
+  one timed step in turn. The latency reported is the **median** seconds per step (a step decodes one token
+  for each of the ``B`` sequences). Stepping the streams in turn exposes them to the same machine state (a shared
+  machine's speed drifts by tens of percent over minutes), so the ratios are also given *paired*: the median
+  over rounds of the ratio of two streams' times in the same round (``paired_ratio_to_shortest`` for FAVOR+
+  flatness, ``paired_ratio_to_favor`` for softmax). Caches grow by one token per step, so the timed steps see
+  contexts ``L + warmup`` ... ``L + warmup + repeats - 1`` (recorded; the shortest-context stream keeps
+  growing by ``repeats`` per length).
 * Cache memory: the sum of ``nbytes`` of the cache tensors before the first step (softmax: keys and values of
   every layer; favor: ``kv``, ``k_sum``, ``stabilizer`` of every layer). Peak memory growth (CPU): growth of
-  the process' peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``) over its resident
-  size before the steps, during the warm-up and timed steps, with the cache already built (so it is the
-  transient memory of decoding, e.g. the ``torch.cat`` copy of one layer's keys/values); CUDA:
-  ``max_memory_allocated`` growth.
+  the process' peak resident set size (``VmHWM``, reset through ``/proc/self/clear_refs``, after glibc's
+  ``malloc_trim``) over its resident size before the steps, during each implementation's warm-up steps, with
+  the caches already built: the transient memory of decoding as the process sees it (e.g. the ``torch.cat``
+  copy of one layer's keys/values, plus allocator effects); CUDA: ``max_memory_allocated`` growth.
 * Checks that the measured path is the real one (:func:`verify_decode_paths`, run first, results in the JSON):
   for a short context, a real prefill (``use_cache=True``, the caches the model creates itself) and the
   synthetic cache have the same layer types, tensor shapes and dtypes and token count, a decode step on either
@@ -53,8 +60,8 @@ What is measured (``hf-performer bench decode``):
   keys, no pending tokens, a state of unchanged shape that was replaced by the step (so the attention function
   took the recurrent path), and the token counter ``L + steps``.
 
-Summary targets: FAVOR+ latency at the longest context <= 1.1 x its latency at the shortest; softmax latency
-/ FAVOR+ latency at the longest context >= 3.
+Summary targets: FAVOR+ latency at the longest context <= 1.1 x its latency at the shortest (paired ratio);
+softmax latency / FAVOR+ latency at the longest context >= 3 (ratio of medians).
 """
 
 from __future__ import annotations
@@ -296,47 +303,60 @@ class _PeakMemory:
         return False
 
 
-def decode_steps(model, cache, batch: int, context: int, steps: int, generator: torch.Generator,
-                 device: torch.device) -> tuple[list[float], torch.Tensor]:
-    """Run ``steps`` greedy decode steps from a cache holding ``context`` tokens; seconds of each, last logits."""
-    input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
-    timings, logits = [], None
-    for step in range(steps):
-        position = context + step
+class DecodeStream:
+    """One greedy decoding stream: a model implementation, its cache and the next token of each sequence.
+
+    :meth:`step` times one decode step (see the module docstring); the implementation is switched before
+    the clock starts, so streams of both implementations can alternate step by step on one model.
+    """
+
+    def __init__(self, model, implementation: str, cache, batch: int, context: int, generator: torch.Generator,
+                 device: torch.device):
+        self.model, self.implementation, self.cache = model, implementation, cache
+        self.batch, self.position, self.device = batch, context, device
+        self.input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
+        self.logits = None
+
+    def step(self) -> float:
+        use_implementation(self.model, self.implementation)
+        batch, position, device = self.batch, self.position, self.device
         _synchronize(device)
         start = time.perf_counter()
         attention_mask = torch.ones(batch, position + 1, dtype=torch.long, device=device)
         position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                       past_key_values=cache, use_cache=True).logits
-        input_ids = logits[:, -1].argmax(-1, keepdim=True)
+        logits = self.model(input_ids=self.input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=self.cache, use_cache=True).logits
+        self.input_ids = logits[:, -1].argmax(-1, keepdim=True)
         _synchronize(device)
-        timings.append(time.perf_counter() - start)
-    return timings, logits
+        seconds = time.perf_counter() - start
+        self.logits, self.position = logits, position + 1
+        return seconds
+
+    def steps(self, count: int) -> list[float]:
+        return [self.step() for _ in range(count)]
 
 
-def _time_implementation(model, implementation, cache, batch, context, warmup, repeats, generator, device):
-    use_implementation(model, implementation)
-    nbytes = cache_nbytes(cache)
-    with _PeakMemory(device) as peak:
-        warm, _ = decode_steps(model, cache, batch, context, warmup, generator, device)
-        timings, logits = decode_steps(model, cache, batch, context + warmup, repeats, generator, device)
-    return dict(
-        implementation=implementation,
-        seconds_per_token=statistics.median(timings),
-        seconds_min=min(timings),
-        seconds_all=timings,
-        warmup_seconds=warm,
-        tokens_per_s=batch / statistics.median(timings),
-        cache_bytes=nbytes,
-        cache_bytes_after=cache_nbytes(cache),
-        peak_memory_growth_bytes=peak.growth,
-        timed_contexts=[context + warmup, context + warmup + repeats - 1],
-        logits_shape=list(logits.shape),
-    )
+def _interleaved_steps(streams: list[DecodeStream], repeats: int) -> list[list[float]]:
+    """``repeats`` rounds of one step of every stream in turn: seconds per stream and round."""
+    timings = [[] for _ in streams]
+    for _ in range(repeats):
+        for stream, seconds in zip(streams, timings):
+            seconds.append(stream.step())
+    return timings
 
 
-def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 3, seed: int = 0,
+def _timing_fields(seconds: list[float], warmup_seconds: list[float], batch: int) -> dict:
+    median = statistics.median(seconds)
+    return dict(seconds_per_token=median, seconds_min=min(seconds), seconds_all=seconds, warmup_seconds=warmup_seconds,
+                tokens_per_s=batch / median)
+
+
+def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """Median over rounds of the ratio of two streams' step times measured side by side."""
+    return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, seed: int = 0,
                         device: torch.device = torch.device("cpu")) -> dict:
     """Real prefill vs synthetic cache at a short ``context``, for both implementations.
 
@@ -355,11 +375,15 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 3, se
                      else synthetic_softmax_cache(model, batch, context, generator))
         before = (describe_cache(real), describe_cache(synthetic))
         if before[0] != before[1]:
-            raise AssertionError(f"{implementation}: synthetic cache {before[1]} differs from a real prefill's {before[0]}")
-        timings = {}
-        for name, cache in (("real", real), ("synthetic", synthetic)):
-            seconds, logits = decode_steps(model, cache, batch, context, steps + 1, generator, device)
-            timings[name] = dict(seconds_per_token=statistics.median(seconds[1:]), logits_shape=list(logits.shape))
+            raise AssertionError(
+                f"{implementation}: synthetic cache {before[1]} differs from a real prefill's {before[0]}")
+        streams = [DecodeStream(model, implementation, cache, batch, context, generator, device)
+                   for cache in (real, synthetic)]
+        for stream in streams:
+            stream.step()  # warm-up
+        seconds = _interleaved_steps(streams, steps)
+        timings = {name: dict(seconds_per_token=statistics.median(times), logits_shape=list(stream.logits.shape))
+                   for name, times, stream in zip(("real", "synthetic"), seconds, streams)}
         after = (describe_cache(real), describe_cache(synthetic))
         if after[0] != after[1] or timings["real"]["logits_shape"] != timings["synthetic"]["logits_shape"]:
             raise AssertionError(f"{implementation}: after decoding, synthetic {after[1]} differs from real {after[0]}")
@@ -369,7 +393,7 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 3, se
             same_structure=True,
             real=timings["real"],
             synthetic=timings["synthetic"],
-            synthetic_over_real_time=timings["synthetic"]["seconds_per_token"] / timings["real"]["seconds_per_token"],
+            synthetic_over_real_time=_median_ratio(seconds[1], seconds[0]),
         )
         del real, synthetic
     return report
@@ -404,11 +428,13 @@ def run_decode_benchmark(
     from .favor_attention import resolve_favor_settings
 
     context_lengths = sorted(int(length) for length in context_lengths)
-    if not context_lengths or context_lengths[0] < 1 or repeats < 1 or warmup < 0:
-        raise ValueError("need context lengths >= 1, repeats >= 1 and warmup >= 0")
+    if not context_lengths or context_lengths[0] < 1 or repeats < 1 or warmup < 1:
+        raise ValueError("need context lengths >= 1, repeats >= 1 and warmup >= 1")
     device_ = torch.device(device)
     settings = resolve_favor_settings(favor_settings)
-    n_positions = max(context_lengths[-1], verify_context) + warmup + repeats + 8
+    # The shortest-context stream grows by `repeats` tokens per length.
+    n_positions = max(context_lengths[-1] + warmup + repeats,
+                      context_lengths[0] + warmup + repeats * len(context_lengths), verify_context + 8) + 8
     model = build_model(n_layer, n_head, n_embd, vocab_size, n_positions, dtype, settings, device, seed)
     head_dim = n_embd // n_head
     nb_features = model.transformer.h[0].attn.favor_feature_map.nb_features
@@ -417,32 +443,63 @@ def run_decode_benchmark(
     records = []
     load_start = _load_average()
     with torch.inference_mode():
-        verification = verify_decode_paths(model, batch, verify_context, seed=seed, device=device_) if verify_context else None
+        verification = None
+        if verify_context:
+            verification = verify_decode_paths(model, batch, verify_context, seed=seed, device=device_)
         builder = FavorStateBuilder(model, batch, seed=seed + 3)
         generator = torch.Generator().manual_seed(seed + 4)
-        jobs = [(length, implementation) for length in context_lengths for implementation in IMPLEMENTATIONS]
-        for context, implementation in tqdm(jobs, desc="decode benchmark", disable=not progress):
+        reference = None  # the favor stream of the shortest context, stepped alongside every longer one
+        for context in tqdm(context_lengths, desc="decode benchmark", disable=not progress):
             start = time.perf_counter()
-            if implementation == "favor":
-                builder.extend_to(context)
-                cache = builder.cache()
-                _check_favor_cache(cache, context, state_shapes)
-                before = [layer.state.kv for layer in cache.layers]
-            else:
-                cache = synthetic_softmax_cache(model, batch, context, generator)
-            build_seconds = time.perf_counter() - start
-            record = _time_implementation(model, implementation, cache, batch, context, warmup, repeats,
-                                          generator, device_)
-            if implementation == "favor":
-                _check_favor_cache(cache, context + warmup + repeats, state_shapes, before)
-                if record["cache_bytes_after"] != record["cache_bytes"]:
-                    raise AssertionError("favor cache memory changed while decoding")
-            elif cache.get_seq_length() != context + warmup + repeats:
+            builder.extend_to(context)
+            favor_cache = builder.cache()
+            favor_build = time.perf_counter() - start
+            _check_favor_cache(favor_cache, context, state_shapes)
+            states_before = [layer.state.kv for layer in favor_cache.layers]
+            start = time.perf_counter()
+            softmax_cache = synthetic_softmax_cache(model, batch, context, generator)
+            softmax_build = time.perf_counter() - start
+            favor = DecodeStream(model, "favor", favor_cache, batch, context, generator, device_)
+            softmax = DecodeStream(model, "softmax", softmax_cache, batch, context, generator, device_)
+            reference = reference or favor
+            cache_bytes = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
+            warm, peaks = {}, {}
+            for stream in (favor, softmax):
+                with _PeakMemory(device_) as peak:
+                    warm[stream.implementation] = stream.steps(warmup)
+                peaks[stream.implementation] = peak.growth
+            streams = [favor, softmax] + ([reference] if reference is not favor else [])
+            reference_start = reference.position
+            timings = _interleaved_steps(streams, repeats)
+
+            end_context = context + warmup + repeats
+            _check_favor_cache(favor_cache, end_context, state_shapes, states_before)
+            cache_bytes_after = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
+            if cache_bytes_after["favor"] != cache_bytes["favor"]:
+                raise AssertionError("favor cache memory changed while decoding")
+            if softmax_cache.get_seq_length() != end_context:
                 raise AssertionError("softmax cache does not hold context + decoded tokens")
-            record["context"] = context
-            record["cache_build_seconds"] = build_seconds  # favor: extending the states from the previous length
-            records.append(record)
-            del cache
+            common = dict(context=context, timed_contexts=[context + warmup, end_context - 1])
+            favor_seconds, softmax_seconds = timings[0], timings[1]
+            reference_seconds = timings[2] if len(timings) > 2 else favor_seconds
+            records.append(dict(
+                implementation="favor", **_timing_fields(favor_seconds, warm["favor"], batch), **common,
+                cache_bytes=cache_bytes["favor"], cache_bytes_after=cache_bytes_after["favor"],
+                peak_memory_growth_bytes=peaks["favor"],
+                cache_build_seconds=favor_build,  # extending the states from the previous length
+                logits_shape=list(favor.logits.shape),
+                reference=dict(context=context_lengths[0], timed_contexts=[reference_start, reference.position - 1],
+                               seconds_per_token=statistics.median(reference_seconds)),
+                paired_ratio_to_shortest=_median_ratio(favor_seconds, reference_seconds),
+            ))
+            records.append(dict(
+                implementation="softmax", **_timing_fields(softmax_seconds, warm["softmax"], batch), **common,
+                cache_bytes=cache_bytes["softmax"], cache_bytes_after=cache_bytes_after["softmax"],
+                peak_memory_growth_bytes=peaks["softmax"],
+                cache_build_seconds=softmax_build, logits_shape=list(softmax.logits.shape),
+                paired_ratio_to_favor=_median_ratio(softmax_seconds, favor_seconds),
+            ))
+            del favor, softmax, favor_cache, softmax_cache, streams
             gc.collect()
 
     result = {
@@ -453,11 +510,16 @@ def run_decode_benchmark(
                        n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
                        parameters=sum(p.numel() for p in model.parameters())),
             favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
-            implementations={"favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
-                             "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)"},
+            implementations={
+                "favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
+                "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)",
+            },
             measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
-                      "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; "
-                      "cache_bytes = nbytes of the cache tensors before the first step"),
+                      "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; per "
+                      "length, after `warmup` steps of each, the favor, softmax and shortest-context favor streams "
+                      "take one step in turn for `repeats` rounds; paired ratios are medians over rounds of the "
+                      "ratio of two streams' step times in the same round; cache_bytes = nbytes of the cache tensors "
+                      "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
             seed=seed,
         ),
         "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": _load_average()}},
@@ -480,24 +542,31 @@ def _record(records, context, implementation):
 
 
 def summarize_decode(result: dict) -> dict:
+    """Targets: FAVOR+ flat in context (longest / shortest <= 1.1), and >= 3x faster than softmax at the longest.
+
+    The flatness uses the paired ratio (FAVOR+ at the longest context against the shortest-context FAVOR+
+    stream stepped in the same rounds), which machine-speed drifts between lengths do not bias; the ratio of
+    the per-length medians is given too.
+    """
     records = result["records"]
     lengths = sorted({r["context"] for r in records})
     shortest, longest = lengths[0], lengths[-1]
     favor_short, favor_long = _record(records, shortest, "favor"), _record(records, longest, "favor")
     softmax_long = _record(records, longest, "softmax")
-    flatness = favor_long["seconds_per_token"] / favor_short["seconds_per_token"]
+    flatness = favor_long["paired_ratio_to_shortest"]
     speedup = softmax_long["seconds_per_token"] / favor_long["seconds_per_token"]
-    speedups = {}
-    for length in lengths:
-        favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
-        speedups[str(length)] = softmax["seconds_per_token"] / favor["seconds_per_token"]
     return {
         "favor_latency_longest_over_shortest": dict(
-            value=flatness, longest=longest, shortest=shortest, target=FLATNESS_TARGET,
-            met=bool(flatness <= FLATNESS_TARGET)),
+            value=flatness, ratio_of_medians=favor_long["seconds_per_token"] / favor_short["seconds_per_token"],
+            longest=longest, shortest=shortest, target=FLATNESS_TARGET, met=bool(flatness <= FLATNESS_TARGET)),
         "softmax_over_favor_latency_at_longest": dict(
-            value=speedup, context=longest, target=SPEEDUP_TARGET, met=bool(speedup >= SPEEDUP_TARGET)),
-        "softmax_over_favor_latency": speedups,
+            value=speedup, paired=softmax_long["paired_ratio_to_favor"], context=longest, target=SPEEDUP_TARGET,
+            met=bool(speedup >= SPEEDUP_TARGET)),
+        "softmax_over_favor_latency": {
+            str(n): _record(records, n, "softmax")["seconds_per_token"]
+            / _record(records, n, "favor")["seconds_per_token"] for n in lengths},
+        "favor_over_shortest_paired": {
+            str(n): _record(records, n, "favor")["paired_ratio_to_shortest"] for n in lengths},
         "favor_cache_bytes_constant": len({_record(records, n, "favor")["cache_bytes"] for n in lengths}) == 1,
         "cache_bytes_at_longest": {impl: _record(records, longest, impl)["cache_bytes"] for impl in IMPLEMENTATIONS},
     }
@@ -505,31 +574,37 @@ def summarize_decode(result: dict) -> dict:
 
 def format_decode_table(result: dict) -> str:
     records = result["records"]
-    mib = lambda value: f"{value / 2**20:10.1f}" if value is not None else f"{'-':>10}"  # noqa: E731
-    lines = [f"{'context':>8} {'favor ms/tok':>13} {'softmax ms/tok':>15} {'speedup':>8} {'favor MiB':>10} "
+    mib = lambda value: f"{value / 2**20:.1f}" if value is not None else "-"  # noqa: E731
+    lines = [f"{'context':>8} {'favor ms':>9} {'softmax ms':>11} {'speedup':>8} {'favor/short':>11} {'favor MiB':>10} "
              f"{'softmax MiB':>11} {'favor peak+':>11} {'softmax peak+':>13}"]
     for length in sorted({r["context"] for r in records}):
         favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
         lines.append(
-            f"{length:>8} {favor['seconds_per_token'] * 1e3:13.1f} {softmax['seconds_per_token'] * 1e3:15.1f} "
-            f"{softmax['seconds_per_token'] / favor['seconds_per_token']:7.2f}x {mib(favor['cache_bytes'])} "
-            f"{mib(softmax['cache_bytes']):>11} {mib(favor['peak_memory_growth_bytes']):>11} "
-            f"{mib(softmax['peak_memory_growth_bytes']):>13}")
+            f"{length:>8} {favor['seconds_per_token'] * 1e3:9.1f} {softmax['seconds_per_token'] * 1e3:11.1f} "
+            f"{softmax['seconds_per_token'] / favor['seconds_per_token']:7.2f}x "
+            f"{favor['paired_ratio_to_shortest']:11.3f} "
+            f"{mib(favor['cache_bytes']):>10} {mib(softmax['cache_bytes']):>11} "
+            f"{mib(favor['peak_memory_growth_bytes']):>11} {mib(softmax['peak_memory_growth_bytes']):>13}")
     s = result["summary"]
     flat, speed = s["favor_latency_longest_over_shortest"], s["softmax_over_favor_latency_at_longest"]
     settings = result["settings"]
-    lines.append(f"(ms per decode step of batch {settings['batch']}; cache MiB before decoding; peak+ = peak memory "
-                 "growth while decoding, MiB)")
-    lines.append(f"favor latency at {flat['longest']} / at {flat['shortest']}: {flat['value']:.3f} "
-                 f"(target <= {flat['target']}: {'met' if flat['met'] else 'NOT met'})")
+    lines.append(f"(median ms per decode step of batch {settings['batch']}; favor/short = paired ratio to the "
+                 "shortest-context favor stream; cache MiB before decoding; peak+ = peak memory growth in the "
+                 "warm-up steps, MiB)")
+    lines.append(f"favor latency at {flat['longest']} / at {flat['shortest']}: {flat['value']:.3f} paired, "
+                 f"{flat['ratio_of_medians']:.3f} ratio of medians (target <= {flat['target']}: "
+                 f"{'met' if flat['met'] else 'NOT met'})")
     lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
-                 f"(target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
+                 f"({speed['paired']:.2f}x paired) (target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
     verification = result.get("verification")
     if verification:
         lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
                      "structure): step time synthetic/real " + ", ".join(
                          f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}" for impl in IMPLEMENTATIONS))
-    lines.append(f"{result['machine']['device_name']}, {result['machine']['torch_threads']} threads, {settings['dtype']}")
+    load = result["machine"].get("load_average_1_5_15min") or {}
+    machine = result["machine"]
+    lines.append(f"{machine['device_name']}, {machine['torch_threads']} threads, {settings['dtype']}; "
+                 f"load average at start {load.get('start')}")
     return "\n".join(lines)
 
 
@@ -541,13 +616,19 @@ def plot_decode(result: dict, path: Path) -> None:
 
     records = result["records"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"), "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
+    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"),
+              "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
     for implementation in IMPLEMENTATIONS:
         points = sorted((r["context"], r) for r in records if r["implementation"] == implementation)
         style, color, label = styles[implementation]
         lengths = [p[0] for p in points]
         axes[0].plot(lengths, [p[1]["seconds_per_token"] * 1e3 for p in points], style, color=color, label=label)
         axes[1].plot(lengths, [p[1]["cache_bytes"] / 2**20 for p in points], style, color=color, label=label)
+    reference = sorted((r["context"], r["reference"]) for r in records if "reference" in r)
+    if reference:
+        axes[0].plot([n for n, _ in reference], [ref["seconds_per_token"] * 1e3 for _, ref in reference], ":",
+                     color="tab:blue", alpha=0.7,
+                     label=f"FAVOR+ at context {reference[0][1]['context']}, stepped in the same rounds")
     s, m = result["settings"], result["settings"]["model"]
     for ax, ylabel in zip(axes, [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"]):
         ax.set_xscale("log", base=2)
@@ -603,7 +684,8 @@ def add_parser(kinds) -> None:
     decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     decode.add_argument("--repeats", type=int, default=3, help="timed decode steps per point (median); full run: 10")
     decode.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
-    decode.add_argument("--nb-features", type=int, default=None, help="FAVOR+ features m per head (None: FAVOR_DEFAULTS)")
+    decode.add_argument("--nb-features", type=int, default=None,
+                        help="FAVOR+ features m per head (None: FAVOR_DEFAULTS)")
     decode.add_argument("--n-layer", type=int, default=12)
     decode.add_argument("--n-head", type=int, default=12)
     decode.add_argument("--n-embd", type=int, default=768)

@@ -39,6 +39,11 @@ def test_records_for_every_length_and_implementation(result):
             assert record["logits_shape"] == [BATCH, 1, 97]
             assert record["timed_contexts"] == [context + 1, context + 2]
     assert result["machine"]["cpu_count"] >= 1
+    # the shortest-context favor stream is stepped alongside the longer one (paired ratios)
+    favor_long = _record(result, 64, "favor")
+    assert favor_long["reference"]["context"] == 16 and favor_long["reference"]["timed_contexts"] == [19, 20]
+    assert favor_long["paired_ratio_to_shortest"] > 0 and _record(result, 16, "favor")["paired_ratio_to_shortest"] == 1
+    assert _record(result, 64, "softmax")["paired_ratio_to_favor"] > 0
     verification = result["verification"]
     assert verification["favor"]["cache_layer_types"] == ["FavorCacheLayer"]
     assert verification["softmax"]["cache_layer_types"] == ["DynamicLayer"]
@@ -52,6 +57,8 @@ def test_favor_cache_is_constant_and_softmax_cache_grows(result):
     assert favor == [LAYERS * BATCH * HEADS * (FEATURES * head_dim + FEATURES + 1) * 4] * 2
     assert softmax == [LAYERS * 2 * BATCH * HEADS * n * head_dim * 4 for n in (16, 64)]
     assert _record(result, 64, "favor")["cache_bytes_after"] == favor[1]
+    decoded = 64 + 1 + 2  # context + warm-up + timed steps
+    assert _record(result, 64, "softmax")["cache_bytes_after"] == LAYERS * 2 * BATCH * HEADS * decoded * head_dim * 4
     summary = result["summary"]
     assert summary["favor_cache_bytes_constant"] is True
     for key in ("favor_latency_longest_over_shortest", "softmax_over_favor_latency_at_longest"):
