@@ -123,6 +123,12 @@ def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.repeat_interleave(groups, dim=1)
 
 
+def _repeat_features(features: Features, groups: int) -> Features:
+    """Key features of ``Hkv`` heads repeated for the ``Hkv * groups`` query heads."""
+    log_scale = None if features.log_scale is None else _repeat_kv(features.log_scale, groups)
+    return Features(_repeat_kv(features.values, groups), log_scale)
+
+
 def _safe_denominator(denominator: torch.Tensor, eps: float) -> torch.Tensor:
     """Move denominators away from 0 by ``eps`` keeping their sign (trig features can be < 0)."""
     tiny = denominator.abs() < eps
@@ -515,6 +521,50 @@ def fused_causal_linear_attention(query, key, value, feature_map, key_padding_ma
     return _causal_outputs(out, final, running, batch, heads, length, eps)
 
 
+def recurrent_linear_attention_step(
+    q_features: Features,
+    k_features: Features,
+    value: torch.Tensor,
+    state: LinearAttentionState,
+    key_padding_mask: torch.Tensor | None = None,
+    eps: float = 1e-12,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """One decoding step of causal linear attention, the recurrent form (what generation runs).
+
+    ``S' = a S + phi(k) v^T``, ``z' = a z + phi(k)``, ``out = phi(q) S' / phi(q) z'`` with ``a =
+    exp(c - c')`` the rescaling when the running stabiliser grows from ``c`` to ``c'``. Reads and
+    writes the ``[m, dv]`` state once: no chunking, no concatenation.
+
+    Args:
+        q_features, k_features: features of one token, values ``[B, H, 1, m]`` (key log-scale ``[B, H, 1]``).
+        value: ``[B, H, 1, dv]`` in the compute dtype.
+        state: the state after the previous tokens.
+        key_padding_mask: ``[B, 1]`` bool, ``False`` for a padding token (it leaves the state unchanged).
+
+    Returns:
+        ``out`` ``[B, H, 1, dv]`` and the new state.
+    """
+    phi_q, phi_k = q_features.values, k_features.values
+    kv, k_sum, stabilizer = (t.to(value.dtype) for t in state)
+    if k_features.log_scale is not None:
+        log_scale = _masked_key_log_scale(k_features.log_scale, key_padding_mask)[..., 0]  # [B, H]
+        new_stabilizer = torch.maximum(stabilizer, log_scale.detach()).clamp_min(_finite_min(value.dtype))
+        phi_k = phi_k * torch.exp(log_scale - new_stabilizer)[..., None, None]
+        carry = torch.exp(stabilizer - new_stabilizer)[..., None]  # [B, H, 1]
+        kv, k_sum = kv * carry.unsqueeze(-1), k_sum * carry
+    else:
+        new_stabilizer = stabilizer
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :, None]
+        phi_k = phi_k * keep
+        value = value.masked_fill(~keep, 0.0)
+    kv = kv + phi_k.transpose(-1, -2) * value  # [B, H, m, 1] * [B, H, 1, dv]
+    k_sum = k_sum + phi_k[..., 0, :]
+    numerator = torch.matmul(phi_q, kv)
+    denominator = (phi_q[..., 0, :] * k_sum).sum(-1)[..., None, None]
+    return numerator / _safe_denominator(denominator, eps), LinearAttentionState(kv, k_sum, new_stabilizer)
+
+
 # --------------------------------------------------------------------------------------------
 # Public entry point
 # --------------------------------------------------------------------------------------------
@@ -584,6 +634,13 @@ def linear_attention(
     dtype = compute_dtype_for(query)
     with _no_autocast(query.device.type):
         query, key, value = query.to(dtype) * scale, key.to(dtype) * scale, value.to(dtype)
+        if causal and initial_state is not None and query.shape[2] == 1:  # a decoding step
+            q_features, k_features = feature_map(query, key)
+            k_features = _repeat_features(k_features, groups)
+            out, state = recurrent_linear_attention_step(
+                q_features, k_features, _repeat_kv(value, groups), initial_state, mask, eps=eps
+            )
+            return (out.to(out_dtype), state) if return_state else out.to(out_dtype)
         if feature_map.has_features_vjp:
             feature_map.maybe_redraw()
             key, value = _repeat_kv(key, groups), _repeat_kv(value, groups)
@@ -597,10 +654,7 @@ def linear_attention(
             )
             return out.to(out_dtype)
         q_features, k_features = feature_map(query, key)
-        k_features = Features(
-            _repeat_kv(k_features.values, groups),
-            None if k_features.log_scale is None else _repeat_kv(k_features.log_scale, groups),
-        )
+        k_features = _repeat_features(k_features, groups)
         value = _repeat_kv(value, groups)
         if causal:
             out, state = causal_linear_attention(

@@ -335,3 +335,29 @@ def test_recomputed_features_give_the_same_gradients():
         torch.testing.assert_close(a, b)
     with pytest.raises(LinearAttentionError, match="recompute_features"):
         linear_attention(q, k, v, fm, causal=True, recompute_features=True)
+
+
+def test_decoding_step_gradients_and_a_growing_stabiliser():
+    q, k, v = (t.requires_grad_() for t in _qkv(batch=1, heads=2, length=6, d=4, dtype=torch.float64))
+    fm = _map("favor+", 4, m=8).double()
+
+    def prefill_then_step(q, k, v):
+        first, state = linear_attention(q[:, :, :5], k[:, :, :5], v[:, :, :5], fm, causal=True, return_state=True)
+        step = linear_attention(q[:, :, 5:], 3 * k[:, :, 5:], v[:, :, 5:], fm, causal=True, initial_state=state)
+        return torch.cat([first, step], dim=2)
+
+    assert torch.autograd.gradcheck(prefill_then_step, (q, k, v))
+    k_big = torch.cat([k[:, :, :5], 3 * k[:, :, 5:]], dim=2)
+    torch.testing.assert_close(prefill_then_step(q, k, v), reference_linear_attention(q, k_big, v, fm, causal=True))
+
+
+def test_a_padding_token_leaves_the_decoding_state_unchanged():
+    q, k, v = _qkv(batch=2, length=8)
+    fm = _map("favor+", 8)
+    _, state = linear_attention(q[:, :, :7], k[:, :, :7], v[:, :, :7], fm, causal=True, return_state=True)
+    mask = torch.tensor([[True], [False]])
+    _, new = linear_attention(q[:, :, 7:], k[:, :, 7:], v[:, :, 7:], fm, causal=True, initial_state=state,
+                              key_padding_mask=mask, return_state=True)
+    torch.testing.assert_close(new.kv[1], state.kv[1])
+    torch.testing.assert_close(new.k_sum[1], state.k_sum[1])
+    assert not torch.allclose(new.kv[0], state.kv[0])
