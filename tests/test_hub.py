@@ -711,3 +711,20 @@ def test_fake_hub_is_local_and_bounded():
         assert statuses == [200, 200, 429] and len(server.requests) == 2
         server.thread.join(timeout=5)  # the lifetime timer stops serve_forever by itself
         assert not server.thread.is_alive()
+
+
+def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
+    """Cards quote hf_performer.hub.MEASURED_SPEED; it must stay equal to benchmarks/results/attention_speed.json."""
+    from pathlib import Path
+
+    from hf_performer.hub import MEASURED_SPEED
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "attention_speed.json"
+    result = json.loads(path.read_text())
+    crossover = result["summary"]["crossover_length_vs_sdpa"]
+    assert MEASURED_SPEED["crossover_bidirectional"] == round(crossover["bidirectional"])
+    assert MEASURED_SPEED["crossover_causal"] == round(crossover["causal"])
+    speedups = result["summary"]["speedup_vs_sdpa"]
+    for row in MEASURED_SPEED["rows"]:
+        for mode in ("bidirectional", "causal"):
+            assert row[mode] == round(speedups[mode][str(row["length"])], 2)
