@@ -543,6 +543,7 @@ def fake_hub(monkeypatch, tmp_path):
         monkeypatch.setenv("HF_TOKEN", TOKEN)
         monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-cached-token"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # CI runs with HF_HUB_OFFLINE=1
         yield server
 
 
@@ -675,6 +676,7 @@ def test_write_model_card_replaces_readme(folder):
 def test_push_large_files_through_git_lfs(folder, monkeypatch):
     """Without hf_xet (or with it disabled), files the Hub marks "lfs" go through the Git LFS batch API."""
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # CI runs with HF_HUB_OFFLINE=1
     with FakeHub(lfs_suffixes=(".safetensors",)) as server:
         monkeypatch.setenv("HF_ENDPOINT", server.url)
         monkeypatch.setenv("HF_TOKEN", TOKEN)
