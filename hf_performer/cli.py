@@ -11,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import benchmark, evaluation, hub
+    from . import benchmark, evaluation, hub, recovery_report
     from .conversion import cli as conversion_cli
     from .conversion import quickstart
 
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     benchmark.add_parser(subparsers)
     evaluation.add_parser(subparsers)
     hub.add_parser(subparsers)
+    recovery_report.add_parser(subparsers)
     return parser
 
 
