@@ -25,7 +25,7 @@ import gzip
 import io
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -56,6 +56,7 @@ class TaskSpec:
             split: its ``test`` split is the evaluation set).
         column_aliases: other names of a column in the original distributions' files (``score`` -> label).
         headerless_columns: the columns of a header-less TSV layout (CoLA), ``None`` if the task has none.
+        display_name: the benchmark's own spelling (``"SST-2"``), for model cards.
     """
 
     name: str
@@ -70,6 +71,17 @@ class TaskSpec:
     validation_split: str = "validation"
     column_aliases: dict = field(default_factory=dict)
     headerless_columns: tuple[str, ...] | None = None
+    display_name: str = ""
+
+    @property
+    def hub_dataset_id(self) -> str:
+        """The canonical Hub repository of the dataset (``nyu-mll/glue``, ``stanfordnlp/imdb``)."""
+        return HUB_DATASET_IDS[self.hub[0]]
+
+    @property
+    def hub_config(self) -> str | None:
+        """The dataset configuration on the Hub (the GLUE task), ``None`` if there is none."""
+        return self.hub[1] if len(self.hub) > 1 else None
 
     @property
     def is_pair(self) -> bool:
@@ -90,8 +102,16 @@ class TaskSpec:
 _ACC = ("accuracy",)
 _ACC_F1 = ("accuracy", "f1")
 
+_DISPLAY_NAMES = {
+    "cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "qqp": "QQP", "stsb": "STS-B",
+    "mnli": "MNLI", "qnli": "QNLI", "rte": "RTE", "wnli": "WNLI", "imdb": "IMDB",
+}
+
+HUB_DATASET_IDS = {"glue": "nyu-mll/glue", "imdb": "stanfordnlp/imdb"}
+"""Canonical Hub repositories of the datasets (``load_dataset("glue")`` resolves to ``nyu-mll/glue``)."""
+
 TASKS: dict[str, TaskSpec] = {
-    spec.name: spec
+    spec.name: replace(spec, display_name=_DISPLAY_NAMES[spec.name])
     for spec in (
         TaskSpec("cola", ("sentence",), 2, ("matthews_correlation",), "matthews_correlation",
                  ("unacceptable", "acceptable"), ("glue", "cola"),

@@ -37,6 +37,8 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 from huggingface_hub.utils import filter_repo_objects, get_token
 
+from .data import TASKS
+
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
     from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS as _HUB_IGNORE_PATTERNS
@@ -118,11 +120,6 @@ MEASURED_SPEED = {
 }
 """The committed CPU measurement (``benchmarks/results/attention_speed.json``), quoted in every card; a test
 keeps the two equal, so re-running the benchmark means updating this."""
-
-GLUE_TASKS = {
-    "cola": "CoLA", "sst2": "SST-2", "mrpc": "MRPC", "qqp": "QQP", "stsb": "STS-B",
-    "mnli": "MNLI", "qnli": "QNLI", "rte": "RTE", "wnli": "WNLI",
-}
 
 TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
 """Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
@@ -561,14 +558,12 @@ def normalize_results(results, default_task: str | None = None) -> list[EvalResu
                 raise ModelCardError(f"{where}: {name!r} given twice (as {key!r} and under another name)")
             values[name] = value
         task = values.get("task_type")
-        if isinstance(task, str) and task.lower() in GLUE_TASKS:
-            values.setdefault("task_name", GLUE_TASKS[task.lower()])
-            values.setdefault("dataset_type", "nyu-mll/glue")
-            values.setdefault("dataset_config", task.lower())
-            values["task_type"] = "text-classification"
-        elif isinstance(task, str) and task.lower() == "imdb":
-            values.setdefault("task_name", "IMDB")
-            values.setdefault("dataset_type", "stanfordnlp/imdb")
+        spec = TASKS.get(task.lower()) if isinstance(task, str) else None
+        if spec is not None:  # a task of the recipes (GLUE, IMDB): its Hub dataset and name
+            values.setdefault("task_name", spec.display_name)
+            values.setdefault("dataset_type", spec.hub_dataset_id)
+            if spec.hub_config is not None:
+                values.setdefault("dataset_config", spec.hub_config)
             values["task_type"] = "text-classification"
         if values.get("task_type") is None:
             values["task_type"] = default_task
