@@ -187,31 +187,33 @@ def bidirectional_linear_attention(
     Returns:
         ``[B, H, Lq, dv]``.
     """
-    phi_k = k_features.values
-    if k_features.log_scale is not None:
-        phi_k = phi_k * _shared_key_weights(k_features.log_scale, key_padding_mask)
-    if key_padding_mask is not None:
-        keep = key_padding_mask[:, None, :, None]
-        phi_k = phi_k * keep
-        value = value.masked_fill(~keep, 0.0)
-    kv = torch.matmul(phi_k.transpose(-1, -2), _with_ones_column(value))  # [B, H, m, dv+1]
+    phi_k, value = _bidirectional_key_inputs(k_features, value, key_padding_mask)
+    kv = torch.matmul(phi_k.transpose(-1, -2), value)  # [B, H, m, dv+1]
     return _normalise(torch.matmul(q_features.values, kv), eps)
 
 
+def _bidirectional_key_inputs(k_features: Features, value: torch.Tensor, key_padding_mask: torch.Tensor | None):
+    """Stabilised, masked ``phi(K)`` ``[B, H, Lk, m]`` and the values with their normaliser column
+    ``[B, H, Lk, dv + 1]``, padded keys zeroed in both. Without autograd (the fused path) the fresh
+    feature tensor is rescaled in place."""
+    inplace = not torch.is_grad_enabled()
+    phi_k = k_features.values
+    value = _with_ones_column(value)
+    if k_features.log_scale is not None:
+        weights = _shared_key_weights(k_features.log_scale, key_padding_mask)
+        phi_k = phi_k.mul_(weights) if inplace else phi_k * weights
+    if key_padding_mask is not None:
+        keep = key_padding_mask[:, None, :, None]
+        phi_k = phi_k.mul_(keep) if inplace else phi_k * keep
+        value = value.masked_fill(~keep, 0.0)
+    return phi_k, value
+
+
 def _fused_bidirectional_inputs(query, key, value, feature_map, key_padding_mask):
-    """``phi(Q)`` ``[B, H, Lq, m]``, stabilised and masked ``phi(K)`` ``[B, H, Lk, m]`` and the values with
-    their normaliser column ``[B, H, Lk, dv + 1]`` (padded keys zeroed), without autograd."""
+    """``phi(Q)`` ``[B, H, Lq, m]`` and :func:`_bidirectional_key_inputs`, without autograd."""
     with torch.no_grad():
         phi_q = feature_map.features(query).values
-        k_features = feature_map.features(key)
-        phi_k = k_features.values
-        if k_features.log_scale is not None:
-            phi_k.mul_(_shared_key_weights(k_features.log_scale, key_padding_mask))
-        value = _with_ones_column(value)
-        if key_padding_mask is not None:
-            keep = key_padding_mask[:, None, :, None]
-            phi_k.mul_(keep)
-            value.masked_fill_(~keep, 0.0)
+        phi_k, value = _bidirectional_key_inputs(feature_map.features(key), value, key_padding_mask)
     return phi_q, phi_k, value
 
 
