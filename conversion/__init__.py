@@ -6,6 +6,8 @@
 * :func:`fidelity_report`: per-layer attention errors, final hidden-state cosine and head agreement of a
   converted model against its source.
 * ``hf-performer convert SOURCE OUTPUT``: both, writing a complete model folder (see :mod:`.cli`).
+* :func:`transfer_attention`: train learned feature maps (hedgehog, t2r) to mimic the model's own softmax
+  attention; ``hf-performer distill SOURCE OUTPUT`` converts, transfers and saves (see :mod:`.distill`).
 """
 
 from .convert import (
@@ -16,10 +18,13 @@ from .convert import (
     load_source,
     task_of_source_class,
 )
+from .attention_transfer import AttentionTransferError, AttentionTransferResult, transfer_attention
 from .fidelity import DEFAULT_SENTENCES, REPORT_FILE_NAME, FidelityReport, LayerFidelity, fidelity_report
 
 
 __all__ = [
+    "AttentionTransferError",
+    "AttentionTransferResult",
     "DEFAULT_SENTENCES",
     "REPORT_FILE_NAME",
     "TASKS",
@@ -31,4 +36,5 @@ __all__ = [
     "fidelity_report",
     "load_source",
     "task_of_source_class",
+    "transfer_attention",
 ]

@@ -126,6 +126,7 @@ def convert_to_performer(
     row_norms: str | None = None,
     redraw_interval: int | None = None,
     chunk_size: int | None = None,
+    feature_map_options: dict | None = None,
 ) -> PerformerPreTrainedModel:
     """Convert a softmax-attention transformers model into the matching Performer model.
 
@@ -135,7 +136,8 @@ def convert_to_performer(
         task: one of :data:`TASKS`. ``None`` keeps the source model's task. A different task of the same
             architecture reuses the base model's weights and initialises the new head (e.g. "base" MiniLM ->
             "sequence-classification").
-        feature_map: one of ``hf_performer.available_feature_maps()`` ("favor+", "trig", "relu", "elu+1").
+        feature_map: one of ``hf_performer.available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", and the
+            learned "hedgehog" and "t2r", to be trained by attention transfer: see ``attention_transfer``).
         nb_features: random features per head; ``None`` takes the map's default (``FAVOR_DEFAULTS``: 256 for
             random maps; elu+1 has exactly ``head_dim``).
         keep_softmax_layers: layer indices that keep exact softmax attention.
@@ -143,6 +145,8 @@ def convert_to_performer(
             :func:`extend_position_embeddings`); ``None`` keeps it.
         seed: layer ``i`` draws its projection with seed ``seed + i`` (``None``: the default, 0).
         orthogonal, row_norms, redraw_interval, chunk_size: other FAVOR+ settings; ``None`` takes the default.
+        feature_map_options: the map's own options (``favor_settings["feature_map_options"]``), e.g.
+            ``{"init": "favor+"}`` for a learned map.
 
     Returns:
         The Performer model (in eval mode, on the source's device and dtype; feature-map projections in float32).
@@ -176,7 +180,8 @@ def convert_to_performer(
 
     settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
-                    redraw_interval=redraw_interval, chunk_size=chunk_size)
+                    redraw_interval=redraw_interval, chunk_size=chunk_size,
+                    feature_map_options=feature_map_options or None)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:
         config = PerformerConfig(source_config=source.config, favor_settings=settings)

@@ -13,7 +13,7 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     from . import benchmark, evaluation, hub, recovery_report
     from .conversion import cli as conversion_cli
-    from .conversion import quickstart
+    from .conversion import distill, quickstart
 
     parser = argparse.ArgumentParser(
         prog="hf-performer",
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     quickstart.add_parser(subparsers)
     conversion_cli.add_parser(subparsers)
+    distill.add_parser(subparsers)
     benchmark.add_parser(subparsers)
     evaluation.add_parser(subparsers)
     hub.add_parser(subparsers)

@@ -32,7 +32,7 @@ from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from .favor_attention import FAVOR_DEFAULTS, resolve_favor_settings
+from .favor_attention import FAVOR_DEFAULTS, feature_map_kind, resolve_favor_settings
 
 
 PERFORMER_MODEL_TYPE = "performer"
@@ -128,9 +128,13 @@ def canonical_favor_settings(settings: dict | None) -> dict:
     the keys the chosen feature map does not take (deterministic maps have no projection options)."""
     settings = dict(settings or {})
     resolved = resolve_favor_settings(settings)
-    if resolved["nb_features"] is None:
-        # A deterministic map (elu+1): it has its own size and no random-projection options.
-        return {key: resolved[key] for key in ("feature_map", "chunk_size", "softmax_layers")}
+    kind = feature_map_kind(resolved["feature_map"])
+    if kind == "learned":  # no random projection: the seed only draws a "favor+" initialisation
+        keys = ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options")
+        return {key: resolved[key] for key in keys}
+    if kind == "deterministic":
+        # elu+1: it has its own size and no random-projection options.
+        return {key: resolved[key] for key in ("feature_map", "chunk_size", "softmax_layers", "feature_map_options")}
     return resolved
 
 
@@ -165,7 +169,9 @@ class PerformerConfig(PreTrainedConfig):
             FAVOR+ settings; accepted keys and defaults are those of `FAVOR_DEFAULTS`: `feature_map` (one of
             `available_feature_maps()`), `nb_features`, `orthogonal` (orthogonal or iid projections), `row_norms`
             ("chi" or "fixed"), `redraw_interval` (training calls between redraws, 0 = never), `seed` (layer `i`
-            uses `seed + i`), `chunk_size` (causal scan), `softmax_layers` (layer indices kept on softmax attention).
+            uses `seed + i`), `chunk_size` (causal scan), `softmax_layers` (layer indices kept on softmax attention),
+            `feature_map_options` (the map's own options, e.g. `{"init": "favor+"}` for the learned "hedgehog" and
+            "t2r" maps).
             Every one of these keys may also be passed as a keyword argument of its own.
         kwargs:
             Generic `PreTrainedConfig` arguments (`id2label`, `num_labels`, `problem_type`, ...) and attributes of

@@ -68,7 +68,14 @@ from transformers.masking_utils import (
 from transformers.utils import logging
 
 from .cache import FavorCacheLayer
-from .feature_maps import FEATURE_MAPS, FeatureMap, RandomFeatureMap, available_feature_maps, make_feature_map
+from .feature_maps import (
+    FEATURE_MAPS,
+    FeatureMap,
+    LearnedFeatureMap,
+    RandomFeatureMap,
+    available_feature_maps,
+    make_feature_map,
+)
 from .linear_attention import DEFAULT_CHUNK_SIZE, LinearAttentionError, linear_attention
 
 
@@ -86,19 +93,28 @@ FAVOR_DEFAULTS: dict = {
     "seed": 0,
     "chunk_size": DEFAULT_CHUNK_SIZE,
     "softmax_layers": [],
+    "feature_map_options": {},
 }
 """Defaults of ``config.favor_settings``, the one place where they are defined.
 
-* ``feature_map``: a name of ``available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", ...).
-* ``nb_features``: ``m`` random features per head (random maps); ``None`` lets the map choose.
+* ``feature_map``: a name of ``available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", "hedgehog", "t2r", ...).
+* ``nb_features``: ``m`` features per head; ``None`` lets the map choose (learned maps: ``2 * head_dim`` for
+  hedgehog, ``head_dim`` for t2r; elu+1 always has ``head_dim``).
 * ``orthogonal``, ``row_norms`` ("chi" or "fixed"), ``redraw_interval`` (training calls between redraws,
   0 = never): options of random feature maps.
-* ``seed``: layer ``i`` draws its projection with seed ``seed + i``.
+* ``seed``: layer ``i`` draws its projection (random maps) or its ``"favor+"`` initialisation (learned maps)
+  with seed ``seed + i``.
 * ``chunk_size``: tokens per chunk of the causal scan.
 * ``softmax_layers``: layer indices kept on exact softmax attention (sdpa).
+* ``feature_map_options``: the map's own keyword options, e.g. ``{"init": "favor+", "tie_qk": False}`` for
+  learned maps or ``{"feature_epsilon": 1e-3}`` for relu; checked against the map's signature.
 """
 
 RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
+LEARNED_MAP_SETTINGS = ("seed",)
+"""Top-level settings of random maps that learned maps also take (the seed of their ``"favor+"`` initialisation)."""
+_BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_heads", *RANDOM_MAP_OPTIONS)
+"""Arguments :func:`build_feature_map` passes itself: not accepted in ``feature_map_options``."""
 
 
 class FavorMaskError(LinearAttentionError):
@@ -165,16 +181,45 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
         )
     resolved["softmax_layers"] = sorted(set(softmax_layers))
 
-    if not _is_random_map(resolved["feature_map"]):
-        explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings]
+    resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
+
+    kind = feature_map_kind(resolved["feature_map"])
+    if kind != "random":
+        allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
+        explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings and key not in allowed]
         if explicit:
             raise ValueError(
                 f"favor_settings {explicit} only apply to random feature maps; {resolved['feature_map']!r} has no "
                 "random projection"
             )
         if "nb_features" not in settings:
-            resolved["nb_features"] = None  # deterministic maps have their own size (elu+1: head_dim)
+            resolved["nb_features"] = None  # the map's own size (elu+1: head_dim; hedgehog: 2 * head_dim)
     return resolved
+
+
+def _keyword_options(factory) -> list[str]:
+    """Keyword options a feature-map factory takes (its signature, the base class's for ``**kwargs``)."""
+    names, targets = [], [factory]
+    while targets:
+        target = targets.pop()
+        parameters = inspect.signature(target).parameters.values()
+        names += [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if any(p.kind == p.VAR_KEYWORD for p in parameters) and isinstance(target, type):
+            targets += [base for base in target.__mro__[1:2] if issubclass(base, FeatureMap)]
+    return sorted(set(names) - set(_BUILDER_ARGUMENTS))
+
+
+def _check_feature_map_options(name: str, options) -> dict:
+    if not isinstance(options, dict):
+        raise TypeError(f"favor_settings['feature_map_options'] must be a dict, got {options!r}")
+    accepted = _keyword_options(FEATURE_MAPS[name])
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"favor_settings['feature_map_options'] has option(s) {unknown} that the {name!r} feature map does not "
+            f"take; accepted: {accepted or 'none'}"
+        )
+    return dict(options)
 
 
 def favor_settings_of(module_or_config) -> dict:
@@ -183,15 +228,29 @@ def favor_settings_of(module_or_config) -> dict:
     return resolve_favor_settings(getattr(config, "favor_settings", None))
 
 
-def _is_random_map(name: str) -> bool:
+def feature_map_kind(name: str) -> str:
+    """``"random"`` (a random projection: favor+, trig, relu), ``"learned"`` (trainable parameters per head:
+    hedgehog, t2r) or ``"deterministic"`` (elu+1) for a registered feature-map name."""
     factory = FEATURE_MAPS[name]
-    return isinstance(factory, type) and issubclass(factory, RandomFeatureMap)
+    if isinstance(factory, type) and issubclass(factory, RandomFeatureMap):
+        return "random"
+    if isinstance(factory, type) and issubclass(factory, LearnedFeatureMap):
+        return "learned"
+    return "deterministic"
 
 
-def build_feature_map(settings: dict, head_dim: int, layer_idx: int) -> FeatureMap:
-    """The feature map of layer ``layer_idx`` from resolved settings (seed ``settings["seed"] + layer_idx``)."""
+def build_feature_map(
+    settings: dict, head_dim: int, layer_idx: int, num_heads: int | None = None, num_key_value_heads: int | None = None
+) -> FeatureMap:
+    """The feature map of layer ``layer_idx`` from resolved settings (seed ``settings["seed"] + layer_idx``).
+
+    ``num_heads`` / ``num_key_value_heads`` (query / key heads of the layer) are needed by learned maps, which
+    have parameters per head.
+    """
     name = settings["feature_map"]
-    if _is_random_map(name):
+    options = dict(settings.get("feature_map_options") or {})
+    kind = feature_map_kind(name)
+    if kind == "random":
         return make_feature_map(
             name,
             head_dim,
@@ -200,9 +259,22 @@ def build_feature_map(settings: dict, head_dim: int, layer_idx: int) -> FeatureM
             row_norms=settings["row_norms"],
             redraw_interval=settings["redraw_interval"],
             seed=settings["seed"] + layer_idx,
+            **options,
+        )
+    if kind == "learned":
+        if num_heads is None:
+            raise ValueError(f"the learned feature map {name!r} needs the layer's number of heads")
+        return make_feature_map(
+            name,
+            head_dim,
+            settings["nb_features"],
+            num_heads=num_heads,
+            num_key_value_heads=num_key_value_heads,
+            seed=settings["seed"] + layer_idx,
+            **options,
         )
     # Deterministic maps (elu+1) have a fixed size; an nb_features other than theirs is rejected by the map.
-    return make_feature_map(name, head_dim, settings["nb_features"])
+    return make_feature_map(name, head_dim, settings["nb_features"], **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,6 +337,23 @@ def _module_head_dim(module: nn.Module) -> int | None:
     return None
 
 
+def _module_head_counts(module: nn.Module) -> tuple[int | None, int | None]:
+    """``(query heads, key/value heads)`` of an attention module, from its attributes or its config."""
+    config = getattr(module, "config", None)
+    heads = None
+    for attribute in ("num_attention_heads", "num_heads", "n_heads"):
+        value = getattr(module, attribute, None)
+        if _is_int(value):
+            heads = value
+            break
+    if heads is None and _is_int(getattr(config, "num_attention_heads", None)):
+        heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if _is_int(getattr(module, "num_key_value_groups", None)) and heads is not None:
+        kv_heads = heads // module.num_key_value_groups
+    return heads, kv_heads if _is_int(kv_heads) else heads
+
+
 def _module_device(module: nn.Module) -> torch.device:
     parameter = next(module.parameters(recurse=True), None)
     if parameter is None or parameter.device.type == "meta":  # a meta buffer would lose the projection
@@ -325,7 +414,9 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
             # Drawn on the CPU even under a meta-device context (from_pretrained builds models on meta):
             # the projection must exist when a checkpoint does not hold it.
             with torch.device("cpu"):
-                feature_map = build_feature_map(favor_settings_of(module), head_dim, layer_idx)
+                feature_map = build_feature_map(
+                    favor_settings_of(module), head_dim, layer_idx, *_module_head_counts(module)
+                )
             _attach_feature_map(module, feature_map.to(_module_device(module)))
         favor_layers.add(layer_idx)
     if not favor_layers and not any(
@@ -340,13 +431,14 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
     return sorted(favor_layers)
 
 
-def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, head_dim: int, device) -> FeatureMap:
+def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: torch.Tensor, key: torch.Tensor) -> FeatureMap:
     """The module's feature map, created on first use for stock models switched to favor."""
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     if isinstance(feature_map, nn.Module):  # not isinstance FeatureMap: remote-code copies define their own class
         return feature_map
     install_cache_hooks(module)  # later calls will see the cache
-    return _attach_feature_map(module, build_feature_map(settings, head_dim, layer_idx).to(device))
+    feature_map = build_feature_map(settings, query.shape[-1], layer_idx, query.shape[1], key.shape[1])
+    return _attach_feature_map(module, feature_map.to(query.device))
 
 
 @contextlib.contextmanager
@@ -632,7 +724,7 @@ def favor_attention_forward(
     if kwargs.get("output_attentions"):
         logger.warning_once("favor attention: linear attention has no attention weights; they are returned as None.")
 
-    feature_map = _feature_map_for(module, layer_idx, settings, query.shape[-1], query.device)
+    feature_map = _feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = _key_padding_mask(attention_mask, causal)
     q_len, k_len = query.shape[2], key.shape[2]
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None

@@ -11,8 +11,7 @@ import torch
 from .feature_maps import FeatureMap
 
 
-def _dense_features(feature_map: FeatureMap, x: torch.Tensor) -> torch.Tensor:
-    features = feature_map.features(x)
+def _dense_features(features) -> torch.Tensor:
     if features.log_scale is None:
         return features.values
     return features.values * torch.exp(features.log_scale).unsqueeze(-1)
@@ -22,8 +21,9 @@ def _prepare(query, key, value, feature_map, scaling):
     scale = (query.shape[-1] ** -0.5 if scaling is None else float(scaling)) ** 0.5
     q, k, v = (t.to(torch.float64) for t in (query, key, value))
     groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    return _dense_features(feature_map, q * scale), _dense_features(feature_map, k * scale), v
+    phi_q = _dense_features(feature_map.query_features(q * scale))
+    phi_k = _dense_features(feature_map.key_features(k * scale)).repeat_interleave(groups, dim=1)
+    return phi_q, phi_k, v.repeat_interleave(groups, dim=1)
 
 
 def reference_linear_attention(

@@ -164,7 +164,9 @@ def test_conversion_keeps_every_source_tensor(name):
 
 def test_conversion_with_a_deterministic_feature_map():
     performer = convert_to_performer(make_source("gpt2-lm"), feature_map="elu+1")
-    assert performer.config.favor_settings == {"feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": []}
+    assert performer.config.favor_settings == {
+        "feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": [], "feature_map_options": {}
+    }
     assert [feature_map.nb_features for feature_map in feature_maps_of(performer)] == [16, 16]  # head_dim
     with pytest.raises(ConversionError, match="only apply to random feature maps"):
         convert_to_performer(make_source("gpt2-lm"), feature_map="elu+1", seed=3)

@@ -297,7 +297,7 @@ def _remove(*names):
         (_remove("configuration_performer.py"), "configuration_performer.py: missing (needed by config.json auto_map['AutoConfig'])"),
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
         (_remove("favor_attention.py"), "favor_attention.py: missing (needed by configuration_performer.py "
-                                        "(from .favor_attention import FAVOR_DEFAULTS, resolve_favor_settings))"),
+                                        "(from .favor_attention import FAVOR_DEFAULTS, feature_map_kind, resolve_favor_settings))"),
         (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_attention.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),

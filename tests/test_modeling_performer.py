@@ -137,7 +137,9 @@ def test_config_save_load_with_overrides(tmp_path):
 
 def test_deterministic_feature_map_records_only_its_settings():
     config = PerformerConfig(source_config=bert_config(), feature_map="elu+1")
-    assert config.favor_settings == {"feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": []}
+    assert config.favor_settings == {
+        "feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": [], "feature_map_options": {}
+    }
     assert isinstance(PerformerModel(config), PerformerModel)
 
 
@@ -347,7 +349,15 @@ BLOCKER = textwrap.dedent(
 
 def test_trust_remote_code_loads_where_the_package_is_not_installed(tmp_path):
     masked_lm = PerformerForMaskedLM(performer_config(bert_config())).eval()
-    causal_lm = PerformerForCausalLM(performer_config(gpt2_config(), softmax_layers=[1])).eval()
+    # The causal LM uses a learned map whose parameters were moved from their initialisation: the remote copy must
+    # load them from the weights (favor+ is covered by the masked LM).
+    causal_lm = PerformerForCausalLM(
+        PerformerConfig(source_config=gpt2_config(), feature_map="hedgehog", softmax_layers=[1])
+    ).eval()
+    with torch.no_grad():
+        for name, parameter in causal_lm.named_parameters():
+            if "favor_feature_map" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
     masked_lm.save_pretrained(tmp_path / "models" / "mlm")
     causal_lm.save_pretrained(tmp_path / "models" / "clm")
     input_ids, attention_mask = input_batch()

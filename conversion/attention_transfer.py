@@ -1,0 +1,392 @@
+"""Attention transfer: train learned feature maps so that each layer's linear attention mimics its softmax attention.
+
+Hedgehog (Zhang et al., ICLR 2024) and LoLCATs (Zhang et al. 2024) show that a converted model keeps almost all of
+its quality when, before any fine-tuning, the feature maps alone are trained to reproduce the softmax attention of
+the same model. This module does that, layer-wise and without labels:
+
+* the model runs its *exact softmax* attention (attention implementation ``"favor_transfer"``), so every layer sees
+  the hidden states of the softmax teacher (teacher forcing) and no error accumulates across layers;
+* inside each converted layer, the same queries, keys and values also go through the layer's feature map, and the
+  linear attention weights ``A_lin = phi(q) phi(k)^T / sum`` are compared with the softmax weights ``A``:
+
+  - ``"weights"``: the soft cross-entropy of Hedgehog, reported as the KL divergence
+    ``sum_j A_ij (log A_ij - log A_lin_ij)`` (the same gradient; 0 when the weights match);
+  - ``"output"``: the mean squared error between ``A_lin V`` and ``A V`` of LoLCATs;
+  - ``"both"`` (default): their sum;
+
+* only feature-map parameters are trained (every other weight is frozen); the losses of all layers are summed, and
+  since every layer's inputs come from the teacher, the layers learn independently.
+
+Both weight matrices are formed explicitly (``[batch, heads, L, L]``): attention transfer runs on short sequences
+(a few hundred tokens), and any mask transformers builds (padding, causal) is honoured as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from hf_performer.favor_attention import (
+    ATTN_IMPLEMENTATION,
+    FEATURE_MAP_ATTRIBUTE,
+    favor_settings_of,
+    find_attention_modules,
+    layer_index_of,
+)
+from hf_performer.feature_maps import Features, FeatureMap
+
+
+TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
+LOSSES = ("weights", "output", "both")
+
+
+class AttentionTransferError(ValueError):
+    """Attention transfer cannot run as asked (no trainable feature map, bad option)."""
+
+
+# --------------------------------------------------------------------------------------------
+# The two attention matrices
+# --------------------------------------------------------------------------------------------
+
+
+def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def allowed_positions(attention_mask: torch.Tensor | None, query_length: int, key_length: int, causal: bool,
+                      device: torch.device) -> torch.Tensor:
+    """Boolean ``[B or 1, 1 or H, Lq, Lk]`` of the (query, key) pairs attention may use.
+
+    ``attention_mask`` is what transformers gives an attention function: ``None`` (then ``causal`` decides), a
+    boolean mask (``True`` = attend) or an additive float mask (0 = attend, large negative = masked).
+    """
+    if attention_mask is None:
+        allowed = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
+        if causal and query_length > 1:
+            allowed = allowed.tril(key_length - query_length)
+        return allowed[None, None]
+    if attention_mask.dtype == torch.bool:
+        allowed = attention_mask
+    else:
+        allowed = attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    if allowed.dim() != 4:
+        raise AttentionTransferError(f"expected a 4-D attention mask, got shape {tuple(attention_mask.shape)}")
+    return allowed[..., -key_length:]
+
+
+def softmax_attention_weights(query: torch.Tensor, key: torch.Tensor, scaling: float,
+                              allowed: torch.Tensor) -> torch.Tensor:
+    """Exact softmax weights ``softmax(scaling q k^T)`` over the allowed keys, float32 ``[B, H, Lq, Lk]``.
+
+    ``query`` ``[B, H, Lq, d]``, ``key`` ``[B, Hkv, Lk, d]``; rows with no allowed key are all zero.
+    """
+    key = _repeat_heads(key, query.shape[1] // key.shape[1])
+    scores = scaling * torch.matmul(query.float(), key.float().transpose(-1, -2))
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    return torch.nan_to_num(weights, nan=0.0)
+
+
+def _dense(features: Features, key_side: bool) -> torch.Tensor:
+    if features.log_scale is None:
+        return features.values
+    log_scale = features.log_scale
+    if key_side:  # one shared constant per (example, head) cancels in the normalisation
+        log_scale = log_scale - log_scale.detach().amax(dim=-1, keepdim=True)
+        return features.values * torch.exp(log_scale).unsqueeze(-1)
+    return features.values  # a per-query constant cancels in the normalisation
+
+
+def linear_attention_weights(query: torch.Tensor, key: torch.Tensor, feature_map: FeatureMap, scaling: float,
+                             allowed: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """The weights linear attention gives each key, ``phi(q_i).phi(k_j) / sum_j' phi(q_i).phi(k_j')``, float32
+    ``[B, H, Lq, Lk]`` (what :func:`~hf_performer.linear_attention.linear_attention` computes without forming them).
+
+    ``query`` and ``key`` are scaled by ``sqrt(scaling)`` before the map, as the attention kernels do.
+    """
+    scale = math.sqrt(scaling)
+    phi_q = _dense(feature_map.query_features(query.float() * scale), key_side=False)
+    phi_k = _dense(feature_map.key_features(key.float() * scale), key_side=True)
+    phi_k = _repeat_heads(phi_k, query.shape[1] // key.shape[1])
+    scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)) * allowed
+    return scores / scores.sum(-1, keepdim=True).clamp_min(eps)
+
+
+def transfer_losses(teacher: torch.Tensor, student: torch.Tensor, value: torch.Tensor,
+                    allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per-layer losses over the query rows that attend to something.
+
+    Args:
+        teacher: softmax weights ``[B, H, Lq, Lk]``; student: linear weights of the same shape.
+        value: ``[B, H, Lk, dv]`` (already repeated for grouped heads).
+        allowed: the boolean mask the weights were computed with.
+
+    Returns:
+        ``(KL(teacher || student), output squared error, rows)``: the *sums* over rows (KL) and over rows and value
+        channels (squared error, averaged over channels), and the number of rows, so batches average exactly.
+    """
+    rows = allowed.expand_as(teacher).any(-1)  # [B, H, Lq]
+    log_ratio = torch.log(teacher.clamp_min(1e-30)) - torch.log(student.clamp_min(1e-30))
+    kl = (teacher * log_ratio).masked_fill(~allowed, 0.0).sum(-1)
+    error = torch.matmul(student - teacher, value.float())
+    squared = error.square().mean(-1)
+    return kl[rows].sum(), squared[rows].sum(), int(rows.sum())
+
+
+# --------------------------------------------------------------------------------------------
+# The attention function used during transfer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LayerTransferLoss:
+    """Sums of one layer's losses since the last reset (see :func:`transfer_losses`)."""
+
+    kl: torch.Tensor | float = 0.0
+    squared_error: torch.Tensor | float = 0.0
+    rows: int = 0
+
+
+class _Collector:
+    def __init__(self, compute_student: bool):
+        self.compute_student = compute_student
+        self.layers: dict[int, LayerTransferLoss] = {}
+
+    def add(self, layer: int, kl, squared_error, rows: int) -> None:
+        entry = self.layers.setdefault(layer, LayerTransferLoss())
+        entry.kl = entry.kl + kl
+        entry.squared_error = entry.squared_error + squared_error
+        entry.rows += rows
+
+
+_ACTIVE: list[_Collector] = []
+
+
+def favor_transfer_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Exact softmax attention (the teacher's output is returned), recording the transfer losses of the layer's
+    feature map on the side when a collector is active (see :func:`collect_transfer_losses`).
+
+    Arguments are those of every transformers attention function: ``query`` ``[B, H, Lq, d]``, ``key`` / ``value``
+    ``[B, Hkv, Lk, d]``. Returns ``([B, Lq, H, dv], None)`` in ``value``'s dtype.
+    """
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    causal = kwargs.get("is_causal")
+    causal = getattr(module, "is_causal", False) if causal is None else causal
+    allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+    with torch.no_grad():
+        teacher = softmax_attention_weights(query, key, scaling, allowed)
+        repeated_value = _repeat_heads(value, query.shape[1] // value.shape[1])
+        output = torch.matmul(teacher, repeated_value.float())
+    feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
+    layer = layer_index_of(module)
+    if _ACTIVE and feature_map is not None and layer not in favor_settings_of(module)["softmax_layers"]:
+        collector = _ACTIVE[-1]
+        with torch.enable_grad() if collector.compute_student else torch.no_grad():
+            student = linear_attention_weights(query.detach(), key.detach(), feature_map, scaling, allowed)
+            collector.add(layer, *transfer_losses(teacher, student, repeated_value.detach(), allowed))
+    return output.to(value.dtype).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(TRANSFER_ATTN_IMPLEMENTATION, favor_transfer_attention_forward)
+AttentionMaskInterface.register(TRANSFER_ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+@contextlib.contextmanager
+def collect_transfer_losses(compute_student: bool = True) -> Iterator[dict[int, LayerTransferLoss]]:
+    """Within the block, forwards of a model switched to ``"favor_transfer"`` record each layer's losses into the
+    yielded dict ``{layer index: LayerTransferLoss}``."""
+    collector = _Collector(compute_student)
+    _ACTIVE.append(collector)
+    try:
+        yield collector.layers
+    finally:
+        _ACTIVE.remove(collector)
+
+
+@contextlib.contextmanager
+def teacher_forcing(model: nn.Module) -> Iterator[nn.Module]:
+    """Run ``model`` (a Performer model or a stock model using favor) with exact softmax attention and the transfer
+    losses, in eval mode; restore its attention implementation and mode afterwards."""
+    was_training = model.training
+    model.set_attn_implementation(TRANSFER_ATTN_IMPLEMENTATION)
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        model.train(was_training)
+
+
+# --------------------------------------------------------------------------------------------
+# Training
+# --------------------------------------------------------------------------------------------
+
+
+def trainable_feature_maps(model: nn.Module) -> dict[int, FeatureMap]:
+    """``{layer index: feature map}`` of the favor layers whose feature map has trainable parameters."""
+    maps = {}
+    for _, module in find_attention_modules(model):
+        feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
+        if feature_map is None or layer_index_of(module) in favor_settings_of(module)["softmax_layers"]:
+            continue
+        if any(True for _ in feature_map.parameters()):
+            maps[layer_index_of(module)] = feature_map
+    return maps
+
+
+@dataclass
+class AttentionTransferResult:
+    """What :func:`transfer_attention` did: the loss history and each layer's losses before and after."""
+
+    steps: int
+    loss: str
+    learning_rate: float
+    layers: list[int]
+    history: list[dict] = field(default_factory=list)
+    layer_losses_before: dict[int, dict] = field(default_factory=dict)
+    layer_losses_after: dict[int, dict] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _combine(layers: dict[int, LayerTransferLoss], loss: str) -> torch.Tensor:
+    total = 0.0
+    for entry in layers.values():
+        rows = max(entry.rows, 1)
+        if loss in ("weights", "both"):
+            total = total + entry.kl / rows
+        if loss in ("output", "both"):
+            total = total + entry.squared_error / rows
+    return total
+
+
+@torch.no_grad()
+def measure_transfer_losses(model: nn.Module, batches: Iterable[dict]) -> dict[int, dict]:
+    """Each layer's mean weights cross-entropy and output squared error over ``batches`` (no training)."""
+    sums: dict[int, list[float]] = {}
+    with teacher_forcing(model), collect_transfer_losses(compute_student=False) as layers:
+        for batch in batches:
+            model(**batch)
+    for layer, entry in sorted(layers.items()):
+        rows = max(entry.rows, 1)
+        sums[layer] = {"weights_kl": float(entry.kl) / rows,
+                       "output_squared_error": float(entry.squared_error) / rows, "rows": entry.rows}
+    return sums
+
+
+def transfer_attention(
+    model: nn.Module,
+    batches: list[dict],
+    *,
+    steps: int,
+    learning_rate: float = 1e-2,
+    loss: str = "both",
+    evaluation_batches: list[dict] | None = None,
+    progress: bool = True,
+) -> AttentionTransferResult:
+    """Train the learned feature maps of ``model`` to mimic its own softmax attention.
+
+    Args:
+        model: a Performer model (or a stock model using favor attention) whose favor layers have feature maps with
+            trainable parameters (``"hedgehog"``, ``"t2r"``). Its other weights are frozen during the call and
+            restored to their ``requires_grad`` afterwards.
+        batches: model inputs (``input_ids``, ``attention_mask``, ...; no labels needed), cycled through for ``steps``
+            optimizer steps in the given order.
+        steps: optimizer steps (AdamW on the feature-map parameters only, constant learning rate).
+        learning_rate: AdamW learning rate (Hedgehog and LoLCATs use 1e-2).
+        loss: ``"weights"``, ``"output"`` or ``"both"`` (see the module docstring).
+        evaluation_batches: batches on which each layer's losses are measured before and after (default: ``batches``
+            up to 8).
+        progress: show a progress bar.
+
+    Returns:
+        An :class:`AttentionTransferResult`.
+
+    Raises:
+        AttentionTransferError: no trainable feature map, unknown loss, no batches, ``steps < 1``.
+    """
+    if loss not in LOSSES:
+        raise AttentionTransferError(f"unknown loss {loss!r}; accepted: {', '.join(LOSSES)}")
+    if steps < 1:
+        raise AttentionTransferError(f"steps must be >= 1, got {steps}")
+    if not batches:
+        raise AttentionTransferError("attention transfer needs at least one batch of inputs")
+    feature_maps = trainable_feature_maps(model)
+    if not feature_maps:
+        raise AttentionTransferError(
+            "the model has no favor layer with a trainable feature map; convert it with a learned map "
+            "(feature_map='hedgehog' or 't2r') first"
+        )
+    evaluation_batches = evaluation_batches if evaluation_batches is not None else batches[:8]
+    parameters = [p for feature_map in feature_maps.values() for p in feature_map.parameters()]
+    trainable = {id(p) for p in parameters}
+    saved_flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in saved_flags:
+        p.requires_grad_(id(p) in trainable)
+
+    result = AttentionTransferResult(steps=steps, loss=loss, learning_rate=learning_rate,
+                                     layers=sorted(feature_maps))
+    try:
+        result.layer_losses_before = measure_transfer_losses(model, evaluation_batches)
+        optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
+        bar = _progress(steps, progress)
+        with teacher_forcing(model):
+            for step in range(steps):
+                batch = batches[step % len(batches)]
+                with collect_transfer_losses() as layers:
+                    model(**batch)
+                total = _combine(layers, loss)
+                optimizer.zero_grad(set_to_none=True)
+                total.backward()
+                optimizer.step()
+                value = float(total.detach()) / len(layers)
+                result.history.append({"step": step + 1, "loss_per_layer": value})
+                bar.set_postfix(loss=f"{value:.4f}")
+                bar.update(1)
+        bar.close()
+        result.layer_losses_after = measure_transfer_losses(model, evaluation_batches)
+    finally:
+        for p, flag in saved_flags:
+            p.requires_grad_(flag)
+    return result
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="attention transfer", disable=not enabled)
+
+
+__all__ = [
+    "LOSSES",
+    "TRANSFER_ATTN_IMPLEMENTATION",
+    "AttentionTransferError",
+    "AttentionTransferResult",
+    "allowed_positions",
+    "collect_transfer_losses",
+    "favor_transfer_attention_forward",
+    "linear_attention_weights",
+    "measure_transfer_losses",
+    "softmax_attention_weights",
+    "teacher_forcing",
+    "trainable_feature_maps",
+    "transfer_attention",
+    "transfer_losses",
+]
