@@ -240,10 +240,10 @@ def run_distill(args: argparse.Namespace) -> int:
         if args.max_position_embeddings is not None:
             tokenizer.model_max_length = args.max_position_embeddings
         tokenizer.save_pretrained(staging)
-        write_model_card(staging, report=after, model_name=os.path.basename(output))
         after.save(staging)
         with open(os.path.join(staging, "attention_transfer.json"), "w") as handle:
             json.dump(record, handle, indent=2)
+        write_model_card(staging, report=after, model_name=os.path.basename(output), transfer=record)
         _replace_folder(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)

@@ -1,13 +1,16 @@
 """Model cards and Hub upload for Performer model folders (``hf-performer card`` and ``hf-performer push``).
 
-A Performer model folder (written by ``hf-performer convert`` or by ``save_pretrained`` after fine-tuning)
-holds ``config.json`` (with ``auto_map`` and ``favor_settings``), the weights, the model code
-(``modeling_performer.py`` and the modules it imports), the tokenizer and usually ``conversion_report.json``.
+A Performer model folder (written by ``hf-performer convert``, ``hf-performer distill`` or by ``save_pretrained``
+after fine-tuning) holds ``config.json`` (with ``auto_map`` and ``favor_settings``), the weights, the model code
+(``modeling_performer.py`` and the modules it imports), the tokenizer, usually ``conversion_report.json`` and, after
+attention transfer (``hf-performer distill``), ``attention_transfer.json``.
 
 * :func:`build_model_card` renders ``model_cards/performer_card.md`` with ``huggingface_hub``'s
   ``ModelCard.from_template`` / ``ModelCardData``: metadata (``base_model``, ``library_name``,
-  ``pipeline_tag``, tags, ``datasets``, ``model-index`` results), the conversion settings, the fidelity
-  report, recovery results and measured notes on where FAVOR+ is and is not faster. The card is parsed
+  ``pipeline_tag``, tags, ``datasets``, ``model-index`` results), the conversion settings (explained for the
+  feature map's kind: random, learned or deterministic, with the map's own paper cited), the attention transfer
+  (``attention_transfer.json``: data, steps, per-layer errors before and after), the fidelity report, recovery
+  results and measured notes on where FAVOR+ is and is not faster. The card is parsed
   back and validated offline by :func:`validate_model_card` (``model-index`` round trip through
   ``huggingface_hub.repocard_data``). :func:`write_model_card` writes it as the folder's ``README.md``.
 * :func:`validate_folder` refuses a folder that would not load with
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import inspect
 import json
 import math
 import os
@@ -38,6 +42,8 @@ from huggingface_hub.repocard_data import eval_results_to_model_index, model_ind
 from huggingface_hub.utils import filter_repo_objects, get_token
 
 from .data import TASKS
+from .favor_attention import feature_map_kind
+from .feature_maps import FEATURE_MAPS
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -54,7 +60,11 @@ CARD_FILE_NAME = "README.md"
 REPORT_FILE_NAME = "conversion_report.json"  # same name as hf_performer.conversion.fidelity.REPORT_FILE_NAME
 
 CARD_TAGS = ("performer", "favor+", "linear-attention", "hf-performer", "custom_code")
-"""Tags every Performer card carries (the source architecture's model type is added)."""
+"""Tags of a FAVOR+ card (the source architecture's model type is added). A card of another feature map carries
+that map's name (``hedgehog``, ``elu+1``, ...) instead of ``favor+``, and ``attention-transfer`` when distilled."""
+
+REQUIRED_CARD_TAGS = tuple(tag for tag in CARD_TAGS if tag != "favor+")
+"""Tags every card must carry, plus the name of its feature map (checked by :func:`validate_model_card`)."""
 
 UPLOAD_IGNORE_PATTERNS = ["__pycache__", "__pycache__/*", "*/__pycache__/*", "*.pyc"]
 """Files never uploaded, on top of huggingface_hub's own (``.git``, ``.cache/huggingface``)."""
@@ -100,6 +110,111 @@ SETTING_MEANINGS = {
     "seed": "seed of the projections (layer i uses seed + i)",
     "chunk_size": "chunk size of the causal scan",
     "softmax_layers": "layers kept on exact softmax attention",
+    "feature_map_options": "the map's own options (e.g. `feature_epsilon` of `relu`; none: its defaults)",
+}
+"""Meanings of the ``favor_settings`` keys for *random* feature maps (favor+, trig, relu), in the card's row order.
+Learned and deterministic maps read the same keys differently: see :func:`setting_meanings`."""
+
+LEARNED_SETTING_MEANINGS = {
+    "feature_map": "learned feature map",
+    "nb_features": "features per head (`m`), computed from a trainable projection per head",
+    "seed": "seed of the `favor+` initialisation of the learned projections (layer i uses seed + i)",
+    "chunk_size": SETTING_MEANINGS["chunk_size"],
+    "softmax_layers": SETTING_MEANINGS["softmax_layers"],
+    "feature_map_options": "the map's own options: `init` (start of the learned projections: `identity` or "
+    "`favor+`), `tie_qk` (queries and keys share one set of parameters); none: the map's defaults",
+}
+"""Meanings of the ``favor_settings`` keys for *learned* feature maps (hedgehog, t2r): no random projection; the seed
+only draws the optional ``"favor+"`` initialisation."""
+
+DETERMINISTIC_SETTING_MEANINGS = {
+    "feature_map": "deterministic feature map, nothing random or trained",
+    "nb_features": "features per head: always the head dimension",
+    "chunk_size": SETTING_MEANINGS["chunk_size"],
+    "softmax_layers": SETTING_MEANINGS["softmax_layers"],
+    "feature_map_options": "the map's own options (none: its defaults)",
+}
+"""Meanings of the ``favor_settings`` keys for *deterministic* feature maps (elu+1)."""
+
+FEATURE_MAP_DESCRIPTIONS = {
+    "favor+": "`favor+`: positive random features, unbiased for softmax",
+    "trig": "`trig`: random Fourier features, unbiased for softmax but not positive",
+    "relu": "`relu`: the Performer's generalised ReLU kernel on random projections, not a softmax estimator",
+    "elu+1": "`elu+1`: elu(x) + 1, a different kernel, not an estimator of softmax",
+    "hedgehog": "`hedgehog`: [softmax(z), softmax(-z)] with z = x W + b, W and b trainable per head",
+    "t2r": "`t2r`: relu(x W + b) + eps, W and b trainable per head",
+}
+"""What each feature map computes (the ``feature_map`` row of the settings table)."""
+
+PAPERS = {
+    "choromanski2021": {
+        "cite": "Choromanski et al., 2021",
+        "url": "https://arxiv.org/abs/2009.14794",
+        "bibtex": r"""@inproceedings{choromanski2021rethinking,
+  title     = {Rethinking Attention with Performers},
+  author    = {Krzysztof Marcin Choromanski and Valerii Likhosherstov and David Dohan and Xingyou Song and
+               Andreea Gane and Tamas Sarlos and Peter Hawkins and Jared Quincy Davis and Afroz Mohiuddin and
+               Lukasz Kaiser and David Benjamin Belanger and Lucy J Colwell and Adrian Weller},
+  booktitle = {International Conference on Learning Representations},
+  year      = {2021},
+  url       = {https://openreview.net/forum?id=Ua6zuk0WRH}
+}""",
+    },
+    "katharopoulos2020": {
+        "cite": "Katharopoulos et al., 2020",
+        "url": "https://arxiv.org/abs/2006.16236",
+        "bibtex": r"""@inproceedings{katharopoulos2020transformers,
+  title     = {Transformers are {RNNs}: Fast Autoregressive Transformers with Linear Attention},
+  author    = {Angelos Katharopoulos and Apoorv Vyas and Nikolaos Pappas and Fran{\c{c}}ois Fleuret},
+  booktitle = {Proceedings of the 37th International Conference on Machine Learning (ICML)},
+  year      = {2020},
+  url       = {https://arxiv.org/abs/2006.16236}
+}""",
+    },
+    "kasai2021": {
+        "cite": "Kasai et al., 2021",
+        "url": "https://arxiv.org/abs/2103.13076",
+        "bibtex": r"""@inproceedings{kasai2021finetuning,
+  title     = {Finetuning Pretrained Transformers into {RNNs}},
+  author    = {Jungo Kasai and Hao Peng and Yizhe Zhang and Dani Yogatama and Gabriel Ilharco and Nikolaos Pappas and
+               Yi Mao and Weizhu Chen and Noah A. Smith},
+  booktitle = {Proceedings of the 2021 Conference on Empirical Methods in Natural Language Processing (EMNLP)},
+  year      = {2021},
+  url       = {https://arxiv.org/abs/2103.13076}
+}""",
+    },
+    "zhang2024": {
+        "cite": "Zhang et al., 2024",
+        "url": "https://arxiv.org/abs/2402.04347",
+        "bibtex": r"""@inproceedings{zhang2024hedgehog,
+  title     = {The Hedgehog \& the Porcupine: Expressive Linear Attentions with Softmax Mimicry},
+  author    = {Michael Zhang and Kush Bhatia and Hermann Kumbong and Christopher R{\'e}},
+  booktitle = {International Conference on Learning Representations},
+  year      = {2024},
+  url       = {https://arxiv.org/abs/2402.04347}
+}""",
+    },
+}
+"""Papers the cards cite: ``cite`` (the link text), ``url`` and a BibTeX entry."""
+
+FEATURE_MAP_PAPERS = {
+    "favor+": "choromanski2021",
+    "trig": "choromanski2021",
+    "relu": "choromanski2021",
+    "elu+1": "katharopoulos2020",
+    "hedgehog": "zhang2024",
+    "t2r": "kasai2021",
+}
+"""The paper (a key of :data:`PAPERS`) each feature map comes from. The Performer paper (``choromanski2021``) is
+cited by every card; attention transfer adds the Hedgehog paper (its softmax-mimicry loss)."""
+
+TRANSFER_FILE_NAME = "attention_transfer.json"
+"""Written by ``hf-performer distill`` next to ``conversion_report.json``; its presence marks a distilled folder."""
+
+TRANSFER_LOSSES = {
+    "weights": "KL divergence between the softmax and linear attention weights (Hedgehog)",
+    "output": "squared error between the softmax and linear attention outputs (LoLCATs)",
+    "both": "KL divergence of the attention weights plus squared error of the attention outputs",
 }
 
 MEASURED_SPEED = {
@@ -700,24 +815,211 @@ def _format_setting(value) -> str:
         return "yes" if value else "no"
     if isinstance(value, list):
         return ", ".join(str(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"`{k}`: {_format_setting(v)}" for k, v in value.items()) if value else "none"
     return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+def _map_kind(name: str) -> str | None:
+    """``"random"``, ``"learned"`` or ``"deterministic"`` (``None`` for a map not registered in this process)."""
+    try:
+        return feature_map_kind(name)
+    except KeyError:
+        return None
+
+
+def _map_default(name: str, option: str):
+    """The default of a feature map's keyword ``option`` (``init``, ``nb_features``, ...), or ``None``."""
+    factory = FEATURE_MAPS.get(name)
+    if factory is None:
+        return None
+    try:
+        parameter = inspect.signature(factory).parameters.get(option)
+    except (TypeError, ValueError):  # pragma: no cover - a factory without a signature
+        return None
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
+
+
+def effective_nb_features(feature_map: str, nb_features, head_dim: int | None) -> int | None:
+    """The number ``m`` of features per head a map really uses: ``nb_features``, or with ``None`` the map's default
+    (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim`` for t2r; elu+1: ``head_dim``; random maps: 256)."""
+    if nb_features is not None:
+        return nb_features
+    factory = FEATURE_MAPS.get(feature_map)
+    kind = _map_kind(feature_map)
+    if kind == "learned" and head_dim and hasattr(factory, "default_nb_features"):
+        return factory.default_nb_features(head_dim)
+    if kind == "random" and isinstance(_map_default(feature_map, "nb_features"), int):
+        return _map_default(feature_map, "nb_features")
+    return head_dim
+
+
+def setting_meanings(settings: dict, head_dim: int | None = None) -> dict[str, str]:
+    """What each ``favor_settings`` key means for this feature map (the settings table of the card).
+
+    Random maps (favor+, trig, relu) use :data:`SETTING_MEANINGS`, learned maps (hedgehog, t2r)
+    :data:`LEARNED_SETTING_MEANINGS` (with the effective ``init`` and whether the seed is used), deterministic maps
+    (elu+1) :data:`DETERMINISTIC_SETTING_MEANINGS`. An ``nb_features`` of ``None`` is explained as the map's default
+    size (computed from ``head_dim`` when known)."""
+    name = settings.get("feature_map", "favor+")
+    kind = _map_kind(name)
+    table = {"learned": LEARNED_SETTING_MEANINGS, "deterministic": DETERMINISTIC_SETTING_MEANINGS}.get(kind, SETTING_MEANINGS)
+    meanings = dict(table)
+    if name == "favor+":
+        meanings["feature_map"] = SETTING_MEANINGS["feature_map"]
+    elif name in FEATURE_MAP_DESCRIPTIONS:
+        prefix = "feature map" if kind == "random" else meanings["feature_map"]
+        meanings["feature_map"] = f"{prefix} ({FEATURE_MAP_DESCRIPTIONS[name]})"
+    elif kind is None:
+        meanings["feature_map"] = f"feature map (`{name}`: not registered here; see its code)"
+    options = settings.get("feature_map_options") or {}
+    if kind == "learned":
+        init = options.get("init", _map_default(name, "init"))
+        default_init = _map_default(name, "init")
+        meanings["feature_map_options"] = (
+            "the map's own options: `init` (start of the learned projections: `identity` or `favor+`; default "
+            f"`{default_init}`), `tie_qk` (queries and keys share one set of parameters; default no)"
+            + (", `feature_epsilon` (added to every feature)" if _map_default(name, "feature_epsilon") is not None else "")
+            + "; none: the map's defaults"
+        )
+        if init == "identity":
+            meanings["seed"] += "; unused here (`init` is `identity`)"
+    m = effective_nb_features(name, None, head_dim)
+    if settings.get("nb_features", 0) is None:
+        if kind == "learned":
+            factor = getattr(FEATURE_MAPS.get(name), "features_per_projection", 1)
+            size = f"{factor} x head dim" if factor != 1 else "the head dim"
+            meanings["nb_features"] += f"; `None`: the map's default size, {size}" + (f" = {m}" if m else "")
+        elif kind == "deterministic":
+            meanings["nb_features"] = "features per head; `None`: the map's own size, the head dim" + (f" = {m}" if m else "")
+        else:
+            meanings["nb_features"] += "; `None`: the map's default size" + (f" ({m})" if m else "")
+    elif kind == "learned" and getattr(FEATURE_MAPS.get(name), "features_per_projection", 1) == 2:
+        meanings["nb_features"] += " (2 features per projection row)"
+    return meanings
+
+
+def _citations(feature_map: str, distilled: bool) -> tuple[dict | None, list[str]]:
+    """The feature map's paper (``None`` if unknown) and the BibTeX entries of the card's Citation section: the
+    map's paper, the Performer paper, and with attention transfer the Hedgehog paper."""
+    key = FEATURE_MAP_PAPERS.get(feature_map)
+    keys = [key] if key else []
+    keys.append("choromanski2021")
+    if distilled:
+        keys.append("zhang2024")
+    keys = list(dict.fromkeys(keys))
+    return (PAPERS[key] if key else None), [PAPERS[k]["bibtex"] for k in keys]
+
+
+def _describe_map(feature_map: str, kind: str | None, settings: dict, distilled: bool) -> dict:
+    """Wording of the card that depends on the feature map: names, warning, fidelity and quality notes."""
+    is_favor = feature_map == "favor+"
+    options = settings.get("feature_map_options") or {}
+    init = options.get("init", _map_default(feature_map, "init"))
+    if is_favor:
+        fidelity_note = (
+            "A relative error near 1 means the layer output is essentially re-learned: trained softmax attention is peaky\n"
+            "and the FAVOR+ estimator's variance is large there. This is expected after the swap: accuracy has to be\n"
+            "recovered by fine-tuning (see Results)."
+        )
+        quality = ("FAVOR+ is an approximation of softmax attention; published conversions with fixed random features\n"
+                   "  trail softmax on some tasks (e.g. CoLA) even after fine-tuning. Check the results above for this model.")
+    elif kind == "learned" and distilled:
+        fidelity_note = (
+            "These errors remain after attention transfer (the section above gives the values before it): each layer\n"
+            "was trained on the softmax model's own inputs, and what it did not learn adds up through the layers (the\n"
+            "propagated column). Fine-tune the whole model to recover the rest (see Results)."
+        )
+        quality = (f"`{feature_map}` features are trained to mimic softmax attention, but remain an approximation of it;\n"
+                   "  check the results above for this model.")
+    elif kind == "learned":
+        fidelity_note = (
+            f"The learned `{feature_map}` feature maps of this folder are untrained (initialisation `{init}`), so they do\n"
+            "not approximate softmax attention yet and large errors are expected: train them by attention transfer\n"
+            "(`hf-performer distill`), then fine-tune (see Results)."
+        )
+        quality = (f"`{feature_map}` features approximate softmax attention only once trained (attention transfer or\n"
+                   "  fine-tuning); check the results above for this model.")
+    elif kind == "deterministic" or feature_map == "relu":
+        fidelity_note = (
+            f"`{feature_map}` is not an estimator of softmax attention but a different kernel, so a relative error near 1\n"
+            "is expected after the swap: accuracy has to be recovered by fine-tuning (see Results)."
+        )
+        quality = (f"`{feature_map}` replaces softmax attention by a different kernel rather than approximating it;\n"
+                   "  check the results above for this model.")
+        if feature_map == "relu":  # a random map, but not an estimator of softmax
+            quality = quality.replace("check the results", "published conversions with fixed random features trail "
+                                      "softmax on some\n  tasks (e.g. CoLA) even after fine-tuning. Check the results")
+    else:
+        fidelity_note = (
+            "A relative error near 1 means the layer output is essentially re-learned: trained softmax attention is peaky\n"
+            f"and the `{feature_map}` random-feature approximation is poor there. This is expected after the swap: accuracy\n"
+            "has to be recovered by fine-tuning (see Results)."
+        )
+        estimate = ("estimates softmax attention without bias but with a large variance (and denominators that\n"
+                    "  can vanish)" if feature_map == "trig" else "is an approximation of softmax attention")
+        quality = (f"`{feature_map}` linear attention {estimate}; published conversions with fixed random features\n"
+                   "  trail softmax on some tasks (e.g. CoLA) even after fine-tuning. Check the results above for this model.")
+    if distilled:
+        warning = (
+            "> **Attention transfer only, not fine-tuned.** The feature maps were trained to mimic the source's softmax\n"
+            "> attention (see Attention transfer below) and every other weight is the source's. This narrows the gap to\n"
+            "> the softmax model without closing it (compare before and after below): evaluate the model on your task\n"
+            "> and fine-tune it before use."
+        )
+    elif is_favor:
+        warning = (
+            "> **Converted, not fine-tuned.** Right after conversion a pretrained model does not reproduce its softmax\n"
+            "> outputs (see the fidelity report below): fine-tune it before use. The Performer paper reports 0.07\n"
+            "> accuracy right after loading pretrained weights into FAVOR+, recovered in a small fraction of the\n"
+            "> original training."
+        )
+    elif kind == "learned":
+        warning = (
+            "> **Converted, not fine-tuned.** Right after conversion a pretrained model does not reproduce its softmax\n"
+            f"> outputs (see the fidelity report below), and its learned `{feature_map}` feature maps are untrained\n"
+            f"> (initialisation `{init}`): train them by attention transfer (`hf-performer distill`) and fine-tune the\n"
+            "> model before use."
+        )
+    else:
+        warning = (
+            "> **Converted, not fine-tuned.** Right after conversion a pretrained model does not reproduce its softmax\n"
+            "> outputs (see the fidelity report below): fine-tune it before use."
+        )
+    return {
+        "is_favor": is_favor,
+        "feature_map": feature_map,
+        "feature_map_kind": kind or "unknown",
+        "feature_map_title": "FAVOR+" if is_favor else f"`{feature_map}`",
+        "attention_name": "FAVOR+" if is_favor else "linear attention",
+        "features_word": {"random": "random", "learned": "learned", "deterministic": "deterministic"}.get(kind, ""),
+        "not_fine_tuned_warning": warning,
+        "fidelity_note": fidelity_note,
+        "quality_note": quality,
+    }
 
 
 def _speed_context(settings: dict, geometry: dict, is_causal: bool, dtype_bytes: int) -> dict:
     head_dim = geometry["head_dim"] or 64
-    nb_features = settings.get("nb_features") or head_dim  # deterministic maps (elu+1): m = d
+    feature_map = settings.get("feature_map", "favor+")
+    # nb_features None: the map's own size (elu+1: d; hedgehog: 2d; t2r: d).
+    nb_features = effective_nb_features(feature_map, settings.get("nb_features"), head_dim) or head_dim
+    name = "FAVOR+" if feature_map == "favor+" else "linear attention"
     crossover = MEASURED_SPEED["crossover_causal" if is_causal else "crossover_bidirectional"]
     max_positions = geometry["max_positions"]
     kind = "causal" if is_causal else "bidirectional"
+    measured = kind if feature_map == "favor+" else f"FAVOR+ {kind}"
     if max_positions is not None and max_positions <= crossover:
         note = (
-            f"At this model's maximum length of {max_positions} tokens FAVOR+ is **not faster** than softmax "
-            f"attention (measured {kind} crossover: ~{crossover} tokens); its benefit needs longer inputs."
+            f"At this model's maximum length of {max_positions} tokens {name} is **not faster** than softmax "
+            f"attention (measured {measured} crossover: ~{crossover} tokens); its benefit needs longer inputs."
         )
     else:
         note = (
             f"This model accepts up to {max_positions if max_positions is not None else 'any number of'} tokens; "
-            f"FAVOR+ pays off only on inputs longer than the {kind} crossover (~{crossover} tokens measured): at "
+            f"{name} pays off only on inputs longer than the {measured} crossover (~{crossover} tokens measured): at "
             "512 tokens softmax attention is faster."
         )
     layers = geometry["num_layers"] or 0
@@ -739,6 +1041,165 @@ def _speed_context(settings: dict, geometry: dict, is_causal: bool, dtype_bytes:
     }
 
 
+# --------------------------------------------------------------------------------------------
+# Attention transfer (attention_transfer.json of `hf-performer distill`)
+# --------------------------------------------------------------------------------------------
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _transfer_field(record: dict, path: str, where: str, check, expected: str, required: bool = True):
+    """``record[a][b]...`` for ``path = "a.b"``, checked by ``check`` (raises :class:`ModelCardError`)."""
+    value = record
+    walked = []
+    for part in path.split("."):
+        if not isinstance(value, dict):
+            raise ModelCardError(f"{where}: '{'.'.join(walked)}' must be an object, got {type(value).__name__}")
+        walked.append(part)
+        if part not in value:
+            if not required:
+                return None
+            raise ModelCardError(f"{where}: '{path}' is missing (not an attention_transfer.json of hf-performer distill?)")
+        value = value[part]
+    if not required and value is None:
+        return None
+    if not check(value):
+        raise ModelCardError(f"{where}: '{path}' must be {expected}, got {value!r}")
+    return value
+
+
+def _layer_losses(losses: dict, path: str, where: str) -> dict[int, dict]:
+    """``{layer: {"weights_kl": ..., ...}}`` from ``transfer.layer_losses_*`` (JSON keys are strings)."""
+    parsed = {}
+    for key, entry in losses.items():
+        try:
+            layer = int(key)
+        except (TypeError, ValueError):
+            raise ModelCardError(f"{where}: '{path}' keys must be layer indices, got {key!r}") from None
+        if not isinstance(entry, dict):
+            raise ModelCardError(f"{where}: '{path}.{key}' must be an object, got {entry!r}")
+        for name in ("weights_kl", "output_squared_error"):
+            if entry.get(name) is not None and not _is_number(entry[name]):
+                raise ModelCardError(f"{where}: '{path}.{key}.{name}' must be a number, got {entry[name]!r}")
+        parsed[layer] = entry
+    return parsed
+
+
+def _fidelity_layers(record: dict, name: str, where: str) -> dict[int, dict]:
+    layers = _transfer_field(record, f"{name}.layers", where, lambda v: isinstance(v, list) and len(v) > 0,
+                             "a non-empty list of layers")
+    parsed = {}
+    for index, entry in enumerate(layers):
+        if not (isinstance(entry, dict) and isinstance(entry.get("layer"), int) and not isinstance(entry["layer"], bool)
+                and _is_number(entry.get("own_inputs_relative_error"))):
+            raise ModelCardError(
+                f"{where}: '{name}.layers[{index}]' must hold an int 'layer' and a number "
+                f"'own_inputs_relative_error', got {entry!r}"
+            )
+        parsed[entry["layer"]] = entry
+    return parsed
+
+
+def _format_duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{seconds:.1f} s ({seconds / 60:.1f} min)"
+    return f"{seconds:.0f} s ({seconds / 3600:.1f} h)"
+
+
+def _format_number(value) -> str:
+    return "–" if value is None else f"{value:.4f}"
+
+
+def transfer_context(record: dict, where: str = TRANSFER_FILE_NAME, feature_map: str | None = None) -> dict:
+    """What the card's "Attention transfer" section shows, read from an ``attention_transfer.json`` record.
+
+    Checked (a :class:`ModelCardError` names the first bad field): ``data`` (``file``, ``layout``, ``sequences``,
+    ``max_length``), ``transfer`` (``steps``, ``loss``, ``learning_rate``, ``layer_losses_before`` /
+    ``layer_losses_after`` keyed by layer index), ``fidelity_before`` / ``fidelity_after`` (``layers`` with
+    ``own_inputs_relative_error``, ``final_hidden_state_cosine``), ``wall_time_s``; ``feature_map``, when present,
+    must be the folder's. Only the data file's base name is kept (no local path reaches the card), and neither
+    ``source`` nor ``command`` is shown.
+    """
+    if not isinstance(record, dict):
+        raise ModelCardError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    is_str = lambda v: isinstance(v, str) and v != ""  # noqa: E731
+    data_file = _transfer_field(record, "data.file", where, is_str, "a file name")
+    layout = _transfer_field(record, "data.layout", where, is_str, "a string")
+    sequences = _transfer_field(record, "data.sequences", where, is_int, "an int")
+    max_length = _transfer_field(record, "data.max_length", where, is_int, "an int")
+    batch_size = _transfer_field(record, "data.batch_size", where, is_int, "an int", required=False)
+    fidelity_sequences = _transfer_field(record, "data.fidelity_sequences", where, is_int, "an int", required=False)
+    steps = _transfer_field(record, "transfer.steps", where, is_int, "an int")
+    loss = _transfer_field(record, "transfer.loss", where, is_str, "a string")
+    learning_rate = _transfer_field(record, "transfer.learning_rate", where, _is_number, "a number")
+    trained = _transfer_field(record, "transfer.layers", where,
+                              lambda v: isinstance(v, list) and all(is_int(i) for i in v), "a list of layer indices",
+                              required=False)
+    is_dict = lambda v: isinstance(v, dict)  # noqa: E731
+    losses_before = _layer_losses(_transfer_field(record, "transfer.layer_losses_before", where, is_dict, "an object"),
+                                  "transfer.layer_losses_before", where)
+    losses_after = _layer_losses(_transfer_field(record, "transfer.layer_losses_after", where, is_dict, "an object"),
+                                 "transfer.layer_losses_after", where)
+    before = _fidelity_layers(record, "fidelity_before", where)
+    after = _fidelity_layers(record, "fidelity_after", where)
+    cosine_before = _transfer_field(record, "fidelity_before.final_hidden_state_cosine", where, _is_number, "a number")
+    cosine_after = _transfer_field(record, "fidelity_after.final_hidden_state_cosine", where, _is_number, "a number")
+    logits_before = _transfer_field(record, "fidelity_before.logits_relative_error", where, _is_number, "a number",
+                                    required=False)
+    logits_after = _transfer_field(record, "fidelity_after.logits_relative_error", where, _is_number, "a number",
+                                   required=False)
+    wall_time = _transfer_field(record, "wall_time_s", where, lambda v: _is_number(v) and v >= 0,
+                                "a number of seconds")
+    recorded_map = _transfer_field(record, "feature_map", where, is_str, "a string", required=False)
+    if feature_map is not None and recorded_map is not None and recorded_map != feature_map:
+        raise ModelCardError(
+            f"{where}: records attention transfer into the {recorded_map!r} feature map, but config.json uses "
+            f"{feature_map!r}: the file does not belong to this model"
+        )
+
+    rows = []
+    for layer in sorted(set(before) | set(after)):
+        old, new = before.get(layer), after.get(layer)
+        attention = (new or old).get("attention", "favor")
+        if attention == "favor" and trained is not None and layer not in trained:
+            attention = "favor (not trained)"
+        kl_before = (losses_before.get(layer) or {}).get("weights_kl")
+        kl_after = (losses_after.get(layer) or {}).get("weights_kl")
+        rows.append({
+            "layer": layer,
+            "attention": attention,
+            "error_before": _format_number(old and old["own_inputs_relative_error"]),
+            "error_after": _format_number(new and new["own_inputs_relative_error"]),
+            "kl_before": _format_number(kl_before),
+            "kl_after": _format_number(kl_after),
+        })
+    return {
+        "data_file": os.path.basename(data_file.replace("\\", "/").rstrip("/")) or data_file,
+        "layout": layout,
+        "sequences": sequences,
+        "max_length": max_length,
+        "batch_size": batch_size,
+        "fidelity_sequences": fidelity_sequences,
+        "steps": steps,
+        "loss": loss,
+        "loss_meaning": TRANSFER_LOSSES.get(loss, ""),
+        "learning_rate": f"{learning_rate:g}",
+        "layers_trained": trained,
+        "wall_time": _format_duration(float(wall_time)),
+        "rows": rows,
+        "cosine_before": f"{cosine_before:.4f}",
+        "cosine_after": f"{cosine_after:.4f}",
+        "logits_before": None if logits_before is None else f"{logits_before:.4f}",
+        "logits_after": None if logits_after is None else f"{logits_after:.4f}",
+        "fidelity_after": record["fidelity_after"],
+    }
+
+
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -757,6 +1218,7 @@ def build_model_card(
     report=None,
     fine_tuned: bool | None = None,
     template_path: str | os.PathLike | None = None,
+    transfer=None,
 ) -> ModelCard:
     """Build the model card of a Performer model folder (validated; see :func:`validate_model_card`).
 
@@ -774,16 +1236,22 @@ def build_model_card(
         repo_id: the Hub repository the card's loading example uses (default: ``model_name``).
         license, language, tags: extra metadata (``tags`` are added to :data:`CARD_TAGS`).
         report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
-            ``conversion_report.json`` if present.
+            ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
             Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`).
         template_path: a Jinja template; default :func:`default_template_path`.
+        transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
+            ``attention_transfer.json``, or a path to such a file); default: the folder's ``attention_transfer.json``
+            if present. With one, the
+            card says the model was distilled and gains an "Attention transfer" section (see
+            :func:`transfer_context`).
 
     Returns:
         A ``huggingface_hub.ModelCard``.
 
     Raises:
-        ModelCardError: not a Performer folder, invalid results, or metadata that fails validation.
+        ModelCardError: not a Performer folder, invalid results, a malformed ``attention_transfer.json``, or metadata
+            that fails validation.
     """
     folder = Path(folder)
     config = _read_json(folder / "config.json", "config")
@@ -797,9 +1265,27 @@ def build_model_card(
         )
     pipeline_tag, auto_class, usage_example = ARCHITECTURES[architecture]
     geometry = _source_geometry(config)
+    feature_map = settings.get("feature_map", "favor+")
+    kind = _map_kind(feature_map)
 
+    transfer_where = "the attention-transfer record"
+    if transfer is None and (folder / TRANSFER_FILE_NAME).is_file():
+        transfer = folder / TRANSFER_FILE_NAME
+    if isinstance(transfer, (str, os.PathLike)):
+        transfer_where = str(transfer)
+        transfer = _read_json(Path(transfer), "attention-transfer record")
+    transfer_info = transfer_context(transfer, transfer_where, feature_map) if transfer is not None else None
+    if transfer_info is not None and kind not in ("learned", None):
+        raise ModelCardError(
+            f"{transfer_where}: attention transfer trains learned feature maps, but this model's {feature_map!r} map "
+            f"is {kind} (no trainable parameters): the record does not belong to this model"
+        )
+
+    report_file = f"`{REPORT_FILE_NAME}`"
     if report is None and (folder / REPORT_FILE_NAME).is_file():
         report = _read_json(folder / REPORT_FILE_NAME, "fidelity report")
+    elif report is None and transfer_info is not None:
+        report, report_file = transfer_info["fidelity_after"], f"`{TRANSFER_FILE_NAME}` (`fidelity_after`)"
     elif report is not None and not isinstance(report, dict):
         report = report.to_dict()
     if report is not None:
@@ -830,7 +1316,12 @@ def build_model_card(
 
     if model_name is None:
         model_name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
-    card_tags = list(dict.fromkeys([*CARD_TAGS, geometry["source_model_type"], *(tags or [])]))
+    map_tags = CARD_TAGS if feature_map == "favor+" else [
+        tag if tag != "favor+" else feature_map for tag in CARD_TAGS
+    ]
+    if transfer_info is not None:
+        map_tags = [*map_tags, "attention-transfer"]
+    card_tags = list(dict.fromkeys([*map_tags, geometry["source_model_type"], *(tags or [])]))
     card_data = ModelCardData(
         base_model=base_model if base_model_list else None,
         datasets=dataset_list or None,
@@ -851,7 +1342,12 @@ def build_model_card(
         "CausalLM" in name or "LMHead" in name for name in geometry["source_architectures"]
     )
     dtype_bytes = _DTYPE_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
-    feature_map = settings.get("feature_map", "favor+")
+    described = _describe_map(feature_map, kind, settings, distilled=transfer_info is not None)
+    if not described["is_favor"]:
+        usage_example = usage_example.replace("FAVOR+ state", "linear-attention state")
+    paper, citations = _citations(feature_map, distilled=transfer_info is not None)
+    meanings = setting_meanings(settings, geometry["head_dim"])
+    order = list(meanings) + [key for key in SETTING_MEANINGS if key not in meanings]
     context = {
         "model_name": model_name,
         "repo_id": repo_id or model_name,
@@ -861,14 +1357,19 @@ def build_model_card(
         "usage_example": usage_example,
         "pipeline_tag": pipeline_tag,
         "code_files": code_files or ["modeling_performer.py"],
-        "feature_map_title": "FAVOR+" if feature_map == "favor+" else f"`{feature_map}`",
+        **described,
+        "paper": paper,
+        "citations": citations,
         "softmax_layers": settings.get("softmax_layers") or [],
         "settings_rows": [
-            {"name": key, "value": _format_setting(settings[key]), "meaning": SETTING_MEANINGS.get(key, "")}
-            for key in sorted(settings, key=lambda k: (list(SETTING_MEANINGS).index(k) if k in SETTING_MEANINGS else 99, k))
+            {"name": key, "value": _format_setting(settings[key]), "meaning": meanings.get(key, "")}
+            for key in sorted(settings, key=lambda k: (order.index(k) if k in order else 99, k))
         ],
         **geometry,
+        # The record's fidelity_after (local source path included) is read through `fidelity` only.
+        "transfer": {k: v for k, v in transfer_info.items() if k != "fidelity_after"} if transfer_info else None,
         "fidelity": report,
+        "fidelity_file": report_file,
         "results": eval_results,
         "recovery": recovery_rows,
         "is_causal": is_causal,
@@ -891,7 +1392,8 @@ def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult
     by ``model_index_to_eval_results``); ``model-index`` must survive a round trip
     (``model_index_to_eval_results`` then ``eval_results_to_model_index`` gives the same structure) and hold
     ``expected_results`` if given. Also checked: ``library_name: transformers``, a ``pipeline_tag``, the
-    :data:`CARD_TAGS`, ``base_model`` / ``datasets`` as Hub ids.
+    :data:`REQUIRED_CARD_TAGS` and a feature-map tag (``favor+``, ``hedgehog``, ...), ``base_model`` / ``datasets``
+    as Hub ids.
 
     Raises:
         ModelCardError: with what is wrong.
@@ -908,9 +1410,12 @@ def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult
         raise ModelCardError(f"library_name must be 'transformers', got {data.get('library_name')!r}")
     if not data.get("pipeline_tag"):
         raise ModelCardError("the card has no pipeline_tag")
-    missing_tags = [tag for tag in CARD_TAGS if tag not in (data.get("tags") or [])]
+    card_tags = data.get("tags") or []
+    missing_tags = [tag for tag in REQUIRED_CARD_TAGS if tag not in card_tags]
     if missing_tags:
         raise ModelCardError(f"the card lacks the tags {missing_tags}")
+    if not any(tag in FEATURE_MAPS for tag in card_tags):
+        raise ModelCardError(f"the card has no feature-map tag (one of {', '.join(sorted(FEATURE_MAPS))})")
     for key in ("base_model", "datasets"):
         value = data.get(key)
         values = [value] if isinstance(value, str) else (value or [])
@@ -1061,9 +1566,10 @@ else HF_TOKEN, else the cached `hf auth login`; the endpoint from HF_ENDPOINT (d
 _CARD_DESCRIPTION = """(Re)write the README.md model card of a Performer model folder.
 
 Metadata: base_model, library_name (transformers), pipeline_tag, tags, datasets, model-index (from
---metrics). Body: how to load it, the conversion settings (config.json favor_settings), the fidelity report
-(conversion_report.json), results and recovery rows (--metrics) and measured notes on where FAVOR+ is and
-is not faster. The card is validated with huggingface_hub before it is written.
+--metrics). Body: how to load it, the conversion settings (config.json favor_settings, explained for the
+feature map's kind), the attention transfer (attention_transfer.json, written by `hf-performer distill`), the
+fidelity report (conversion_report.json), results and recovery rows (--metrics) and measured notes on where
+linear attention is and is not faster. The card is validated with huggingface_hub before it is written.
 
 --metrics files hold a list of results, {"results": [...], "recovery": [...]}, one result
 {"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, or a run summary
@@ -1187,6 +1693,7 @@ if __name__ == "__main__":
 
 __all__ = [
     "CARD_TAGS",
+    "REQUIRED_CARD_TAGS",
     "FolderCheck",
     "FolderValidationError",
     "ModelCardError",
@@ -1198,6 +1705,8 @@ __all__ = [
     "normalize_recovery",
     "normalize_results",
     "push_folder",
+    "setting_meanings",
+    "transfer_context",
     "upload_file_list",
     "validate_folder",
     "validate_model_card",

@@ -462,6 +462,8 @@ def test_distill_a_bert_on_an_sst2_file(bert_folder, tmp_path, capsys):
     assert {"config.json", "model.safetensors", "attention_transfer.json", "conversion_report.json", "README.md",
             "feature_maps.py", "tokenizer_config.json"} <= files
     assert not [name for name in os.listdir(tmp_path) if name != "hedgehog-bert"]  # no staging folder left
+    card = (output / "README.md").read_text()
+    assert "hf-performer distill" in card and "## Attention transfer" in card and "Fidelity after attention transfer" in card
 
     record = json.loads((output / "attention_transfer.json").read_text())
     assert record["feature_map"] == "hedgehog"

@@ -23,7 +23,7 @@ from huggingface_hub.repocard_data import eval_results_to_model_index, model_ind
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
 from transformers.utils import logging
 
-from hf_performer import hub
+from hf_performer import PerformerConfig, PerformerForSequenceClassification, hub
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import REPORT_FILE_NAME
 from hf_performer.conversion import cli as convert_cli
@@ -201,6 +201,305 @@ def test_card_rejects_bad_input(folder):
     (folder / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
     with pytest.raises(ModelCardError, match="no favor_settings: not a Performer model folder"):
         build_model_card(folder)
+
+
+# --------------------------------------------------------------------------------------------
+# Cards of other feature maps (learned, deterministic) and of distilled folders (attention transfer)
+# --------------------------------------------------------------------------------------------
+
+HEDGEHOG_INTRO = "instead of softmax\n([Zhang et al., 2024](https://arxiv.org/abs/2402.04347))."
+FAVOR_INTRO = "instead of softmax\n([Choromanski et al., 2021](https://arxiv.org/abs/2009.14794))."
+
+
+def performer_folder(path: Path, feature_map: str, **settings) -> Path:
+    """A tiny (untrained) Performer sequence classifier saved with ``save_pretrained``: 2 layers, 2 heads of dim 16."""
+    source = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
+    config = PerformerConfig(source_config=source, feature_map=feature_map, **settings)
+    PerformerForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def hedgehog(tmp_path):
+    return performer_folder(tmp_path / "tiny-hedgehog", "hedgehog")
+
+
+def fake_transfer_record(feature_map: str = "hedgehog") -> dict:
+    """An ``attention_transfer.json`` of ``hf-performer distill`` with made-up, recognisable numbers."""
+    def fidelity(errors, cosine, logits):
+        return {"source": "/home/someone/models/bert-sst2", "source_class": "BertForSequenceClassification",
+                "performer_class": "PerformerForSequenceClassification", "favor_settings": {"feature_map": feature_map},
+                "inputs": "4 user texts", "num_sequences": 4, "num_tokens": 37,
+                "layers": [{"layer": i, "attention": "favor", "own_inputs_relative_error": e,
+                            "propagated_relative_error": e + 0.01 * i} for i, e in enumerate(errors)],
+                "final_hidden_state_cosine": cosine, "prediction_agreement": None, "logits_kl": None,
+                "logits_relative_error": logits}
+    return {
+        "source": "/home/someone/models/bert-sst2",
+        "feature_map": feature_map,
+        "favor_settings": {"feature_map": feature_map, "nb_features": None, "seed": 0, "chunk_size": 128,
+                           "softmax_layers": [], "feature_map_options": {}},
+        "data": {"file": "/home/someone/data/glue/SST-2/train.tsv", "layout": "sst2", "sequences": 24,
+                 "max_length": 12, "batch_size": 4, "seed": 0, "fidelity_sequences": 4},
+        "transfer": {"steps": 6, "loss": "both", "learning_rate": 0.02, "layers": [0, 1],
+                     "history": [{"step": k + 1, "loss_per_layer": 1.0 / (k + 1)} for k in range(6)],
+                     "layer_losses_before": {"0": {"weights_kl": 0.61, "output_squared_error": 0.02, "rows": 96},
+                                             "1": {"weights_kl": 1.1855, "output_squared_error": 0.06, "rows": 96}},
+                     "layer_losses_after": {"0": {"weights_kl": 0.051, "output_squared_error": 0.003, "rows": 96},
+                                            "1": {"weights_kl": 0.0739, "output_squared_error": 0.007, "rows": 96}}},
+        "fidelity_before": fidelity([0.8123, 0.9056], 0.7565, 0.5473),
+        "fidelity_after": fidelity([0.2345, 0.3646], 0.9252, 0.5263),
+        "wall_time_s": 75.5,
+        "command": "hf-performer distill /home/someone/models/bert-sst2 /home/someone/out --feature-map hedgehog",
+    }
+
+
+def transfer_rows(record: dict) -> list[str]:
+    """The per-layer rows the card's Attention transfer table must show, computed from the record."""
+    rows = []
+    before = {entry["layer"]: entry for entry in record["fidelity_before"]["layers"]}
+    for entry in record["fidelity_after"]["layers"]:
+        layer = entry["layer"]
+        kl_before = record["transfer"]["layer_losses_before"].get(str(layer), {}).get("weights_kl")
+        kl_after = record["transfer"]["layer_losses_after"].get(str(layer), {}).get("weights_kl")
+        rows.append(f"| {layer} | {entry['attention']} | {before[layer]['own_inputs_relative_error']:.4f} | "
+                    f"{entry['own_inputs_relative_error']:.4f} | "
+                    f"{'–' if kl_before is None else f'{kl_before:.4f}'} | {'–' if kl_after is None else f'{kl_after:.4f}'} |")
+    return rows
+
+
+def test_favor_card_keeps_its_favor_wording(converted):
+    """A FAVOR+ card (from `hf-performer convert`) keeps its FAVOR+ citation, meanings, warning and fidelity notes."""
+    text = (converted / "README.md").read_text()
+    metadata = metadata_load(converted / "README.md")
+    assert "favor+" in metadata["tags"] and "attention-transfer" not in metadata["tags"]
+    assert FAVOR_INTRO in text and "hf-performer (`hf-performer convert`)." in text
+    assert "Zhang et al." not in text and "zhang2024hedgehog" not in text and "@inproceedings{choromanski2021rethinking" in text
+    assert "| `nb_features` | 16 | random features per head (`m`) |" in text
+    assert "| `seed` | 0 | seed of the projections (layer i uses seed + i) |" in text
+    assert ("| `feature_map_options` | none | the map's own options (e.g. `feature_epsilon` of `relu`; none: its "
+            "defaults) |") in text
+    assert "Converted, not fine-tuned" in text and "The Performer paper reports 0.07" in text
+    assert "## Fidelity right after conversion" in text and "the FAVOR+ estimator's variance is large there" in text
+    assert "## Attention transfer" not in text and "hf-performer distill" not in text
+    assert "## Where FAVOR+ is faster, and where it is not" in text
+
+
+def test_hedgehog_card_without_attention_transfer(hedgehog):
+    card = build_model_card(hedgehog)
+    metadata = hub.validate_model_card(str(card))
+    assert "hedgehog" in metadata["tags"] and "favor+" not in metadata["tags"]
+    assert "attention-transfer" not in metadata["tags"]
+    text = card.text
+    assert HEDGEHOG_INTRO in text and "Choromanski et al., 2021](" not in text
+    assert "@inproceedings{zhang2024hedgehog" in text and "@inproceedings{choromanski2021rethinking" in text
+    assert "hf-performer (`hf-performer convert`)." in text and "## Attention transfer" not in text
+    # Settings: meanings of a learned map (no random projection); nb_features None = the map's default 2 x d.
+    assert ("| `feature_map` | `hedgehog` | learned feature map (`hedgehog`: [softmax(z), softmax(-z)] with "
+            "z = x W + b, W and b trainable per head) |") in text
+    assert ("| `nb_features` | None | features per head (`m`), computed from a trainable projection per head; "
+            "`None`: the map's default size, 2 x head dim = 32 |") in text
+    assert ("| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i); "
+            "unused here (`init` is `identity`) |") in text
+    assert "| `feature_map_options` | none | the map's own options: `init` (start of the learned projections" in text
+    assert "random features per head" not in text and "seed of the projections" not in text
+    assert "| `orthogonal` |" not in text and "| `row_norms` |" not in text
+    # Untrained learned maps: a warning that says so, not the FAVOR+ one.
+    assert "Converted, not fine-tuned" in text and "(initialisation `identity`)" in text
+    assert "The Performer paper reports 0.07" not in text and "FAVOR+ estimator" not in text
+    assert "## Fidelity right after conversion" in text and "This folder has no `conversion_report.json`" in text
+    # Speed notes use the map's real size (2 x 16 features), and say the timings are of FAVOR+.
+    assert "## Where linear attention is faster, and where it is not" in text
+    assert "With `m = 32` features and head dimension `d = 16`" in text and "These timings are of FAVOR+" in text
+
+
+@pytest.mark.parametrize(
+    "feature_map, settings, intro, rows",
+    [
+        ("t2r", {"nb_features": 8},
+         "([Kasai et al., 2021](https://arxiv.org/abs/2103.13076)).",
+         ["| `nb_features` | 8 | features per head (`m`), computed from a trainable projection per head |",
+          "| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i) |"]),
+        ("hedgehog", {"nb_features": 32, "feature_map_options": {"init": "favor+", "tie_qk": True}},
+         "([Zhang et al., 2024](https://arxiv.org/abs/2402.04347)).",
+         ["| `feature_map_options` | `init`: `favor+`, `tie_qk`: yes | the map's own options: `init`",
+          "| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i) |"]),
+        ("elu+1", {},
+         "([Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236)).",
+         ["| `feature_map` | `elu+1` | deterministic feature map, nothing random or trained (`elu+1`: elu(x) + 1, "
+          "a different kernel, not an estimator of softmax) |",
+          "| `feature_map_options` | none | the map's own options (none: its defaults) |"]),
+        ("trig", {"nb_features": 16},
+         "([Choromanski et al., 2021](https://arxiv.org/abs/2009.14794)).",
+         ["| `feature_map` | `trig` | feature map (`trig`: random Fourier features, unbiased for softmax but not "
+          "positive) |",
+          "| `seed` | 0 | seed of the projections (layer i uses seed + i) |"]),
+    ],
+)
+def test_every_map_kind_cites_its_paper_and_explains_its_settings(tmp_path, feature_map, settings, intro, rows):
+    folder = performer_folder(tmp_path / "tiny", feature_map, **settings)
+    card = build_model_card(folder)
+    assert feature_map in hub.validate_model_card(str(card))["tags"]
+    text = card.text
+    assert f"instead of softmax\n{intro}" in text
+    for row in rows:
+        assert row in text
+    assert "The Performer paper reports 0.07" not in text and "Converted, not fine-tuned" in text
+    if feature_map == "t2r":
+        assert "unused here" not in text and "(initialisation `favor+`)" in text
+
+
+def test_hedgehog_card_with_attention_transfer(hedgehog, tmp_path):
+    record = fake_transfer_record()
+    (hedgehog / "attention_transfer.json").write_text(json.dumps(record))
+    card = build_model_card(hedgehog, model_name="tiny-hedgehog")
+    metadata = hub.validate_model_card(str(card))
+    assert {"hedgehog", "attention-transfer"} <= set(metadata["tags"]) and "favor+" not in metadata["tags"]
+    text = card.text
+    # Who wrote it and how.
+    assert HEDGEHOG_INTRO in text
+    assert ("hf-performer (`hf-performer distill`: attention transfer, the learned `hedgehog` feature maps were "
+            "trained to\nmimic the source's softmax attention, every other weight unchanged).") in text
+    assert "`hf-performer convert`" not in text
+    # A milder warning: still "fine-tune it", no FAVOR+ claim.
+    assert "**Attention transfer only, not fine-tuned.**" in text and "fine-tune it before use" in text
+    assert "Converted, not fine-tuned" not in text and "The Performer paper reports 0.07" not in text
+    assert "FAVOR+ estimator" not in text
+    # The Attention transfer section, with the record's numbers (and no local path).
+    assert "## Attention transfer" in text and "(layers 0, 1)" in text
+    assert "- Data: `train.tsv` (layout `sst2`), 24 sequences of at most 12 tokens, batches of 4." in text
+    assert ("- Training: 6 steps, loss `both` (KL divergence of the attention weights plus squared error of the "
+            "attention outputs), learning rate 0.02.") in text
+    assert "- Wall time: 75.5 s (1.3 min) for the whole run" in text
+    assert "on 4 held-out texts" in text
+    for row in transfer_rows(record):
+        assert row in text, row
+    assert "| 0 | favor | 0.8123 | 0.2345 | 0.6100 | 0.0510 |" in text  # the same row, spelled out
+    assert "- Final hidden states: mean cosine similarity 0.7565 before -> 0.9252 after." in text
+    assert "- Head: logits relative error 0.5473 before -> 0.5263 after." in text
+    assert "/home/someone" not in text and "train.tsv" in text
+    # Fidelity: after transfer (no conversion_report.json here: the record's fidelity_after is shown).
+    assert "## Fidelity after attention transfer" in text and "Fidelity right after conversion" not in text
+    assert "From `attention_transfer.json` (`fidelity_after`): the model after attention transfer" in text
+    assert "| 1 | favor | 0.3646 | 0.3746 |" in text and "mean cosine similarity 0.9252." in text
+    assert "These errors remain after attention transfer" in text
+    assert "@inproceedings{zhang2024hedgehog" in text and "@inproceedings{choromanski2021rethinking" in text
+    # Written as README.md, it loads back with huggingface_hub.
+    path = write_model_card(hedgehog, model_name="tiny-hedgehog")
+    assert "attention-transfer" in metadata_load(path)["tags"] and "## Attention transfer" in ModelCard.load(path).text
+
+    tuned = build_model_card(hedgehog, fine_tuned=True).text
+    assert "every other weight unchanged; then fine-tuned)." in tuned and "not fine-tuned" not in tuned
+    # The record can also be passed directly (what `hf-performer distill` can do before writing the file).
+    (hedgehog / "attention_transfer.json").unlink()
+    assert build_model_card(hedgehog, model_name="tiny-hedgehog", transfer=record).text == text
+
+
+def _set(path: str, value):
+    def breaker(record):
+        *parents, last = path.split(".")
+        target = record
+        for part in parents:
+            target = target[part]
+        target[last] = value
+        return record
+    return breaker
+
+
+def _delete(path: str):
+    def breaker(record):
+        *parents, last = path.split(".")
+        target = record
+        for part in parents:
+            target = target[part]
+        del target[last]
+        return record
+    return breaker
+
+
+@pytest.mark.parametrize(
+    "breaker, message",
+    [
+        (lambda record: "{not json", "not valid JSON"),
+        (lambda record: [record], "expected a JSON object, got list"),
+        (_delete("transfer"), "'transfer.steps' is missing"),
+        (_delete("data.file"), "'data.file' is missing"),
+        (_set("data", "train.tsv"), "'data' must be an object"),
+        (_set("transfer.steps", "six"), "'transfer.steps' must be an int, got 'six'"),
+        (_set("transfer.learning_rate", None), "'transfer.learning_rate' must be a number"),
+        (_set("transfer.layer_losses_before", {"first": {"weights_kl": 0.1}}),
+         "'transfer.layer_losses_before' keys must be layer indices, got 'first'"),
+        (_set("transfer.layer_losses_after", {"0": {"weights_kl": "low"}}),
+         "'transfer.layer_losses_after.0.weights_kl' must be a number"),
+        (_set("fidelity_after.layers", []), "'fidelity_after.layers' must be a non-empty list"),
+        (_set("fidelity_before.layers", [{"layer": 0}]), "'fidelity_before.layers\\[0\\]' must hold an int 'layer'"),
+        (_delete("fidelity_after.final_hidden_state_cosine"), "'fidelity_after.final_hidden_state_cosine' is missing"),
+        (_set("wall_time_s", -1), "'wall_time_s' must be a number of seconds"),
+        (_set("feature_map", "t2r"), "into the 't2r' feature map, but config.json uses 'hedgehog'"),
+    ],
+)
+def test_a_malformed_attention_transfer_record_is_an_error(hedgehog, breaker, message):
+    broken = breaker(fake_transfer_record())
+    path = hedgehog / "attention_transfer.json"
+    path.write_text(broken if isinstance(broken, str) else json.dumps(broken))
+    with pytest.raises(ModelCardError, match=message) as error:
+        build_model_card(hedgehog)
+    assert "attention_transfer.json" in str(error.value)
+    with pytest.raises(SystemExit, match="hf-performer card: error: .*attention_transfer.json"):
+        cli_main(["card", str(hedgehog)])
+
+
+def test_a_transfer_record_next_to_a_favor_model_is_an_error(folder):
+    (folder / "attention_transfer.json").write_text(json.dumps(fake_transfer_record("favor+")))
+    with pytest.raises(ModelCardError, match="'favor\\+' map is random \\(no trainable parameters\\)"):
+        build_model_card(folder)
+
+
+def test_a_card_needs_a_feature_map_tag(converted):
+    text = (converted / "README.md").read_text()
+    with pytest.raises(ModelCardError, match="no feature-map tag"):
+        hub.validate_model_card(text.replace("- favor+\n", ""))
+
+
+@pytest.fixture(scope="module")
+def distilled(converted):
+    """A tiny hedgehog BERT distilled by the real ``hf-performer distill`` from the converted folder's source."""
+    root = converted.parent
+    data = root / "train.tsv"
+    sentences = ["the quick brown fox", "a lazy dog", "the dog jumps over a fox", "quick brown dog", "a fox",
+                 "the lazy fox jumps", "over the dog", "a quick dog jumps over the lazy brown fox"] * 2
+    data.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(sentences)))
+    output = root / "tiny-distilled"
+    arguments = ["distill", root / "source", output, "--feature-map", "hedgehog", "--data", data, "--data-task", "sst2",
+                 "--max-samples", 8, "--fidelity-samples", 4, "--max-length", 12, "--batch-size", 4, "--steps", 4,
+                 "--no-progress"]
+    assert cli_main([str(a) for a in arguments]) == 0
+    return output
+
+
+def test_card_of_a_really_distilled_folder(distilled, tmp_path):
+    folder = tmp_path / "tiny-distilled"
+    shutil.copytree(distilled, folder)
+    record = json.loads((folder / "attention_transfer.json").read_text())
+    report = json.loads((folder / REPORT_FILE_NAME).read_text())
+    assert cli_main(["card", str(folder)]) == 0  # (re)written with attention_transfer.json in the folder
+    text = (folder / "README.md").read_text()
+    hub.validate_model_card(text)
+    assert "`hf-performer distill`" in text and "## Attention transfer" in text
+    assert f"- Data: `train.tsv` (layout `sst2`), {record['data']['sequences']} sequences of at most 12 tokens" in text
+    assert f"- Training: {record['transfer']['steps']} steps, loss `both`" in text
+    for row in transfer_rows(record):
+        assert row in text, row
+    cosines = (record["fidelity_before"]["final_hidden_state_cosine"], record["fidelity_after"]["final_hidden_state_cosine"])
+    assert f"mean cosine similarity {cosines[0]:.4f} before -> {cosines[1]:.4f} after." in text
+    # The fidelity section is conversion_report.json, i.e. the fidelity after transfer.
+    assert "## Fidelity after attention transfer" in text and "From `conversion_report.json`: the model after" in text
+    for layer in report["layers"]:
+        assert (f"| {layer['layer']} | {layer['attention']} | {layer['own_inputs_relative_error']:.4f} | "
+                f"{layer['propagated_relative_error']:.4f} |") in text
+    assert "The Performer paper reports 0.07" not in text and "Attention transfer only, not fine-tuned" in text
+    assert str(distilled.parent) not in text  # no local path (source, data file, command) leaks into the card
 
 
 def test_load_metrics_layouts(tmp_path):
