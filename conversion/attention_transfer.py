@@ -41,6 +41,7 @@ from hf_performer.favor_attention import (
     layer_index_of,
 )
 from hf_performer.feature_maps import Features, FeatureMap
+from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 
 
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
@@ -54,10 +55,6 @@ class AttentionTransferError(ValueError):
 # --------------------------------------------------------------------------------------------
 # The two attention matrices
 # --------------------------------------------------------------------------------------------
-
-
-def _repeat_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
-    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
 def allowed_positions(attention_mask: torch.Tensor | None, query_length: int, key_length: int, causal: bool,
