@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import datetime
 import json
 import math
 import os
@@ -362,22 +361,19 @@ def read_samples(path: str) -> dict:
 
 
 def machine_info() -> dict:
-    """Where the collection ran (the runs themselves record their device)."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    """Where the collection ran (the runs themselves record their device): the package's benchmark machine record
+    plus the installed versions of the libraries the runs used."""
+    import torch
+
+    from hf_performer.benchmark import machine_info as benchmark_machine_info
+
     versions = {}
-    for package in ("torch", "transformers", "accelerate", "hf-performer"):
+    for package in ("transformers", "accelerate", "hf-performer"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:
             versions[package] = None
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
-            "python": platform.python_version(), **versions}
+    return {**benchmark_machine_info(torch.device("cpu")), "platform": platform.platform(), **versions}
 
 
 # --------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ The JSON also records torch / transformers versions and the machine; a readable 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
@@ -38,28 +37,14 @@ FAVOR_LAYER_TYPE = "favor"  # FavorCacheLayer._layer_type (compared by value: re
 
 
 def machine_info() -> dict:
-    """CPU model, cores, OS, Python / torch / transformers versions, date."""
+    """The package's benchmark machine record (CPU, cores, threads, versions, date) plus transformers and CUDA."""
     import torch
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            cpu = next(line.split(":", 1)[1].strip() for line in handle if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "platform": platform.platform(),
-        "machine": platform.machine(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
+    from hf_performer.benchmark import machine_info as benchmark_machine_info
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return {**benchmark_machine_info(device), "platform": platform.platform(), "transformers": transformers.__version__}
 
 
 def parse_model_spec(spec: str) -> tuple[str, str]:
