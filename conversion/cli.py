@@ -10,6 +10,7 @@ once complete, so a failure leaves nothing half-written; an existing output fold
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -100,14 +101,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def check_output_folder(output: str, overwrite: bool, command: str) -> str:
+    """The absolute path of an output folder, after refusing an existing one (without ``overwrite``) or a missing
+    parent, with ``hf-performer COMMAND: error: ...``."""
+    path = os.path.abspath(output)
+    if os.path.lexists(path) and not overwrite:
+        raise SystemExit(f"hf-performer {command}: error: {output} already exists; pass --overwrite to replace it")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise SystemExit(f"hf-performer {command}: error: the parent folder of {output} does not exist")
+    return path
+
+
+@contextlib.contextmanager
+def staged_folder(output: str):
+    """Yield a temporary folder beside ``output``; when the block succeeds, move it into place (replacing an existing
+    ``output`` only at the last moment); when it fails, delete it. A failure never leaves a half-written folder."""
+    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=os.path.dirname(output))
+    try:
+        yield staging
+        _replace_folder(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``hf-performer convert`` (see :func:`add_parser`). Returns the exit status."""
-    output = os.path.abspath(args.output)
-    if os.path.lexists(output) and not args.overwrite:
-        raise SystemExit(f"hf-performer convert: error: {args.output} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(output)
-    if not os.path.isdir(parent):
-        raise SystemExit(f"hf-performer convert: error: the parent folder of {args.output} does not exist")
+    output = check_output_folder(args.output, args.overwrite, "convert")
 
     try:
         source, tokenizer = load_source(args.source, args.task)
@@ -130,8 +150,7 @@ def run_convert(args: argparse.Namespace) -> int:
     except ConversionError as error:
         raise SystemExit(f"hf-performer convert: error: {error}") from None
 
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
-    try:
+    with staged_folder(output) as staging:
         performer.save_pretrained(staging)
         if tokenizer is not None:
             if args.max_position_embeddings is not None:
@@ -139,10 +158,6 @@ def run_convert(args: argparse.Namespace) -> int:
             tokenizer.save_pretrained(staging)
         write_model_card(staging, report=report, model_name=os.path.basename(output))  # README.md model card
         report.save(staging)
-        _replace_folder(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
     print(report.format_table())
     print(f"\nwrote {output}")

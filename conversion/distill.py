@@ -16,9 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -29,7 +27,7 @@ from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps
 from hf_performer.hub import write_model_card
 
 from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
-from .cli import _replace_folder
+from .cli import check_output_folder, staged_folder
 from .convert import TASKS, ConversionError, convert_to_performer, load_source
 from .fidelity import fidelity_report
 
@@ -170,12 +168,7 @@ def _fmt(value) -> str:
 
 def run_distill(args: argparse.Namespace) -> int:
     """Run ``hf-performer distill`` (see :func:`add_parser`). Returns the exit status."""
-    output = os.path.abspath(args.output)
-    if os.path.lexists(output) and not args.overwrite:
-        raise SystemExit(f"hf-performer distill: error: {args.output} already exists; pass --overwrite to replace it")
-    parent = os.path.dirname(output)
-    if not os.path.isdir(parent):
-        raise SystemExit(f"hf-performer distill: error: the parent folder of {args.output} does not exist")
+    output = check_output_folder(args.output, args.overwrite, "distill")
     for name in ("max_samples", "fidelity_samples", "max_length", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"hf-performer distill: error: --{name.replace('_', '-')} must be >= 1")
@@ -234,8 +227,7 @@ def run_distill(args: argparse.Namespace) -> int:
         "wall_time_s": round(wall_time, 2),
         "command": "hf-performer distill " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["distill"] else None,
     }
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=parent)
-    try:
+    with staged_folder(output) as staging:
         performer.save_pretrained(staging)
         if args.max_position_embeddings is not None:
             tokenizer.model_max_length = args.max_position_embeddings
@@ -244,10 +236,6 @@ def run_distill(args: argparse.Namespace) -> int:
         with open(os.path.join(staging, "attention_transfer.json"), "w") as handle:
             json.dump(record, handle, indent=2)
         write_model_card(staging, report=after, model_name=os.path.basename(output), transfer=record)
-        _replace_folder(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
     print(_layer_table(before, after, result.layer_losses_before, result.layer_losses_after))
     print(f"\nattention transfer: {steps} steps on {len(encodings)} sequences in {wall_time:.1f} s; wrote {output}")
