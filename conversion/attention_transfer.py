@@ -137,6 +137,54 @@ def transfer_losses(teacher: torch.Tensor, student: torch.Tensor, value: torch.T
     return kl[rows].sum(), squared[rows].sum(), int(rows.sum())
 
 
+def layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, feature_map: FeatureMap,
+                          scaling: float, allowed: torch.Tensor,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One layer's teacher output and transfer losses, computed with fewer passes over the ``[B, H, Lq, Lk]``
+    matrices than composing :func:`softmax_attention_weights`, :func:`linear_attention_weights` and
+    :func:`transfer_losses` (the reference it is tested against).
+
+    The student's weights are never normalised as a matrix: with ``s_ij = phi(q_i).phi(k_j)`` and ``S_i = sum_j s_ij``,
+    ``sum_j A_ij log(s_ij / S_i) = sum_j A_ij log s_ij - log S_i`` (each allowed row of ``A`` sums to 1), and the
+    student's output is ``(s V) / S``. The teacher's ``sum_j A_ij log A_ij`` and output ``A V`` take no gradient.
+
+    Args:
+        query: ``[B, H, Lq, d]``; key, value: ``[B, Hkv, Lk, d]`` / ``[B, Hkv, Lk, dv]`` (grouped heads repeated here).
+        allowed: boolean ``[B or 1, 1 or H, Lq, Lk]`` (see :func:`allowed_positions`).
+
+    Returns:
+        ``(teacher output [B, H, Lq, dv] float32, KL sum, squared-error sum, rows)`` as :func:`transfer_losses`
+        counts them; the losses carry gradients to the feature map's parameters when grad mode is on.
+    """
+    groups = query.shape[1] // key.shape[1]
+    query, key = query.detach(), key.detach()
+    with torch.no_grad():
+        repeated_value = _repeat_heads(value.detach(), groups).float()
+        scores = scaling * torch.matmul(query.float(), _repeat_heads(key, groups).float().transpose(-1, -2))
+        # the finite minimum (not -inf) keeps rows with no allowed key finite; they are zeroed below
+        scores = scores.masked_fill_(~allowed, torch.finfo(scores.dtype).min)
+        log_normaliser = torch.logsumexp(scores, dim=-1, keepdim=True)
+        teacher = torch.exp(scores - log_normaliser)
+        rows = allowed.any(-1).expand(teacher.shape[:-1])  # [B, H, Lq]
+        if not bool(rows.all()):
+            teacher = teacher * rows.unsqueeze(-1)
+        teacher_output = torch.matmul(teacher, repeated_value)
+        # sum_j A_ij log A_ij = sum_j A_ij scores_ij - log_normaliser_i (masked entries: A = 0 times a finite score)
+        teacher_neg_entropy = (teacher * scores).sum(-1) - log_normaliser.squeeze(-1)
+        del scores
+
+    scale = math.sqrt(scaling)
+    phi_q = _dense(feature_map.query_features(query.float() * scale), key_side=False)
+    phi_k = _repeat_heads(_dense(feature_map.key_features(key.float() * scale), key_side=True), groups)
+    student_scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)).masked_fill(~allowed, 0.0)
+    row_sums = student_scores.sum(-1).clamp_min(1e-12)
+    cross = torch.xlogy(teacher, student_scores.clamp_min(1e-30)).sum(-1) - torch.log(row_sums)
+    kl = teacher_neg_entropy - cross
+    student_output = torch.matmul(student_scores, repeated_value) / row_sums.unsqueeze(-1)
+    squared = (student_output - teacher_output).square().mean(-1)
+    return teacher_output, kl[rows].sum(), squared[rows].sum(), int(rows.sum())
+
+
 # --------------------------------------------------------------------------------------------
 # The attention function used during transfer
 # --------------------------------------------------------------------------------------------
@@ -186,17 +234,17 @@ def favor_transfer_attention_forward(
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
     allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
-    with torch.no_grad():
-        teacher = softmax_attention_weights(query, key, scaling, allowed)
-        repeated_value = _repeat_heads(value, query.shape[1] // value.shape[1])
-        output = torch.matmul(teacher, repeated_value.float())
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     layer = layer_index_of(module)
     if _ACTIVE and feature_map is not None and layer not in favor_settings_of(module)["softmax_layers"]:
         collector = _ACTIVE[-1]
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
-            student = linear_attention_weights(query.detach(), key.detach(), feature_map, scaling, allowed)
-            collector.add(layer, *transfer_losses(teacher, student, repeated_value.detach(), allowed))
+            output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
+        collector.add(layer, *losses)
+    else:
+        with torch.no_grad():
+            teacher = softmax_attention_weights(query, key, scaling, allowed)
+            output = torch.matmul(teacher, _repeat_heads(value, query.shape[1] // value.shape[1]).float())
     return output.to(value.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -274,13 +322,20 @@ def _combine(layers: dict[int, LayerTransferLoss], loss: str) -> torch.Tensor:
     return total
 
 
+def _run_backbone(model: nn.Module, batch: dict) -> None:
+    """Forward ``batch`` through the model without its task head: the losses are collected inside the attention
+    layers, and a language model's vocabulary projection is a sizeable share of a step."""
+    backbone = getattr(model, "base_model", model)
+    backbone(**batch)
+
+
 @torch.no_grad()
 def measure_transfer_losses(model: nn.Module, batches: Iterable[dict]) -> dict[int, dict]:
     """Each layer's mean weights cross-entropy and output squared error over ``batches`` (no training)."""
     sums: dict[int, list[float]] = {}
     with teacher_forcing(model), collect_transfer_losses(compute_student=False) as layers:
         for batch in batches:
-            model(**batch)
+            _run_backbone(model, batch)
     for layer, entry in sorted(layers.items()):
         rows = max(entry.rows, 1)
         sums[layer] = {"weights_kl": float(entry.kl) / rows,
@@ -348,7 +403,7 @@ def transfer_attention(
             for step in range(steps):
                 batch = batches[step % len(batches)]
                 with collect_transfer_losses() as layers:
-                    model(**batch)
+                    _run_backbone(model, batch)
                 total = _combine(layers, loss)
                 optimizer.zero_grad(set_to_none=True)
                 total.backward()
@@ -379,6 +434,7 @@ __all__ = [
     "allowed_positions",
     "collect_transfer_losses",
     "favor_transfer_attention_forward",
+    "layer_transfer_losses",
     "linear_attention_weights",
     "measure_transfer_losses",
     "softmax_attention_weights",

@@ -35,6 +35,7 @@ from hf_performer.conversion.attention_transfer import (
     AttentionTransferResult,
     allowed_positions,
     collect_transfer_losses,
+    layer_transfer_losses,
     linear_attention_weights,
     measure_transfer_losses,
     softmax_attention_weights,
@@ -286,6 +287,47 @@ def test_transfer_losses_by_hand():
     torch.testing.assert_close(float(kl), float(row_kl[counted].sum()), rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(float(squared_error), float(row_error[counted].sum()), rtol=1e-4, atol=1e-6)
     assert float(kl) > 0 and float(squared_error) > 0 and rows == 2 * 4 * 9 - 1
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "t2r", "favor+"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_layer_transfer_losses_match_the_reference(name, causal):
+    """The fast path used during transfer gives the reference's output, losses, row count and gradients."""
+    q, k, v = qkv()
+    if name == "favor+":
+        feature_map = make_feature_map(name, 8, nb_features=16, seed=1)
+    else:
+        feature_map = perturbed(make_feature_map(name, 8, num_heads=4, num_key_value_heads=2, init="favor+"))
+    padding = torch.ones(2, 9, dtype=torch.bool)
+    padding[1, 6:] = False
+    allowed = mask_4d(padding, causal).expand(2, 4, 9, 9).clone()
+    allowed[0, 2, 5] = False  # a query row with no allowed key: zero output, not counted
+
+    def reference():
+        teacher = softmax_attention_weights(q, k, 0.3, allowed)
+        student = linear_attention_weights(q, k, feature_map, 0.3, allowed)
+        value = v.repeat_interleave(2, 1)
+        return (teacher @ value, *transfer_losses(teacher, student, value, allowed))
+
+    results = []
+    for compute in (reference, lambda: layer_transfer_losses(q, k, v, feature_map, 0.3, allowed)):
+        feature_map.zero_grad()
+        output, kl, squared_error, rows = compute()
+        grads = []
+        if any(True for _ in feature_map.parameters()):
+            (kl + squared_error).backward()
+            grads = [p.grad.clone() for p in feature_map.parameters()]
+        results.append((output, kl.detach(), squared_error.detach(), rows, grads))
+    (output, kl, squared_error, rows, grads), (fast_output, fast_kl, fast_error, fast_rows, fast_grads) = results
+    assert fast_rows == rows == 2 * 4 * 9 - 1 and fast_output.shape == (2, 4, 9, 8)
+    assert torch.isfinite(fast_output).all() and not fast_output[0, 2, 5].any()
+    torch.testing.assert_close(fast_output, output, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(fast_kl, kl, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fast_error, squared_error, atol=1e-6, rtol=1e-4)
+    assert float(kl) > 0 and float(squared_error) > 0
+    assert len(fast_grads) == len(grads)
+    for fast, slow in zip(fast_grads, grads):
+        torch.testing.assert_close(fast, slow, atol=1e-5, rtol=1e-4)
 
 
 # --------------------------------------------------------------------------------------------

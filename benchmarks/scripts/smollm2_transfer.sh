@@ -67,45 +67,12 @@ cd "$REPO"
 TIMINGS="$OUT/timings.tsv"
 PIPELINE_START=$SECONDS
 
-log() { printf '[%s] %s\n' "$(date +%H:%M:%S)" "$*"; }
-
-# run_step NAME OUTPUT COMMAND...: run COMMAND (logging to $OUT/NAME.log) unless OUTPUT exists (or ALWAYS=1).
-run_step() {
-    local name="$1" output="$2"
-    shift 2
-    if [[ -e "$output" && "${ALWAYS:-0}" != 1 ]]; then
-        log "$name: skipped ($output exists)"
-        return 0
-    fi
-    local logfile="$OUT/$name.log" start=$SECONDS
-    log "$name: running (log: $logfile)"
-    { printf '$'; printf ' %q' "$@"; printf '\n'; } >"$logfile"
-    if ! "$@" >>"$logfile" 2>&1 </dev/null; then
-        log "$name: FAILED after $((SECONDS - start)) s; last lines of $logfile:"
-        tail -n 25 "$logfile" >&2
-        exit 1
-    fi
-    if [[ ! -e "$output" ]]; then
-        log "$name: finished but did not write $output; see $logfile"
-        exit 1
-    fi
-    local elapsed=$((SECONDS - start))
-    printf '%s\t%s\n' "$name" "$elapsed" >>"$TIMINGS"
-    log "$name: done in ${elapsed} s"
-}
-
-optional() {  # optional FLAG VALUE: prints "FLAG VALUE" as two words when VALUE is non-empty
-    if [[ -n "$2" ]]; then printf '%s\n%s\n' "$1" "$2"; fi
-}
+# shellcheck source=pipeline_steps.sh
+source "$REPO/benchmarks/scripts/pipeline_steps.sh"
 
 mapfile -t EVAL_CHAR_ARGS < <(optional --max-chars "$EVAL_CHARS")
 mapfile -t RECIPE_CHAR_ARGS < <(optional --max-eval-chars "$EVAL_CHARS")
 mapfile -t EVAL_STEP_ARGS < <(optional --eval-steps "$EVAL_STEPS")
-
-show_and_run() {  # print the command (into the step's log), then run it
-    { printf '+'; printf ' %q' "$@"; printf '\n'; }
-    "$@"
-}
 
 evaluate() {  # evaluate MODEL OUTPUT.json
     show_and_run "$HF_PERFORMER" evaluate "$1" --task wikitext --text-file "$TEST_FILE" --context-length "$CONTEXT" \
