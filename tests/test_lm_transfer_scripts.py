@@ -336,6 +336,29 @@ def test_collect_target_ratio_option_and_favor_rows(experiment):
     assert record["comparison"]["ratio_favor_base_to_softmax_base"] == pytest.approx(500.0 / 20.0)
 
 
+def test_collect_transfer_budget_trend(experiment, capsys):
+    """--previous adds earlier budgets of the same pipeline, sorted by transfer tokens; a different protocol is
+    refused."""
+    earlier, output = run_collect(experiment, 30.0)
+    earlier_path = output.with_name("earlier.json")
+    earlier["transfer_fidelity"]["steps"], earlier["transfer_fidelity"]["tokens_seen"] = 1, 8
+    earlier_path.write_text(json.dumps(earlier))
+    record, output = run_collect(experiment, 17.8, "--previous", str(earlier_path), "--note", "a remark")
+    points = record["transfer_trend"]["points"]
+    assert [p["transfer_steps"] for p in points] == [1, 3]
+    assert [p["file"] for p in points] == [str(earlier_path), None]
+    assert points[0]["ratio"] == pytest.approx(30.0 / 16.0) and points[1]["ratio"] == pytest.approx(17.8 / 16.0)
+    assert points[1]["transfer_perplexity"] == 80.0 and points[1]["mean_relative_attention_error_after"] == pytest.approx(0.2)
+    assert record["notes"] == ["a remark"]
+    assert output.with_suffix(".png").is_file()
+    assert "(this run)" in capsys.readouterr().out
+
+    earlier["protocol"]["num_tokens"] = 600
+    earlier_path.write_text(json.dumps(earlier))
+    with pytest.raises(SystemExit, match="evaluation .* differs"):
+        run_collect(experiment, 17.8, "--previous", str(earlier_path))
+
+
 def test_collect_reports_missing_inputs(experiment, tmp_path):
     with pytest.raises(SystemExit, match="metrics.json does not exist"):
         collect.main(["--softmax-finetuned", str(tmp_path), "--transfer-finetuned", str(tmp_path),

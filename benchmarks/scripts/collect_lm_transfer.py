@@ -410,6 +410,51 @@ def compare_fine_tuning(first: dict, second: dict) -> dict:
     return {"same_budget": not differences, "differences": differences}
 
 
+def trend_point(record: dict, file: str | None) -> dict:
+    """One transfer budget's outcome, read from a collected record (this run's or an earlier one's)."""
+    by_name = {run["name"]: run for run in record["runs"]}
+    transfer = by_name.get("transfer") or {}
+    fidelity = record.get("transfer_fidelity") or {}
+    error = (fidelity.get("own_inputs_relative_error") or {}).get("after") or {}
+    cosine = fidelity.get("final_hidden_state_cosine") or {}
+    protocol = record["protocol"]
+    fine_tuned = by_name["transfer_finetuned"]
+    return {
+        "file": file,
+        "transfer_steps": fidelity.get("steps", transfer.get("transfer_steps")),
+        "transfer_tokens_seen": fidelity.get("tokens_seen", transfer.get("transfer_tokens_seen")),
+        "transfer_wall_time_s": fidelity.get("wall_time_s", transfer.get("transfer_wall_time_s")),
+        "transfer_perplexity": transfer.get("perplexity"),
+        "transfer_finetuned_perplexity": fine_tuned["perplexity"],
+        "softmax_finetuned_perplexity": by_name["softmax_finetuned"]["perplexity"],
+        "ratio": record["comparison"]["ratio_transfer_finetuned_to_softmax_finetuned"],
+        "mean_relative_attention_error_after": error.get("mean"),
+        "final_hidden_state_cosine_after": cosine.get("after"),
+        "evaluation": [protocol.get(key) for key in ("context_length", "stride", "num_tokens")],
+        "fine_tuning": [fine_tuned.get(key) for key in ("steps", "batch_size", "block_size", "learning_rate")],
+    }
+
+
+def transfer_trend(current: dict, previous: list[str]) -> dict:
+    """The same pipeline at several attention-transfer budgets, in order of transfer tokens.
+
+    Every earlier record must share this run's evaluation (context, stride, tokens) and fine-tuning budget, or the
+    points would not be comparable.
+    """
+    now = trend_point(current, None)
+    points = [now]
+    for path in previous:
+        earlier = trend_point(_load_json(path, "--previous"), path)
+        for key in ("evaluation", "fine_tuning"):
+            if earlier[key] != now[key]:
+                raise CollectError(f"--previous {path}: its {key.replace('_', '-')} {earlier[key]} differs from "
+                                   f"this run's {now[key]}; a trend needs the same protocol")
+        points.append(earlier)
+    points.sort(key=lambda point: (point["transfer_tokens_seen"] or 0, point["file"] is None))
+    return {"what": "the fine-tuned transfer's perplexity ratio to fine-tuned softmax as the attention-transfer "
+                    "budget grows (same evaluation and fine-tuning)", "points": points}
+
+
 def build_record(args: argparse.Namespace) -> dict:
     defaults = _recipe_defaults()
     runs = []
@@ -500,6 +545,10 @@ def build_record(args: argparse.Namespace) -> dict:
                                                         "favor_finetuned", "samples")},
         "collected_by": shlex.join(["python", "benchmarks/scripts/collect_lm_transfer.py", *args.argv]),
     }
+    if args.previous:
+        record["transfer_trend"] = transfer_trend(record, args.previous)
+    if args.notes:
+        record["notes"] = args.notes
     if not protocol["consistent"]:
         record["warnings"] = ["the runs were not scored on the same tokens: " + "; ".join(protocol["mismatches"])]
     if not comparison["fine_tuning"]["same_budget"]:
@@ -520,7 +569,12 @@ def plot(record: dict, path: str) -> str:
     import matplotlib.pyplot as plt
 
     runs = record["runs"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.3]})
+    trend = (record.get("transfer_trend") or {}).get("points") or []
+    if len(trend) > 1:
+        fig, (left, right, budget) = plt.subplots(1, 3, figsize=(18, 5.2), gridspec_kw={"width_ratios": [1, 1.3, 0.9]})
+        plot_trend(budget, trend, record["target"]["threshold_ratio"])
+    else:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5.2), gridspec_kw={"width_ratios": [1, 1.3]})
     colours = {"softmax_base": "#9ecae1", "softmax_finetuned": "#3182bd", "transfer": "#bcbddc",
                "transfer_finetuned": "#756bb1", "favor_base": "#fdae6b", "favor_finetuned": "#e6550d"}
     values = [run["perplexity"] for run in runs]
@@ -577,6 +631,26 @@ def plot(record: dict, path: str) -> str:
     return path
 
 
+def plot_trend(axis, points: list[dict], threshold: float) -> None:
+    tokens = [point["transfer_tokens_seen"] for point in points]
+    axis.plot(tokens, [point["ratio"] for point in points], "o-", color="#756bb1", label="transfer + FT / softmax FT")
+    if all(point["transfer_perplexity"] for point in points):
+        axis.plot(tokens, [point["transfer_perplexity"] / point["softmax_finetuned_perplexity"] for point in points],
+                  "s--", color="#bcbddc", label="transfer, no FT / softmax FT")
+    for point in points:
+        axis.annotate(f"{point['transfer_steps']} steps\n{point['ratio']:.2f}x",
+                      (point["transfer_tokens_seen"], point["ratio"]), textcoords="offset points", xytext=(4, 6),
+                      fontsize=7)
+    axis.axhline(threshold, color="black", linestyle=":", linewidth=1, label=f"target {threshold:g}x")
+    axis.set_xscale("log")
+    axis.set_yscale("log")
+    axis.set_xlabel("attention-transfer tokens")
+    axis.set_ylabel("perplexity / softmax fine-tuned")
+    axis.set_title("transfer budget vs perplexity ratio\n(same evaluation and fine-tuning)", fontsize=9)
+    axis.legend(fontsize=7)
+    axis.grid(alpha=0.3, which="both")
+
+
 def _fmt(value) -> str:
     return "-" if value is None else f"{value:.4f}"
 
@@ -594,6 +668,15 @@ def format_summary(record: dict) -> str:
         error = fidelity["own_inputs_relative_error"]
         lines.append(f"mean per-layer relative attention error: {_fmt(error['before']['mean'])} before, "
                      f"{_fmt(error['after']['mean'])} after transfer")
+    trend = (record.get("transfer_trend") or {}).get("points") or []
+    if len(trend) > 1:
+        lines.append("transfer budget trend (transfer steps, tokens: transfer ppl -> fine-tuned ppl, ratio):")
+        for point in trend:
+            transfer = point["transfer_perplexity"]
+            lines.append(f"  {point['transfer_steps']:>5} steps, {point['transfer_tokens_seen'] or 0:>9} tokens: "
+                         f"{'-' if transfer is None else f'{transfer:.1f}'} -> "
+                         f"{point['transfer_finetuned_perplexity']:.1f}, {point['ratio']:.2f}x"
+                         f"{'' if point['file'] else '  (this run)'}")
     for warning in record.get("warnings", []):
         lines.append(f"warning: {warning}")
     return "\n".join(lines)
@@ -615,6 +698,12 @@ def main(argv: list[str] | None = None) -> int:
                         "(optional)")
     parser.add_argument("--samples", metavar="SAMPLES.json", help="greedy_samples.py output")
     parser.add_argument("--protocol", default=None, metavar="TEXT", help="free-text description of the protocol")
+    parser.add_argument("--previous", action="append", default=[], metavar="FILE.json",
+                        help="a record this script wrote for the same pipeline with another attention-transfer budget "
+                             "(same evaluation and fine-tuning); adds the budget trend to the record and the figure "
+                             "(repeatable)")
+    parser.add_argument("--note", dest="notes", action="append", default=[], metavar="TEXT",
+                        help="a remark stored in the record's notes (repeatable)")
     parser.add_argument("--title", default="Attention transfer on a causal LM: softmax vs learned feature map",
                         help="title of the record and the figure")
     parser.add_argument("--target-ratio", type=float, default=TARGET_RATIO,

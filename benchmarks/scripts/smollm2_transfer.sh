@@ -60,6 +60,7 @@ TRANSFER_LR="${TRANSFER_LR:-1e-2}"
 SAMPLE_TOKENS="${SAMPLE_TOKENS:-40}"
 RUN_FAVOR="${RUN_FAVOR:-0}"              # 1: also convert to FAVOR+ (random features), evaluate and fine-tune it
 RESULT="${RESULT:-$REPO/benchmarks/results/attention_transfer_smollm2.json}"
+PREVIOUS="${PREVIOUS:-}"                 # space-separated earlier results of this pipeline (other transfer budgets)
 
 TRANSFER_DIR="$OUT/transfer_$FEATURE_MAP"
 mkdir -p "$OUT"
@@ -146,11 +147,16 @@ $STEPS steps x $BATCH sequences x $BLOCK tokens, lr $LR (linear decay, 6% warmup
 Attention transfer: hf-performer distill --feature-map $FEATURE_MAP, $TRANSFER_SAMPLES sequences of $TRANSFER_LENGTH \
 tokens of $(basename "$TRAIN_FILE"), $TRANSFER_STEPS steps x $TRANSFER_BATCH, lr $TRANSFER_LR, feature maps only."
 
+PREVIOUS_ARGS=()
+for previous in $PREVIOUS; do
+    PREVIOUS_ARGS+=(--previous "$previous")
+done
+
 # collect always runs (it only reads the outputs above); the previous result stays if it fails
 ALWAYS=1 run_step collect "$RESULT" \
     "$PYTHON" benchmarks/scripts/collect_lm_transfer.py --softmax-base "$OUT/eval_softmax_base.json" \
     --softmax-finetuned "$OUT/finetune_softmax" --transfer "$OUT/eval_transfer.json" --transfer-folder "$TRANSFER_DIR" \
-    --transfer-finetuned "$OUT/finetune_transfer" "${FAVOR_ARGS[@]}" --samples "$OUT/samples.json" \
+    --transfer-finetuned "$OUT/finetune_transfer" "${FAVOR_ARGS[@]}" "${PREVIOUS_ARGS[@]}" --samples "$OUT/samples.json" \
     --protocol "$PROTOCOL" --output "$RESULT"
 tail -n 12 "$OUT/collect.log"
 log "pipeline done in $((SECONDS - PIPELINE_START)) s (step timings: $TIMINGS)"
