@@ -344,7 +344,9 @@ def test_collect_transfer_budget_trend(experiment, capsys):
     earlier["transfer_fidelity"]["steps"], earlier["transfer_fidelity"]["tokens_seen"] = 1, 8
     earlier_path.write_text(json.dumps(earlier))
     record, output = run_collect(experiment, 17.8, "--previous", str(earlier_path), "--note", "a remark")
-    points = record["transfer_trend"]["points"]
+    trend = record["transfer_trend"]
+    points = trend["points"]
+    assert trend["same_transfer_config"] and trend["transfer_configs"] == ["hedgehog, init identity (default), default features"]
     assert [p["transfer_steps"] for p in points] == [1, 3]
     assert [p["file"] for p in points] == [str(earlier_path), None]
     assert points[0]["ratio"] == pytest.approx(30.0 / 16.0) and points[1]["ratio"] == pytest.approx(17.8 / 16.0)
@@ -352,6 +354,14 @@ def test_collect_transfer_budget_trend(experiment, capsys):
     assert record["notes"] == ["a remark"]
     assert output.with_suffix(".png").is_file()
     assert "(this run)" in capsys.readouterr().out
+
+    # A point with another feature-map configuration is kept, and the trend says the configurations differ.
+    earlier["transfer_fidelity"]["favor_settings"] = {"feature_map": "hedgehog", "nb_features": 256,
+                                                      "feature_map_options": {"init": "favor+"}}
+    earlier_path.write_text(json.dumps(earlier))
+    trend = run_collect(experiment, 17.8, "--previous", str(earlier_path))[0]["transfer_trend"]
+    assert not trend["same_transfer_config"]
+    assert trend["points"][0]["transfer_config"] == "hedgehog, init favor+, 256 features"
 
     earlier["protocol"]["num_tokens"] = 600
     earlier_path.write_text(json.dumps(earlier))

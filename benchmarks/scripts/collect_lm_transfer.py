@@ -410,6 +410,16 @@ def compare_fine_tuning(first: dict, second: dict) -> dict:
     return {"same_budget": not differences, "differences": differences}
 
 
+def transfer_config(settings: dict, feature_map: str | None) -> str:
+    """``"hedgehog, init favor+, 256 features"``: what was transferred (``None`` fields: the map's defaults)."""
+    options = settings.get("feature_map_options") or {}
+    nb_features = settings.get("nb_features")
+    return ", ".join([settings.get("feature_map") or feature_map or "learned map",
+                      f"init {options.get('init', 'identity (default)')}",
+                      f"{nb_features if nb_features is not None else 'default'} features",
+                      *(f"{key} {value}" for key, value in sorted(options.items()) if key != "init")])
+
+
 def trend_point(record: dict, file: str | None) -> dict:
     """One transfer budget's outcome, read from a collected record (this run's or an earlier one's)."""
     by_name = {run["name"]: run for run in record["runs"]}
@@ -421,6 +431,7 @@ def trend_point(record: dict, file: str | None) -> dict:
     fine_tuned = by_name["transfer_finetuned"]
     return {
         "file": file,
+        "transfer_config": transfer_config(fidelity.get("favor_settings") or {}, fidelity.get("feature_map")),
         "transfer_steps": fidelity.get("steps", transfer.get("transfer_steps")),
         "transfer_tokens_seen": fidelity.get("tokens_seen", transfer.get("transfer_tokens_seen")),
         "transfer_wall_time_s": fidelity.get("wall_time_s", transfer.get("transfer_wall_time_s")),
@@ -439,7 +450,8 @@ def transfer_trend(current: dict, previous: list[str]) -> dict:
     """The same pipeline at several attention-transfer budgets, in order of transfer tokens.
 
     Every earlier record must share this run's evaluation (context, stride, tokens) and fine-tuning budget, or the
-    points would not be comparable.
+    points would not be comparable. Points may differ in the transferred feature map (``transfer_config``, shown
+    on every point of the plot): then the trend mixes budget and configuration, and ``same_transfer_config`` says so.
     """
     now = trend_point(current, None)
     points = [now]
@@ -451,8 +463,10 @@ def transfer_trend(current: dict, previous: list[str]) -> dict:
                                    f"this run's {now[key]}; a trend needs the same protocol")
         points.append(earlier)
     points.sort(key=lambda point: (point["transfer_tokens_seen"] or 0, point["file"] is None))
+    configs = sorted({point["transfer_config"] for point in points})
     return {"what": "the fine-tuned transfer's perplexity ratio to fine-tuned softmax as the attention-transfer "
-                    "budget grows (same evaluation and fine-tuning)", "points": points}
+                    "budget grows (same evaluation and fine-tuning)",
+            "same_transfer_config": len(configs) == 1, "transfer_configs": configs, "points": points}
 
 
 def build_record(args: argparse.Namespace) -> dict:
@@ -638,7 +652,7 @@ def plot_trend(axis, points: list[dict], threshold: float) -> None:
         axis.plot(tokens, [point["transfer_perplexity"] / point["softmax_finetuned_perplexity"] for point in points],
                   "s--", color="#bcbddc", label="transfer, no FT / softmax FT")
     for point in points:
-        axis.annotate(f"{point['transfer_steps']} steps\n{point['ratio']:.2f}x",
+        axis.annotate(f"{point['transfer_steps']} steps, {point['ratio']:.2f}x\n{point['transfer_config']}",
                       (point["transfer_tokens_seen"], point["ratio"]), textcoords="offset points", xytext=(4, 6),
                       fontsize=7)
     axis.axhline(threshold, color="black", linestyle=":", linewidth=1, label=f"target {threshold:g}x")

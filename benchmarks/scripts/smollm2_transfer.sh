@@ -50,6 +50,8 @@ EVAL_BATCH="${EVAL_BATCH:-8}"            # windows per forward pass (49k vocabul
 
 # Attention transfer (hf-performer distill)
 FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
+FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-favor+}"  # learned maps: start as FAVOR+ (or identity, the Hedgehog paper's start)
+NB_FEATURES="${NB_FEATURES:-256}"              # learned maps: features per head (empty: the map's default, 2 x head_dim)
 TRANSFER_SAMPLES="${TRANSFER_SAMPLES:-512}"  # training sequences
 TRANSFER_LENGTH="${TRANSFER_LENGTH:-$BLOCK}" # tokens per sequence
 TRANSFER_BATCH="${TRANSFER_BATCH:-8}"
@@ -74,6 +76,7 @@ source "$REPO/benchmarks/scripts/pipeline_steps.sh"
 mapfile -t EVAL_CHAR_ARGS < <(optional --max-chars "$EVAL_CHARS")
 mapfile -t RECIPE_CHAR_ARGS < <(optional --max-eval-chars "$EVAL_CHARS")
 mapfile -t EVAL_STEP_ARGS < <(optional --eval-steps "$EVAL_STEPS")
+mapfile -t FEATURE_ARGS < <(optional --feature-map-init "$FEATURE_MAP_INIT"; optional --nb-features "$NB_FEATURES")
 
 evaluate() {  # evaluate MODEL OUTPUT.json
     show_and_run "$HF_PERFORMER" evaluate "$1" --task wikitext --text-file "$TEST_FILE" --context-length "$CONTEXT" \
@@ -99,7 +102,8 @@ finetune() {  # finetune OUTPUT_DIR RECIPE_ARGS...: the same recipe arguments fo
 
 log "SmolLM2 attention transfer: SMOL=$SMOL OUT=$OUT"
 log "fine-tuning: $STEPS steps x $BATCH x $BLOCK tokens, lr $LR, seed $SEED; eval: context $CONTEXT, stride $STRIDE," \
-    "chars ${EVAL_CHARS:-all}; transfer: $FEATURE_MAP, $TRANSFER_SAMPLES x $TRANSFER_LENGTH tokens," \
+    "chars ${EVAL_CHARS:-all}; transfer: $FEATURE_MAP (init ${FEATURE_MAP_INIT:-default}, ${NB_FEATURES:-default}" \
+    "features), $TRANSFER_SAMPLES x $TRANSFER_LENGTH tokens," \
     "$TRANSFER_STEPS steps x $TRANSFER_BATCH, lr $TRANSFER_LR"
 for file in "$TRAIN_FILE" "$TEST_FILE"; do
     [[ -f "$file" ]] || { log "missing data file $file (set DATA_DIR / TRAIN_FILE / TEST_FILE)"; exit 1; }
@@ -111,8 +115,8 @@ run_step dequantize "$SMOL/config.json" \
 run_step eval_softmax_base "$OUT/eval_softmax_base.json" evaluate "$SMOL" "$OUT/eval_softmax_base.json"
 
 run_step distill "$TRANSFER_DIR/attention_transfer.json" \
-    "$HF_PERFORMER" distill "$SMOL" "$TRANSFER_DIR" --feature-map "$FEATURE_MAP" --data "$TRAIN_FILE" \
-    --data-task text --max-length "$TRANSFER_LENGTH" --max-samples "$TRANSFER_SAMPLES" --batch-size "$TRANSFER_BATCH" \
+    "$HF_PERFORMER" distill "$SMOL" "$TRANSFER_DIR" --feature-map "$FEATURE_MAP" "${FEATURE_ARGS[@]}" \
+    --data "$TRAIN_FILE" --data-task text --max-length "$TRANSFER_LENGTH" --max-samples "$TRANSFER_SAMPLES" --batch-size "$TRANSFER_BATCH" \
     --steps "$TRANSFER_STEPS" --learning-rate "$TRANSFER_LR" --no-progress --overwrite
 
 run_step eval_transfer "$OUT/eval_transfer.json" evaluate "$TRANSFER_DIR" "$OUT/eval_transfer.json"
@@ -144,7 +148,7 @@ PROTOCOL="Perplexity on the first ${EVAL_CHARS:-all} characters of $(basename "$
 windows of $CONTEXT tokens every $STRIDE tokens, each token scored once, token-weighted (hf_performer.evaluation). \
 Fine-tuning: recipes/causal_lm.py on $(basename "$TRAIN_FILE") (WikiText-2 raw validation: no train split offline), \
 $STEPS steps x $BATCH sequences x $BLOCK tokens, lr $LR (linear decay, 6% warmup), seed $SEED, identical for both runs. \
-Attention transfer: hf-performer distill --feature-map $FEATURE_MAP, $TRANSFER_SAMPLES sequences of $TRANSFER_LENGTH \
+Attention transfer: hf-performer distill --feature-map $FEATURE_MAP ${FEATURE_ARGS[*]}, $TRANSFER_SAMPLES sequences of $TRANSFER_LENGTH \
 tokens of $(basename "$TRAIN_FILE"), $TRANSFER_STEPS steps x $TRANSFER_BATCH, lr $TRANSFER_LR, feature maps only."
 
 PREVIOUS_ARGS=()
