@@ -833,6 +833,8 @@ def _map_default(name: str, option: str):
     factory = FEATURE_MAPS.get(name)
     if factory is None:
         return None
+    if option == "init" and hasattr(factory, "default_init"):  # learned maps resolve init=None to this
+        return factory.default_init
     try:
         parameter = inspect.signature(factory).parameters.get(option)
     except (TypeError, ValueError):  # pragma: no cover - a factory without a signature

@@ -300,13 +300,13 @@ def test_hedgehog_card_without_attention_transfer(hedgehog):
             "z = x W + b, W and b trainable per head) |") in text
     assert ("| `nb_features` | None | features per head (`m`), computed from a trainable projection per head; "
             "`None`: the map's default size, 2 x head dim = 32 |") in text
-    assert ("| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i); "
-            "unused here (`init` is `identity`) |") in text
+    assert ("| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i) |"
+            in text)  # favor+ is the default init, so the seed is used
     assert "| `feature_map_options` | none | the map's own options: `init` (start of the learned projections" in text
     assert "random features per head" not in text and "seed of the projections" not in text
     assert "| `orthogonal` |" not in text and "| `row_norms` |" not in text
     # Untrained learned maps: a warning that says so, not the FAVOR+ one.
-    assert "Converted, not fine-tuned" in text and "(initialisation `identity`)" in text
+    assert "Converted, not fine-tuned" in text and "(initialisation `favor+`)" in text
     assert "The Performer paper reports 0.07" not in text and "FAVOR+ estimator" not in text
     assert "## Fidelity right after conversion" in text and "This folder has no `conversion_report.json`" in text
     # Speed notes use the map's real size (2 x 16 features), and say the timings are of FAVOR+.
@@ -325,6 +325,10 @@ def test_hedgehog_card_without_attention_transfer(hedgehog):
          "([Zhang et al., 2024](https://arxiv.org/abs/2402.04347)).",
          ["| `feature_map_options` | `init`: `favor+`, `tie_qk`: yes | the map's own options: `init`",
           "| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i) |"]),
+        ("hedgehog", {"feature_map_options": {"init": "identity"}},
+         "([Zhang et al., 2024](https://arxiv.org/abs/2402.04347)).",
+         ["| `seed` | 0 | seed of the `favor+` initialisation of the learned projections (layer i uses seed + i); "
+          "unused here (`init` is `identity`) |", "(initialisation `identity`)"]),
         ("elu+1", {},
          "([Katharopoulos et al., 2020](https://arxiv.org/abs/2006.16236)).",
          ["| `feature_map` | `elu+1` | deterministic feature map, nothing random or trained (`elu+1`: elu(x) + 1, "

@@ -205,7 +205,7 @@ def test_learned_maps_are_registered_with_their_kind():
 
 def test_default_sizes_and_inits():
     hedgehog = make_feature_map("hedgehog", 8, num_heads=3)
-    assert hedgehog.nb_features == 16 and hedgehog.projection_size == 8 and hedgehog.init == "identity"
+    assert hedgehog.nb_features == 16 and hedgehog.projection_size == 8 and hedgehog.init == "favor+"
     assert hedgehog.query_weight.shape == (3, 8, 8) and hedgehog.key_bias.shape == (3, 8)
     t2r = make_feature_map("t2r", 8, num_heads=4, num_key_value_heads=2)
     assert t2r.nb_features == 8 and t2r.init == "favor+"
@@ -227,7 +227,7 @@ def test_hedgehog_features_are_positive_and_each_half_is_a_distribution():
         torch.testing.assert_close(values[..., 8:].sum(-1), torch.ones(values.shape[:-1]))
     # At the identity init the halves are softmax(x) and softmax(-x).
     x = torch.randn(1, 2, 5, 8)
-    identity = make_feature_map("hedgehog", 8, num_heads=2)
+    identity = make_feature_map("hedgehog", 8, num_heads=2, init="identity")
     torch.testing.assert_close(identity.query_features(x).values, torch.cat([x.softmax(-1), (-x).softmax(-1)], -1))
     torch.testing.assert_close(identity.key_features(x).values, identity.query_features(x).values)
 
@@ -275,7 +275,7 @@ def test_option_errors():
 
 
 def test_identity_init():
-    feature_map = make_feature_map("hedgehog", 8, num_heads=4, num_key_value_heads=2)
+    feature_map = make_feature_map("hedgehog", 8, num_heads=4, num_key_value_heads=2, init="identity")
     assert torch.equal(feature_map.query_weight, torch.eye(8).expand(4, 8, 8))
     assert torch.equal(feature_map.key_weight, torch.eye(8).expand(2, 8, 8))
     assert not feature_map.query_bias.any() and not feature_map.key_bias.any()

@@ -346,7 +346,7 @@ def test_collect_transfer_budget_trend(experiment, capsys):
     record, output = run_collect(experiment, 17.8, "--previous", str(earlier_path), "--note", "a remark")
     trend = record["transfer_trend"]
     points = trend["points"]
-    assert trend["same_transfer_config"] and trend["transfer_configs"] == ["hedgehog, init identity (default), default features"]
+    assert trend["same_transfer_config"] and trend["transfer_configs"] == ["hedgehog, init identity (not recorded: the default then), default features"]
     assert [p["transfer_steps"] for p in points] == [1, 3]
     assert [p["file"] for p in points] == [str(earlier_path), None]
     assert points[0]["ratio"] == pytest.approx(30.0 / 16.0) and points[1]["ratio"] == pytest.approx(17.8 / 16.0)

@@ -415,7 +415,7 @@ def transfer_config(settings: dict, feature_map: str | None) -> str:
     options = settings.get("feature_map_options") or {}
     nb_features = settings.get("nb_features")
     return ", ".join([settings.get("feature_map") or feature_map or "learned map",
-                      f"init {options.get('init', 'identity (default)')}",
+                      f"init {options.get('init', 'identity (not recorded: the default then)')}",
                       f"{nb_features if nb_features is not None else 'default'} features",
                       *(f"{key} {value}" for key, value in sorted(options.items()) if key != "init")])
 

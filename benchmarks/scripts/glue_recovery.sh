@@ -45,7 +45,7 @@ SEED="${SEED:-42}"
 # FAVOR+ (b, c, d) and attention transfer (e)
 FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
 FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-favor+}"   # learned maps: start as FAVOR+ (or identity, the Hedgehog paper's start)
-NB_FEATURES="${NB_FEATURES:-128}"               # learned maps: features per head (hedgehog: half as many projections)
+NB_FEATURES="${NB_FEATURES:-256}"               # learned maps: features per head (hedgehog: half as many projections)
 TRANSFER_SAMPLES="${TRANSFER_SAMPLES:-2048}"
 TRANSFER_BATCH="${TRANSFER_BATCH:-16}"
 TRANSFER_STEPS="${TRANSFER_STEPS:-768}"
