@@ -27,6 +27,7 @@ from hf_performer.configuration_performer import (
     supported_architectures_message,
 )
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
+from hf_performer.feature_maps import FEATURE_MAPS
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
 
@@ -179,6 +180,11 @@ def convert_to_performer(
     task = task or source_task
 
     settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
+    default_init = getattr(FEATURE_MAPS.get(feature_map), "default_init", None)
+    if default_init is not None and "init" not in (feature_map_options or {}):
+        # Learned maps: the config always names the start, so the folder says how its maps began whatever the
+        # defaults become.
+        feature_map_options = {**(feature_map_options or {}), "init": default_init}
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None)

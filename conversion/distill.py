@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_performer.favor_attention import feature_map_kind
-from hf_performer.feature_maps import FEATURE_MAPS, LEARNED_MAP_INITS, available_feature_maps
+from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps
 from hf_performer.hub import write_model_card
 
 from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
@@ -190,8 +190,7 @@ def run_distill(args: argparse.Namespace) -> int:
             raise ConversionError(f"{args.source} has no tokenizer to encode --data")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        # The init is always written to the config, so a folder says how its maps started whatever the defaults.
-        options = {"init": args.feature_map_init or FEATURE_MAPS[args.feature_map].default_init}
+        options = {} if args.feature_map_init is None else {"init": args.feature_map_init}
         try:
             performer = convert_to_performer(
                 source, task=args.task, feature_map=args.feature_map, nb_features=args.nb_features,

@@ -335,6 +335,16 @@ def test_layer_transfer_losses_match_the_reference(name, causal):
 # --------------------------------------------------------------------------------------------
 
 
+def test_conversion_records_the_start_of_learned_maps():
+    """The config names the init of a learned map even when it was left to the default, and keeps a given one."""
+    source = bert_source()
+    default = convert_to_performer(source, feature_map="hedgehog")
+    assert default.config.favor_settings["feature_map_options"] == {"init": "favor+"}
+    identity = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity", "tie_qk": True})
+    assert identity.config.favor_settings["feature_map_options"] == {"init": "identity", "tie_qk": True}
+    assert convert_to_performer(source).config.favor_settings["feature_map_options"] == {}  # FAVOR+: no init
+
+
 @pytest.mark.parametrize("model", ["bert", "llama"])
 def test_teacher_forcing_returns_the_softmax_model_output(model):
     if model == "bert":
