@@ -46,6 +46,7 @@ SEED="${SEED:-42}"
 FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
 FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-favor+}"   # learned maps: start as FAVOR+ (or identity, the Hedgehog paper's start)
 NB_FEATURES="${NB_FEATURES:-256}"               # learned maps: features per head (hedgehog: half as many projections)
+KEEP_SOFTMAX_LAYERS="${KEEP_SOFTMAX_LAYERS:-}"  # space-separated layers that stay softmax in (e, f) (empty: all linear)
 TRANSFER_SAMPLES="${TRANSFER_SAMPLES:-2048}"
 TRANSFER_BATCH="${TRANSFER_BATCH:-16}"
 TRANSFER_STEPS="${TRANSFER_STEPS:-768}"
@@ -78,7 +79,11 @@ evaluate_args() {  # evaluate_args MODEL OUTPUT.json
 mapfile -t CMD_A < <(finetune_args "$MODEL" "$OUT/a_softmax" --attention softmax)
 mapfile -t CMD_B_CONVERT < <(printf '%s\n' "$HF_PERFORMER" convert "$OUT/a_softmax" "$OUT/b_converted" --overwrite)
 mapfile -t CMD_B_EVAL < <(evaluate_args "$OUT/b_converted" "$OUT/b_converted/dev_metrics.json")
-mapfile -t CMD_E_DISTILL < <(printf '%s\n' "$HF_PERFORMER" distill "$OUT/a_softmax" "$OUT/e_transfer" \
+KEEP_ARGS=()
+if [[ -n "$KEEP_SOFTMAX_LAYERS" ]]; then
+    read -r -a KEEP_ARGS <<< "--keep-softmax-layers $KEEP_SOFTMAX_LAYERS"
+fi
+mapfile -t CMD_E_DISTILL < <(printf '%s\n' "$HF_PERFORMER" distill "$OUT/a_softmax" "$OUT/e_transfer" "${KEEP_ARGS[@]}" \
     --feature-map "$FEATURE_MAP" --feature-map-init "$FEATURE_MAP_INIT" --nb-features "$NB_FEATURES" --data "$TRAIN_FILE" --data-task "$TASK" --max-samples "$TRANSFER_SAMPLES" \
     --max-length "$MAX_LENGTH" --batch-size "$TRANSFER_BATCH" --steps "$TRANSFER_STEPS" \
     --learning-rate "$TRANSFER_LR" --fidelity-samples 32 --no-progress --overwrite)
@@ -91,7 +96,7 @@ joined() { printf ' %q' "$@" | cut -c2-; }
 
 log "$TASK recovery table: MODEL=$MODEL OUT=$OUT RUNS='$RUNS'"
 log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR, length $MAX_LENGTH, seed $SEED;" \
-    "transfer: $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features), $TRANSFER_STEPS steps x $TRANSFER_BATCH of $TRANSFER_SAMPLES rows, lr $TRANSFER_LR"
+    "transfer: $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features, softmax layers: ${KEEP_SOFTMAX_LAYERS:-none}), $TRANSFER_STEPS steps x $TRANSFER_BATCH of $TRANSFER_SAMPLES rows, lr $TRANSFER_LR"
 
 wanted a && run_step a_softmax "$OUT/a_softmax/metrics.json" "${CMD_A[@]}"
 if wanted b; then
@@ -110,7 +115,7 @@ PROTOCOL="MiniLM-L6 ($MODEL); $TASK: ${MAX_TRAIN_SAMPLES:-all} training rows of 
 $(basename "$TRAIN_FILE"), $EPOCHS epoch(s), batch $BATCH, lr $LR (linear decay, 6% warmup), max length $MAX_LENGTH, \
 seed $SEED, identical for (a), (c), (d), (f); dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
 FAVOR+ (b, c, d): hf-performer convert defaults. Attention transfer (e): hf-performer distill --feature-map $FEATURE_MAP \
---feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
+--feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
 teacher (a). Pipeline: benchmarks/scripts/glue_recovery.sh."
 
 COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$PROTOCOL" --output "$RESULT")
