@@ -3,6 +3,8 @@
 #
 #   bash benchmarks/scripts/glue_recovery.sh                                  # STS-B, 3 epochs (defaults below)
 #   TASK=sst2 MAX_TRAIN_SAMPLES=8000 EPOCHS=1 OUT=/tmp/sst2 bash benchmarks/scripts/glue_recovery.sh
+#   KEEP_SOFTMAX_LAYERS=1 OUT=/tmp/stsb_hybrid RESULT=benchmarks/results/recovery_stsb_hybrid1.json \
+#       bash benchmarks/scripts/glue_recovery.sh                                 # hybrid (e, f): layer 1 stays softmax
 #
 # Steps, in order (each logs to $OUT/<step>.log and is skipped when its output exists, so an interrupted pipeline
 # resumes; delete an output to redo its step). The order puts the attention-transfer rows before the FAVOR+ ones.
