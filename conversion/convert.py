@@ -27,7 +27,7 @@ from hf_performer.configuration_performer import (
     supported_architectures_message,
 )
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
-from hf_performer.feature_maps import FEATURE_MAPS
+from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
 
@@ -180,7 +180,7 @@ def convert_to_performer(
     task = task or source_task
 
     settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
-    default_init = getattr(FEATURE_MAPS.get(feature_map), "default_init", None)
+    default_init = default_feature_map_init(feature_map)
     if default_init is not None and "init" not in (feature_map_options or {}):
         # Learned maps: the config always names the start, so the folder says how its maps began whatever the
         # defaults become.

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hf_performer.favor_attention import feature_map_kind
-from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps
+from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps, default_feature_map_init
 from hf_performer.hub import write_model_card
 
 from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
@@ -50,7 +50,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--feature-map", default="hedgehog", choices=available_feature_maps(),
                         help="feature map; it must have trainable parameters (default: %(default)s)")
     parser.add_argument("--feature-map-init", choices=LEARNED_MAP_INITS, default=None,
-                        help="initial projection of the learned map (default: favor+, which fits better after transfer "
+                        help="initial projection of the learned map (default: the map's own, "
+                             f"{default_feature_map_init('hedgehog')} for hedgehog: it fits better after transfer "
                              "than identity, the Hedgehog paper's start)")
     parser.add_argument("--nb-features", type=int, default=None,
                         help="features per head (default: the map's own, 2 * head_dim for hedgehog); more features fit the "

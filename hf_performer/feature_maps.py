@@ -537,5 +537,10 @@ def make_feature_map(name: str, head_dim: int, nb_features: int | None = None, *
         raise TypeError(f"bad option for feature map {name!r}: {error}") from error
 
 
+def default_feature_map_init(name: str) -> str | None:
+    """The ``init`` a learned map registered as ``name`` takes when none is given; ``None`` for other maps."""
+    return getattr(FEATURE_MAPS.get(name), "default_init", None)
+
+
 def available_feature_maps() -> list[str]:
     return sorted(FEATURE_MAPS)

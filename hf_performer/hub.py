@@ -43,7 +43,7 @@ from huggingface_hub.utils import filter_repo_objects, get_token
 
 from .data import TASKS
 from .favor_attention import feature_map_kind
-from .feature_maps import FEATURE_MAPS
+from .feature_maps import FEATURE_MAPS, default_feature_map_init
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -833,8 +833,8 @@ def _map_default(name: str, option: str):
     factory = FEATURE_MAPS.get(name)
     if factory is None:
         return None
-    if option == "init" and hasattr(factory, "default_init"):  # learned maps resolve init=None to this
-        return factory.default_init
+    if option == "init" and default_feature_map_init(name) is not None:  # learned maps resolve init=None to it
+        return default_feature_map_init(name)
     try:
         parameter = inspect.signature(factory).parameters.get(option)
     except (TypeError, ValueError):  # pragma: no cover - a factory without a signature
