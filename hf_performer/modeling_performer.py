@@ -89,7 +89,9 @@ class PerformerPreTrainedModel(PreTrainedModel):
     source_model_mapping = MODEL_MAPPING
     task = "base"
 
-    def __init__(self, config: PerformerConfig):
+    def __init__(self, config: PerformerConfig, **kwargs):
+        if kwargs:  # what `from_pretrained(folder, nb_featurs=16)` leaves after the config took its own arguments
+            raise PerformerConfigError(config._unknown_argument_message(f"{type(self).__name__}", next(iter(kwargs))))
         super().__init__(config)
         source_config = config.prepare_source_config()
         source_class = self.source_model_class(source_config)

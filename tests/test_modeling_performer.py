@@ -165,6 +165,55 @@ def test_config_validation_errors(arguments, message):
         PerformerConfig(**arguments)
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (
+            {"feature_map": "trig", "nb_features": 63},
+            r"'trig' feature map needs an even nb_features \(sin and cos of each projection\), got 63",
+        ),
+        ({"feature_map": "hedgehog", "nb_features": 63}, r"'hedgehog' feature map needs nb_features divisible by 2"),
+        (
+            {"feature_map": "elu+1", "nb_features": 64},
+            r"'elu\+1' feature map has exactly head_dim features and takes no nb_features \(got 64\)",
+        ),
+    ],
+)
+def test_feature_map_size_rules_are_checked_when_the_config_is_built(arguments, message):
+    # Before: accepted here, failing only when a model was built (trig, hedgehog) or silently dropped (elu+1).
+    with pytest.raises(PerformerConfigError, match=message) as error:
+        PerformerConfig(source_config=bert_config(), **arguments)
+    assert "\n" not in str(error.value)
+    assert PerformerConfig(source_config=bert_config(), feature_map="trig", nb_features=64).nb_features == 64
+    assert PerformerConfig(source_config=bert_config(), feature_map="relu", nb_features=63).nb_features == 63
+
+
+def test_from_pretrained_refuses_misspelt_keyword_arguments(tmp_path):
+    performer_config(bert_config()).save_pretrained(tmp_path)
+    for load in (PerformerConfig.from_pretrained, AutoConfig.from_pretrained):
+        with pytest.raises(PerformerConfigError, match=r"unknown argument 'nb_featurs'.*did you mean 'nb_features'"):
+            load(tmp_path, nb_featurs=16)
+        with pytest.raises(PerformerConfigError, match=r"unknown argument 'hiden_dropout_prob'.*'hidden_dropout_prob'"):
+            load(tmp_path, hiden_dropout_prob=0.3)
+    # Settings, source attributes, generic config arguments and transformers' loading options still work.
+    config = PerformerConfig.from_pretrained(
+        tmp_path, nb_features=8, hidden_dropout_prob=0.3, num_labels=3, output_attentions=True, local_files_only=True
+    )
+    assert config.nb_features == 8 and config.source_config.hidden_dropout_prob == 0.3 and config.num_labels == 3
+    # With return_unused_kwargs the caller (e.g. a model's from_pretrained) gets the leftovers, as for stock configs;
+    # the model refuses them the same way.
+    config, unused = PerformerConfig.from_pretrained(tmp_path, foo=1, return_unused_kwargs=True)
+    assert unused == {"foo": 1}
+    PerformerModel(config).save_pretrained(tmp_path)
+    with pytest.raises(PerformerConfigError, match=r"PerformerModel got an unknown argument 'nb_featurs'.*'nb_features'"):
+        AutoModel.from_pretrained(tmp_path, nb_featurs=16)
+    # Attributes set on a config (transformers' own or arbitrary ones) still survive save / load.
+    config = performer_config(bert_config())
+    config.use_cache = False
+    config.save_pretrained(tmp_path)
+    assert PerformerConfig.from_pretrained(tmp_path).use_cache is False
+
+
 def test_config_without_source_cannot_build_a_model():
     config = PerformerConfig()
     assert config.source_config is None
