@@ -49,7 +49,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .favor_attention import attach_feature_maps
+from .favor_attention import attach_feature_maps, find_attention_modules
 
 
 # Arguments checked against the source model's forward signature before a call; anything else given as a
@@ -66,6 +66,26 @@ _INPUT_ARGUMENTS = (
     "cache_position",
     "logits_to_keep",
 )
+
+
+def _position_ids_from_mask(call: dict) -> torch.Tensor | None:
+    """``[batch, seq_len]`` position ids of the new tokens counted over real tokens only, ``cumsum(mask) - 1``
+    clamped at 0 (as ``generate()`` does), from a 2-D ``attention_mask`` ``[batch, past + seq_len]``; ``None``
+    without one.
+
+    With left padding the default ``arange`` would give a row different positions than it has alone, and random
+    features of rotated / position-embedded queries and keys are not shift-invariant: its output would depend on
+    its batch neighbours' padding.
+    """
+    attention_mask = call.get("attention_mask")
+    new_tokens = call.get("input_ids", call.get("inputs_embeds"))
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or new_tokens is None:
+        return None
+    seq_len = new_tokens.shape[1]
+    if attention_mask.shape[1] < seq_len:
+        return None  # not a mask of past + new tokens: leave the inputs to the source model's own checks
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return position_ids[:, -seq_len:]
 
 
 class PerformerPreTrainedModel(PreTrainedModel):
@@ -99,6 +119,10 @@ class PerformerPreTrainedModel(PreTrainedModel):
         attach_feature_maps(source_model)
         self._source_attribute = self._source_model_attribute(source_class)
         self.add_module(self._source_attribute, source_model)
+        # Decoders (GPT-2, Llama, BERT with is_decoder) get position ids counted from the attention mask.
+        self._source_is_causal = any(
+            getattr(module, "is_causal", False) for _, module in find_attention_modules(source_model)
+        )
         if self.can_generate():
             self.generation_config = source_model.generation_config
         self.post_init()
@@ -129,6 +153,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
 
     def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
         return self.base_model_prefix
+
 
     @property
     def source_model(self) -> PreTrainedModel:
@@ -177,6 +202,10 @@ class PerformerPreTrainedModel(PreTrainedModel):
                 f"{type(self.source_model).__name__} (source architecture {self.config.source_config.model_type!r}) "
                 f"does not take {unsupported}; it takes {[n for n in accepted if n in _INPUT_ARGUMENTS]}"
             )
+        if "position_ids" not in call and "position_ids" in accepted and self._source_is_causal:
+            position_ids = _position_ids_from_mask(call)
+            if position_ids is not None:
+                call["position_ids"] = position_ids
         for flag in ("output_attentions", "output_hidden_states"):
             if call.get(flag) is None and getattr(self.config, flag, False):
                 call[flag] = True
@@ -225,7 +254,9 @@ class PerformerModel(PerformerPreTrainedModel):
             input_ids: ``[batch, seq_len]`` token ids.
             attention_mask: ``[batch, seq_len]``, 1 for tokens and 0 for padding.
             token_type_ids: ``[batch, seq_len]`` segment ids (BERT-like architectures).
-            position_ids: ``[batch, seq_len]``.
+            position_ids: ``[batch, seq_len]``; for decoder architectures the default counts real tokens of
+                ``attention_mask`` (``cumsum(mask) - 1``, as ``generate()`` does), so a left-padded row gets the
+                positions it has alone.
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
             past_key_values: a cache (decoder architectures); see ``make_favor_cache``.
 
@@ -355,7 +386,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         Args:
             input_ids: ``[batch, seq_len]`` token ids (only the new ones when ``past_key_values`` holds the past).
             attention_mask: ``[batch, past + seq_len]``, 1 for tokens and 0 for padding.
-            position_ids: ``[batch, seq_len]``.
+            position_ids: ``[batch, seq_len]``; by default counted over the real tokens of ``attention_mask``
+                (``cumsum(mask) - 1`` clamped at 0, as ``generate()`` does), so that a left-padded row gets the
+                positions it has alone (random features are not shift-invariant).
             past_key_values: the cache of earlier tokens (``make_favor_cache(model)``, or the one ``generate()``
                 builds).
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.

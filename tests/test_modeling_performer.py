@@ -481,3 +481,72 @@ def test_feature_maps_are_fixed_in_eval_and_saved():
     model(input_ids=input_ids)
     model(input_ids=input_ids)
     assert not torch.equal(feature_maps[0].projection, projection)
+
+
+# --------------------------------------------------------------------------------------------
+# Left padding: position ids from the attention mask
+# --------------------------------------------------------------------------------------------
+
+
+def _left_padded_batch(pad=4, length=11):
+    input_ids, attention_mask = input_batch(batch=2, length=length, padded=False)
+    attention_mask[1, :pad] = 0
+    input_ids[1, :pad] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("source_config", [gpt2_config, llama_config], ids=["gpt2", "llama"])
+def test_left_padded_row_equals_the_row_run_alone(source_config):
+    # Random features of rotated (Llama) or position-shifted (GPT-2) queries and keys are not shift-invariant: a row
+    # padded on the left must get the positions it has alone (as generate() gives them), not 4..10.
+    torch.manual_seed(0)
+    model = PerformerForCausalLM(performer_config(source_config(), chunk_size=4)).eval()
+    pad = 4
+    input_ids, attention_mask = _left_padded_batch(pad)
+    with torch.no_grad():
+        batched = model(input_ids, attention_mask=attention_mask).logits
+        alone = model(input_ids[1:, pad:]).logits
+    torch.testing.assert_close(batched[1, pad:], alone[0], atol=2e-5, rtol=1e-5)
+    base = PerformerModel(model.config).eval()  # the bare decoder too
+    with torch.no_grad():
+        torch.testing.assert_close(
+            base(input_ids, attention_mask=attention_mask).last_hidden_state[1, pad:],
+            base(input_ids[1:, pad:]).last_hidden_state[0],
+            atol=2e-5, rtol=1e-5,
+        )
+
+    # Prefill then one token at a time, with the mask of all tokens so far and no position ids: the same logits.
+    with torch.no_grad():
+        outputs = model(input_ids[:, :6], attention_mask=attention_mask[:, :6], use_cache=True)
+        steps = [outputs.logits]
+        for i in range(6, input_ids.shape[1]):
+            outputs = model(
+                input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
+                past_key_values=outputs.past_key_values, use_cache=True,
+            )
+            steps.append(outputs.logits)
+    assert isinstance(outputs.past_key_values.layers[0], FavorCacheLayer)
+    torch.testing.assert_close(torch.cat(steps, dim=1)[1, pad:], alone[0], atol=2e-5, rtol=1e-5)
+
+    # generate() with left padding: the padded row continues as it does alone.
+    batched_generation = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    alone_generation = model.generate(input_ids[1:, pad:], max_new_tokens=5, do_sample=False)
+    assert torch.equal(batched_generation[1, pad:], alone_generation[0])
+
+
+def test_explicit_position_ids_and_bidirectional_models_are_left_alone():
+    torch.manual_seed(0)
+    model = PerformerForCausalLM(performer_config(llama_config())).eval()
+    input_ids, attention_mask = _left_padded_batch()
+    default_positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        explicit = model(input_ids, attention_mask=attention_mask, position_ids=default_positions).logits
+        derived = model(input_ids, attention_mask=attention_mask).logits
+    assert not torch.allclose(explicit[1], derived[1], atol=1e-4)  # the given position ids were used
+    # An encoder (bidirectional) is not given derived positions: BERT left padding behaves as in transformers.
+    masked_lm = PerformerForMaskedLM(performer_config(bert_config())).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            masked_lm(input_ids, attention_mask=attention_mask).logits,
+            masked_lm(input_ids, attention_mask=attention_mask, position_ids=default_positions).logits,
+        )
