@@ -187,6 +187,62 @@ class PerformerPreTrainedModel(PreTrainedModel):
     def set_output_embeddings(self, new_embeddings: torch.nn.Module) -> None:
         self.source_model.set_output_embeddings(new_embeddings)
 
+    def _position_table_limits(self) -> tuple[int, int, bool] | None:
+        """``(rows, first_position, per_position_buffers)`` of the source model's learned absolute position table
+        (BERT, RoBERTa, DistilBERT, GPT-2), or ``None`` (rotary, relative or sinusoidal positions).
+
+        Found as the converter finds it: the one embedding of ``max_position_embeddings`` rows named ``*position*``
+        or ``wpe``. ``first_position`` is ``padding_idx + 1`` for RoBERTa-like tables, else 0;
+        ``per_position_buffers``: the embeddings module also slices ``position_ids`` / ``token_type_ids`` buffers of
+        that length. Looked up again when the size changes (a table extended in place).
+        """
+        source_config = self.source_model.config
+        size = getattr(source_config, "max_position_embeddings", None)
+        cached = self.__dict__.get("_position_table_lookup")
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        limits = None
+        if isinstance(size, int) and not getattr(source_config, "sinusoidal_pos_embds", False):
+            tables = [
+                (name, module)
+                for name, module in self.source_model.named_modules()
+                if isinstance(module, torch.nn.Embedding)
+                and module.num_embeddings == size
+                and ("position" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")
+            ]
+            if len(tables) == 1:
+                name, table = tables[0]
+                parent = self.source_model.get_submodule(name.rpartition(".")[0])
+                buffers = any(buffer.shape[-1:] == (size,) for buffer in parent.buffers(recurse=False))
+                limits = (size, 0 if table.padding_idx is None else table.padding_idx + 1, buffers)
+        self.__dict__["_position_table_lookup"] = (size, limits)
+        return limits
+
+    def _check_input_length(self, call: dict) -> None:
+        """Raise a one-line ``ValueError`` for inputs longer than the learned position table (transformers reports
+        them as a size mismatch or an index error deep inside the embeddings)."""
+        limits = self._position_table_limits()
+        new_tokens = call.get("input_ids", call.get("inputs_embeds"))
+        if limits is None or new_tokens is None or new_tokens.dim() < 2:
+            return
+        rows, first_position, buffers = limits
+        limit = rows - first_position
+        cache = call.get("past_key_values")
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        needed, detail = past + new_tokens.shape[1], f" ({past} cached + {new_tokens.shape[1]} new)" if past else ""
+        position_ids = call.get("position_ids")
+        if position_ids is not None and not buffers:
+            needed, detail = 0, ""  # only the positions used count (left padding uses none)
+        if position_ids is not None and position_ids.numel() and int(position_ids.max()) + 1 - first_position > needed:
+            needed, detail = int(position_ids.max()) + 1 - first_position, " (largest position id + 1)"
+        if needed > limit:
+            raise ValueError(
+                f"{type(self).__name__}: the input needs {needed} tokens{detail} but the learned position table of this "
+                f"{self.config.source_config.model_type!r} model holds {limit} (max_position_embeddings={rows}); "
+                f"truncate inputs to {limit} tokens, or convert the model with a longer table: hf-performer convert "
+                "... --max-position-embeddings N"
+            )
+
     def _forward_source(self, arguments: dict, kwargs: dict):
         """Call the source model with the given (not ``None``) arguments.
 
@@ -206,6 +262,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
             position_ids = _position_ids_from_mask(call)
             if position_ids is not None:
                 call["position_ids"] = position_ids
+        self._check_input_length(call)
         for flag in ("output_attentions", "output_hidden_states"):
             if call.get(flag) is None and getattr(self.config, flag, False):
                 call[flag] = True

@@ -550,3 +550,67 @@ def test_explicit_position_ids_and_bidirectional_models_are_left_alone():
             masked_lm(input_ids, attention_mask=attention_mask).logits,
             masked_lm(input_ids, attention_mask=attention_mask, position_ids=default_positions).logits,
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs longer than a learned position table
+# --------------------------------------------------------------------------------------------
+
+
+def roberta_config(**overrides):
+    from transformers import RobertaConfig
+
+    settings = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB,
+        pad_token_id=1, max_position_embeddings=16 + 2,
+    )
+    return RobertaConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize(
+    "model_class, source_config",
+    [
+        (PerformerForMaskedLM, lambda: bert_config(max_position_embeddings=16)),
+        (PerformerForMaskedLM, roberta_config),  # the table starts at padding_idx + 1: 18 rows, 16 tokens
+        (PerformerModel, lambda: gpt2_config(n_positions=16)),
+    ],
+    ids=["bert", "roberta", "gpt2"],
+)
+def test_input_longer_than_the_position_table_is_a_one_line_error(model_class, source_config):
+    model = model_class(performer_config(source_config())).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids[:, :16])  # the longest input the table holds
+        with pytest.raises(ValueError) as error:
+            model(input_ids)
+    message = str(error.value)
+    assert "\n" not in message and "must match the size" not in message
+    assert "17 tokens" in message and "max_position_embeddings=" in message
+    assert "hf-performer convert ... --max-position-embeddings N" in message
+    # What the message suggests: a longer table (the converter's helper) makes the same model accept the input.
+    from hf_performer.conversion import extend_position_embeddings
+
+    extend_position_embeddings(model, 24)
+    with torch.no_grad():
+        model(input_ids)
+
+
+def test_decoding_past_the_position_table_is_a_one_line_error():
+    model = PerformerForCausalLM(performer_config(gpt2_config(n_positions=16))).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = model(input_ids[:, :15], use_cache=True)
+        outputs = model(input_ids[:, 15:16], past_key_values=outputs.past_key_values, use_cache=True)
+        with pytest.raises(ValueError, match=r"17 tokens .*max_position_embeddings=16"):
+            model(input_ids[:, 16:], past_key_values=outputs.past_key_values, use_cache=True)
+        # Left padding does not use positions: 4 pads + 16 tokens fit a 16-position table.
+        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), input_ids[:, :16]], dim=1)
+        mask = (padded != 0).long()
+        model(padded, attention_mask=mask)
+
+
+def test_rotary_models_have_no_position_table_to_check():
+    model = PerformerForCausalLM(performer_config(llama_config(max_position_embeddings=8))).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(input_ids).logits.shape == (1, 12, VOCAB)
