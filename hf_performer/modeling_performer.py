@@ -237,8 +237,8 @@ class PerformerPreTrainedModel(PreTrainedModel):
             needed, detail = int(position_ids.max()) + 1 - first_position, " (largest position id + 1)"
         if needed > limit:
             raise ValueError(
-                f"{type(self).__name__}: the input needs {needed} tokens{detail} but the learned position table of this "
-                f"{self.config.source_config.model_type!r} model holds {limit} (max_position_embeddings={rows}); "
+                f"{type(self).__name__}: the input needs {needed} tokens{detail} but the learned position table of "
+                f"this {self.config.source_config.model_type!r} model holds {limit} (max_position_embeddings={rows}); "
                 f"truncate inputs to {limit} tokens, or convert the model with a longer table: hf-performer convert "
                 "... --max-position-embeddings N"
             )

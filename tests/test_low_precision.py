@@ -102,7 +102,8 @@ def _tiny_model(source):
     # Large activations inside attention too (the norm layers would undo a scaling of the embeddings alone).
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
-            if parameter_name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight", "query.weight", "key.weight")):
+            if parameter_name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight", "query.weight",
+                                        "key.weight")):
                 parameter.mul_(50)
     return model
 

@@ -205,7 +205,7 @@ def test_from_pretrained_refuses_misspelt_keyword_arguments(tmp_path):
     config, unused = PerformerConfig.from_pretrained(tmp_path, foo=1, return_unused_kwargs=True)
     assert unused == {"foo": 1}
     PerformerModel(config).save_pretrained(tmp_path)
-    with pytest.raises(PerformerConfigError, match=r"PerformerModel got an unknown argument 'nb_featurs'.*'nb_features'"):
+    with pytest.raises(PerformerConfigError, match=r"PerformerModel got an unknown argument 'nb_featurs'.*'nb_feat"):
         AutoModel.from_pretrained(tmp_path, nb_featurs=16)
     # Attributes set on a config (transformers' own or arbitrary ones) still survive save / load.
     config = performer_config(bert_config())
