@@ -15,7 +15,9 @@ them there) and are copied into the source config when a model is built. Any oth
 source architecture can be read and set through the Performer config (``config.hidden_size``,
 ``config.pad_token_id = 0``): it is forwarded to ``source_config``, so there is one copy of each value.
 
-Unknown or misspelt keyword arguments raise an error listing what is accepted: nothing is ignored.
+Unknown or misspelt keyword arguments (to the constructor, to ``from_pretrained`` / ``AutoConfig.from_pretrained``
+and to a Performer model's ``from_pretrained``) raise an error listing what is accepted: nothing is ignored.
+Feature-map sizes are checked here too (trig needs an even ``nb_features``; elu+1 takes none).
 
 This module imports only ``transformers`` and relative siblings: it is copied next to saved models for
 ``trust_remote_code``.
@@ -62,6 +64,10 @@ _GENERIC_CONFIG_KWARGS = frozenset(
         "torch_dtype",
     }
 )
+
+
+# Options of `from_pretrained` that transformers may leave in the keyword arguments it hands to `from_dict`.
+_LOADING_KWARGS = frozenset({"dtype", "gguf_file", "torch_dtype"})
 
 
 class PerformerConfigError(ValueError):
@@ -234,21 +240,40 @@ class PerformerConfig(PreTrainedConfig):
             if source is not None and hasattr(source, key):
                 forwarded[key] = kwargs.pop(key)
                 continue
-            candidates = set(FAVOR_DEFAULTS) | {f.name for f in fields(self)} | set(_GENERIC_CONFIG_KWARGS)
-            if source is not None:
-                candidates |= set(source.to_dict())
-            raise PerformerConfigError(
-                f"PerformerConfig got an unknown argument {key!r}{_close_matches(key, candidates)}. Accepted: "
-                f"source_config, favor_settings, the FAVOR+ settings {sorted(FAVOR_DEFAULTS)}, the generic "
-                "PreTrainedConfig arguments (id2label, num_labels, problem_type, ...) and attributes of the source "
-                f"architecture{f' ({source.model_type})' if source is not None else ' (no source_config given)'}."
-            )
+            raise PerformerConfigError(self._unknown_argument_message("PerformerConfig", key))
         super().__post_init__(**kwargs)
         for key, value in forwarded.items():
             setattr(source, key, value)
         self._check_softmax_layers()
         self._sync_task_fields()
         self._sync_favor_settings()
+
+    def _unknown_argument_message(self, caller: str, key: str) -> str:
+        source = self.__dict__.get("source_config")
+        candidates = set(FAVOR_DEFAULTS) | {f.name for f in fields(self)} | set(_GENERIC_CONFIG_KWARGS)
+        if isinstance(source, PreTrainedConfig):
+            candidates |= set(source.to_dict())
+        return (
+            f"{caller} got an unknown argument {key!r}{_close_matches(key, candidates)}. Accepted: "
+            f"source_config, favor_settings, the FAVOR+ settings {sorted(FAVOR_DEFAULTS)}, the generic "
+            "PreTrainedConfig arguments (id2label, num_labels, problem_type, ...) and attributes of the source "
+            f"architecture{f' ({source.model_type})' if source is not None else ' (no source_config given)'}."
+        )
+
+    @classmethod
+    def from_dict(cls, config_dict: dict, **kwargs):
+        """``PreTrainedConfig.from_dict`` (what ``from_pretrained`` and ``AutoConfig`` call), except that a keyword
+        argument that sets nothing (``nb_featurs=16``) raises :class:`PerformerConfigError` instead of being ignored.
+        With ``return_unused_kwargs=True`` the leftovers are returned as usual (a model's ``from_pretrained`` hands
+        them to the model)."""
+        return_unused_kwargs = kwargs.pop("return_unused_kwargs", False)
+        config, unused = super().from_dict(config_dict, return_unused_kwargs=True, **kwargs)
+        if return_unused_kwargs:
+            return config, unused
+        unknown = [key for key in unused if key not in _LOADING_KWARGS and not key.startswith("_")]
+        if unknown:
+            raise PerformerConfigError(config._unknown_argument_message(f"{cls.__name__}.from_pretrained", unknown[0]))
+        return config
 
     # ----------------------------------------------------------------------------------------
     # Source configuration

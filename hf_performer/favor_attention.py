@@ -99,7 +99,7 @@ FAVOR_DEFAULTS: dict = {
 
 * ``feature_map``: a name of ``available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", "hedgehog", "t2r", ...).
 * ``nb_features``: ``m`` features per head; ``None`` lets the map choose (learned maps: ``2 * head_dim`` for
-  hedgehog, ``head_dim`` for t2r; elu+1 always has ``head_dim``).
+  hedgehog, ``head_dim`` for t2r; elu+1 always has ``head_dim`` and refuses an explicit value).
 * ``orthogonal``, ``row_norms`` ("chi" or "fixed"), ``redraw_interval`` (training calls between redraws,
   0 = never): options of random feature maps.
 * ``seed``: layer ``i`` draws its projection (random maps) or its ``"favor+"`` initialisation (learned maps)
@@ -162,6 +162,12 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
     nb_features = resolved["nb_features"]
     if nb_features is not None and not (_is_int(nb_features) and nb_features > 0):
         raise ValueError(f"favor_settings['nb_features'] must be a positive int or None, got {nb_features!r}")
+    kind = feature_map_kind(resolved["feature_map"])
+    if kind == "deterministic" and settings.get("nb_features") is not None:
+        raise ValueError(
+            f"the {resolved['feature_map']!r} feature map has exactly head_dim features and takes no nb_features "
+            f"(got {settings['nb_features']}); leave nb_features unset"
+        )
     if not isinstance(resolved["orthogonal"], bool):
         raise TypeError(f"favor_settings['orthogonal'] must be a bool, got {resolved['orthogonal']!r}")
     if resolved["row_norms"] not in ("chi", "fixed"):
@@ -183,7 +189,6 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
 
     resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
 
-    kind = feature_map_kind(resolved["feature_map"])
     if kind != "random":
         allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
         explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings and key not in allowed]
@@ -194,6 +199,9 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
             )
         if "nb_features" not in settings:
             resolved["nb_features"] = None  # the map's own size (elu+1: head_dim; hedgehog: 2 * head_dim)
+    factory = FEATURE_MAPS[resolved["feature_map"]]
+    if resolved["nb_features"] is not None and isinstance(factory, type) and issubclass(factory, FeatureMap):
+        factory.check_nb_features(resolved["nb_features"])  # e.g. trig's even count, before any model is built
     return resolved
 
 

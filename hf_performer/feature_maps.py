@@ -86,6 +86,11 @@ class FeatureMap(nn.Module):
         self.head_dim = head_dim
         self.nb_features = nb_features
 
+    @classmethod
+    def check_nb_features(cls, nb_features: int) -> None:
+        """Raise ``ValueError`` if this map cannot produce ``nb_features`` features whatever the head size (e.g. an
+        odd count for the sin/cos pairs of "trig"); lets a configuration be checked before any map is built."""
+
     def features(self, x: torch.Tensor) -> Features:
         """Map ``x`` ``[..., L, d]`` (already multiplied by ``sqrt(scaling)``) to :class:`Features`."""
         raise NotImplementedError
@@ -291,9 +296,16 @@ class TrigFeatureMap(RandomFeatureMap):
     projection_rows_per_feature = 2
 
     def __init__(self, head_dim: int, nb_features: int = 256, **kwargs):
-        if nb_features % 2:
-            raise ValueError(f"the trig feature map needs an even nb_features, got {nb_features}")
+        self.check_nb_features(nb_features)
         super().__init__(head_dim, nb_features, **kwargs)
+
+    @classmethod
+    def check_nb_features(cls, nb_features: int) -> None:
+        if nb_features % 2:
+            raise ValueError(
+                f"the {cls.name!r} feature map needs an even nb_features (sin and cos of each projection), got "
+                f"{nb_features}"
+            )
 
     def features(self, x: torch.Tensor) -> Features:
         projected = self.project(x)
@@ -387,11 +399,7 @@ class LearnedFeatureMap(FeatureMap):
             raise ValueError(
                 f"num_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_key_value_heads})"
             )
-        if nb_features % self.features_per_projection:
-            raise ValueError(
-                f"the {self.name} feature map needs nb_features divisible by {self.features_per_projection}, "
-                f"got {nb_features}"
-            )
+        self.check_nb_features(nb_features)
         if init not in LEARNED_MAP_INITS:
             raise ValueError(f"init must be one of {LEARNED_MAP_INITS}, got {init!r}")
         projection_size = nb_features // self.features_per_projection
@@ -416,6 +424,14 @@ class LearnedFeatureMap(FeatureMap):
     @classmethod
     def default_nb_features(cls, head_dim: int) -> int:
         return head_dim * cls.features_per_projection
+
+    @classmethod
+    def check_nb_features(cls, nb_features: int) -> None:
+        if nb_features % cls.features_per_projection:
+            raise ValueError(
+                f"the {cls.name!r} feature map needs nb_features divisible by {cls.features_per_projection}, "
+                f"got {nb_features}"
+            )
 
     def _initial_weight(self, heads: int, seed: int) -> torch.Tensor:
         """``[heads, d, p]`` initial projections, on the CPU (deterministic for a seed)."""
@@ -525,14 +541,22 @@ def make_feature_map(name: str, head_dim: int, nb_features: int | None = None, *
             maps) or ``num_heads``, ``num_key_value_heads``, ``init``, ``tie_qk`` (learned maps).
 
     Raises:
-        ValueError: for an unknown name. TypeError: for an option the map does not take.
+        ValueError: for an unknown name. TypeError: for an option the map does not take, or a learned map
+        without ``num_heads``.
     """
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; available: {', '.join(available_feature_maps())}")
+    factory = FEATURE_MAPS[name]
+    if isinstance(factory, type) and issubclass(factory, LearnedFeatureMap) and kwargs.get("num_heads") is None:
+        raise TypeError(
+            f"the learned feature map {name!r} has trainable parameters per attention head: pass num_heads=H (query "
+            f"heads) and, for grouped-query attention, num_key_value_heads=Hkv, e.g. make_feature_map({name!r}, "
+            f"{head_dim}, num_heads=12)"
+        )
     if nb_features is not None:
         kwargs["nb_features"] = nb_features
     try:
-        return FEATURE_MAPS[name](head_dim, **kwargs)
+        return factory(head_dim, **kwargs)
     except TypeError as error:
         raise TypeError(f"bad option for feature map {name!r}: {error}") from error
 

@@ -49,7 +49,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .favor_attention import attach_feature_maps
+from .favor_attention import attach_feature_maps, find_attention_modules
 
 
 # Arguments checked against the source model's forward signature before a call; anything else given as a
@@ -66,6 +66,26 @@ _INPUT_ARGUMENTS = (
     "cache_position",
     "logits_to_keep",
 )
+
+
+def _position_ids_from_mask(call: dict) -> torch.Tensor | None:
+    """``[batch, seq_len]`` position ids of the new tokens counted over real tokens only, ``cumsum(mask) - 1``
+    clamped at 0 (as ``generate()`` does), from a 2-D ``attention_mask`` ``[batch, past + seq_len]``; ``None``
+    without one.
+
+    With left padding the default ``arange`` would give a row different positions than it has alone, and random
+    features of rotated / position-embedded queries and keys are not shift-invariant: its output would depend on
+    its batch neighbours' padding.
+    """
+    attention_mask = call.get("attention_mask")
+    new_tokens = call.get("input_ids", call.get("inputs_embeds"))
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or new_tokens is None:
+        return None
+    seq_len = new_tokens.shape[1]
+    if attention_mask.shape[1] < seq_len:
+        return None  # not a mask of past + new tokens: leave the inputs to the source model's own checks
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    return position_ids[:, -seq_len:]
 
 
 class PerformerPreTrainedModel(PreTrainedModel):
@@ -89,7 +109,9 @@ class PerformerPreTrainedModel(PreTrainedModel):
     source_model_mapping = MODEL_MAPPING
     task = "base"
 
-    def __init__(self, config: PerformerConfig):
+    def __init__(self, config: PerformerConfig, **kwargs):
+        if kwargs:  # what `from_pretrained(folder, nb_featurs=16)` leaves after the config took its own arguments
+            raise PerformerConfigError(config._unknown_argument_message(f"{type(self).__name__}", next(iter(kwargs))))
         super().__init__(config)
         source_config = config.prepare_source_config()
         source_class = self.source_model_class(source_config)
@@ -97,6 +119,10 @@ class PerformerPreTrainedModel(PreTrainedModel):
         attach_feature_maps(source_model)
         self._source_attribute = self._source_model_attribute(source_class)
         self.add_module(self._source_attribute, source_model)
+        # Decoders (GPT-2, Llama, BERT with is_decoder) get position ids counted from the attention mask.
+        self._source_is_causal = any(
+            getattr(module, "is_causal", False) for _, module in find_attention_modules(source_model)
+        )
         if self.can_generate():
             self.generation_config = source_model.generation_config
         self.post_init()
@@ -127,6 +153,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
 
     def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
         return self.base_model_prefix
+
 
     @property
     def source_model(self) -> PreTrainedModel:
@@ -160,6 +187,62 @@ class PerformerPreTrainedModel(PreTrainedModel):
     def set_output_embeddings(self, new_embeddings: torch.nn.Module) -> None:
         self.source_model.set_output_embeddings(new_embeddings)
 
+    def _position_table_limits(self) -> tuple[int, int, bool] | None:
+        """``(rows, first_position, per_position_buffers)`` of the source model's learned absolute position table
+        (BERT, RoBERTa, DistilBERT, GPT-2), or ``None`` (rotary, relative or sinusoidal positions).
+
+        Found as the converter finds it: the one embedding of ``max_position_embeddings`` rows named ``*position*``
+        or ``wpe``. ``first_position`` is ``padding_idx + 1`` for RoBERTa-like tables, else 0;
+        ``per_position_buffers``: the embeddings module also slices ``position_ids`` / ``token_type_ids`` buffers of
+        that length. Looked up again when the size changes (a table extended in place).
+        """
+        source_config = self.source_model.config
+        size = getattr(source_config, "max_position_embeddings", None)
+        cached = self.__dict__.get("_position_table_lookup")
+        if cached is not None and cached[0] == size:
+            return cached[1]
+        limits = None
+        if isinstance(size, int) and not getattr(source_config, "sinusoidal_pos_embds", False):
+            tables = [
+                (name, module)
+                for name, module in self.source_model.named_modules()
+                if isinstance(module, torch.nn.Embedding)
+                and module.num_embeddings == size
+                and ("position" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")
+            ]
+            if len(tables) == 1:
+                name, table = tables[0]
+                parent = self.source_model.get_submodule(name.rpartition(".")[0])
+                buffers = any(buffer.shape[-1:] == (size,) for buffer in parent.buffers(recurse=False))
+                limits = (size, 0 if table.padding_idx is None else table.padding_idx + 1, buffers)
+        self.__dict__["_position_table_lookup"] = (size, limits)
+        return limits
+
+    def _check_input_length(self, call: dict) -> None:
+        """Raise a one-line ``ValueError`` for inputs longer than the learned position table (transformers reports
+        them as a size mismatch or an index error deep inside the embeddings)."""
+        limits = self._position_table_limits()
+        new_tokens = call.get("input_ids", call.get("inputs_embeds"))
+        if limits is None or new_tokens is None or new_tokens.dim() < 2:
+            return
+        rows, first_position, buffers = limits
+        limit = rows - first_position
+        cache = call.get("past_key_values")
+        past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
+        needed, detail = past + new_tokens.shape[1], f" ({past} cached + {new_tokens.shape[1]} new)" if past else ""
+        position_ids = call.get("position_ids")
+        if position_ids is not None and not buffers:
+            needed, detail = 0, ""  # only the positions used count (left padding uses none)
+        if position_ids is not None and position_ids.numel() and int(position_ids.max()) + 1 - first_position > needed:
+            needed, detail = int(position_ids.max()) + 1 - first_position, " (largest position id + 1)"
+        if needed > limit:
+            raise ValueError(
+                f"{type(self).__name__}: the input needs {needed} tokens{detail} but the learned position table of "
+                f"this {self.config.source_config.model_type!r} model holds {limit} (max_position_embeddings={rows}); "
+                f"truncate inputs to {limit} tokens, or convert the model with a longer table: hf-performer convert "
+                "... --max-position-embeddings N"
+            )
+
     def _forward_source(self, arguments: dict, kwargs: dict):
         """Call the source model with the given (not ``None``) arguments.
 
@@ -175,6 +258,11 @@ class PerformerPreTrainedModel(PreTrainedModel):
                 f"{type(self.source_model).__name__} (source architecture {self.config.source_config.model_type!r}) "
                 f"does not take {unsupported}; it takes {[n for n in accepted if n in _INPUT_ARGUMENTS]}"
             )
+        if "position_ids" not in call and "position_ids" in accepted and self._source_is_causal:
+            position_ids = _position_ids_from_mask(call)
+            if position_ids is not None:
+                call["position_ids"] = position_ids
+        self._check_input_length(call)
         for flag in ("output_attentions", "output_hidden_states"):
             if call.get(flag) is None and getattr(self.config, flag, False):
                 call[flag] = True
@@ -223,7 +311,9 @@ class PerformerModel(PerformerPreTrainedModel):
             input_ids: ``[batch, seq_len]`` token ids.
             attention_mask: ``[batch, seq_len]``, 1 for tokens and 0 for padding.
             token_type_ids: ``[batch, seq_len]`` segment ids (BERT-like architectures).
-            position_ids: ``[batch, seq_len]``.
+            position_ids: ``[batch, seq_len]``; for decoder architectures the default counts real tokens of
+                ``attention_mask`` (``cumsum(mask) - 1``, as ``generate()`` does), so a left-padded row gets the
+                positions it has alone.
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
             past_key_values: a cache (decoder architectures); see ``make_favor_cache``.
 
@@ -353,7 +443,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         Args:
             input_ids: ``[batch, seq_len]`` token ids (only the new ones when ``past_key_values`` holds the past).
             attention_mask: ``[batch, past + seq_len]``, 1 for tokens and 0 for padding.
-            position_ids: ``[batch, seq_len]``.
+            position_ids: ``[batch, seq_len]``; by default counted over the real tokens of ``attention_mask``
+                (``cumsum(mask) - 1`` clamped at 0, as ``generate()`` does), so that a left-padded row gets the
+                positions it has alone (random features are not shift-invariant).
             past_key_values: the cache of earlier tokens (``make_favor_cache(model)``, or the one ``generate()``
                 builds).
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.

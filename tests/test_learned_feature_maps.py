@@ -274,6 +274,17 @@ def test_option_errors():
         make_feature_map("hedgehog", 8, num_heads=2, orthogonal=True)
 
 
+def test_learned_map_without_num_heads_says_what_to_pass():
+    # Learned maps have parameters per head: there is no sensible default, so the error names the argument.
+    with pytest.raises(TypeError) as error:
+        make_feature_map("hedgehog", 64, nb_features=64)
+    message = str(error.value)
+    assert "\n" not in message
+    assert "'hedgehog' has trainable parameters per attention head" in message
+    assert "num_heads=" in message and "num_key_value_heads" in message
+    assert "missing 1 required" not in message
+
+
 def test_identity_init():
     feature_map = make_feature_map("hedgehog", 8, num_heads=4, num_key_value_heads=2, init="identity")
     assert torch.equal(feature_map.query_weight, torch.eye(8).expand(4, 8, 8))

@@ -165,6 +165,55 @@ def test_config_validation_errors(arguments, message):
         PerformerConfig(**arguments)
 
 
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (
+            {"feature_map": "trig", "nb_features": 63},
+            r"'trig' feature map needs an even nb_features \(sin and cos of each projection\), got 63",
+        ),
+        ({"feature_map": "hedgehog", "nb_features": 63}, r"'hedgehog' feature map needs nb_features divisible by 2"),
+        (
+            {"feature_map": "elu+1", "nb_features": 64},
+            r"'elu\+1' feature map has exactly head_dim features and takes no nb_features \(got 64\)",
+        ),
+    ],
+)
+def test_feature_map_size_rules_are_checked_when_the_config_is_built(arguments, message):
+    # Before: accepted here, failing only when a model was built (trig, hedgehog) or silently dropped (elu+1).
+    with pytest.raises(PerformerConfigError, match=message) as error:
+        PerformerConfig(source_config=bert_config(), **arguments)
+    assert "\n" not in str(error.value)
+    assert PerformerConfig(source_config=bert_config(), feature_map="trig", nb_features=64).nb_features == 64
+    assert PerformerConfig(source_config=bert_config(), feature_map="relu", nb_features=63).nb_features == 63
+
+
+def test_from_pretrained_refuses_misspelt_keyword_arguments(tmp_path):
+    performer_config(bert_config()).save_pretrained(tmp_path)
+    for load in (PerformerConfig.from_pretrained, AutoConfig.from_pretrained):
+        with pytest.raises(PerformerConfigError, match=r"unknown argument 'nb_featurs'.*did you mean 'nb_features'"):
+            load(tmp_path, nb_featurs=16)
+        with pytest.raises(PerformerConfigError, match=r"unknown argument 'hiden_dropout_prob'.*'hidden_dropout_prob'"):
+            load(tmp_path, hiden_dropout_prob=0.3)
+    # Settings, source attributes, generic config arguments and transformers' loading options still work.
+    config = PerformerConfig.from_pretrained(
+        tmp_path, nb_features=8, hidden_dropout_prob=0.3, num_labels=3, output_attentions=True, local_files_only=True
+    )
+    assert config.nb_features == 8 and config.source_config.hidden_dropout_prob == 0.3 and config.num_labels == 3
+    # With return_unused_kwargs the caller (e.g. a model's from_pretrained) gets the leftovers, as for stock configs;
+    # the model refuses them the same way.
+    config, unused = PerformerConfig.from_pretrained(tmp_path, foo=1, return_unused_kwargs=True)
+    assert unused == {"foo": 1}
+    PerformerModel(config).save_pretrained(tmp_path)
+    with pytest.raises(PerformerConfigError, match=r"PerformerModel got an unknown argument 'nb_featurs'.*'nb_feat"):
+        AutoModel.from_pretrained(tmp_path, nb_featurs=16)
+    # Attributes set on a config (transformers' own or arbitrary ones) still survive save / load.
+    config = performer_config(bert_config())
+    config.use_cache = False
+    config.save_pretrained(tmp_path)
+    assert PerformerConfig.from_pretrained(tmp_path).use_cache is False
+
+
 def test_config_without_source_cannot_build_a_model():
     config = PerformerConfig()
     assert config.source_config is None
@@ -432,3 +481,136 @@ def test_feature_maps_are_fixed_in_eval_and_saved():
     model(input_ids=input_ids)
     model(input_ids=input_ids)
     assert not torch.equal(feature_maps[0].projection, projection)
+
+
+# --------------------------------------------------------------------------------------------
+# Left padding: position ids from the attention mask
+# --------------------------------------------------------------------------------------------
+
+
+def _left_padded_batch(pad=4, length=11):
+    input_ids, attention_mask = input_batch(batch=2, length=length, padded=False)
+    attention_mask[1, :pad] = 0
+    input_ids[1, :pad] = 0
+    return input_ids, attention_mask
+
+
+@pytest.mark.parametrize("source_config", [gpt2_config, llama_config], ids=["gpt2", "llama"])
+def test_left_padded_row_equals_the_row_run_alone(source_config):
+    # Random features of rotated (Llama) or position-shifted (GPT-2) queries and keys are not shift-invariant: a row
+    # padded on the left must get the positions it has alone (as generate() gives them), not 4..10.
+    torch.manual_seed(0)
+    model = PerformerForCausalLM(performer_config(source_config(), chunk_size=4)).eval()
+    pad = 4
+    input_ids, attention_mask = _left_padded_batch(pad)
+    with torch.no_grad():
+        batched = model(input_ids, attention_mask=attention_mask).logits
+        alone = model(input_ids[1:, pad:]).logits
+    torch.testing.assert_close(batched[1, pad:], alone[0], atol=2e-5, rtol=1e-5)
+    base = PerformerModel(model.config).eval()  # the bare decoder too
+    with torch.no_grad():
+        torch.testing.assert_close(
+            base(input_ids, attention_mask=attention_mask).last_hidden_state[1, pad:],
+            base(input_ids[1:, pad:]).last_hidden_state[0],
+            atol=2e-5, rtol=1e-5,
+        )
+
+    # Prefill then one token at a time, with the mask of all tokens so far and no position ids: the same logits.
+    with torch.no_grad():
+        outputs = model(input_ids[:, :6], attention_mask=attention_mask[:, :6], use_cache=True)
+        steps = [outputs.logits]
+        for i in range(6, input_ids.shape[1]):
+            outputs = model(
+                input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
+                past_key_values=outputs.past_key_values, use_cache=True,
+            )
+            steps.append(outputs.logits)
+    assert isinstance(outputs.past_key_values.layers[0], FavorCacheLayer)
+    torch.testing.assert_close(torch.cat(steps, dim=1)[1, pad:], alone[0], atol=2e-5, rtol=1e-5)
+
+    # generate() with left padding: the padded row continues as it does alone.
+    batched_generation = model.generate(input_ids, attention_mask=attention_mask, max_new_tokens=5, do_sample=False)
+    alone_generation = model.generate(input_ids[1:, pad:], max_new_tokens=5, do_sample=False)
+    assert torch.equal(batched_generation[1, pad:], alone_generation[0])
+
+
+def test_explicit_position_ids_and_bidirectional_models_are_left_alone():
+    torch.manual_seed(0)
+    model = PerformerForCausalLM(performer_config(llama_config())).eval()
+    input_ids, attention_mask = _left_padded_batch()
+    default_positions = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    with torch.no_grad():
+        explicit = model(input_ids, attention_mask=attention_mask, position_ids=default_positions).logits
+        derived = model(input_ids, attention_mask=attention_mask).logits
+    assert not torch.allclose(explicit[1], derived[1], atol=1e-4)  # the given position ids were used
+    # An encoder (bidirectional) is not given derived positions: BERT left padding behaves as in transformers.
+    masked_lm = PerformerForMaskedLM(performer_config(bert_config())).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            masked_lm(input_ids, attention_mask=attention_mask).logits,
+            masked_lm(input_ids, attention_mask=attention_mask, position_ids=default_positions).logits,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs longer than a learned position table
+# --------------------------------------------------------------------------------------------
+
+
+def roberta_config(**overrides):
+    from transformers import RobertaConfig
+
+    settings = dict(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB,
+        pad_token_id=1, max_position_embeddings=16 + 2,
+    )
+    return RobertaConfig(**{**settings, **overrides})
+
+
+@pytest.mark.parametrize(
+    "model_class, source_config",
+    [
+        (PerformerForMaskedLM, lambda: bert_config(max_position_embeddings=16)),
+        (PerformerForMaskedLM, roberta_config),  # the table starts at padding_idx + 1: 18 rows, 16 tokens
+        (PerformerModel, lambda: gpt2_config(n_positions=16)),
+    ],
+    ids=["bert", "roberta", "gpt2"],
+)
+def test_input_longer_than_the_position_table_is_a_one_line_error(model_class, source_config):
+    model = model_class(performer_config(source_config())).eval()
+    input_ids = torch.randint(3, VOCAB, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids[:, :16])  # the longest input the table holds
+        with pytest.raises(ValueError) as error:
+            model(input_ids)
+    message = str(error.value)
+    assert "\n" not in message and "must match the size" not in message
+    assert "17 tokens" in message and "max_position_embeddings=" in message
+    assert "hf-performer convert ... --max-position-embeddings N" in message
+    # What the message suggests: a longer table (the converter's helper) makes the same model accept the input.
+    from hf_performer.conversion import extend_position_embeddings
+
+    extend_position_embeddings(model, 24)
+    with torch.no_grad():
+        model(input_ids)
+
+
+def test_decoding_past_the_position_table_is_a_one_line_error():
+    model = PerformerForCausalLM(performer_config(gpt2_config(n_positions=16))).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        outputs = model(input_ids[:, :15], use_cache=True)
+        outputs = model(input_ids[:, 15:16], past_key_values=outputs.past_key_values, use_cache=True)
+        with pytest.raises(ValueError, match=r"17 tokens .*max_position_embeddings=16"):
+            model(input_ids[:, 16:], past_key_values=outputs.past_key_values, use_cache=True)
+        # Left padding does not use positions: 4 pads + 16 tokens fit a 16-position table.
+        padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), input_ids[:, :16]], dim=1)
+        mask = (padded != 0).long()
+        model(padded, attention_mask=mask)
+
+
+def test_rotary_models_have_no_position_table_to_check():
+    model = PerformerForCausalLM(performer_config(llama_config(max_position_embeddings=8))).eval()
+    input_ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert model(input_ids).logits.shape == (1, 12, VOCAB)
