@@ -41,9 +41,10 @@ from huggingface_hub.errors import HfHubHTTPError
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 from huggingface_hub.utils import filter_repo_objects, get_token
 
-from .data import TASKS
+from .data import HUB_DATASET_IDS, LM_DATASETS, TASKS, DataError, get_task
 from .favor_attention import feature_map_kind
 from .feature_maps import FEATURE_MAPS, default_feature_map_init
+from .training import KINDS as RECIPE_KINDS
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -238,6 +239,14 @@ keeps the two equal, so re-running the benchmark means updating this."""
 
 TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
 """Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
+
+RECIPE_METRICS_FILE = "metrics.json"
+"""Written by the fine-tuning recipes (:mod:`hf_performer.training`) into their output folder: ``kind``
+(``text-classification`` or ``causal-lm``), ``task``, ``final`` (the final metrics), ``completed_steps``, ``args``, ...
+It marks a fine-tuned model, and :func:`load_metrics` reads its results."""
+
+LM_HUB_DATASET_IDS = {"wikitext": "Salesforce/wikitext"}
+"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.data.LM_DATASETS`."""
 
 _RESULT_ALIASES = {
     "task": "task_type",
@@ -735,7 +744,11 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     * one result dict (``{"task": "sst2", "metric": "accuracy", "value": 0.91, ...}``);
     * a run summary ``{"task": ..., "dataset": ..., "split": ..., "metrics": {"accuracy": 0.91, ...}}``: one
       result per numeric metric (a leading ``eval_`` is removed from metric names); other top-level keys of
-      the summary (run settings, timings) are not results and are not read.
+      the summary (run settings, timings) are not results and are not read;
+    * the ``metrics.json`` of a fine-tuning recipe (``{"kind": "text-classification", "task": "sst2", "final":
+      {"accuracy": 0.91, "eval_loss": 0.3}, ...}``): one result per final metric but the loss, on the task's
+      evaluation split (causal LM: perplexity on the validation split of ``args.dataset``); see
+      :func:`recipe_results`.
     """
     path = Path(path)
     try:
@@ -756,6 +769,8 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
         if not isinstance(results, list) or not isinstance(recovery, list):
             raise ModelCardError(f"{path}: 'results' and 'recovery' must be lists")
         return results, recovery
+    if data.get("kind") in RECIPE_KINDS and "final" in data:
+        return recipe_results(data, str(path)), []
     if isinstance(data.get("metrics"), dict):
         base = {}
         for key in ("task", "task_name", "dataset", "dataset_name", "config", "split", "dataset_config",
@@ -772,6 +787,62 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
             raise ModelCardError(f"{path}: 'metrics' holds no numeric value")
         return results, []
     return [data], []
+
+
+def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict]:
+    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.training`).
+
+    Text classification: one result per metric of ``final`` but ``eval_loss``, on the task's evaluation split
+    (``validation``; MNLI ``validation_matched``; IMDB ``test``), the task naming its Hub dataset. Causal LM: the
+    perplexity on the ``validation`` split of ``args.dataset`` (``wikitext``: ``Salesforce/wikitext``).
+
+    Raises:
+        ModelCardError: ``final`` is not an object of numbers, an unknown task, or a causal-LM run evaluated on a
+            local text file (which names no Hub dataset: give its result in a results file).
+    """
+    final = metrics.get("final")
+    if not isinstance(final, dict):
+        raise ModelCardError(f"{where}: 'final' must be an object of metrics (a recipe's metrics.json), got {final!r}")
+    if metrics.get("kind") == "causal-lm":
+        run_args = metrics.get("args") or {}
+        if run_args.get("validation_file"):
+            raise ModelCardError(
+                f"{where}: the run evaluated on a local text file, which names no Hub dataset; give its result in a "
+                'results file: [{"task": "text-generation", "dataset": "namespace/name", "split": "validation", '
+                '"metric": "perplexity", "value": ...}]'
+            )
+        dataset = run_args.get("dataset") or "wikitext"
+        hub_args = LM_DATASETS.get(dataset, (dataset,))
+        base = {
+            "task": "text-generation",
+            "dataset": LM_HUB_DATASET_IDS.get(hub_args[0], hub_args[0]),
+            "config": run_args.get("dataset_config") or (hub_args[1] if len(hub_args) > 1 else None),
+            "split": "validation",
+        }
+        base = {key: value for key, value in base.items() if value is not None}
+    else:
+        try:
+            spec = get_task(str(metrics.get("task")))
+        except DataError as error:
+            raise ModelCardError(f"{where}: {error}") from None
+        base = {"task": spec.name, "split": spec.validation_split}
+    results = [
+        {**base, "metric": name, "value": value}
+        for name, value in final.items()
+        if name != "eval_loss" and _is_number(value)
+    ]
+    if not results:
+        raise ModelCardError(f"{where}: 'final' holds no metric but the loss")
+    return results
+
+
+def _is_recipe_run(folder: Path) -> bool:
+    """Whether ``folder`` is the output of a fine-tuning recipe that trained (``metrics.json`` with steps)."""
+    try:
+        metrics = json.loads((folder / RECIPE_METRICS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("kind") in RECIPE_KINDS and bool(metrics.get("completed_steps"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1240,7 +1311,8 @@ def build_model_card(
         report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
             ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
-            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`).
+            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`) or a recipe's
+            ``metrics.json`` (:data:`RECIPE_METRICS_FILE`) with completed steps.
         template_path: a Jinja template; default :func:`default_template_path`.
         transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
             ``attention_transfer.json``, or a path to such a file); default: the folder's ``attention_transfer.json``
@@ -1298,7 +1370,7 @@ def build_model_card(
         # A local path says nothing to a reader of the Hub page (and may expose a home folder): keep Hub ids only.
         report = {**report, "source": source if source and _looks_like_hub_id(source) else None}
     if fine_tuned is None:
-        fine_tuned = any((folder / name).is_file() for name in TRAINING_FILES)
+        fine_tuned = any((folder / name).is_file() for name in TRAINING_FILES) or _is_recipe_run(folder)
 
     if base_model is None:
         for candidate in ((report or {}).get("source"), geometry["name_or_path"]):
@@ -1447,6 +1519,32 @@ def write_model_card(folder: str | os.PathLike, **kwargs) -> Path:
     return path
 
 
+def write_recipe_card(output_dir: str | os.PathLike) -> Path | None:
+    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.training.train`
+    at the end of a run): fine-tuned, with the results of its ``metrics.json`` (:func:`recipe_results`).
+
+    Returns the card's path, or ``None`` when the folder holds no Performer model (a softmax baseline,
+    ``--no-save-model``) or the card could not be built (a warning on stderr says why and how to write it).
+    """
+    folder = Path(output_dir)
+    try:
+        config = _read_json(folder / "config.json", "config")
+    except ModelCardError:
+        return None
+    if not isinstance(config.get("favor_settings"), dict):
+        return None
+    results = None
+    try:
+        results, _ = load_metrics(folder / RECIPE_METRICS_FILE)
+    except ModelCardError as error:
+        print(f"warning: the model card gets no results: {error}", file=sys.stderr)
+    try:
+        return write_model_card(folder, results=results, fine_tuned=True)
+    except ModelCardError as error:
+        print(f"warning: no model card written ({error}); write it with `hf-performer card {folder}`", file=sys.stderr)
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # Push
 # --------------------------------------------------------------------------------------------
@@ -1574,8 +1672,9 @@ fidelity report (conversion_report.json), results and recovery rows (--metrics) 
 linear attention is and is not faster. The card is validated with huggingface_hub before it is written.
 
 --metrics files hold a list of results, {"results": [...], "recovery": [...]}, one result
-{"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, or a run summary
-{"task": ..., "metrics": {"accuracy": 0.91}} (see model_cards/README.md).
+{"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, a run summary
+{"task": ..., "metrics": {"accuracy": 0.91}}, or the metrics.json of a recipe run (recipes/; such a
+folder counts as fine-tuned) (see model_cards/README.md).
 """
 
 
@@ -1707,10 +1806,12 @@ __all__ = [
     "normalize_recovery",
     "normalize_results",
     "push_folder",
+    "recipe_results",
     "setting_meanings",
     "transfer_context",
     "upload_file_list",
     "validate_folder",
     "validate_model_card",
     "write_model_card",
+    "write_recipe_card",
 ]
