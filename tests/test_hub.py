@@ -1187,13 +1187,13 @@ def test_push_network_and_auth_failures_are_one_line(folder, fake_hub, monkeypat
     def failing_upload(*args, **kwargs):
         raise ConnectionResetError(104, "Connection reset by peer")
 
-    monkeypatch.setattr(hub.HfApi, "upload_folder", failing_upload)
-    with pytest.raises(SystemExit) as exit_info:
-        cli_main(["push", str(folder), REPO_ID])
+    with monkeypatch.context() as patch:
+        patch.setattr(hub.HfApi, "upload_folder", failing_upload)
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["push", str(folder), REPO_ID])
     message = str(exit_info.value.code)
     assert message.startswith("hf-performer push: error: ") and "\n" not in message
     assert "Connection reset by peer" in message and "retry" in message
-    monkeypatch.undo()
 
     with pytest.raises(PushError) as error:
         push_folder(folder, REPO_ID, token="hf_wrong_token", endpoint=fake_hub.url)
