@@ -15,11 +15,17 @@ attention transfer (``hf-performer distill``), ``attention_transfer.json``.
   ``huggingface_hub.repocard_data``). :func:`write_model_card` writes it as the folder's ``README.md``.
 * :func:`validate_folder` refuses a folder that would not load with
   ``from_pretrained(folder, trust_remote_code=True)``: missing ``config.json`` or ``auto_map``, code files
-  named by ``auto_map`` (or imported by them), weights, or tokenizer. The error lists every problem.
+  named by ``auto_map`` (or imported by them), weights, or tokenizer; a config that ``PerformerConfig`` does not
+  load, or whose model (built on the meta device) does not have the tensors and shapes of the safetensors
+  headers. The error lists every problem.
 * :func:`push_folder` validates, then ``HfApi.create_repo(exist_ok=True)`` (+ ``create_branch`` for a
-  ``revision``) and ``HfApi.upload_folder``; ``dry_run=True`` only lists what would be uploaded. The token
-  comes from ``token=``, else the usual places (``HF_TOKEN``, the cached ``hf auth login`` token); the
-  endpoint from ``endpoint=``, else ``HF_ENDPOINT`` (read at call time), else huggingface.co.
+  ``revision``) and ``HfApi.upload_folder``; ``dry_run=True`` only lists what would be uploaded. A recipe's
+  ``checkpoints/`` is left out unless ``include_checkpoints=True``. The token comes from ``token=``, else the
+  usual places (``HF_TOKEN``, the cached ``hf auth login`` token); the endpoint from ``endpoint=``, else
+  ``HF_ENDPOINT`` (read at call time), else huggingface.co. Failures (``HF_HUB_OFFLINE`` set, the Hub unreachable,
+  a refused token) are a :class:`PushError` of one line saying what to do.
+* :func:`write_recipe_card` writes the card of a fine-tuning recipe's output folder, with the results of its
+  ``metrics.json`` (which :func:`load_metrics` also reads).
 """
 
 from __future__ import annotations
