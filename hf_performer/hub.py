@@ -639,6 +639,7 @@ def _check_config_and_weights(folder: Path, config: dict, weight_files: list[str
         return
     saved = _safetensors_shapes(folder, weight_files)
     if saved is None:
+        warnings.append("weights: pytorch_model.bin (a pickle) is not read, so its tensors' shapes were not checked")
         return
     tensors = model.state_dict(keep_vars=True)
     # Tied weights (e.g. an LM head sharing the embeddings) are saved under one of their names.

@@ -1067,6 +1067,20 @@ def loading_snippet(card_text: str) -> str:
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 
+def test_card_loading_snippet_trusts_the_code_for_every_auto_class(converted):
+    """Fast check of the snippet: every ``from_pretrained`` call (AutoTokenizer too, which reads config.json and its
+    auto_map) passes ``trust_remote_code=True``, else transformers asks on stdin (the slow test below runs it)."""
+    import ast
+
+    calls = [node for node in ast.walk(ast.parse(loading_snippet((converted / "README.md").read_text())))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained"]
+    assert [call.func.value.id for call in calls] == ["AutoTokenizer", "AutoModelForSequenceClassification"]
+    for call in calls:
+        assert any(k.arg == "trust_remote_code" and getattr(k.value, "value", None) is True for k in call.keywords), \
+            f"{call.func.value.id}.from_pretrained without trust_remote_code=True"
+
+
+@pytest.mark.slow
 def test_card_loading_snippet_runs_unattended_where_the_package_is_not_installed(converted, tmp_path):
     """The card's snippet, run as a script (stdin closed, no hf_performer) must not stop at the "Do you wish to run
     the custom code? [y/N]" prompt, which blocks scripts and servers (AutoTokenizer reads config.json's auto_map)."""
