@@ -904,7 +904,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict]:
     """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.training`).
 
-    Text classification: one result per metric of ``final`` but ``eval_loss``, on the task's evaluation split
+    Text classification: one result per finite metric of ``final`` but ``eval_loss``, on the task's evaluation split
     (``validation``; MNLI ``validation_matched``; IMDB ``test``), the task naming its Hub dataset. Causal LM: the
     perplexity on the ``validation`` split of ``args.dataset`` (``wikitext``: ``Salesforce/wikitext``).
 
@@ -941,7 +941,7 @@ def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict
     results = [
         {**base, "metric": name, "value": value}
         for name, value in final.items()
-        if name != "eval_loss" and _is_number(value)
+        if name != "eval_loss" and _is_number(value) and math.isfinite(value)
     ]
     if not results:
         raise ModelCardError(f"{where}: 'final' holds no metric but the loss")

@@ -1167,6 +1167,9 @@ def test_recipe_metrics_of_a_causal_lm_run(tmp_path):
     results, recovery = load_metrics(path)
     assert results == [{"task": "text-generation", "dataset": "Salesforce/wikitext", "config": "wikitext-2-raw-v1",
                         "split": "validation", "metric": "perplexity", "value": 41.5}] and recovery == []
+    path.write_text(json.dumps({"kind": "text-classification", "task": "cola", "final": {
+        "matthews_correlation": float("nan"), "accuracy": 0.7, "eval_loss": 0.6}}))
+    assert load_metrics(path)[0] == [{"task": "cola", "split": "validation", "metric": "accuracy", "value": 0.7}]
     path.write_text(json.dumps({"kind": "text-classification", "task": "sst2", "final": "0.9"}))
     with pytest.raises(ModelCardError, match="'final' must be an object"):
         load_metrics(path)
