@@ -15,11 +15,17 @@ attention transfer (``hf-performer distill``), ``attention_transfer.json``.
   ``huggingface_hub.repocard_data``). :func:`write_model_card` writes it as the folder's ``README.md``.
 * :func:`validate_folder` refuses a folder that would not load with
   ``from_pretrained(folder, trust_remote_code=True)``: missing ``config.json`` or ``auto_map``, code files
-  named by ``auto_map`` (or imported by them), weights, or tokenizer. The error lists every problem.
+  named by ``auto_map`` (or imported by them), weights, or tokenizer; a config that ``PerformerConfig`` does not
+  load, or whose model (built on the meta device) does not have the tensors and shapes of the safetensors
+  headers. The error lists every problem.
 * :func:`push_folder` validates, then ``HfApi.create_repo(exist_ok=True)`` (+ ``create_branch`` for a
-  ``revision``) and ``HfApi.upload_folder``; ``dry_run=True`` only lists what would be uploaded. The token
-  comes from ``token=``, else the usual places (``HF_TOKEN``, the cached ``hf auth login`` token); the
-  endpoint from ``endpoint=``, else ``HF_ENDPOINT`` (read at call time), else huggingface.co.
+  ``revision``) and ``HfApi.upload_folder``; ``dry_run=True`` only lists what would be uploaded. A recipe's
+  ``checkpoints/`` is left out unless ``include_checkpoints=True``. The token comes from ``token=``, else the
+  usual places (``HF_TOKEN``, the cached ``hf auth login`` token); the endpoint from ``endpoint=``, else
+  ``HF_ENDPOINT`` (read at call time), else huggingface.co. Failures (``HF_HUB_OFFLINE`` set, the Hub unreachable,
+  a refused token) are a :class:`PushError` of one line saying what to do.
+* :func:`write_recipe_card` writes the card of a fine-tuning recipe's output folder, with the results of its
+  ``metrics.json`` (which :func:`load_metrics` also reads).
 """
 
 from __future__ import annotations
@@ -37,13 +43,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from huggingface_hub import EvalResult, HfApi, ModelCard, ModelCardData
-from huggingface_hub.errors import HfHubHTTPError
+from huggingface_hub import constants as hub_constants
+from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 from huggingface_hub.utils import filter_repo_objects, get_token
 
-from .data import TASKS
+from .data import HUB_DATASET_IDS, LM_DATASETS, TASKS, DataError, get_task
 from .favor_attention import feature_map_kind
 from .feature_maps import FEATURE_MAPS, default_feature_map_init
+from .training import KINDS as RECIPE_KINDS
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -68,6 +76,10 @@ REQUIRED_CARD_TAGS = tuple(tag for tag in CARD_TAGS if tag != "favor+")
 
 UPLOAD_IGNORE_PATTERNS = ["__pycache__", "__pycache__/*", "*/__pycache__/*", "*.pyc"]
 """Files never uploaded, on top of huggingface_hub's own (``.git``, ``.cache/huggingface``)."""
+
+CHECKPOINT_PATTERNS = ["checkpoints/*"]
+"""Run artefacts not uploaded unless asked (``include_checkpoints=True``, ``--include-checkpoints``): the recipes'
+``checkpoints/step_N/`` (optimizer, scheduler and RNG states, pickles: often several times the model's size)."""
 
 ARCHITECTURES = {
     # Performer class: (pipeline tag, Auto class, usage lines for the card)
@@ -238,6 +250,14 @@ keeps the two equal, so re-running the benchmark means updating this."""
 
 TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
 """Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
+
+RECIPE_METRICS_FILE = "metrics.json"
+"""Written by the fine-tuning recipes (:mod:`hf_performer.training`) into their output folder: ``kind``
+(``text-classification`` or ``causal-lm``), ``task``, ``final`` (the final metrics), ``completed_steps``, ``args``, ...
+It marks a fine-tuned model, and :func:`load_metrics` reads its results."""
+
+LM_HUB_DATASET_IDS = {"wikitext": "Salesforce/wikitext"}
+"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.data.LM_DATASETS`."""
 
 _RESULT_ALIASES = {
     "task": "task_type",
@@ -548,29 +568,121 @@ class FolderCheck:
         return sum(f.size for f in self.files)
 
 
-def upload_file_list(folder: str | os.PathLike) -> list[UploadFile]:
+def _ignore_patterns(include_checkpoints: bool) -> list[str]:
+    """What an upload leaves out: :data:`UPLOAD_IGNORE_PATTERNS`, and :data:`CHECKPOINT_PATTERNS` unless asked."""
+    return [*UPLOAD_IGNORE_PATTERNS, *([] if include_checkpoints else CHECKPOINT_PATTERNS)]
+
+
+def upload_file_list(folder: str | os.PathLike, include_checkpoints: bool = False) -> list[UploadFile]:
     """The files ``push_folder`` would send, in the order ``HfApi.upload_folder`` lists them (sorted paths),
-    after huggingface_hub's ignore patterns and :data:`UPLOAD_IGNORE_PATTERNS`."""
+    after huggingface_hub's ignore patterns, :data:`UPLOAD_IGNORE_PATTERNS` and, unless ``include_checkpoints``,
+    :data:`CHECKPOINT_PATTERNS`."""
     folder = Path(folder).expanduser().resolve()
     relpaths = {
         path.relative_to(folder).as_posix(): path for path in sorted(folder.glob("**/*")) if path.is_file()
     }
     kept = filter_repo_objects(
-        relpaths.keys(), ignore_patterns=[*UPLOAD_IGNORE_PATTERNS, *_HUB_IGNORE_PATTERNS]
+        relpaths.keys(), ignore_patterns=[*_ignore_patterns(include_checkpoints), *_HUB_IGNORE_PATTERNS]
     )
     return [UploadFile(path=relpath, size=relpaths[relpath].stat().st_size) for relpath in kept]
 
 
-def validate_folder(folder: str | os.PathLike) -> FolderCheck:
+def _safetensors_shapes(folder: Path, weight_files: list[str]) -> dict[str, tuple[str, list[int]]] | None:
+    """``{tensor name: (file, shape)}`` from the headers of the safetensors weights (no tensor is read), or ``None``
+    for ``pytorch_model.bin`` weights (a pickle: not read)."""
+    shapes = {}
+    for name in weight_files:
+        if name in WEIGHT_INDEX_FILES:
+            continue
+        if not name.endswith(".safetensors"):
+            return None
+        with open(folder / name, "rb") as file:
+            (header_length,) = struct.unpack("<Q", file.read(8))
+            header = json.loads(file.read(header_length))
+        shapes.update({key: (name, entry["shape"]) for key, entry in header.items() if key != "__metadata__"})
+    return shapes
+
+
+def _list_names(names: list[str], limit: int = 3) -> str:
+    return ", ".join(names[:limit]) + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def _check_config_and_weights(folder: Path, config: dict, weight_files: list[str], problems: list[str],
+                              warnings: list[str]) -> None:
+    """Load ``config.json`` as ``from_pretrained`` does (:class:`PerformerConfig`, which refuses unknown or mistyped
+    keys), build the model it describes on the meta device (no memory, no weights) and compare its state dict
+    (parameters and persistent buffers) with the safetensors headers: every tensor present, none extra, same shapes."""
+    import torch
+
+    from . import modeling_performer
+    from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig
+
+    if config.get("model_type") != PERFORMER_MODEL_TYPE:
+        warnings.append(f"config.json: model_type {config.get('model_type')!r} is not {PERFORMER_MODEL_TYPE!r}; "
+                        "the config and the weights' shapes were not checked")
+        return
+    try:
+        performer_config = PerformerConfig.from_pretrained(folder)
+    except Exception as error:  # PerformerConfigError, and TypeError / ValueError of values transformers refuses
+        problems.append(f"config.json: does not load (PerformerConfig.from_pretrained): {error}")
+        return
+    architecture = (config.get("architectures") or ["PerformerModel"])[0]
+    model_class = getattr(modeling_performer, architecture, None)
+    if architecture not in ARCHITECTURES or model_class is None:
+        problems.append(f"config.json: unknown architecture {architecture!r} (expected one of {', '.join(ARCHITECTURES)})")
+        return
+    try:
+        with torch.device("meta"):
+            model = model_class(performer_config)
+    except Exception as error:  # a config that parses but describes no buildable model
+        problems.append(f"config.json: {architecture} cannot be built from it: {error}")
+        return
+    saved = _safetensors_shapes(folder, weight_files)
+    if saved is None:
+        warnings.append("weights: pytorch_model.bin (a pickle) is not read, so its tensors' shapes were not checked")
+        return
+    tensors = model.state_dict(keep_vars=True)
+    # Tied weights (e.g. an LM head sharing the embeddings) are saved under one of their names.
+    names_of = {}
+    for name, tensor in tensors.items():
+        names_of.setdefault(id(tensor), []).append(name)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [
+        name for name, tensor in tensors.items()
+        if name not in saved and name not in tied and not any(alias in saved for alias in names_of[id(tensor)])
+    ]
+    extra = sorted(name for name in saved if name not in tensors)
+    mismatched = [
+        f"{saved[name][0]}: {name} has shape {list(saved[name][1])}, config.json builds {list(tensor.shape)}"
+        for name, tensor in tensors.items()
+        if name in saved and list(saved[name][1]) != list(tensor.shape)
+    ]
+    files = ", ".join(sorted({file for file, _ in saved.values()}))
+    if missing:
+        problems.append(f"{files}: lacks {len(missing)} tensor(s) of {architecture}: {_list_names(missing)}")
+    if extra:
+        problems.append(f"{files}: holds {len(extra)} tensor(s) {architecture} does not have: {_list_names(extra)}")
+    if mismatched:
+        problems.append(f"{_list_names(mismatched)} (the config does not describe these weights)")
+
+
+def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False) -> FolderCheck:
     """Check that ``folder`` would load with ``AutoModel*.from_pretrained(folder, trust_remote_code=True)``
-    and ``AutoTokenizer.from_pretrained(folder)``.
+    and ``AutoTokenizer.from_pretrained(folder, trust_remote_code=True)``.
 
     Checked: ``config.json`` (valid JSON with ``model_type`` and a non-empty ``auto_map`` holding
     ``AutoConfig``); every module named by ``auto_map`` exists, parses and defines the named class; every
     module those import relatively (``from .x import y``), transitively, exists; the weights
     (``model.safetensors``, a sharded index and all its shards, or ``pytorch_model.bin``; safetensors
-    headers are read, so Git LFS pointers and truncated files are caught); the tokenizer
-    (``tokenizer_config.json`` plus a vocabulary file, and the code of a tokenizer ``auto_map``).
+    headers are read, so Git LFS pointers and truncated files are caught); the config loads
+    (``PerformerConfig.from_pretrained``: unknown or mistyped keys are refused) and the model it builds (on the
+    meta device: nothing allocated) has exactly the tensors of the safetensors headers, with their shapes; the
+    tokenizer (``tokenizer_config.json`` plus a vocabulary file, and the code of a tokenizer ``auto_map``).
+
+    Args:
+        folder: the model folder.
+        include_checkpoints: list ``checkpoints/`` (:data:`CHECKPOINT_PATTERNS`) in the upload; by default it is
+            left out, with a warning.
 
     Returns:
         A :class:`FolderCheck` (required files, the upload list, warnings such as a missing README.md card).
@@ -609,18 +721,27 @@ def validate_folder(folder: str | os.PathLike) -> FolderCheck:
                 code_files = _check_code(path, auto_map, "config.json", problems, warnings)
 
     weight_files = _check_weights(path, problems)
+    if config and not problems:  # the files are all there and sound: does the config describe these weights?
+        _check_config_and_weights(path, config, weight_files, problems, warnings)
     tokenizer_files = _check_tokenizer(path, problems, warnings)
     if problems:
         raise FolderValidationError(folder, problems)
     if not (path / CARD_FILE_NAME).is_file():
         warnings.append(f"no {CARD_FILE_NAME} model card (write one with `hf-performer card {folder}`)")
+    files = upload_file_list(path, include_checkpoints=include_checkpoints)
+    left_out = [f for f in upload_file_list(path, include_checkpoints=True) if f not in files]
+    if left_out:
+        warnings.append(
+            f"checkpoints/ not uploaded ({len(left_out)} files, {_human_bytes(sum(f.size for f in left_out))}: "
+            "training states); pass --include-checkpoints to upload them"
+        )
     return FolderCheck(
         folder=path.resolve(),
         config=config,
         code_files=sorted(code_files),
         weight_files=weight_files,
         tokenizer_files=sorted(tokenizer_files),
-        files=upload_file_list(path),
+        files=files,
         warnings=warnings,
     )
 
@@ -735,7 +856,11 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     * one result dict (``{"task": "sst2", "metric": "accuracy", "value": 0.91, ...}``);
     * a run summary ``{"task": ..., "dataset": ..., "split": ..., "metrics": {"accuracy": 0.91, ...}}``: one
       result per numeric metric (a leading ``eval_`` is removed from metric names); other top-level keys of
-      the summary (run settings, timings) are not results and are not read.
+      the summary (run settings, timings) are not results and are not read;
+    * the ``metrics.json`` of a fine-tuning recipe (``{"kind": "text-classification", "task": "sst2", "final":
+      {"accuracy": 0.91, "eval_loss": 0.3}, ...}``): one result per final metric but the loss, on the task's
+      evaluation split (causal LM: perplexity on the validation split of ``args.dataset``); see
+      :func:`recipe_results`.
     """
     path = Path(path)
     try:
@@ -756,6 +881,8 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
         if not isinstance(results, list) or not isinstance(recovery, list):
             raise ModelCardError(f"{path}: 'results' and 'recovery' must be lists")
         return results, recovery
+    if data.get("kind") in RECIPE_KINDS and "final" in data:
+        return recipe_results(data, str(path)), []
     if isinstance(data.get("metrics"), dict):
         base = {}
         for key in ("task", "task_name", "dataset", "dataset_name", "config", "split", "dataset_config",
@@ -772,6 +899,62 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
             raise ModelCardError(f"{path}: 'metrics' holds no numeric value")
         return results, []
     return [data], []
+
+
+def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict]:
+    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.training`).
+
+    Text classification: one result per finite metric of ``final`` but ``eval_loss``, on the task's evaluation split
+    (``validation``; MNLI ``validation_matched``; IMDB ``test``), the task naming its Hub dataset. Causal LM: the
+    perplexity on the ``validation`` split of ``args.dataset`` (``wikitext``: ``Salesforce/wikitext``).
+
+    Raises:
+        ModelCardError: ``final`` is not an object of numbers, an unknown task, or a causal-LM run evaluated on a
+            local text file (which names no Hub dataset: give its result in a results file).
+    """
+    final = metrics.get("final")
+    if not isinstance(final, dict):
+        raise ModelCardError(f"{where}: 'final' must be an object of metrics (a recipe's metrics.json), got {final!r}")
+    if metrics.get("kind") == "causal-lm":
+        run_args = metrics.get("args") or {}
+        if run_args.get("validation_file"):
+            raise ModelCardError(
+                f"{where}: the run evaluated on a local text file, which names no Hub dataset; give its result in a "
+                'results file: [{"task": "text-generation", "dataset": "namespace/name", "split": "validation", '
+                '"metric": "perplexity", "value": ...}]'
+            )
+        dataset = run_args.get("dataset") or "wikitext"
+        hub_args = LM_DATASETS.get(dataset, (dataset,))
+        base = {
+            "task": "text-generation",
+            "dataset": LM_HUB_DATASET_IDS.get(hub_args[0], hub_args[0]),
+            "config": run_args.get("dataset_config") or (hub_args[1] if len(hub_args) > 1 else None),
+            "split": "validation",
+        }
+        base = {key: value for key, value in base.items() if value is not None}
+    else:
+        try:
+            spec = get_task(str(metrics.get("task")))
+        except DataError as error:
+            raise ModelCardError(f"{where}: {error}") from None
+        base = {"task": spec.name, "split": spec.validation_split}
+    results = [
+        {**base, "metric": name, "value": value}
+        for name, value in final.items()
+        if name != "eval_loss" and _is_number(value) and math.isfinite(value)
+    ]
+    if not results:
+        raise ModelCardError(f"{where}: 'final' holds no metric but the loss")
+    return results
+
+
+def _is_recipe_run(folder: Path) -> bool:
+    """Whether ``folder`` is the output of a fine-tuning recipe that trained (``metrics.json`` with steps)."""
+    try:
+        metrics = json.loads((folder / RECIPE_METRICS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and metrics.get("kind") in RECIPE_KINDS and bool(metrics.get("completed_steps"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -1240,7 +1423,8 @@ def build_model_card(
         report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
             ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
-            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`).
+            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`) or a recipe's
+            ``metrics.json`` (:data:`RECIPE_METRICS_FILE`) with completed steps.
         template_path: a Jinja template; default :func:`default_template_path`.
         transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
             ``attention_transfer.json``, or a path to such a file); default: the folder's ``attention_transfer.json``
@@ -1298,7 +1482,7 @@ def build_model_card(
         # A local path says nothing to a reader of the Hub page (and may expose a home folder): keep Hub ids only.
         report = {**report, "source": source if source and _looks_like_hub_id(source) else None}
     if fine_tuned is None:
-        fine_tuned = any((folder / name).is_file() for name in TRAINING_FILES)
+        fine_tuned = any((folder / name).is_file() for name in TRAINING_FILES) or _is_recipe_run(folder)
 
     if base_model is None:
         for candidate in ((report or {}).get("source"), geometry["name_or_path"]):
@@ -1447,6 +1631,32 @@ def write_model_card(folder: str | os.PathLike, **kwargs) -> Path:
     return path
 
 
+def write_recipe_card(output_dir: str | os.PathLike) -> Path | None:
+    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.training.train`
+    at the end of a run): fine-tuned, with the results of its ``metrics.json`` (:func:`recipe_results`).
+
+    Returns the card's path, or ``None`` when the folder holds no Performer model (a softmax baseline,
+    ``--no-save-model``) or the card could not be built (a warning on stderr says why and how to write it).
+    """
+    folder = Path(output_dir)
+    try:
+        config = _read_json(folder / "config.json", "config")
+    except ModelCardError:
+        return None
+    if not isinstance(config.get("favor_settings"), dict):
+        return None
+    results = None
+    try:
+        results, _ = load_metrics(folder / RECIPE_METRICS_FILE)
+    except ModelCardError as error:
+        print(f"warning: the model card gets no results: {error}", file=sys.stderr)
+    try:
+        return write_model_card(folder, results=results, fine_tuned=True)
+    except ModelCardError as error:
+        print(f"warning: no model card written ({error}); write it with `hf-performer card {folder}`", file=sys.stderr)
+        return None
+
+
 # --------------------------------------------------------------------------------------------
 # Push
 # --------------------------------------------------------------------------------------------
@@ -1487,6 +1697,28 @@ def _check_revision(revision: str | None) -> bool:
     return True
 
 
+_OFFLINE_ADVICE = (
+    "HF_HUB_OFFLINE is set, so huggingface_hub sends nothing: unset it to upload "
+    "(`env -u HF_HUB_OFFLINE hf-performer push ...`); --dry-run lists the files without the network"
+)
+
+
+def _first_line(error: BaseException) -> str:
+    return next((line.strip() for line in str(error).splitlines() if line.strip()), type(error).__name__)
+
+
+def _hub_refusal(repo_id: str, error: HfHubHTTPError) -> str:
+    """One line for an HTTP error of the Hub: the status and reason, and what to do about a token problem."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    reason = _first_line(error)
+    if status in (401, 403):
+        return (
+            f"the Hub refused the upload to {repo_id} ({reason}): the token is invalid or cannot write to "
+            f"{repo_id.split('/')[0]}; log in with `hf auth login` or pass --token with a write token"
+        )
+    return f"the Hub refused the upload to {repo_id}: {reason}"
+
+
 def push_folder(
     folder: str | os.PathLike,
     repo_id: str,
@@ -1497,6 +1729,7 @@ def push_folder(
     token: str | None = None,
     commit_message: str | None = None,
     endpoint: str | None = None,
+    include_checkpoints: bool = False,
 ) -> PushResult:
     """Validate ``folder`` and upload it to the Hub model repository ``repo_id``.
 
@@ -1510,15 +1743,17 @@ def push_folder(
         token: a Hub token; default: ``HF_TOKEN`` or the cached login (``hf auth login``).
         commit_message: default "Upload Performer model with hf-performer".
         endpoint: the Hub's URL; default ``HF_ENDPOINT`` (read now) or https://huggingface.co.
+        include_checkpoints: also upload ``checkpoints/`` (training states; left out by default).
 
     Returns:
         A :class:`PushResult` listing the files (sent, or that would be sent).
 
     Raises:
         FolderValidationError: the folder would not load.
-        PushError: bad repo id or revision, no token, or the Hub refused the upload.
+        PushError: bad repo id or revision, no token, ``HF_HUB_OFFLINE`` set, the Hub unreachable or refusing the
+            upload; the message is one line saying what to do.
     """
-    check = validate_folder(folder)
+    check = validate_folder(folder, include_checkpoints=include_checkpoints)
     if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not _HUB_ID.match(repo_id) or ".." in repo_id:
         raise PushError(f"repo id {repo_id!r} is not of the form namespace/name")
     create_branch = _check_revision(revision)
@@ -1526,6 +1761,8 @@ def push_folder(
     if dry_run:
         return result
 
+    if hub_constants.HF_HUB_OFFLINE:
+        raise PushError(_OFFLINE_ADVICE)
     if token is None and get_token() is None:
         raise PushError(
             "no Hugging Face token: set HF_TOKEN, log in with `hf auth login`, or pass --token (a write token)"
@@ -1542,10 +1779,17 @@ def push_folder(
             repo_type="model",
             revision=revision,
             commit_message=commit_message or "Upload Performer model with hf-performer",
-            ignore_patterns=list(UPLOAD_IGNORE_PATTERNS),
+            ignore_patterns=_ignore_patterns(include_checkpoints),
         )
+    except OfflineModeIsEnabled:
+        raise PushError(_OFFLINE_ADVICE) from None
     except HfHubHTTPError as error:
-        raise PushError(f"the Hub refused the upload to {repo_id}: {error}") from error
+        raise PushError(_hub_refusal(repo_id, error)) from error
+    except Exception as error:  # the transport's errors (refused, reset, DNS, timeout) have no common base here
+        raise PushError(
+            f"could not reach the Hub at {endpoint or hub_constants.ENDPOINT} to upload {repo_id}: "
+            f"{_first_line(error)} ({type(error).__name__}); check the network (and HF_ENDPOINT, proxies), then retry"
+        ) from error
     result.repo_url = str(repo_url)
     result.commit_url = getattr(info, "commit_url", None)
     return result
@@ -1558,11 +1802,13 @@ def push_folder(
 _PUSH_DESCRIPTION = """Upload a Performer model folder to the Hugging Face Hub.
 
 The folder is checked first: it must load with from_pretrained(..., trust_remote_code=True) (config.json
-with auto_map, the code files auto_map names and the modules they import, weights, tokenizer); a folder
-that would not load is refused with the list of what is missing. The repository is created if needed
-(--private), --revision uploads to a branch (created from main if needed). The token comes from --token,
-else HF_TOKEN, else the cached `hf auth login`; the endpoint from HF_ENDPOINT (default huggingface.co).
---dry-run lists the files that would be uploaded, with their sizes, and sends nothing.
+with auto_map, the code files auto_map names and the modules they import, weights, tokenizer; the config
+must load and describe the weights: every tensor, with its shape); a folder that would not load is refused
+with the list of what is wrong. checkpoints/ (training states of a recipe run) is left out unless
+--include-checkpoints. The repository is created if needed (--private), --revision uploads to a branch
+(created from main if needed). The token comes from --token, else HF_TOKEN, else the cached
+`hf auth login`; the endpoint from HF_ENDPOINT (default huggingface.co). With HF_HUB_OFFLINE set nothing
+can be sent. --dry-run lists the files that would be uploaded, with their sizes, and sends nothing.
 """
 
 _CARD_DESCRIPTION = """(Re)write the README.md model card of a Performer model folder.
@@ -1574,8 +1820,9 @@ fidelity report (conversion_report.json), results and recovery rows (--metrics) 
 linear attention is and is not faster. The card is validated with huggingface_hub before it is written.
 
 --metrics files hold a list of results, {"results": [...], "recovery": [...]}, one result
-{"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, or a run summary
-{"task": ..., "metrics": {"accuracy": 0.91}} (see model_cards/README.md).
+{"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, a run summary
+{"task": ..., "metrics": {"accuracy": 0.91}}, or the metrics.json of a recipe run (recipes/; such a
+folder counts as fine-tuned) (see model_cards/README.md).
 """
 
 
@@ -1594,6 +1841,8 @@ def add_parser(subparsers) -> None:
     push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded; send nothing")
     push.add_argument("--token", default=None, help="Hub token (default: HF_TOKEN or the cached login)")
     push.add_argument("--commit-message", default=None, help="commit message")
+    push.add_argument("--include-checkpoints", action="store_true",
+                      help="also upload checkpoints/ (training states of a recipe run; left out by default)")
     push.set_defaults(func=run_push)
 
     card = subparsers.add_parser(
@@ -1632,6 +1881,7 @@ def run_push(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
             token=args.token,
             commit_message=args.commit_message,
+            include_checkpoints=args.include_checkpoints,
         )
     except (FolderValidationError, PushError) as error:
         raise SystemExit(f"hf-performer push: error: {error}") from None
@@ -1707,10 +1957,12 @@ __all__ = [
     "normalize_recovery",
     "normalize_results",
     "push_folder",
+    "recipe_results",
     "setting_meanings",
     "transfer_context",
     "upload_file_list",
     "validate_folder",
     "validate_model_card",
     "write_model_card",
+    "write_recipe_card",
 ]

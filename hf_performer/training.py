@@ -652,6 +652,9 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
             json.dump(metrics, handle, indent=2)
         with open(os.path.join(args.output_dir, "eval_curve.json"), "w") as handle:
             json.dump(curve, handle, indent=2)
+        from .hub import write_recipe_card
+
+        write_recipe_card(args.output_dir)  # README.md model card of a Performer folder, results from metrics.json
         print(json.dumps({"final": final, "completed_steps": completed_steps}, indent=2))
     # Last: end_training closes the trackers and, with several processes, the process group.
     accelerator.wait_for_everyone()

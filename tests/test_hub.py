@@ -11,7 +11,12 @@ itself (request cap, lifetime timer, socket timeouts).
 import base64
 import hashlib
 import json
+import os
+import re
 import shutil
+import socket
+import subprocess
+import sys
 import threading
 import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -1033,3 +1038,252 @@ def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
     for row in MEASURED_SPEED["rows"]:
         for mode in ("bidirectional", "causal"):
             assert row[mode] == round(speedups[mode][str(row["length"])], 2)
+
+
+# --------------------------------------------------------------------------------------------
+# A new user's first run: the card's snippet, the recipe's card, push failures, folders that would not load
+# --------------------------------------------------------------------------------------------
+
+BLOCK_HF_PERFORMER = """\
+import sys
+
+
+class BlockHfPerformer:
+    # Makes `hf_performer` unimportable, as on a machine where the package is not installed.
+    def find_spec(self, name, path=None, target=None):
+        if name == "hf_performer" or name.startswith("hf_performer."):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, BlockHfPerformer())
+
+"""
+
+
+def loading_snippet(card_text: str) -> str:
+    """The python code block of the card's "How to load" section, verbatim."""
+    section = card_text.split("## How to load", 1)[1]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_card_loading_snippet_trusts_the_code_for_every_auto_class(converted):
+    """Fast check of the snippet: every ``from_pretrained`` call (AutoTokenizer too, which reads config.json and its
+    auto_map) passes ``trust_remote_code=True``, else transformers asks on stdin (the slow test below runs it)."""
+    import ast
+
+    calls = [node for node in ast.walk(ast.parse(loading_snippet((converted / "README.md").read_text())))
+             if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "from_pretrained"]
+    assert [call.func.value.id for call in calls] == ["AutoTokenizer", "AutoModelForSequenceClassification"]
+    for call in calls:
+        assert any(k.arg == "trust_remote_code" and getattr(k.value, "value", None) is True for k in call.keywords), \
+            f"{call.func.value.id}.from_pretrained without trust_remote_code=True"
+
+
+@pytest.mark.slow
+def test_card_loading_snippet_runs_unattended_where_the_package_is_not_installed(converted, tmp_path):
+    """The card's snippet, run as a script (stdin closed, no hf_performer) must not stop at the "Do you wish to run
+    the custom code? [y/N]" prompt, which blocks scripts and servers (AutoTokenizer reads config.json's auto_map)."""
+    snippet = loading_snippet((converted / "README.md").read_text())
+    assert 'from_pretrained("tiny-performer"' in snippet  # the repo id defaults to the folder name
+    user = tmp_path / "user"
+    shutil.copytree(converted, user / "tiny-performer")
+    script = user / "load.py"
+    script.write_text(BLOCK_HF_PERFORMER + snippet + '\nassert "hf_performer" not in sys.modules\n'
+                      'print("loaded", type(model).__module__.split(".")[0], tuple(logits.shape))\n')
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                   "HF_MODULES_CACHE": str(tmp_path / "modules_cache")}
+    run = subprocess.run([sys.executable, "-I", str(script)], cwd=user, env=environment, stdin=subprocess.DEVNULL,
+                         capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output[-3000:]
+    assert "Do you wish to run the custom code" not in output, output[-3000:]
+    assert "loaded transformers_modules (1, 2)" in run.stdout
+
+
+def _sst2_rows(n: int, seed: int) -> str:
+    import random
+
+    rng = random.Random(seed)
+    words = "the quick brown fox jumps over a lazy dog".split()
+    lines = ["sentence\tlabel"]
+    for i in range(n):
+        lines.append(f"{' '.join(rng.choice(words) for _ in range(rng.randint(3, 7)))}\t{i % 2}")
+    return "\n".join(lines) + "\n"
+
+
+def test_recipe_run_writes_a_card_that_card_and_push_accept(converted, tmp_path, capsys):
+    """Fine-tune (recipe) -> card -> push, without hand edits: the recipe writes README.md, `hf-performer card
+    --metrics <run>/metrics.json` reads the recipe's own metrics file, and the folder passes validation."""
+    from hf_performer import training
+
+    (tmp_path / "train.tsv").write_text(_sst2_rows(16, 0))
+    (tmp_path / "dev.tsv").write_text(_sst2_rows(8, 1))
+    output = tmp_path / "run"
+    args = training.build_parser("text-classification").parse_args([
+        "--model", str(converted.parent / "source"), "--task", "sst2", "--train-file", str(tmp_path / "train.tsv"),
+        "--validation-file", str(tmp_path / "dev.tsv"), "--output-dir", str(output), "--nb-features", "16",
+        "--metrics-backend", "local", "--report-to", "none", "--max-train-steps", "2",
+        "--per-device-train-batch-size", "8", "--checkpointing-steps", "1",
+    ])
+    metrics = training.train(args)
+    accuracy = metrics["final"]["accuracy"]
+
+    card_path = output / "README.md"
+    assert card_path.is_file(), "the recipe wrote no model card"
+    text = card_path.read_text()
+    metadata = hub.validate_model_card(text)
+    name, results = model_index_to_eval_results(metadata["model-index"])
+    assert name == "run"
+    assert [(r.task_type, r.dataset_type, r.dataset_config, r.dataset_split, r.metric_type, r.metric_value)
+            for r in results] == [("text-classification", "nyu-mll/glue", "sst2", "validation", "accuracy", accuracy)]
+    assert "then fine-tuned" in text and "Converted, not fine-tuned" not in text
+    assert str(tmp_path) not in text  # no local path in a file meant for the Hub
+
+    # The documented command accepts the recipe's own metrics.json (it refused it: unknown key 'kind').
+    results, recovery = load_metrics(output / "metrics.json")
+    assert results == [{"task": "sst2", "split": "validation", "metric": "accuracy", "value": accuracy}]
+    assert recovery == []
+    assert cli_main(["card", str(output), "--metrics", str(output / "metrics.json"), "--repo-id", REPO_ID]) == 0
+    text = card_path.read_text()
+    assert "then fine-tuned" in text and "Converted, not fine-tuned" not in text  # detected from the recipe's files
+    assert model_index_to_eval_results(metadata_load(card_path)["model-index"])[1][0].metric_value == accuracy
+
+    check = validate_folder(output)
+    paths = [f.path for f in check.files]
+    assert "README.md" in paths and "model.safetensors" in paths
+    assert not any(path.startswith("checkpoints/") for path in paths)  # optimizer states stay local
+    assert (output / "checkpoints" / "step_2").is_dir()
+
+
+def test_recipe_metrics_of_a_causal_lm_run(tmp_path):
+    """The causal-LM recipe's metrics.json gives a perplexity result on the named Hub dataset."""
+    path = tmp_path / "metrics.json"
+    path.write_text(json.dumps({
+        "kind": "causal-lm", "task": "causal-lm", "main_metric": "perplexity", "completed_steps": 3,
+        "final": {"perplexity": 41.5, "eval_loss": 3.7}, "model": {"source": str(tmp_path)},
+        "args": {"dataset": "wikitext", "dataset_config": None, "train_file": None, "validation_file": None},
+    }))
+    results, recovery = load_metrics(path)
+    assert results == [{"task": "text-generation", "dataset": "Salesforce/wikitext", "config": "wikitext-2-raw-v1",
+                        "split": "validation", "metric": "perplexity", "value": 41.5}] and recovery == []
+    path.write_text(json.dumps({"kind": "text-classification", "task": "cola", "final": {
+        "matthews_correlation": float("nan"), "accuracy": 0.7, "eval_loss": 0.6}}))
+    assert load_metrics(path)[0] == [{"task": "cola", "split": "validation", "metric": "accuracy", "value": 0.7}]
+    path.write_text(json.dumps({"kind": "text-classification", "task": "sst2", "final": "0.9"}))
+    with pytest.raises(ModelCardError, match="'final' must be an object"):
+        load_metrics(path)
+
+
+def test_push_while_offline_says_what_to_do_in_one_line(folder, fake_hub, monkeypatch):
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(PushError) as error:
+        push_folder(folder, REPO_ID)
+    message = str(error.value)
+    assert "\n" not in message and "HF_HUB_OFFLINE" in message and "unset" in message and "--dry-run" in message
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["push", str(folder), REPO_ID])
+    assert str(exit_info.value.code).startswith("hf-performer push: error: HF_HUB_OFFLINE")
+    assert "\n" not in str(exit_info.value.code)
+    assert fake_hub.requests == []
+    assert cli_main(["push", str(folder), REPO_ID, "--dry-run"]) == 0  # listing needs no network
+
+
+def _closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_push_network_and_auth_failures_are_one_line(folder, fake_hub, monkeypatch):
+    with pytest.raises(PushError) as error:
+        push_folder(folder, REPO_ID, endpoint=f"http://127.0.0.1:{_closed_port()}")
+    message = str(error.value)
+    assert "\n" not in message and "could not reach the Hub" in message and "Connection refused" in message
+
+    def failing_upload(*args, **kwargs):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(hub.HfApi, "upload_folder", failing_upload)
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["push", str(folder), REPO_ID])
+    message = str(exit_info.value.code)
+    assert message.startswith("hf-performer push: error: ") and "\n" not in message
+    assert "Connection reset by peer" in message and "retry" in message
+
+    with pytest.raises(PushError) as error:
+        push_folder(folder, REPO_ID, token="hf_wrong_token", endpoint=fake_hub.url)
+    message = str(error.value)
+    assert "\n" not in message and "401" in message and "hf auth login" in message and "--token" in message
+
+
+def _set_favor_setting(key, value):
+    def breaker(folder):
+        config = json.loads((folder / "config.json").read_text())
+        config["favor_settings"][key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return breaker
+
+
+def _add_unknown_attribute(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["bogus_attribute"] = 1
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _drop_tensor(folder):
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["performer.bert.encoder.layer.1.attention.self.query.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    "breaker, message",
+    [
+        (_set_favor_setting("nb_features", "64"),
+         "config.json: does not load (PerformerConfig.from_pretrained): invalid FAVOR+ settings: "
+         "favor_settings['nb_features'] must be a positive int or None, got '64'"),
+        (_set_favor_setting("nb_features", 32),
+         "model.safetensors: performer.bert.encoder.layer.0.attention.self.favor_feature_map.projection has shape "
+         "[16, 16], config.json builds [32, 16]"),
+        (_add_unknown_attribute, "config.json: does not load (PerformerConfig.from_pretrained): PerformerConfig got an "
+                                 "unknown argument 'bogus_attribute'"),
+        (_drop_tensor, "model.safetensors: lacks 1 tensor(s) of PerformerForSequenceClassification: "
+                       "performer.bert.encoder.layer.1.attention.self.query.weight"),
+    ],
+    ids=["nb_features-string", "nb_features-mismatch", "unknown-attribute", "missing-tensor"],
+)
+def test_push_refuses_a_config_that_would_not_load_with_its_weights(folder, fake_hub, breaker, message):
+    validate_folder(folder)
+    breaker(folder)
+    with pytest.raises(FolderValidationError) as error:
+        validate_folder(folder)
+    assert message in str(error.value), str(error.value)
+    with pytest.raises(FolderValidationError):
+        push_folder(folder, REPO_ID)
+    assert fake_hub.requests == []
+
+
+def test_checkpoints_are_not_uploaded_unless_asked(folder, fake_hub, capsys):
+    step = folder / "checkpoints" / "step_10"
+    step.mkdir(parents=True)
+    (step / "optimizer.bin").write_bytes(b"\0" * 2048)
+    (step / "training_state.json").write_text("{}")
+    result = push_folder(folder, REPO_ID, dry_run=True)
+    assert not any(f.path.startswith("checkpoints/") for f in result.files)
+    assert any("checkpoints/" in w and "--include-checkpoints" in w for w in result.warnings)
+    assert cli_main(["push", str(folder), REPO_ID, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "optimizer.bin" not in captured.out and "--include-checkpoints" in captured.err
+
+    result = push_folder(folder, REPO_ID, dry_run=True, include_checkpoints=True)
+    assert {"checkpoints/step_10/optimizer.bin", "checkpoints/step_10/training_state.json"} <= {f.path for f in result.files}
+    assert cli_main(["push", str(folder), REPO_ID, "--dry-run", "--include-checkpoints"]) == 0
+    assert "checkpoints/step_10/optimizer.bin" in capsys.readouterr().out
+
+    push_folder(folder, REPO_ID)
+    uploaded = fake_hub.repos[REPO_ID]["branches"]["main"]
+    assert "config.json" in uploaded and not any(path.startswith("checkpoints/") for path in uploaded)
