@@ -129,7 +129,7 @@ def check_output_folder(output: str, overwrite: bool, command: str, source: str 
     path = os.path.abspath(output)
     parent = os.path.dirname(path)
     if source is not None and os.path.exists(source):
-        _check_not_source(path, source, command)
+        _check_not_source(output, source, command)
     if not os.path.isdir(parent):
         raise SystemExit(f"hf-performer {command}: error: the parent folder of {output} does not exist")
     for note in recover_interrupted_runs(path):
@@ -146,7 +146,7 @@ def check_output_folder(output: str, overwrite: bool, command: str, source: str 
 
 
 def _check_not_source(output: str, source: str, command: str) -> None:
-    real_output, real_source = os.path.realpath(output), os.path.realpath(source)
+    real_output, real_source = os.path.realpath(os.path.abspath(output)), os.path.realpath(source)
     if real_output == real_source:
         problem = "is the source folder"
     elif real_output.startswith(real_source.rstrip(os.sep) + os.sep):
@@ -182,7 +182,7 @@ def recover_interrupted_runs(output: str) -> list[str]:
     for name, match in sorted(leftovers, key=lambda item: item[1]["kind"] != "old"):
         leftover = os.path.join(parent, name)
         if match["pid"] is None:
-            notes.append(f"left {name} beside OUTPUT (an unfinished earlier run?): delete it if no run is writing {base}")
+            notes.append(f"left {name} (an unfinished earlier run?): delete it if no run is writing {base}")
         elif _process_is_running(int(match["pid"])):
             continue
         elif match["kind"] == "old" and not os.path.lexists(output):
@@ -217,7 +217,8 @@ def staged_folder(output: str):
     """Yield a temporary folder beside ``output``; when the block succeeds, move it into place (replacing an existing
     ``output`` only at the last moment); when it fails, delete it. A failure never leaves a half-written folder, and
     a run killed midway leaves folders that :func:`recover_interrupted_runs` puts right."""
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-{os.getpid()}-", dir=os.path.dirname(output))
+    parent, name = os.path.split(output)
+    staging = tempfile.mkdtemp(prefix=f".{name}.partial-{os.getpid()}-", dir=parent)
     try:
         os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes it 0700; save_pretrained follows the umask
         yield staging
@@ -276,7 +277,8 @@ def _replace_folder(staging: str, output: str) -> None:
     if not os.path.lexists(output):
         os.replace(staging, output)
         return
-    retired = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.old-{os.getpid()}-", dir=os.path.dirname(output))
+    parent, name = os.path.split(output)
+    retired = tempfile.mkdtemp(prefix=f".{name}.old-{os.getpid()}-", dir=parent)
     os.rmdir(retired)
     os.replace(output, retired)
     try:

@@ -647,6 +647,28 @@ def test_a_process_killed_between_the_renames_is_recovered(source_folder, tmp_pa
     assert os.listdir(output) == ["old.txt"]
 
 
+def test_distill_writes_no_local_paths_and_refuses_its_source(source_folder, tmp_path, monkeypatch):
+    from hf_performer.cli import main
+
+    data = tmp_path / "train.raw"
+    data.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 12) + "\n")
+    output = tmp_path / "hedgehog"
+    arguments = ["distill", str(source_folder), str(output), "--data", str(data), "--max-samples", "2",
+                 "--fidelity-samples", "1", "--max-length", "8", "--batch-size", "2", "--steps", "1", "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["hf-performer", *arguments])
+    assert main(arguments) == 0
+    for name in os.listdir(output):
+        if name.endswith((".json", ".md", ".txt")):
+            assert str(tmp_path) not in (output / name).read_text(), name
+    record = json.loads((output / "attention_transfer.json").read_text())
+    assert record["source"] == "source" and record["data"]["file"] == "train.raw"
+    assert record["command"].startswith("hf-performer distill source hedgehog --data train.raw")
+
+    with pytest.raises(SystemExit, match="is the source folder"):
+        main(["distill", str(source_folder), str(source_folder), "--overwrite", "--data", str(data)])
+    assert "model.safetensors" in os.listdir(source_folder)
+
+
 @pytest.mark.parametrize("layout", ["same", "output-inside-source", "source-inside-output", "symlink"])
 def test_cli_refuses_to_write_over_its_source(layout, tmp_path, tokenizer):
     source = tmp_path / "work" / "source" if layout == "source-inside-output" else tmp_path / "source"
