@@ -27,6 +27,7 @@ from .convert import (
     extend_position_embeddings,
     learned_position_count,
     load_source,
+    task_of_source_class,
 )
 
 DEFAULT_OUTPUT_DIR = "outputs"
@@ -98,7 +99,7 @@ def flops_crossover(performer) -> tuple[int, int, int]:
 
 
 def run_quickstart(args: argparse.Namespace) -> int:
-    from transformers import AutoModel
+    from hf_performer.modeling_performer import AUTO_CLASSES, PERFORMER_CLASSES_BY_TASK
 
     source_path = args.source or bundled_minilm_path()
     name = os.path.basename(os.path.normpath(source_path)) if os.path.isdir(source_path) else source_path.replace("/", "--")
@@ -116,13 +117,14 @@ def run_quickstart(args: argparse.Namespace) -> int:
     )
     run_convert(convert_args)
 
-    # The folder just written loads through the Auto classes; compare it with the softmax source.
-    performer = AutoModel.from_pretrained(output).eval()
+    # The folder just written loads through the Auto class of its task; compare it with the softmax source.
     try:
         source, _ = load_source(source_path, None)
     except ConversionError as error:
         raise SystemExit(f"hf-performer quickstart: error: {error}") from None
     source = source.eval()
+    auto_class = AUTO_CLASSES[PERFORMER_CLASSES_BY_TASK[task_of_source_class(type(source), source.config)]]
+    performer = auto_class.from_pretrained(output).eval()
     source.set_attn_implementation("sdpa")
     learned_positions = learned_position_count(performer)
     if learned_positions is not None and learned_positions > learned_position_count(source):

@@ -7,7 +7,10 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
+from hf_performer import PerformerForCausalLM
 from hf_performer.cli import main
+from hf_performer.conversion import quickstart
+from hf_performer.conversion.quickstart import speed_comparison
 
 
 def test_quickstart_converts_reports_and_compares_speed(tmp_path, capsys):
@@ -35,15 +38,23 @@ def test_quickstart_help_runs(capsys):
     assert "MiniLM" in capsys.readouterr().out
 
 
-def test_quickstart_on_a_rotary_model(tmp_path, capsys):
+def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch):
     torch.manual_seed(0)
     source = tmp_path / "tiny-llama"
     LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                  intermediate_size=37, vocab_size=50, max_position_embeddings=128)).save_pretrained(source)
     output = tmp_path / "tiny-llama-performer"
+    compared = []
+
+    def recording_speed_comparison(source, performer, *args):
+        compared.append((type(source), type(performer)))
+        return speed_comparison(source, performer, *args)
+
+    monkeypatch.setattr(quickstart, "speed_comparison", recording_speed_comparison)
     assert main(["quickstart", str(source), "--output", str(output), "--nb-features", "16", "--lengths", "16,256",
                  "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
+    assert compared == [(LlamaForCausalLM, PerformerForCausalLM)]  # reloaded with its head, as the source has
     assert json.loads((output / "config.json").read_text())["source_config"]["max_position_embeddings"] == 128
     # Nothing said about a table it does not have, nor an option that cannot apply.
     assert "learned absolute" not in printed and "--max-position-embeddings" not in printed
