@@ -26,9 +26,9 @@ from .fidelity import DEFAULT_SENTENCES, REPORT_FILE_NAME, FidelityReport, Layer
 
 
 __all__ = [
-    "DEFAULT_MAX_POSITION_EMBEDDINGS",
     "AttentionTransferError",
     "AttentionTransferResult",
+    "DEFAULT_MAX_POSITION_EMBEDDINGS",
     "DEFAULT_SENTENCES",
     "REPORT_FILE_NAME",
     "TASKS",

@@ -188,7 +188,7 @@ def run_distill(args: argparse.Namespace) -> int:
     try:
         source, tokenizer = load_source(args.source, args.task)
         if tokenizer is None:
-            raise ConversionError(f"{args.source} has no tokenizer to encode --data")
+            raise ConversionError(f"{args.source} has no usable tokenizer to encode --data")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         options = {} if args.feature_map_init is None else {"init": args.feature_map_init}
