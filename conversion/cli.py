@@ -5,9 +5,10 @@ The output folder holds the weights (safetensors), the config (with ``auto_map``
 runs on random token ids) and ``conversion_report.json`` (the fidelity report, also printed as a table).
 A learned absolute position table (BERT/RoBERTa 512, GPT-2 1024) is extended to 4096 positions unless
 ``--keep-position-table`` or ``--max-position-embeddings N`` is given; rotary positions (Llama) need none.
-The folder is written to a temporary folder beside the output and moved into place only once complete, so
-a failure leaves nothing half-written; an existing output folder is refused unless ``--overwrite`` is
-given, and so is an output that is, contains or lies inside SOURCE.
+It is written to a temporary folder beside the output (following the umask) and moved into place only once
+complete, so a failure leaves nothing half-written, and what a killed run leaves is cleaned up or restored
+by the next one; an existing output folder is refused unless ``--overwrite`` is given, and an output that
+is, contains or lies inside SOURCE always is.
 """
 
 from __future__ import annotations
