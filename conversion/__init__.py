@@ -11,12 +11,15 @@
 """
 
 from .convert import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
     TASKS,
     ConversionError,
     convert_to_performer,
     extend_position_embeddings,
+    learned_position_count,
     load_source,
     task_of_source_class,
+    tokenizer_is_usable,
 )
 from .attention_transfer import AttentionTransferError, AttentionTransferResult, transfer_attention
 from .fidelity import DEFAULT_SENTENCES, REPORT_FILE_NAME, FidelityReport, LayerFidelity, fidelity_report
@@ -25,6 +28,7 @@ from .fidelity import DEFAULT_SENTENCES, REPORT_FILE_NAME, FidelityReport, Layer
 __all__ = [
     "AttentionTransferError",
     "AttentionTransferResult",
+    "DEFAULT_MAX_POSITION_EMBEDDINGS",
     "DEFAULT_SENTENCES",
     "REPORT_FILE_NAME",
     "TASKS",
@@ -34,7 +38,9 @@ __all__ = [
     "convert_to_performer",
     "extend_position_embeddings",
     "fidelity_report",
+    "learned_position_count",
     "load_source",
     "task_of_source_class",
+    "tokenizer_is_usable",
     "transfer_attention",
 ]

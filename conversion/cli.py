@@ -1,10 +1,14 @@
 """``hf-performer convert``: convert a pretrained softmax model folder into a Performer model folder.
 
 The output folder holds the weights (safetensors), the config (with ``auto_map``), the model code (for
-``trust_remote_code=True``), the tokenizer and ``conversion_report.json`` (the fidelity report, also
-printed as a table). It is written to a temporary folder beside the output and moved into place only
-once complete, so a failure leaves nothing half-written; an existing output folder is refused unless
-``--overwrite`` is given.
+``trust_remote_code=True``), the tokenizer (when the source has a usable one; otherwise the fidelity report
+runs on random token ids) and ``conversion_report.json`` (the fidelity report, also printed as a table).
+A learned absolute position table (BERT/RoBERTa 512, GPT-2 1024) is extended to 4096 positions unless
+``--keep-position-table`` or ``--max-position-embeddings N`` is given; rotary positions (Llama) need none.
+It is written to a temporary folder beside the output (following the umask) and moved into place only once
+complete, so a failure leaves nothing half-written, and what a killed run leaves is cleaned up or restored
+by the next one; an existing output folder is refused unless ``--overwrite`` is given, and an output that
+is, contains or lies inside SOURCE always is.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -20,7 +25,14 @@ from hf_performer.favor_attention import FAVOR_DEFAULTS
 from hf_performer.feature_maps import available_feature_maps
 from hf_performer.hub import write_model_card
 
-from .convert import TASKS, ConversionError, convert_to_performer, load_source
+from .convert import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    TASKS,
+    ConversionError,
+    convert_to_performer,
+    default_position_table_size,
+    load_source,
+)
 from .fidelity import fidelity_report
 
 
@@ -60,12 +72,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="LAYER",
         help="indices of layers that keep exact softmax attention",
     )
-    parser.add_argument(
+    positions = parser.add_mutually_exclusive_group()
+    positions.add_argument(
         "--max-position-embeddings",
         type=int,
         default=None,
         metavar="N",
-        help="extend the learned absolute position table to N positions (BERT/RoBERTa/DistilBERT/GPT-2)",
+        help="extend the learned absolute position table to N positions (BERT/RoBERTa/DistilBERT/GPT-2; default: "
+        f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama have none)",
+    )
+    positions.add_argument(
+        "--keep-position-table",
+        action="store_true",
+        help="keep the source's learned absolute position table as it is (inputs longer than it are refused)",
     )
     parser.add_argument(
         "--seed", type=int, default=None, help=f"seed of the projections (default: {FAVOR_DEFAULTS['seed']})"
@@ -101,23 +120,108 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-def check_output_folder(output: str, overwrite: bool, command: str) -> str:
-    """The absolute path of an output folder, after refusing an existing one (without ``overwrite``) or a missing
-    parent, with ``hf-performer COMMAND: error: ...``."""
+def check_output_folder(output: str, overwrite: bool, command: str, source: str | None = None) -> str:
+    """The absolute path of an output folder, checked before any work, with ``hf-performer COMMAND: error: ...``.
+
+    Refuses an output that is, contains or lies inside the local ``source`` folder (symlinks resolved), an existing
+    one without ``overwrite``, and a parent folder that is missing or not writable. First recovers what an
+    interrupted earlier run left beside it (see :func:`recover_interrupted_runs`).
+    """
     path = os.path.abspath(output)
+    parent = os.path.dirname(path)
+    if source is not None and os.path.exists(source):
+        _check_not_source(output, source, command)
+    if not os.path.isdir(parent):
+        raise SystemExit(f"hf-performer {command}: error: the parent folder of {output} does not exist")
+    for note in recover_interrupted_runs(path):
+        print(f"hf-performer {command}: {note}", file=sys.stderr)
     if os.path.lexists(path) and not overwrite:
         raise SystemExit(f"hf-performer {command}: error: {output} already exists; pass --overwrite to replace it")
-    if not os.path.isdir(os.path.dirname(path)):
-        raise SystemExit(f"hf-performer {command}: error: the parent folder of {output} does not exist")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{os.path.basename(path)}.check-", dir=parent))
+    except OSError as error:
+        raise SystemExit(
+            f"hf-performer {command}: error: cannot write into {parent} (the folder of OUTPUT): {error.strerror}"
+        ) from None
     return path
+
+
+def _check_not_source(output: str, source: str, command: str) -> None:
+    real_output, real_source = os.path.realpath(os.path.abspath(output)), os.path.realpath(source)
+    if real_output == real_source:
+        problem = "is the source folder"
+    elif real_output.startswith(real_source.rstrip(os.sep) + os.sep):
+        problem = "is inside the source folder"
+    elif real_source.startswith(real_output.rstrip(os.sep) + os.sep):
+        problem = "contains the source folder"
+    else:
+        return
+    raise SystemExit(
+        f"hf-performer {command}: error: OUTPUT {output} {problem} {source}; writing it would overwrite the source: "
+        "choose an OUTPUT outside SOURCE"
+    )
+
+
+_LEFTOVER = re.compile(r"^\.(?P<base>.+)\.(?P<kind>partial|old)-(?:(?P<pid>\d+)-)?[^-]*$")
+"""Names of :func:`staged_folder`'s folders beside the output: ``.NAME.partial-PID-XXXX`` (being written) and
+``.NAME.old-PID-XXXX`` (the previous output, moved aside while the new one is moved in)."""
+
+
+def recover_interrupted_runs(output: str) -> list[str]:
+    """Put right what dead runs writing ``output`` left beside it; returns one note per action, for the user.
+
+    A run that died between its two renames (output -> ``.old-``, ``.partial-`` -> output) left no output: its
+    ``.old-`` folder is restored, so the replacement is all or nothing. Other ``.partial-`` / ``.old-`` folders of
+    dead processes are removed. Those of running processes (another conversion into the same folder) are left
+    alone; those without a process id (older versions, other machines) are only named.
+    """
+    parent, base = os.path.split(output)
+    notes = []
+    leftovers = [(name, _LEFTOVER.match(name)) for name in sorted(os.listdir(parent))]
+    leftovers = [(name, match) for name, match in leftovers if match and match["base"] == base]
+    # Restore a retired output before deleting anything.
+    for name, match in sorted(leftovers, key=lambda item: item[1]["kind"] != "old"):
+        leftover = os.path.join(parent, name)
+        if match["pid"] is None:
+            notes.append(f"left {name} (an unfinished earlier run?): delete it if no run is writing {base}")
+        elif _process_is_running(int(match["pid"])):
+            continue
+        elif match["kind"] == "old" and not os.path.lexists(output):
+            os.replace(leftover, output)
+            notes.append(f"restored {base} from {name}, where a run interrupted while replacing it had moved it")
+        else:
+            _remove(leftover)
+            notes.append(f"removed {name}, left by an interrupted run")
+    return notes
+
+
+def _process_is_running(pid: int) -> bool:
+    if os.name == "nt":  # os.kill would terminate it
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _current_umask() -> int:
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
 
 
 @contextlib.contextmanager
 def staged_folder(output: str):
     """Yield a temporary folder beside ``output``; when the block succeeds, move it into place (replacing an existing
-    ``output`` only at the last moment); when it fails, delete it. A failure never leaves a half-written folder."""
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.partial-", dir=os.path.dirname(output))
+    ``output`` only at the last moment); when it fails, delete it. A failure never leaves a half-written folder, and
+    a run killed midway leaves folders that :func:`recover_interrupted_runs` puts right."""
+    parent, name = os.path.split(output)
+    staging = tempfile.mkdtemp(prefix=f".{name}.partial-{os.getpid()}-", dir=parent)
     try:
+        os.chmod(staging, 0o777 & ~_current_umask())  # mkdtemp makes it 0700; save_pretrained follows the umask
         yield staging
         _replace_folder(staging, output)
     except BaseException:
@@ -126,20 +230,25 @@ def staged_folder(output: str):
 
 
 def run_convert(args: argparse.Namespace) -> int:
-    """Run ``hf-performer convert`` (see :func:`add_parser`). Returns the exit status."""
-    output = check_output_folder(args.output, args.overwrite, "convert")
+    """Run ``hf-performer convert`` (see :func:`add_parser`; ``quickstart`` runs it with ``args.command`` set to its
+    own name, which labels the errors). Returns the exit status."""
+    command = getattr(args, "command", None) or "convert"
+    output = check_output_folder(args.output, args.overwrite, command, source=args.source)
 
     try:
         source, tokenizer = load_source(args.source, args.task)
         if args.text and tokenizer is None:
-            raise ConversionError(f"--text was given but {args.source} has no tokenizer to encode it")
+            raise ConversionError(f"--text was given but {args.source} has no usable tokenizer to encode it")
+        max_position_embeddings = args.max_position_embeddings
+        if max_position_embeddings is None and not args.keep_position_table:
+            max_position_embeddings = default_position_table_size(source)
         performer = convert_to_performer(
             source,
             task=args.task,
             feature_map=args.feature_map,
             nb_features=args.nb_features,
             keep_softmax_layers=args.keep_softmax_layers,
-            max_position_embeddings=args.max_position_embeddings,
+            max_position_embeddings=max_position_embeddings,
             seed=args.seed,
             orthogonal=None if args.projection is None else args.projection == "orthogonal",
             row_norms=args.row_norms,
@@ -148,13 +257,13 @@ def run_convert(args: argparse.Namespace) -> int:
         )
         report = fidelity_report(source, performer, tokenizer, texts=args.text)
     except ConversionError as error:
-        raise SystemExit(f"hf-performer convert: error: {error}") from None
+        raise SystemExit(f"hf-performer {command}: error: {error}") from None
 
     with staged_folder(output) as staging:
         performer.save_pretrained(staging)
         if tokenizer is not None:
-            if args.max_position_embeddings is not None:
-                tokenizer.model_max_length = args.max_position_embeddings
+            if max_position_embeddings is not None:
+                tokenizer.model_max_length = max_position_embeddings
             tokenizer.save_pretrained(staging)
         write_model_card(staging, report=report, model_name=os.path.basename(output))  # README.md model card
         report.save(staging)
@@ -169,7 +278,8 @@ def _replace_folder(staging: str, output: str) -> None:
     if not os.path.lexists(output):
         os.replace(staging, output)
         return
-    retired = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.old-", dir=os.path.dirname(output))
+    parent, name = os.path.split(output)
+    retired = tempfile.mkdtemp(prefix=f".{name}.old-{os.getpid()}-", dir=parent)
     os.rmdir(retired)
     os.replace(output, retired)
     try:
@@ -177,10 +287,15 @@ def _replace_folder(staging: str, output: str) -> None:
     except BaseException:
         os.replace(retired, output)
         raise
-    if os.path.isdir(retired) and not os.path.islink(retired):
-        shutil.rmtree(retired)
+    _remove(retired)
+
+
+def _remove(path: str) -> None:
+    """Delete a folder (not what a symlink points to) or a file."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
     else:
-        os.remove(retired)
+        os.remove(path)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,7 +7,8 @@ and each converted attention module gains its feature map (projection buffers). 
 
 * ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model);
 * ``max_position_embeddings``: a longer learned absolute position table (BERT/RoBERTa 512, GPT-2 1024, ...),
-  made by tiling the learned rows, so that the converted model accepts thousands of tokens.
+  made by tiling the learned rows, so that the converted model accepts thousands of tokens
+  (``hf-performer convert`` extends to :data:`DEFAULT_MAX_POSITION_EMBEDDINGS` unless told otherwise).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from hf_performer.configuration_performer import (
 )
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init
+from hf_performer.hub import TOKENIZER_VOCAB_FILES
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
 
@@ -35,6 +37,12 @@ logger = logging.get_logger(__name__)
 
 TASKS = tuple(PERFORMER_CLASSES_BY_TASK)
 """Accepted ``task`` names: "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm"."""
+
+DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
+"""Positions a shorter learned absolute table is extended to by ``hf-performer convert`` and ``quickstart``."""
+
+TOKENIZER_PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
+"""Text a usable tokenizer turns into known tokens (see :func:`tokenizer_is_usable`)."""
 
 
 class ConversionError(ValueError):
@@ -76,7 +84,8 @@ def _task_from_architectures(config) -> str:
 def load_source(
     name_or_path: str | os.PathLike, task: str | None = None, **from_pretrained_kwargs
 ) -> tuple[PreTrainedModel, object | None]:
-    """Load a pretrained softmax model and its tokenizer (``None`` when the folder has none).
+    """Load a pretrained softmax model and its tokenizer (``None`` when the source has no usable one: no tokenizer
+    files, or a tokenizer that encodes text to nothing or to unknown tokens only, see :func:`tokenizer_is_usable`).
 
     Args:
         name_or_path: a local folder (or a Hub name available offline).
@@ -85,21 +94,82 @@ def load_source(
         **from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``dtype``).
 
     Raises:
-        ConversionError: unknown task, or an architecture FAVOR+ cannot be plugged into.
+        ConversionError: no such folder or offline Hub name, unknown task, or an architecture FAVOR+ cannot be
+            plugged into.
     """
     _check_task(task)
-    config = AutoConfig.from_pretrained(name_or_path)
+    config = _load_source_config(name_or_path)
     _check_architecture(config)
     task = task or _task_from_architectures(config)
     performer_class = PERFORMER_CLASSES_BY_TASK[task]
     model_class = performer_class.source_model_class(config)
     model = model_class.from_pretrained(name_or_path, **from_pretrained_kwargs)
+    return model, _load_usable_tokenizer(name_or_path)
+
+
+def _load_source_config(name_or_path: str | os.PathLike):
+    """The config of a source folder or offline Hub name; a one-line :class:`ConversionError` when there is none."""
+    try:
+        return AutoConfig.from_pretrained(name_or_path)
+    except (OSError, ValueError) as error:
+        if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
+            reason = "the folder has no config.json: it is not a saved transformers model"
+        elif os.path.isdir(name_or_path):
+            reason = f"its config.json cannot be read: {str(error).splitlines()[0]}"
+        elif os.path.exists(name_or_path):
+            reason = "not a folder"
+        else:
+            reason = "no such folder, and not a Hub name available offline"
+        raise ConversionError(
+            f"{os.fspath(name_or_path)}: {reason}; SOURCE must be a model folder (config.json and weights, as written "
+            "by save_pretrained) or a Hub name (namespace/name) already in the local Hugging Face cache"
+        ) from None
+
+
+def _load_usable_tokenizer(name_or_path: str | os.PathLike):
+    """The tokenizer of a source, or ``None`` when it has no usable one (see :func:`tokenizer_is_usable`)."""
+    if os.path.isdir(name_or_path) and not any(
+        all(os.path.isfile(os.path.join(name_or_path, name)) for name in option) for option in TOKENIZER_VOCAB_FILES
+    ):
+        logger.info(f"no tokenizer files in {name_or_path}")
+        return None
     try:
         tokenizer = AutoTokenizer.from_pretrained(name_or_path)
     except (OSError, ValueError, TypeError) as error:
         logger.info(f"no tokenizer loaded from {name_or_path}: {error}")
-        tokenizer = None
-    return model, tokenizer
+        return None
+    if not tokenizer_is_usable(tokenizer):
+        logger.warning(f"the tokenizer of {name_or_path} encodes text to nothing or to unknown tokens only: not used")
+        return None
+    return tokenizer
+
+
+def tokenizer_is_usable(tokenizer) -> bool:
+    """Whether ``tokenizer`` turns :data:`TOKENIZER_PROBE_TEXT` into at least one known token.
+
+    transformers 5 builds a tokenizer even for a folder without tokenizer files: an empty one that encodes every
+    text to ``[]`` (GPT-2, Qwen2, GPT-NeoX) or a 5-token one that encodes it to ``[UNK]`` only (BERT).
+    """
+    if tokenizer is None:
+        return False
+    try:
+        input_ids = tokenizer(TOKENIZER_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    except (KeyError, TypeError, ValueError):
+        return False
+    unknown_id = getattr(tokenizer, "unk_token_id", None)
+    return any(token_id != unknown_id for token_id in input_ids)
+
+
+def public_source_name(name_or_path: str | os.PathLike) -> str:
+    """How files meant for the Hub name a source: a Hub id as given, a local folder by its base name (by its Hub
+    id for a snapshot folder of the Hugging Face cache, ``.../models--namespace--name/snapshots/<commit>``)."""
+    name = os.fspath(name_or_path or "")
+    if not name or not (os.path.isabs(name) or os.path.exists(name)):
+        return name
+    parts = os.path.normpath(os.path.abspath(name)).split(os.sep)
+    if len(parts) >= 3 and parts[-2] == "snapshots" and parts[-3].startswith("models--"):
+        return parts[-3][len("models--"):].replace("--", "/")
+    return parts[-1]
 
 
 def _check_architecture(config) -> None:
@@ -205,6 +275,8 @@ def convert_to_performer(
     if max_position_embeddings is not None:
         extend_position_embeddings(performer, max_position_embeddings)
     performer.config.name_or_path = getattr(source, "name_or_path", "") or ""
+    # Saved in config.json (meant for the Hub): no local path.
+    performer.config.source_config._name_or_path = public_source_name(performer.config.name_or_path)
     return performer.eval()
 
 
@@ -258,6 +330,31 @@ def _cast_like_source(performer: PerformerPreTrainedModel, source: PreTrainedMod
 # --------------------------------------------------------------------------------------------
 
 
+def learned_position_count(model: PreTrainedModel) -> int | None:
+    """Token positions of the learned absolute position table of ``model`` (a Performer or transformers model), or
+    ``None`` when it has none (rotary, relative or sinusoidal positions)."""
+    target = model.source_model if isinstance(model, PerformerPreTrainedModel) else model
+    try:
+        _, _, table = _learned_position_table(target)
+    except ConversionError:
+        return None
+    return table.num_embeddings - _position_offset(table)
+
+
+def default_position_table_size(model: PreTrainedModel) -> int | None:
+    """:data:`DEFAULT_MAX_POSITION_EMBEDDINGS` when ``model`` has a shorter learned absolute position table, else
+    ``None`` (nothing to extend)."""
+    positions = learned_position_count(model)
+    if positions is None or positions >= DEFAULT_MAX_POSITION_EMBEDDINGS:
+        return None
+    return DEFAULT_MAX_POSITION_EMBEDDINGS
+
+
+def _position_offset(table: nn.Embedding) -> int:
+    """Rows before the first position: RoBERTa-like tables start at ``padding_idx + 1``."""
+    return 0 if table.padding_idx is None else table.padding_idx + 1
+
+
 def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.Embedding]:
     """``(parent module, attribute name, embedding)`` of the learned absolute position table of ``model``."""
     config = model.config
@@ -305,7 +402,7 @@ def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: 
     """
     target = model.source_model if isinstance(model, PerformerPreTrainedModel) else model
     parent, attribute, old = _learned_position_table(target)
-    offset = 0 if old.padding_idx is None else old.padding_idx + 1
+    offset = _position_offset(old)
     learned = old.num_embeddings - offset
     if not isinstance(max_position_embeddings, int) or max_position_embeddings < learned:
         raise ConversionError(

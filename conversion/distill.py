@@ -28,7 +28,7 @@ from hf_performer.hub import write_model_card
 
 from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
 from .cli import check_output_folder, staged_folder
-from .convert import TASKS, ConversionError, convert_to_performer, load_source
+from .convert import TASKS, ConversionError, convert_to_performer, load_source, public_source_name
 from .fidelity import fidelity_report
 
 
@@ -171,7 +171,7 @@ def _fmt(value) -> str:
 
 def run_distill(args: argparse.Namespace) -> int:
     """Run ``hf-performer distill`` (see :func:`add_parser`). Returns the exit status."""
-    output = check_output_folder(args.output, args.overwrite, "distill")
+    output = check_output_folder(args.output, args.overwrite, "distill", source=args.source)
     for name in ("max_samples", "fidelity_samples", "max_length", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"hf-performer distill: error: --{name.replace('_', '-')} must be >= 1")
@@ -188,7 +188,7 @@ def run_distill(args: argparse.Namespace) -> int:
     try:
         source, tokenizer = load_source(args.source, args.task)
         if tokenizer is None:
-            raise ConversionError(f"{args.source} has no tokenizer to encode --data")
+            raise ConversionError(f"{args.source} has no usable tokenizer to encode --data")
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         options = {} if args.feature_map_init is None else {"init": args.feature_map_init}
@@ -217,18 +217,20 @@ def run_distill(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-performer distill: error: {error}") from None
     wall_time = time.perf_counter() - started
 
+    # Meant for the Hub: paths are reduced to base names (Hub ids are kept).
+    command = [public_source_name(arg) if os.path.isabs(arg) or os.path.exists(arg) else arg for arg in sys.argv[2:]]
     record = {
-        "source": args.source,
+        "source": public_source_name(args.source),
         "feature_map": args.feature_map,
         "favor_settings": dict(performer.config.favor_settings),
-        "data": {"file": args.data, "layout": args.data_task, "sequences": len(encodings),
+        "data": {"file": public_source_name(args.data), "layout": args.data_task, "sequences": len(encodings),
                  "max_length": args.max_length, "batch_size": args.batch_size, "seed": args.seed,
                  "fidelity_sequences": len(fidelity_texts)},
         "transfer": result.to_dict(),
         "fidelity_before": before.to_dict(),
         "fidelity_after": after.to_dict(),
         "wall_time_s": round(wall_time, 2),
-        "command": "hf-performer distill " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["distill"] else None,
+        "command": "hf-performer distill " + " ".join(command) if sys.argv[1:2] == ["distill"] else None,
     }
     with staged_folder(output) as staging:
         performer.save_pretrained(staging)

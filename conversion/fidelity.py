@@ -1,7 +1,7 @@
 """Fidelity report: how closely a converted Performer model reproduces its softmax source model.
 
-On the same inputs (user texts, a few built-in sentences, or random token ids when there is no tokenizer),
-both models run side by side and the report gives:
+On the same inputs (user texts, a few built-in sentences, or random token ids when the source has no usable
+tokenizer), both models run side by side and the report gives:
 
 * per layer, the relative error ``||a_performer - a_source|| / ||a_source||`` of the attention module's
   output over all tokens, measured twice: on the layer's *own inputs* (the performer layer is fed the
@@ -9,7 +9,8 @@ both models run side by side and the report gives:
   *propagated* (the converted model run end to end, so errors of earlier layers accumulate);
 * the mean cosine similarity of the final hidden states, token by token;
 * for models with a head: the agreement of the predicted classes / tokens (argmax), the mean
-  ``KL(source || performer)`` of the predicted distributions, and the relative error of the logits.
+  ``KL(source || performer)`` of the predicted distributions, and the relative error of the logits;
+* for models with a learned absolute position table: whether it was extended (and from / to how many positions).
 
 :func:`fidelity_report` returns a :class:`FidelityReport`; ``report.save(folder)`` writes
 ``conversion_report.json`` and ``report.format_table()`` renders it for a terminal.
@@ -29,6 +30,8 @@ from transformers import PreTrainedModel
 from hf_performer.favor_attention import find_attention_modules, uses_favor
 from hf_performer.modeling_performer import PerformerPreTrainedModel
 
+from .convert import learned_position_count, public_source_name, tokenizer_is_usable
+
 
 REPORT_FILE_NAME = "conversion_report.json"
 
@@ -40,6 +43,9 @@ DEFAULT_SENTENCES = (
     "Linear attention replaces the softmax kernel with random features, so memory grows linearly with length.",
 )
 """Sample inputs used when no text is given."""
+
+RANDOM_INPUTS = "random token ids (the source has no usable tokenizer)"
+"""``FidelityReport.inputs`` when no usable tokenizer was given."""
 
 
 @dataclass
@@ -68,6 +74,7 @@ class FidelityReport:
     prediction_agreement: float | None = None
     logits_kl: float | None = None
     logits_relative_error: float | None = None
+    position_table: str | None = None  # None: no learned absolute position table
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -100,6 +107,7 @@ class FidelityReport:
             + (f", {features} features" if features is not None else "")
             + (f", seed {settings['seed']}" if "seed" in settings else "")
             + f"; inputs: {self.inputs} ({self.num_sequences} sequences, {self.num_tokens} tokens)",
+            *([f"  {self.position_table}"] if self.position_table else []),
             "",
             f"  {'layer':>5}  {'attention':<9}  {'rel. error (own inputs)':>23}  {'rel. error (propagated)':>23}",
         ]
@@ -126,15 +134,18 @@ class FidelityReport:
 
 def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, seed: int):
     """A list of single-sequence input dicts and a description of where they come from."""
-    if tokenizer is not None:
+    if tokenizer_is_usable(tokenizer):
         description = f"{len(texts)} user texts" if texts else f"{len(DEFAULT_SENTENCES)} built-in sentences"
         texts = list(texts) if texts else list(DEFAULT_SENTENCES)
         encodings = [
             dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)) for text in texts
         ]
-        return [encoding for encoding in encodings if encoding["input_ids"].shape[-1] > 0], description
+        encodings = [encoding for encoding in encodings if encoding["input_ids"].shape[-1] > 0]
+        if not encodings:
+            raise ValueError("fidelity_report: the sample texts encode to no tokens; give non-empty texts")
+        return encodings, description
     if texts:
-        raise ValueError("fidelity_report: texts were given but no tokenizer to encode them")
+        raise ValueError("fidelity_report: texts were given but no usable tokenizer to encode them")
     config = model.config
     vocab_size = config.vocab_size
     limit = getattr(config, "max_position_embeddings", None) or max_length
@@ -145,7 +156,20 @@ def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, se
         length = min(length, limit - 2, max_length)
         input_ids = torch.randint(low, vocab_size, (1, length), generator=generator)
         inputs.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
-    return inputs, f"{len(inputs)} random token sequences (no tokenizer)"
+    return inputs, RANDOM_INPUTS
+
+
+def _position_table_note(source: PreTrainedModel, performer: PerformerPreTrainedModel) -> str | None:
+    """What happened to the learned absolute position table (``None`` without one)."""
+    source_positions, performer_positions = learned_position_count(source), learned_position_count(performer)
+    if source_positions is None or performer_positions is None:
+        return None
+    if performer_positions == source_positions:
+        return f"learned absolute positions kept at {source_positions}, as in the source"
+    return (
+        f"learned absolute positions extended from {source_positions} to {performer_positions} "
+        "(the new rows repeat the learned ones)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +267,8 @@ def fidelity_report(
     Args:
         source: the softmax model the Performer model was converted from (same architecture and weights).
         performer: the converted model.
-        tokenizer: encodes ``texts``; without one, seeded random token ids are used.
+        tokenizer: encodes ``texts``; without a usable one (see ``tokenizer_is_usable``), seeded random token ids
+            are used.
         texts: sample texts; default: :data:`DEFAULT_SENTENCES`.
         max_length: tokens kept per text.
         seed: seed of the random token ids.
@@ -325,7 +350,7 @@ def fidelity_report(
     ]
     has_logits = logits_error.reference > 0
     return FidelityReport(
-        source=str(getattr(source, "name_or_path", "") or source.config.model_type),
+        source=public_source_name(getattr(source, "name_or_path", "")) or source.config.model_type,
         source_class=type(source).__name__,
         performer_class=type(performer).__name__,
         favor_settings=dict(performer.config.favor_settings),
@@ -337,4 +362,5 @@ def fidelity_report(
         prediction_agreement=float(torch.cat(agreements).mean()) if agreements else None,
         logits_kl=float(torch.cat(kls).mean()) if kls else None,
         logits_relative_error=logits_error.value if has_logits else None,
+        position_table=_position_table_note(source, performer),
     )

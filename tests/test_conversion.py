@@ -6,6 +6,10 @@ Tiny random models built offline from configs; the real MiniLM test is skipped w
 
 import json
 import os
+import subprocess
+import sys
+import tempfile
+import textwrap
 
 import pytest
 import torch
@@ -26,6 +30,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
     RobertaConfig,
     RobertaForSequenceClassification,
     T5Config,
@@ -44,6 +50,7 @@ from hf_performer import (
     PerformerModel,
 )
 from hf_performer.conversion import (
+    DEFAULT_MAX_POSITION_EMBEDDINGS,
     REPORT_FILE_NAME,
     ConversionError,
     FidelityReport,
@@ -54,6 +61,7 @@ from hf_performer.conversion import (
 )
 from hf_performer.conversion import cli as convert_cli
 from hf_performer.feature_maps import FeatureMap
+from hf_performer.hub import TOKENIZER_FILES
 
 logging.set_verbosity_error()
 
@@ -291,7 +299,7 @@ def test_fidelity_report_on_tiny_models(name, tmp_path):
     source = make_source(name)
     performer = convert_to_performer(source, nb_features=64, keep_softmax_layers=[1])
     report = fidelity_report(source, performer)
-    assert report.inputs.endswith("random token sequences (no tokenizer)")
+    assert report.inputs == "random token ids (the source has no usable tokenizer)" and report.num_sequences == 3
     assert [layer.attention for layer in report.layers] == ["favor", "softmax"]
     favor_layer, softmax_layer = report.layers
     assert 0 < favor_layer.own_inputs_relative_error < 1
@@ -406,6 +414,278 @@ def test_cli_is_registered_in_the_main_command():
 
     args = build_parser().parse_args(["convert", "src", "out", "--feature-map", "favor+", "--nb-features", "64"])
     assert args.func is convert_cli.run_convert and args.nb_features == 64
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: sources without a usable tokenizer
+# --------------------------------------------------------------------------------------------
+
+NO_TOKENIZER_SOURCES = {
+    "gpt2-lm": lambda: make_source("gpt2-lm"),
+    "bert-mlm": lambda: make_source("bert-mlm"),
+    "llama-lm": lambda: make_source("llama-lm"),
+    "qwen2-lm": lambda: Qwen2ForCausalLM(
+        Qwen2Config(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
+            vocab_size=VOCAB, bos_token_id=2, eos_token_id=3, pad_token_id=0,
+        )
+    ).eval(),
+}
+NO_TOKENIZER_INPUTS = "random token ids (the source has no usable tokenizer)"
+
+
+@pytest.mark.parametrize("name", list(NO_TOKENIZER_SOURCES))
+def test_cli_without_tokenizer_files_uses_random_ids_and_writes_no_tokenizer(name, tmp_path, capsys):
+    # transformers 5 builds an empty tokenizer (GPT-2, Qwen2: everything encodes to []) or a 5-token one
+    # (BERT: everything encodes to [UNK]) for a folder without tokenizer files.
+    torch.manual_seed(0)
+    NO_TOKENIZER_SOURCES[name]().save_pretrained(tmp_path / "source")
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(tmp_path / "source"), str(output), "--nb-features", "16"]) == 0
+    assert NO_TOKENIZER_INPUTS in capsys.readouterr().out
+    report = json.loads((output / REPORT_FILE_NAME).read_text())
+    assert report["inputs"] == NO_TOKENIZER_INPUTS and report["num_sequences"] == 3 and report["num_tokens"] > 0
+    assert not set(TOKENIZER_FILES) & set(os.listdir(output))  # no tokenizer the source did not have
+    with pytest.raises(SystemExit, match="no usable tokenizer to encode it"):
+        convert_cli.main([str(tmp_path / "source"), str(tmp_path / "other"), "--text", "the quick brown fox"])
+
+
+def test_a_tokenizer_that_encodes_to_unknown_tokens_only_is_not_used(tmp_path):
+    folder = tmp_path / "source"
+    make_source("bert-mlm").save_pretrained(folder)
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")  # files, but no real vocabulary
+    source, tokenizer = load_source(folder)
+    assert tokenizer is None
+
+    # Given directly, such a tokenizer is not used either: the report does not measure [UNK] sequences.
+    unusable = BertTokenizer(str(folder / "vocab.txt"))
+    report = fidelity_report(source, convert_to_performer(source, nb_features=16), unusable)
+    assert report.inputs == NO_TOKENIZER_INPUTS
+
+
+def test_a_usable_tokenizer_is_kept(source_folder):
+    _, tokenizer = load_source(source_folder)
+    assert tokenizer is not None and tokenizer("the quick brown fox")["input_ids"][1:-1] == [5, 6, 7, 8]
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: position tables
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_extends_a_learned_position_table_by_default(source_folder, tmp_path, capsys):
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(source_folder), str(output), "--nb-features", "16"]) == 0
+    printed = capsys.readouterr().out
+    assert DEFAULT_MAX_POSITION_EMBEDDINGS == 4096
+    config = json.loads((output / "config.json").read_text())
+    assert config["source_config"]["max_position_embeddings"] == 4096
+    report = json.loads((output / REPORT_FILE_NAME).read_text())
+    assert report["position_table"] == (
+        "learned absolute positions extended from 512 to 4096 (the new rows repeat the learned ones)"
+    )
+    assert report["position_table"] in printed
+    assert json.loads((output / "tokenizer_config.json").read_text())["model_max_length"] == 4096
+    model = AutoModelForMaskedLM.from_pretrained(output)
+    with torch.no_grad():
+        assert model(input_ids=random_ids(batch=1, length=3002)).logits.shape == (1, 3002, VOCAB)
+
+
+def test_cli_keep_position_table(source_folder, tmp_path, capsys):
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(source_folder), str(output), "--nb-features", "16", "--keep-position-table"]) == 0
+    assert json.loads((output / "config.json").read_text())["source_config"]["max_position_embeddings"] == 512
+    report = json.loads((output / REPORT_FILE_NAME).read_text())
+    assert report["position_table"] == "learned absolute positions kept at 512, as in the source"
+    assert report["position_table"] in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        convert_cli.main([str(source_folder), str(tmp_path / "other"), "--keep-position-table",
+                          "--max-position-embeddings", "700"])
+    assert "--max-position-embeddings: not allowed with argument --keep-position-table" in capsys.readouterr().err
+
+
+def test_cli_says_nothing_about_positions_of_a_rotary_model(tmp_path, capsys):
+    make_source("llama-lm").save_pretrained(tmp_path / "source")
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(tmp_path / "source"), str(output), "--nb-features", "16"]) == 0
+    printed = capsys.readouterr().out
+    source_config = json.loads((tmp_path / "source" / "config.json").read_text())
+    config = json.loads((output / "config.json").read_text())
+    assert config["source_config"]["max_position_embeddings"] == source_config["max_position_embeddings"]
+    assert json.loads((output / REPORT_FILE_NAME).read_text())["position_table"] is None
+    assert "position" not in printed
+
+
+# --------------------------------------------------------------------------------------------
+# CLI: bad sources and output folders
+# --------------------------------------------------------------------------------------------
+
+
+def test_cli_missing_source_is_a_one_line_error(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit) as error:
+        convert_cli.main([str(missing), str(tmp_path / "out")])
+    message = str(error.value)
+    assert message.startswith(f"hf-performer convert: error: {missing}: no such folder, and not a Hub name available "
+                              "offline") and "\n" not in message
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit) as error:
+        convert_cli.main([str(tmp_path / "empty"), str(tmp_path / "out")])
+    message = str(error.value)
+    assert "has no config.json" in message and "\n" not in message
+    assert sorted(os.listdir(tmp_path)) == ["empty"]
+
+
+def test_written_files_carry_no_local_paths(source_folder, tmp_path):
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(source_folder), str(output), "--nb-features", "16"]) == 0
+    for name in os.listdir(output):
+        if name.endswith((".json", ".md", ".txt")):
+            assert str(tmp_path) not in (output / name).read_text(), name
+    config = json.loads((output / "config.json").read_text())
+    assert config["source_config"]["_name_or_path"] == "source"
+    assert json.loads((output / REPORT_FILE_NAME).read_text())["source"] == "source"
+
+
+def test_output_folder_follows_the_umask(source_folder, tmp_path):
+    previous = os.umask(0o027)
+    try:
+        assert convert_cli.main([str(source_folder), str(tmp_path / "performer"), "--nb-features", "16"]) == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "performer").stat().st_mode & 0o777 == 0o750
+
+
+def _can_create_in(folder) -> bool:
+    try:
+        os.rmdir(tempfile.mkdtemp(dir=folder))
+    except OSError:
+        return False
+    return True
+
+
+def test_unwritable_output_parent_is_refused_before_converting(source_folder, tmp_path, monkeypatch):
+    parent = tmp_path / "read-only"
+    parent.mkdir()
+    parent.chmod(0o555)
+    if _can_create_in(parent):  # root ignores the mode bits; /sys refuses new folders even to root
+        parent = "/sys"
+        if not os.path.isdir(parent) or _can_create_in(parent):
+            pytest.skip("no unwritable folder available")
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the source was loaded before the output folder was checked")
+
+    monkeypatch.setattr(convert_cli, "load_source", no_loading)
+    with pytest.raises(SystemExit) as error:
+        convert_cli.main([str(source_folder), os.path.join(parent, "performer")])
+    assert f"cannot write into {parent}" in str(error.value) and "\n" not in str(error.value)
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def write_folder(folder, **files):
+    folder.mkdir()
+    for name, content in files.items():
+        (folder / name).write_text(content)
+
+
+def test_a_replacement_interrupted_between_its_renames_is_restored(source_folder, tmp_path, capsys):
+    # An earlier `--overwrite` run died after moving the old output aside and before moving its new one in.
+    pid = dead_pid()
+    write_folder(tmp_path / f".performer.old-{pid}-a1b2", **{"old.txt": "previous output"})
+    write_folder(tmp_path / f".performer.partial-{pid}-c3d4", **{"new.txt": "unfinished"})
+
+    with pytest.raises(SystemExit, match="already exists; pass --overwrite"):
+        convert_cli.main([str(source_folder), str(tmp_path / "performer")])
+    assert "restored" in capsys.readouterr().err
+    assert sorted(os.listdir(tmp_path)) == ["performer", "source"]
+    assert (tmp_path / "performer" / "old.txt").read_text() == "previous output"
+
+    # Died after the second rename, before deleting the retired folder: the new output stays.
+    write_folder(tmp_path / f".performer.old-{pid}-e5f6", **{"older.txt": "retired"})
+    assert convert_cli.main([str(source_folder), str(tmp_path / "performer"), "--nb-features", "16",
+                             "--overwrite"]) == 0
+    assert sorted(os.listdir(tmp_path)) == ["performer", "source"]
+    assert "model.safetensors" in os.listdir(tmp_path / "performer")
+
+
+def test_staging_folders_of_a_running_process_are_left_alone(source_folder, tmp_path, capsys):
+    write_folder(tmp_path / f".performer.partial-{os.getpid()}-abcd", **{"x.txt": "in progress"})
+    write_folder(tmp_path / ".performer.partial-unknown", **{"x.txt": "?"})
+    assert convert_cli.main([str(source_folder), str(tmp_path / "performer"), "--nb-features", "16"]) == 0
+    assert sorted(os.listdir(tmp_path)) == [f".performer.partial-{os.getpid()}-abcd", ".performer.partial-unknown",
+                                            "performer", "source"]
+    assert ".performer.partial-unknown" in capsys.readouterr().err  # named, not deleted
+
+
+def test_a_process_killed_between_the_renames_is_recovered(source_folder, tmp_path):
+    output = tmp_path / "performer"
+    write_folder(output, **{"old.txt": "previous output"})
+    script = textwrap.dedent(f"""
+        import os
+        from hf_performer.conversion import cli
+        real_replace = os.replace
+        def replace_then_die(source, target):
+            real_replace(source, target)
+            os._exit(9)  # killed right after output -> retired
+        os.replace = replace_then_die
+        with cli.staged_folder({str(output)!r}) as staging:
+            open(os.path.join(staging, "new.txt"), "w").write("new output")
+    """)
+    assert subprocess.run([sys.executable, "-c", script]).returncode == 9
+    assert not output.exists()
+
+    with pytest.raises(SystemExit, match="already exists"):
+        convert_cli.main([str(source_folder), str(output)])
+    assert sorted(os.listdir(tmp_path)) == ["performer", "source"]
+    assert os.listdir(output) == ["old.txt"]
+
+
+def test_distill_writes_no_local_paths_and_refuses_its_source(source_folder, tmp_path, monkeypatch):
+    from hf_performer.cli import main
+
+    data = tmp_path / "train.raw"
+    data.write_text(" ".join(["the quick brown fox jumps over the lazy dog"] * 12) + "\n")
+    output = tmp_path / "hedgehog"
+    arguments = ["distill", str(source_folder), str(output), "--data", str(data), "--max-samples", "2",
+                 "--fidelity-samples", "1", "--max-length", "8", "--batch-size", "2", "--steps", "1", "--no-progress"]
+    monkeypatch.setattr(sys, "argv", ["hf-performer", *arguments])
+    assert main(arguments) == 0
+    for name in os.listdir(output):
+        if name.endswith((".json", ".md", ".txt")):
+            assert str(tmp_path) not in (output / name).read_text(), name
+    record = json.loads((output / "attention_transfer.json").read_text())
+    assert record["source"] == "source" and record["data"]["file"] == "train.raw"
+    assert record["command"].startswith("hf-performer distill source hedgehog --data train.raw")
+
+    with pytest.raises(SystemExit, match="is the source folder"):
+        main(["distill", str(source_folder), str(source_folder), "--overwrite", "--data", str(data)])
+    assert "model.safetensors" in os.listdir(source_folder)
+
+
+@pytest.mark.parametrize("layout", ["same", "output-inside-source", "source-inside-output", "symlink"])
+def test_cli_refuses_to_write_over_its_source(layout, tmp_path, tokenizer):
+    source = tmp_path / "work" / "source" if layout == "source-inside-output" else tmp_path / "source"
+    make_source("bert-mlm").save_pretrained(source)
+    tokenizer.save_pretrained(source)
+    output = {
+        "same": source,
+        "output-inside-source": source / "performer",
+        "source-inside-output": tmp_path / "work",
+        "symlink": tmp_path / "link",
+    }[layout]
+    if layout == "symlink":
+        os.symlink(source, output)
+    before = sorted(os.listdir(source))
+    with pytest.raises(SystemExit, match="the source folder"):
+        convert_cli.main([str(source), str(output), "--overwrite"])
+    assert sorted(os.listdir(source)) == before
 
 
 # --------------------------------------------------------------------------------------------
