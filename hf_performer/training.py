@@ -16,7 +16,8 @@ Stages of :func:`train`:
    is known without any saved state.
 3. **Loop.** AdamW, linear (or other) schedule with warmup, gradient accumulation and mixed precision
    through Accelerate, gradient clipping, evaluation every ``--eval-steps`` optimizer steps and at the end
-   (the curve goes to ``eval_curve.json``), TensorBoard logging (``--report-to tensorboard``), tqdm bars.
+   (the curve goes to ``eval_curve.json``), TensorBoard logging (``--report-to tensorboard``, off by default:
+   tensorboard is not a dependency), tqdm bars.
    FAVOR+ projections are redrawn during training every ``redraw_interval`` attention calls, per the model's
    ``favor_settings`` (the counters live in the state dict, so checkpoints carry them).
 4. **Checkpoints.** Every ``--checkpointing-steps`` optimizer steps: ``accelerator.save_state`` (model,
@@ -189,8 +190,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                           help="save a resumable checkpoint every N optimizer steps in OUTPUT_DIR/checkpoints/")
     training.add_argument("--resume-from-checkpoint", default=None, metavar="DIR|latest",
                           help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints")
-    training.add_argument("--report-to", choices=("tensorboard", "none"), default="tensorboard",
-                          help="TensorBoard logs in OUTPUT_DIR/runs (default) or none")
+    training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
+                          help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
+                               "(needs `pip install tensorboard`)")
     training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
     parser.set_defaults(kind=kind)
@@ -404,6 +406,16 @@ def _json_safe_config(args: argparse.Namespace) -> dict:
     return config
 
 
+def _check_report_to(report_to: str) -> None:
+    """Fail before any work when the chosen tracker's package is missing (accelerate would only warn)."""
+    if report_to == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise RecipeError("--report-to tensorboard needs the tensorboard package (not a dependency of "
+                              "hf-performer): pip install tensorboard, or use --report-to none") from None
+
+
 def _prepare_classification(args, accelerator, tokenizer):
     from transformers import DataCollatorWithPadding
 
@@ -454,6 +466,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     from .evaluation import compute_task_metrics, perplexity, predict_classification
 
     started = time.perf_counter()
+    _check_report_to(args.report_to)
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator_kwargs = dict(gradient_accumulation_steps=args.gradient_accumulation_steps)
     if args.mixed_precision is not None:

@@ -76,12 +76,16 @@ def _args(workdir, output, *extra, kind="text-classification"):
 
 
 def test_classification_converts_trains_and_writes_everything(workdir, tmp_path):
-    """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + TensorBoard + reloadable folder."""
+    """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + reloadable folder. Runs on a
+    machine without tensorboard (not a dependency): nothing is logged by default, as with transformers' Trainer."""
     output = tmp_path / "run"
-    args = _args(workdir, output, "--validation-file", str(workdir / "train.tsv"), "--max-train-samples", "16",
-                 "--max-eval-samples", "16", "--learning-rate", "1e-2", "--per-device-train-batch-size", "16",
-                 "--max-train-steps", "10", "--warmup-steps", "0", "--eval-steps", "5", "--redraw-interval", "3",
-                 "--report-to", "tensorboard")
+    args = training.build_parser("text-classification").parse_args([
+        "--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
+        "--validation-file", str(workdir / "train.tsv"), "--output-dir", str(output), "--nb-features", "16",
+        "--metrics-backend", "local", "--max-train-samples", "16", "--max-eval-samples", "16",
+        "--learning-rate", "1e-2", "--per-device-train-batch-size", "16", "--max-train-steps", "10",
+        "--warmup-steps", "0", "--eval-steps", "5", "--redraw-interval", "3"])
+    assert args.report_to == "none"
     metrics = training.train(args)
 
     assert metrics["model"]["converted"] and metrics["model"]["attention"] == "favor"
@@ -93,7 +97,7 @@ def test_classification_converts_trains_and_writes_everything(workdir, tmp_path)
     on_disk = json.loads((output / "metrics.json").read_text())
     assert on_disk["final"]["accuracy"] == curve[-1]["accuracy"] and on_disk["metrics_backend"] == "local"
     assert on_disk["completed_steps"] == 10
-    assert glob.glob(str(output / "runs" / "**" / "events.out.tfevents.*"), recursive=True)
+    assert not (output / "runs").exists()
 
     # The folder is a complete Performer folder: code + auto_map, tokenizer; it reloads with the trained weights,
     # and the feature maps were redrawn during training (10 steps x 2 layers' calls, every 3 calls).
@@ -141,6 +145,32 @@ def test_performer_folder_trains_as_regression_with_redraw_override(workdir, tmp
     config = json.loads((output / "config.json").read_text())
     assert config["problem_type"] == "regression" and config["favor_settings"]["redraw_interval"] == 2
     assert config["architectures"] == ["PerformerForSequenceClassification"]
+
+
+def test_report_to_tensorboard_without_tensorboard_fails_up_front(workdir, tmp_path, monkeypatch, capsys):
+    """tensorboard is not a dependency: asking for it where it is not installed fails before any work, in one line
+    that says how to get it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    with pytest.raises(RecipeError, match="pip install tensorboard"):
+        training.train(_args(workdir, tmp_path / "tb", "--report-to", "tensorboard"))
+    assert not (tmp_path / "tb").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        training.main("text-classification", ["--model", str(workdir / "bert"), "--task", "sst2",
+                                              "--train-file", str(workdir / "train.tsv"),
+                                              "--output-dir", str(tmp_path / "tb"), "--report-to", "tensorboard"])
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "--report-to tensorboard" in message and "pip install tensorboard" in message
+
+
+def test_report_to_tensorboard_writes_runs(workdir, tmp_path):
+    """Where tensorboard is installed (`pip install tensorboard`), the run logs to OUTPUT_DIR/runs."""
+    pytest.importorskip("tensorboard")
+    output = tmp_path / "tb_run"
+    training.train(_args(workdir, output, "--report-to", "tensorboard", "--max-train-steps", "2",
+                         "--per-device-train-batch-size", "16", "--no-save-model"))
+    assert glob.glob(str(output / "runs" / "**" / "events.out.tfevents.*"), recursive=True)
 
 
 class _Interrupted(Exception):
