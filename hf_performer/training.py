@@ -406,6 +406,41 @@ def _json_safe_config(args: argparse.Namespace) -> dict:
     return config
 
 
+PATH_ARGS = ("model", "tokenizer", "train_file", "validation_file", "output_dir")
+"""Recipe arguments that may be local paths: recorded by :func:`portable_name` (metrics.json goes to the Hub)."""
+
+
+def portable_name(name_or_path: str | None) -> str | None:
+    """``name_or_path`` as a file meant for the Hub may record it: a Hub id (``org/name``, not a local path) is
+    kept, a local path becomes its base name (no ``/home/...``, ``/tmp/...`` reaches a shared file)."""
+    if name_or_path is None:
+        return None
+    text = str(name_or_path)
+    if os.path.exists(text) or os.path.isabs(text) or "\\" in text or text.startswith((".", "~")):
+        return os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(text.replace("\\", "/")))))
+    return text
+
+
+def _portable_checkpoint(path: str | None, output_dir: str) -> str | None:
+    """A checkpoint folder relative to the output folder when inside it (``checkpoints/step_N``), else its base
+    name; ``latest`` as it is."""
+    if path is None or path == "latest":
+        return path
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
+    return relative if not relative.startswith("..") else portable_name(path)
+
+
+def _recorded_args(args: argparse.Namespace) -> dict:
+    """The arguments as ``metrics.json`` and TensorBoard record them: scalars and strings, no local paths."""
+    config = _json_safe_config(args)
+    for key in PATH_ARGS:
+        if key in config and config[key] is not None:
+            config[key] = portable_name(config[key])
+    if "resume_from_checkpoint" in config:
+        config["resume_from_checkpoint"] = _portable_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    return config
+
+
 def _check_report_to(report_to: str) -> None:
     """Fail before any work when the chosen tracker's package is missing (accelerate would only warn)."""
     if report_to == "tensorboard":
@@ -535,12 +570,14 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     if args.report_to == "tensorboard":
-        accelerator.init_trackers("runs", config=_json_safe_config(args))
+        accelerator.init_trackers("runs", config=_recorded_args(args))
 
     # ---- resume
     completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
+    resumed_from = None
     if args.resume_from_checkpoint:
         path = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+        resumed_from = _portable_checkpoint(path, args.output_dir)
         accelerator.load_state(path)
         with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
             state = json.load(handle)
@@ -635,7 +672,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     metrics = {
         "kind": args.kind,
         "task": spec.name if spec is not None else "causal-lm",
-        "model": model_info,
+        "model": {**model_info, "source": portable_name(model_info["source"])},
         "main_metric": spec.main_metric if spec is not None else "perplexity",
         "final": final,
         "completed_steps": completed_steps,
@@ -654,8 +691,8 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         "num_processes": accelerator.num_processes,
         "device": str(accelerator.device),
         "wall_time_s": round(time.perf_counter() - started, 2),
-        "resumed_from": args.resume_from_checkpoint,
-        "args": _json_safe_config(args),
+        "resumed_from": resumed_from,
+        "args": _recorded_args(args),
     }
     accelerator.wait_for_everyone()
     if not args.no_save_model:
@@ -726,6 +763,7 @@ __all__ = [
     "find_checkpoint",
     "load_model",
     "main",
+    "portable_name",
     "set_redraw_interval",
     "train",
 ]

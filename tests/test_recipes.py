@@ -115,7 +115,7 @@ def test_classification_converts_trains_and_writes_everything(workdir, tmp_path)
 def test_softmax_baseline_trains_without_conversion(workdir, tmp_path):
     metrics = training.train(_args(workdir, tmp_path / "softmax", "--attention", "softmax", "--max-train-steps", "2",
                                    "--per-device-train-batch-size", "16", "--no-save-model"))
-    assert metrics["model"] == {"source": str(workdir / "bert"), "attention": "softmax", "converted": False,
+    assert metrics["model"] == {"source": "bert", "attention": "softmax", "converted": False,
                                 "favor_settings": None}
     assert set(metrics["final"]) == {"accuracy", "eval_loss"}
 
@@ -145,6 +145,30 @@ def test_performer_folder_trains_as_regression_with_redraw_override(workdir, tmp
     config = json.loads((output / "config.json").read_text())
     assert config["problem_type"] == "regression" and config["favor_settings"]["redraw_interval"] == 2
     assert config["architectures"] == ["PerformerForSequenceClassification"]
+
+
+def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
+    """metrics.json is meant for the Hub (model cards, results tables): local paths (model, data files, output
+    folder, checkpoint) are recorded by base name; a Hub id is kept as it is."""
+    output = tmp_path / "portable"
+    common = ["--max-train-steps", "2", "--per-device-train-batch-size", "16", "--checkpointing-steps", "1",
+              "--tokenizer", str(workdir / "bert")]
+    training.train(_args(workdir, output, *common, "--no-save-model"))
+    training.train(_args(workdir, output, *common, "--resume-from-checkpoint", str(output / "checkpoints" / "step_1"),
+                         "--no-save-model"))
+    text = (output / "metrics.json").read_text()
+    for local in (str(tmp_path), str(workdir), str(REPO), "/tmp/", "/work/", "/home/"):
+        assert local not in text
+    metrics = json.loads(text)
+    assert metrics["model"]["source"] == "bert"
+    assert {key: metrics["args"][key] for key in ("model", "tokenizer", "train_file", "validation_file", "output_dir",
+                                                  "resume_from_checkpoint")} == {
+        "model": "bert", "tokenizer": "bert", "train_file": "train.tsv", "validation_file": "dev.tsv",
+        "output_dir": "portable", "resume_from_checkpoint": "checkpoints/step_1"}
+    assert metrics["resumed_from"] == "checkpoints/step_1"
+    assert training.portable_name("sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert training.portable_name("/home/someone/data/train.tsv.gz") == "train.tsv.gz"
+    assert training.portable_name("../shared/data/glue/SST-2/") == "SST-2"
 
 
 def test_report_to_tensorboard_without_tensorboard_fails_up_front(workdir, tmp_path, monkeypatch, capsys):
