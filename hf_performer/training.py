@@ -71,6 +71,18 @@ overrides them."""
 CHECKPOINT_PREFIX = "step_"
 TRAINING_STATE_FILE = "training_state.json"
 
+RUN_OUTPUTS = ("checkpoints", "runs", "adapter", "metrics.json", "eval_curve.json")
+"""What ``--overwrite`` deletes from a used output folder before training (the model files are replaced by the
+new run's)."""
+
+RESUMABLE_CHANGES = (
+    "output_dir", "resume_from_checkpoint", "overwrite", "eval_steps", "logging_steps", "checkpointing_steps",
+    "report_to", "num_workers", "per_device_eval_batch_size", "no_save_model", "metrics_backend", "validation_file",
+    "max_eval_samples", "max_eval_chars", "context_length", "stride",
+)
+"""Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
+number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
+
 LossHook = Callable[[torch.nn.Module, dict, object, int], "torch.Tensor | None"]
 
 
@@ -189,7 +201,12 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     training.add_argument("--checkpointing-steps", type=int, default=None,
                           help="save a resumable checkpoint every N optimizer steps in OUTPUT_DIR/checkpoints/")
     training.add_argument("--resume-from-checkpoint", default=None, metavar="DIR|latest",
-                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints")
+                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints "
+                               "(with the run's flags: a checkpoint of different data-order or training flags is "
+                               "refused)")
+    training.add_argument("--overwrite", action="store_true",
+                          help="train into a non-empty OUTPUT_DIR: the previous run's checkpoints, metrics and logs "
+                               "are deleted first (without it a used folder is refused)")
     training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
                           help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
                                "(needs `pip install tensorboard`)")
@@ -441,6 +458,63 @@ def _recorded_args(args: argparse.Namespace) -> dict:
     return config
 
 
+def run_flags(args: argparse.Namespace, num_processes: int) -> dict:
+    """The flags that identify a run and its data order (recorded in each checkpoint, compared on resume)."""
+    flags = {key: value for key, value in _recorded_args(args).items() if key not in RESUMABLE_CHANGES}
+    flags["num_processes"] = num_processes
+    return flags
+
+
+def check_resumable(checkpoint: str, state: dict, flags: dict) -> None:
+    """Refuse to continue the run of ``checkpoint`` with other flags than those it recorded.
+
+    Raises:
+        RecipeError: one line naming each differing flag with the checkpoint's and the current value.
+    """
+    recorded = state.get("run")
+    if recorded is None:  # a checkpoint of an older version: nothing to compare
+        return
+    differing = []
+    for key in sorted(set(recorded) | set(flags)):
+        old, new = recorded.get(key), flags.get(key)
+        if json.dumps(old) != json.dumps(new):
+            name = "processes" if key == "num_processes" else "--" + key.replace("_", "-")
+            differing.append(f"{name} {old} (now {new})")
+    if differing:
+        raise RecipeError(
+            f"--resume-from-checkpoint: {checkpoint} belongs to a run with other flags: {', '.join(differing)}; "
+            "resume with that run's flags, or start a new run (empty --output-dir or --overwrite)")
+
+
+def _check_output_dir(args: argparse.Namespace) -> str | None:
+    """Refuse to mix two runs in one output folder; returns the checkpoint to resume from (or ``None``).
+
+    A non-empty folder is accepted when resuming from one of its own checkpoints, or with ``--overwrite`` (the
+    caller then deletes :data:`RUN_OUTPUTS`).
+    """
+    checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    output = os.path.abspath(args.output_dir)
+    inside = checkpoint is not None and os.path.abspath(checkpoint).startswith(output + os.sep)
+    if inside and args.overwrite:
+        raise RecipeError(f"--overwrite would delete {checkpoint}, which --resume-from-checkpoint continues: "
+                          "pass one of them")
+    used = os.path.isdir(output) and os.listdir(output)
+    if used and not inside and not args.overwrite:
+        shown = ", ".join(sorted(used)[:4]) + (", ..." if len(used) > 4 else "")
+        raise RecipeError(f"--output-dir {args.output_dir} is not empty ({shown}): pass --overwrite to replace the "
+                          "run there, --resume-from-checkpoint latest to continue it, or choose a new folder")
+    return checkpoint
+
+
+def _clear_run_outputs(output_dir: str) -> None:
+    for name in RUN_OUTPUTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
 def _check_report_to(report_to: str) -> None:
     """Fail before any work when the chosen tracker's package is missing (accelerate would only warn)."""
     if report_to == "tensorboard":
@@ -502,6 +576,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
 
     started = time.perf_counter()
     _check_report_to(args.report_to)
+    checkpoint = _check_output_dir(args)  # every process, before any of them writes
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator_kwargs = dict(gradient_accumulation_steps=args.gradient_accumulation_steps)
     if args.mixed_precision is not None:
@@ -509,6 +584,13 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     if args.report_to == "tensorboard":
         accelerator_kwargs.update(log_with="tensorboard", project_dir=args.output_dir)
     accelerator = Accelerator(**accelerator_kwargs)
+    flags = run_flags(args, accelerator.num_processes)
+    if checkpoint is not None:
+        with open(os.path.join(checkpoint, TRAINING_STATE_FILE)) as handle:
+            check_resumable(_portable_checkpoint(checkpoint, args.output_dir), json.load(handle), flags)
+    if args.overwrite and accelerator.is_main_process:
+        _clear_run_outputs(args.output_dir)
+    accelerator.wait_for_everyone()
     set_seed(args.seed)
 
     tokenizer_path = args.tokenizer or args.model
@@ -575,8 +657,8 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     # ---- resume
     completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
     resumed_from = None
-    if args.resume_from_checkpoint:
-        path = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    if checkpoint is not None:
+        path = checkpoint
         resumed_from = _portable_checkpoint(path, args.output_dir)
         accelerator.load_state(path)
         with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
@@ -659,7 +741,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
                 record_eval(epoch, step_loss)
                 model.train()
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve)
+                _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve, flags)
             if completed_steps >= max_train_steps:
                 break
         skip_batches = 0
@@ -709,8 +791,10 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     return metrics
 
 
-def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batches_in_epoch: int, curve: list):
-    """``accelerator.save_state`` + ``training_state.json``, written to a temporary folder then renamed."""
+def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batches_in_epoch: int, curve: list,
+                     flags: dict):
+    """``accelerator.save_state`` + ``training_state.json`` (position, curve, and the run's :func:`run_flags`),
+    written to a temporary folder then renamed."""
     final = checkpoint_dir(output_dir, step)
     staging = final + ".partial"
     if accelerator.is_main_process and os.path.isdir(staging):
@@ -719,7 +803,7 @@ def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batche
     accelerator.save_state(staging)
     if accelerator.is_main_process:
         state = {"completed_steps": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                 "accumulation_step": accelerator.step, "eval_curve": curve}
+                 "accumulation_step": accelerator.step, "eval_curve": curve, "run": flags}
         with open(os.path.join(staging, TRAINING_STATE_FILE), "w") as handle:
             json.dump(state, handle, indent=2)
         if os.path.isdir(final):
@@ -760,10 +844,12 @@ __all__ = [
     "RecipeError",
     "apply_lora",
     "build_parser",
+    "check_resumable",
     "find_checkpoint",
     "load_model",
     "main",
     "portable_name",
+    "run_flags",
     "set_redraw_interval",
     "train",
 ]

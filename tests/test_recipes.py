@@ -231,6 +231,59 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workdir, tmp_path):
     assert resumed["completed_steps"] == straight["completed_steps"] == 6
 
 
+def test_existing_output_folder_needs_overwrite_which_clears_the_old_run(workdir, tmp_path):
+    """A second run into a used folder is refused; with --overwrite the old run's checkpoints and metrics are gone
+    first, so a later `--resume-from-checkpoint latest` continues the new run, not the old one."""
+    output = tmp_path / "reused"
+    old_run = ["--max-train-steps", "4", "--checkpointing-steps", "2", "--per-device-train-batch-size", "8",
+               "--no-save-model"]
+    training.train(_args(workdir, output, *old_run))
+    old_metrics = (output / "metrics.json").read_text()
+    new_run = ["--max-train-steps", "3", "--checkpointing-steps", "3", "--per-device-train-batch-size", "8",
+               "--no-save-model", "--seed", "7"]
+    with pytest.raises(RecipeError, match=r"is not empty .*--overwrite") as error:
+        training.train(_args(workdir, output, *new_run))
+    assert "\n" not in str(error.value)
+    assert (output / "metrics.json").read_text() == old_metrics
+
+    seen = {}
+
+    def cleared_before_training(model, batch, outputs, step):
+        seen.setdefault("files", sorted(os.listdir(output)))
+        return None
+
+    training.train(_args(workdir, output, *new_run, "--overwrite"), loss_hooks=[cleared_before_training])
+    assert "metrics.json" not in seen["files"] and "checkpoints" not in seen["files"]
+    assert sorted(os.listdir(output / "checkpoints")) == ["step_3"]
+    resumed = training.train(_args(workdir, output, *new_run, "--resume-from-checkpoint", "latest"))
+    assert resumed["resumed_from"] == "checkpoints/step_3" and resumed["completed_steps"] == 3
+    assert resumed["args"]["seed"] == 7
+    with pytest.raises(RecipeError, match="--overwrite would delete"):
+        training.train(_args(workdir, output, *new_run, "--resume-from-checkpoint", "latest", "--overwrite"))
+
+
+def test_resume_with_different_run_flags_is_refused(workdir, tmp_path):
+    """The checkpoint records the run's identity and data-order flags: resuming with another batch size, seed or
+    learning rate (wrong batches skipped, two runs mixed) is refused in one line naming them."""
+    output = tmp_path / "mismatch"
+    run = ["--max-train-steps", "2", "--checkpointing-steps", "1", "--per-device-train-batch-size", "8",
+           "--learning-rate", "1e-3", "--no-save-model"]
+    training.train(_args(workdir, output, *run))
+    state = json.loads((output / "checkpoints" / "step_1" / "training_state.json").read_text())
+    assert state["run"]["seed"] == 42 and state["run"]["per_device_train_batch_size"] == 8
+    assert state["run"]["train_file"] == "train.tsv" and state["run"]["num_processes"] == 1
+    changed = [*run, "--per-device-train-batch-size", "4", "--seed", "1", "--learning-rate", "2e-3",
+               "--resume-from-checkpoint", "latest", "--eval-steps", "1"]  # --eval-steps may change
+    with pytest.raises(RecipeError) as error:
+        training.train(_args(workdir, output, *changed))
+    message = str(error.value)
+    assert "\n" not in message and "--eval-steps" not in message
+    for flag in ("--seed 42 (now 1)", "--per-device-train-batch-size 8 (now 4)", "--learning-rate 0.001 (now 0.002)"):
+        assert flag in message
+    same = training.train(_args(workdir, output, *run, "--resume-from-checkpoint", "latest", "--eval-steps", "1"))
+    assert same["completed_steps"] == 2
+
+
 def test_lora_trains_only_adapters_and_head(workdir, tmp_path):
     seen = {}
 
