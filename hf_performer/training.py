@@ -2,7 +2,9 @@
 
 The scripts ``recipes/text_classification.py`` and ``recipes/causal_lm.py`` call :func:`main` with their
 kind; everything they do lives here. Run them with ``accelerate launch`` (multi-GPU / multi-node, DDP, FSDP,
-DeepSpeed through the configs in ``recipes/configs/``) or plain ``python`` (one process, CPU or one GPU).
+DeepSpeed through the configs in ``recipes/configs/``), plain ``python`` (one process, CPU or one GPU), or
+``ACCELERATE_USE_CPU=true torchrun --nproc_per_node N`` (DDP on CPU processes, gloo; ``accelerate launch --cpu
+--num_processes N`` starts one process only). The number of processes is printed at the start.
 
 Stages of :func:`train`:
 
@@ -584,6 +586,16 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     if args.report_to == "tensorboard":
         accelerator_kwargs.update(log_with="tensorboard", project_dir=args.output_dir)
     accelerator = Accelerator(**accelerator_kwargs)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:
+        raise RecipeError(
+            f"WORLD_SIZE={launched} in the environment (torchrun?) but Accelerate runs {accelerator.num_processes} "
+            "process: each process would train alone into the same folder; on CPU set ACCELERATE_USE_CPU=true "
+            "(ACCELERATE_USE_CPU=true torchrun --nproc_per_node N recipes/...), on GPUs make them visible")
+    processes = accelerator.num_processes
+    accelerator.print(f"training with {processes} process{'es' if processes > 1 else ''} ("
+                      + (f"{accelerator.distributed_type.value} on " if processes > 1 else "")
+                      + f"{accelerator.device.type})")
     flags = run_flags(args, accelerator.num_processes)
     if checkpoint is not None:
         with open(os.path.join(checkpoint, TRAINING_STATE_FILE)) as handle:

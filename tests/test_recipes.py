@@ -1,7 +1,8 @@
 """The fine-tuning recipes (hf_performer.training, recipes/): a few steps on tiny random models and a handful of
 rows, on CPU and offline. Loss decreases, metrics and the curve are written, the saved folder reloads, an
 interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, LoRA trains
-only adapters (and the new head), the Accelerate configs load. The causal-LM run uses the real GPT-2 tokenizer
+only adapters (and the new head), the Accelerate configs load, two CPU processes under torchrun train one DDP
+run, a used output folder and a resume with other flags are refused. The causal-LM run uses the real GPT-2 tokenizer
 of ../shared/data and is skipped when that folder is absent.
 """
 
@@ -112,9 +113,10 @@ def test_classification_converts_trains_and_writes_everything(workdir, tmp_path)
     assert reloaded(**batch).logits.shape == (2, 2)
 
 
-def test_softmax_baseline_trains_without_conversion(workdir, tmp_path):
+def test_softmax_baseline_trains_without_conversion(workdir, tmp_path, capsys):
     metrics = training.train(_args(workdir, tmp_path / "softmax", "--attention", "softmax", "--max-train-steps", "2",
                                    "--per-device-train-batch-size", "16", "--no-save-model"))
+    assert "training with 1 process (cpu)" in capsys.readouterr().out
     assert metrics["model"] == {"source": "bert", "attention": "softmax", "converted": False,
                                 "favor_settings": None}
     assert set(metrics["final"]) == {"accuracy", "eval_loss"}
@@ -282,6 +284,77 @@ def test_resume_with_different_run_flags_is_refused(workdir, tmp_path):
         assert flag in message
     same = training.train(_args(workdir, output, *run, "--resume-from-checkpoint", "latest", "--eval-steps", "1"))
     assert same["completed_steps"] == 2
+
+
+RANK_DRIVER = """
+import json, os, sys
+import torch
+from hf_performer import training
+
+seen = {}
+
+def capture(model, batch, outputs, step):
+    seen["model"] = model
+    seen.setdefault("first_batch", batch["input_ids"].tolist())
+    return None
+
+training.main("text-classification", sys.argv[2:], loss_hooks=[capture])
+model = getattr(seen["model"], "module", seen["model"])  # the rank's own (DDP-wrapped) copy
+torch.save({"state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "first_batch": seen["first_batch"]}, os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+def test_two_cpu_processes_train_one_ddp_run(workdir, tmp_path):
+    """`ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2` (the documented CPU launch): real DDP on gloo. The
+    32 rows are sharded (4 optimizer steps of 2 x 4 rows instead of 8 of 4), both ranks end with identical weights
+    and FAVOR+ projections although they are redrawn during training, and only rank 0 writes and prints."""
+    import subprocess
+    import sys
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(RANK_DRIVER)
+    output = tmp_path / "ddp"
+    argv = ["--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
+            "--validation-file", str(workdir / "dev.tsv"), "--output-dir", str(output), "--nb-features", "16",
+            "--metrics-backend", "local", "--per-device-train-batch-size", "4", "--num-train-epochs", "1",
+            "--redraw-interval", "2", "--learning-rate", "1e-2", "--checkpointing-steps", "2"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*torchrun, str(driver), str(tmp_path), *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with 2 processes (MULTI_CPU on cpu)" in done.stdout
+    assert done.stdout.count('"completed_steps"') == 1  # only rank 0 prints the result
+
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["completed_steps"] == 4
+    assert metrics["train_examples"] == 32
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["first_batch"] != rank1["first_batch"]  # each rank saw its own shard
+    assert rank0["state"].keys() == rank1["state"].keys()
+    for key in rank0["state"]:
+        assert torch.equal(rank0["state"][key], rank1["state"][key]), key
+    projections = [k for k in rank0["state"] if "favor_feature_map" in k and k.endswith("projection")]
+    redraws = [int(v) for k, v in rank0["state"].items() if k.endswith("favor_feature_map.redraws")]
+    assert projections and redraws and all(r > 0 for r in redraws)
+    saved = load_file(output / "model.safetensors")
+    for key, value in saved.items():
+        if key in rank0["state"]:
+            assert torch.equal(value, rank0["state"][key]), key
+    assert sorted(os.listdir(output / "checkpoints")) == ["step_2", "step_4"]
+
+
+def test_torchrun_without_accelerate_cpu_is_refused(workdir, tmp_path, monkeypatch):
+    """torchrun on CPU without ACCELERATE_USE_CPU=true starts processes that Accelerate does not join: each would
+    train alone into the same folder. Refused before training, in one line saying what to set."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with pytest.raises(RecipeError, match="WORLD_SIZE=2 .* 1 process.*ACCELERATE_USE_CPU=true") as error:
+        training.train(_args(workdir, tmp_path / "alone", "--max-train-steps", "1"))
+    assert "\n" not in str(error.value)
+    assert not os.listdir(tmp_path / "alone")
 
 
 def test_lora_trains_only_adapters_and_head(workdir, tmp_path):
