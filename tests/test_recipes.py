@@ -357,6 +357,98 @@ def test_torchrun_without_accelerate_cpu_is_refused(workdir, tmp_path, monkeypat
     assert not os.listdir(tmp_path / "alone")
 
 
+def _flipped(text: str) -> str:
+    """The same TSV with every label flipped: a reported split on which learning the task makes things worse."""
+    lines = text.splitlines()
+    return "\n".join([lines[0]] + [f"{row.rsplit(chr(9), 1)[0]}\t{1 - int(row.rsplit(chr(9), 1)[1])}"
+                                   for row in lines[1:]]) + "\n"
+
+
+def test_load_best_model_keeps_the_best_step_on_the_carved_split(workdir, tmp_path):
+    """Selection uses the split carved from the training file, never the reported one: with a reported split whose
+    labels are flipped and a training that turns to gradient ascent after step 10, the kept model is the step with
+    the best held-out loss; the saved weights and the reported metrics are that step's, metrics.json says why."""
+    (tmp_path / "flipped.tsv").write_text(_flipped((workdir / "train.tsv").read_text()))
+    weights = {}
+
+    def ascend_late(model, batch, outputs, step):
+        weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # after `step` updates
+        return -2 * outputs.loss if step >= 10 else None
+
+    output = tmp_path / "best"
+    metrics = training.train(_args(
+        workdir, output, "--validation-file", str(tmp_path / "flipped.tsv"), "--early-stopping-split", "0.25",
+        "--load-best-model-at-end", "--metric-for-best-model", "eval_loss", "--eval-steps", "4",
+        "--max-train-steps", "16", "--per-device-train-batch-size", "8", "--learning-rate", "1e-2",
+        "--warmup-steps", "0"), loss_hooks=[ascend_late])
+
+    curve = json.loads((output / "eval_curve.json").read_text())
+    assert [p["step"] for p in curve] == [4, 8, 12, 16]
+    heldout = [p["heldout_eval_loss"] for p in curve]
+    best = curve[heldout.index(min(heldout))]
+    assert best["step"] < 16 and metrics["kept_step"] == best["step"]
+    reported = [p["eval_loss"] for p in curve]
+    assert curve[reported.index(min(reported))]["step"] != best["step"]  # the reported split would pick another
+    assert metrics["final"] == {"accuracy": best["accuracy"], "eval_loss": best["eval_loss"]}
+    assert "held-out eval_loss" in metrics["kept_reason"] and f"step {best['step']}" in metrics["kept_reason"]
+    on_disk = json.loads((output / "metrics.json").read_text())
+    assert on_disk["kept_step"] == best["step"] and on_disk["early_stopping"]["split_examples"] == 8
+    saved = load_file(output / "model.safetensors")
+    kept = weights[best["step"]]
+    compared = [key for key in saved if key in kept]
+    assert compared and all(torch.equal(saved[key], kept[key]) for key in compared)
+    head = next(key for key in compared if key.endswith("classifier.weight"))
+    assert not torch.equal(saved[head], weights[15][head])
+
+
+def test_early_stopping_stops_after_patience(workdir, tmp_path):
+    """No improvement of the held-out metric for --early-stopping-patience evaluations stops the run (learning
+    rate 0: the first evaluation stays the best)."""
+    metrics = training.train(_args(
+        workdir, tmp_path / "patience", "--early-stopping-split", "0.25", "--early-stopping-patience", "2",
+        "--eval-steps", "1", "--max-train-steps", "10", "--per-device-train-batch-size", "8", "--learning-rate", "0",
+        "--no-save-model"))
+    assert metrics["completed_steps"] == 3
+    assert [p["step"] for p in json.loads((tmp_path / "patience" / "eval_curve.json").read_text())] == [1, 2, 3]
+    stopping = metrics["early_stopping"]
+    assert stopping["stopped_at_step"] == 3 and stopping["patience"] == 2 and stopping["best_step"] == 1
+    assert stopping["metric"] == "accuracy" and stopping["greater_is_better"]
+    assert metrics["kept_step"] == 3 and "last step" in metrics["kept_reason"]
+
+
+def test_early_stopping_split_is_seeded_and_disjoint_from_training_and_reported_split(workdir, tmp_path):
+    """The carved split is a seeded choice of training rows, disjoint from the rows trained on; the reported
+    evaluation is the whole --validation-file."""
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"sentence": [f"row {i}" for i in range(40)], "label": [i % 2 for i in range(40)]})
+    train, heldout = training.carve_early_stopping_split(rows, 0.2, seed=3)
+    assert len(heldout) == 8 and len(train) == 32
+    assert not set(train["sentence"]) & set(heldout["sentence"])
+    assert set(train["sentence"]) | set(heldout["sentence"]) == set(rows["sentence"])
+    assert training.carve_early_stopping_split(rows, 0.2, seed=3)[1]["sentence"] == heldout["sentence"]
+    assert training.carve_early_stopping_split(rows, 0.2, seed=4)[1]["sentence"] != heldout["sentence"]
+
+    metrics = training.train(_args(workdir, tmp_path / "split", "--early-stopping-split", "0.25", "--eval-steps", "1",
+                                   "--max-train-steps", "2", "--per-device-train-batch-size", "8", "--no-save-model"))
+    assert metrics["train_examples"] == 24 and metrics["early_stopping"]["split_examples"] == 8
+    assert metrics["early_stopping"]["split_fraction"] == 0.25 and metrics["early_stopping"]["seed"] == 42
+    assert metrics["eval_examples"] == 16  # dev.tsv, untouched
+
+
+def test_best_model_option_errors(workdir, tmp_path):
+    with pytest.raises(RecipeError, match="--early-stopping-split"):
+        training.train(_args(workdir, tmp_path / "b1", "--load-best-model-at-end", "--eval-steps", "1"))
+    with pytest.raises(RecipeError, match="--eval-steps"):
+        training.train(_args(workdir, tmp_path / "b2", "--early-stopping-patience", "2", "--early-stopping-split",
+                             "0.2"))
+    with pytest.raises(RecipeError, match=r"--early-stopping-split must be in \(0, 1\)"):
+        training.train(_args(workdir, tmp_path / "b3", "--early-stopping-split", "1.5"))
+    with pytest.raises(RecipeError, match="accepted: accuracy, eval_loss"):
+        training.train(_args(workdir, tmp_path / "b4", "--metric-for-best-model", "f1", "--early-stopping-split",
+                             "0.2", "--load-best-model-at-end", "--eval-steps", "1"))
+
+
 def test_lora_trains_only_adapters_and_head(workdir, tmp_path):
     seen = {}
 
