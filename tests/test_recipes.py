@@ -401,6 +401,36 @@ def test_load_best_model_keeps_the_best_step_on_the_carved_split(workdir, tmp_pa
     assert not torch.equal(saved[head], weights[15][head])
 
 
+def test_resumed_run_keeps_the_best_step_saved_before_the_interruption(workdir, tmp_path):
+    """The best step's weights and the selection state travel in the checkpoint: a run interrupted after its
+    best step and resumed still saves and reports that step."""
+    weights = {}
+
+    def ascend_then_interrupt(model, batch, outputs, step):
+        weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if step == 7 and "resumed" not in weights:
+            raise _Interrupted
+        return -2 * outputs.loss if step >= 4 else None
+
+    output = tmp_path / "best_resumed"
+    run = ["--early-stopping-split", "0.25", "--load-best-model-at-end", "--metric-for-best-model", "eval_loss",
+           "--eval-steps", "2", "--checkpointing-steps", "2", "--max-train-steps", "8", "--per-device-train-batch-size",
+           "8", "--learning-rate", "1e-2", "--warmup-steps", "0"]
+    with pytest.raises(_Interrupted):
+        training.train(_args(workdir, output, *run), loss_hooks=[ascend_then_interrupt])
+    state = json.loads((output / "checkpoints" / "step_6" / "training_state.json").read_text())
+    best_step = state["selection"]["best_step"]
+    assert best_step < 6 and (output / "checkpoints" / "step_6" / "best_weights.pt").is_file()
+    kept = weights[best_step]
+    weights["resumed"] = True
+    metrics = training.train(_args(workdir, output, *run, "--resume-from-checkpoint", "latest"),
+                             loss_hooks=[ascend_then_interrupt])
+    assert metrics["completed_steps"] == 8 and metrics["kept_step"] == best_step
+    saved = load_file(output / "model.safetensors")
+    compared = [key for key in saved if key in kept]
+    assert compared and all(torch.equal(saved[key], kept[key]) for key in compared)
+
+
 def test_early_stopping_stops_after_patience(workdir, tmp_path):
     """No improvement of the held-out metric for --early-stopping-patience evaluations stops the run (learning
     rate 0: the first evaluation stays the best)."""
@@ -521,8 +551,13 @@ def test_causal_lm_recipe_on_wikitext_text(tmp_path):
         "--model", str(model_dir), "--train-file", str(WIKI_VALID), "--validation-file", str(WIKI_VALID),
         "--max-train-chars", "4000", "--max-eval-chars", "600", "--block-size", "32", "--context-length", "64",
         "--stride", "32", "--nb-features", "16", "--per-device-train-batch-size", "8", "--max-train-steps", "6",
-        "--learning-rate", "3e-3", "--warmup-steps", "0", "--output-dir", str(output), "--report-to", "none"])
+        "--learning-rate", "3e-3", "--warmup-steps", "0", "--output-dir", str(output), "--report-to", "none",
+        "--early-stopping-split", "0.2", "--eval-steps", "3"])
     metrics = training.train(args)
+    curve = json.loads((output / "eval_curve.json").read_text())
+    assert all(point["heldout_perplexity"] > 1.0 for point in curve)  # held-out blocks, same protocol
+    blocks = metrics["early_stopping"]["split_examples"] + metrics["train_examples"]
+    assert metrics["early_stopping"]["split_examples"] == round(0.2 * blocks) >= 1
     assert metrics["model"]["converted"] and metrics["task"] == "causal-lm"
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
     assert metrics["perplexity_protocol"]["context_length"] == 64 and metrics["perplexity_protocol"]["stride"] == 32
