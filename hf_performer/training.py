@@ -28,7 +28,9 @@ Stages of :func:`train`:
    keeps the weights of the best step (saved and reported instead of the last step's).
 4. **Checkpoints.** Every ``--checkpointing-steps`` optimizer steps: ``accelerator.save_state`` (model,
    optimizer, scheduler, grad scaler, RNG states) plus ``training_state.json`` (steps, epoch, batches of the
-   epoch already consumed, the evaluation curve so far). ``--resume-from-checkpoint DIR|latest`` reloads
+   epoch already consumed, the evaluation curve so far, the run's :func:`run_flags`). A used output folder needs
+   ``--overwrite`` (which deletes the previous run's checkpoints and metrics first), and a checkpoint is only
+   resumed with the flags it recorded. ``--resume-from-checkpoint DIR|latest`` reloads
    them and skips the consumed batches of the epoch (``accelerate.skip_first_batches``): the resumed run
    continues exactly where the interrupted one stopped and ends with the same weights and metrics.
 5. **Output.** The final model folder (``save_pretrained``: Performer folders keep their code and
@@ -608,8 +610,9 @@ def _check_output_dir(args: argparse.Namespace) -> str | None:
     used = os.path.isdir(output) and os.listdir(output)
     if used and not inside and not args.overwrite:
         shown = ", ".join(sorted(used)[:4]) + (", ..." if len(used) > 4 else "")
+        resume = ", --resume-from-checkpoint latest to continue it" if "checkpoints" in used else ""
         raise RecipeError(f"--output-dir {args.output_dir} is not empty ({shown}): pass --overwrite to replace the "
-                          "run there, --resume-from-checkpoint latest to continue it, or choose a new folder")
+                          f"run there{resume}, or choose a new folder")
     return checkpoint
 
 
