@@ -547,6 +547,23 @@ def portable_name(name_or_path: str | None) -> str | None:
     return text
 
 
+_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])[~/][^\s'\"(),;:]*")
+
+
+def without_local_paths(text: str | None) -> str | None:
+    """``text`` (e.g. an error message quoted in metrics.json) with each absolute or ``~`` path replaced by its
+    base name; URLs and fractions such as ``1/2`` are left alone."""
+    if not text:
+        return text
+
+    def base_name(match: re.Match) -> str:
+        path = match.group(0)
+        stripped = path.rstrip(".")  # a sentence's full stop is not part of the path
+        return (os.path.basename(stripped.rstrip("/")) or stripped) + path[len(stripped):]
+
+    return _LOCAL_PATH.sub(base_name, text)
+
+
 def _portable_checkpoint(path: str | None, output_dir: str) -> str | None:
     """A checkpoint folder relative to the output folder when inside it (``checkpoints/step_N``), else its base
     name; ``latest`` as it is."""
@@ -959,7 +976,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         "eval_examples": len(eval_set) if spec is not None else None,
         "perplexity_protocol": final_result.get("_protocol"),
         "metrics_backend": final_result["_backend"],
-        "metrics_note": final_result["_note"],
+        "metrics_note": without_local_paths(final_result["_note"]),
         "trainable_parameters": trainable,
         "total_parameters": total,
         "lora": bool(args.lora),
@@ -1051,4 +1068,5 @@ __all__ = [
     "run_flags",
     "set_redraw_interval",
     "train",
+    "without_local_paths",
 ]

@@ -168,9 +168,28 @@ def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
         "model": "bert", "tokenizer": "bert", "train_file": "train.tsv", "validation_file": "dev.tsv",
         "output_dir": "portable", "resume_from_checkpoint": "checkpoints/step_1"}
     assert metrics["resumed_from"] == "checkpoints/step_1"
+    assert metrics["metrics_note"] is None  # --metrics-backend local: no fallback to explain
     assert training.portable_name("sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
     assert training.portable_name("/home/someone/data/train.tsv.gz") == "train.tsv.gz"
     assert training.portable_name("../shared/data/glue/SST-2/") == "SST-2"
+
+
+def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
+    """The note explaining the local metrics fallback quotes `evaluate`'s error, which names a local module path
+    (the working folder when offline): metrics.json keeps its base name only."""
+    from hf_performer import evaluation
+
+    missing = tmp_path / "cwd" / "glue" / "glue.py"
+    monkeypatch.setattr(evaluation, "_load_evaluate_metric", lambda spec: FileNotFoundError(
+        f"Couldn't find a module script at {missing}. Module 'glue' doesn't exist on the Hugging Face Hub either."))
+    output = tmp_path / "note"
+    training.train(_args(workdir, output, "--metrics-backend", "auto", "--max-train-steps", "1",
+                         "--per-device-train-batch-size", "16", "--no-save-model"))
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["metrics_backend"] == "local"
+    assert "module script at glue.py." in metrics["metrics_note"] and str(tmp_path) not in metrics["metrics_note"]
+    assert training.without_local_paths("see /home/me/x/train.tsv, ~/data/dev.tsv and https://hf.co/a/b or 1/2") \
+        == "see train.tsv, dev.tsv and https://hf.co/a/b or 1/2"
 
 
 def test_report_to_tensorboard_without_tensorboard_fails_up_front(workdir, tmp_path, monkeypatch, capsys):
