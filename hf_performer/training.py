@@ -471,10 +471,10 @@ def _check_selection_options(args: argparse.Namespace) -> None:
     if args.early_stopping_split is not None and not 0 < args.early_stopping_split < 1:
         raise RecipeError(f"--early-stopping-split must be in (0, 1) (a fraction of the training examples), "
                           f"got {args.early_stopping_split}")
-    if selects and args.early_stopping_split is None:
-        raise RecipeError("--load-best-model-at-end and --early-stopping-patience select on a split carved from the "
-                          "training data, never on the reported validation split: pass --early-stopping-split "
-                          "FRACTION (e.g. 0.1)")
+    if (selects or args.metric_for_best_model is not None) and args.early_stopping_split is None:
+        raise RecipeError("--load-best-model-at-end, --early-stopping-patience and --metric-for-best-model select on "
+                          "a split carved from the training data, never on the reported validation split: pass "
+                          "--early-stopping-split FRACTION (e.g. 0.1)")
     if selects and not args.eval_steps:
         raise RecipeError("--load-best-model-at-end and --early-stopping-patience choose among evaluations: pass "
                           "--eval-steps N")

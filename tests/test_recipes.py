@@ -488,6 +488,8 @@ def test_early_stopping_split_is_seeded_and_disjoint_from_training_and_reported_
 def test_best_model_option_errors(workdir, tmp_path):
     with pytest.raises(RecipeError, match="--early-stopping-split"):
         training.train(_args(workdir, tmp_path / "b1", "--load-best-model-at-end", "--eval-steps", "1"))
+    with pytest.raises(RecipeError, match="pass --early-stopping-split"):
+        training.train(_args(workdir, tmp_path / "b0", "--metric-for-best-model", "eval_loss"))
     with pytest.raises(RecipeError, match="--eval-steps"):
         training.train(_args(workdir, tmp_path / "b2", "--early-stopping-patience", "2", "--early-stopping-split",
                              "0.2"))
