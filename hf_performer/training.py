@@ -2,7 +2,9 @@
 
 The scripts ``recipes/text_classification.py`` and ``recipes/causal_lm.py`` call :func:`main` with their
 kind; everything they do lives here. Run them with ``accelerate launch`` (multi-GPU / multi-node, DDP, FSDP,
-DeepSpeed through the configs in ``recipes/configs/``) or plain ``python`` (one process, CPU or one GPU).
+DeepSpeed through the configs in ``recipes/configs/``), plain ``python`` (one process, CPU or one GPU), or
+``ACCELERATE_USE_CPU=true torchrun --nproc_per_node N`` (DDP on CPU processes, gloo; ``accelerate launch --cpu
+--num_processes N`` starts one process only). The number of processes is printed at the start.
 
 Stages of :func:`train`:
 
@@ -16,12 +18,19 @@ Stages of :func:`train`:
    is known without any saved state.
 3. **Loop.** AdamW, linear (or other) schedule with warmup, gradient accumulation and mixed precision
    through Accelerate, gradient clipping, evaluation every ``--eval-steps`` optimizer steps and at the end
-   (the curve goes to ``eval_curve.json``), TensorBoard logging (``--report-to tensorboard``), tqdm bars.
+   (the curve goes to ``eval_curve.json``), TensorBoard logging (``--report-to tensorboard``, off by default:
+   tensorboard is not a dependency), tqdm bars.
    FAVOR+ projections are redrawn during training every ``redraw_interval`` attention calls, per the model's
    ``favor_settings`` (the counters live in the state dict, so checkpoints carry them).
+   With ``--early-stopping-split F`` a seeded fraction of the training examples is held out and evaluated too;
+   :class:`BestStepSelection` follows ``--metric-for-best-model`` on it, stops after
+   ``--early-stopping-patience`` evaluations without improvement and, with ``--load-best-model-at-end``,
+   keeps the weights of the best step (saved and reported instead of the last step's).
 4. **Checkpoints.** Every ``--checkpointing-steps`` optimizer steps: ``accelerator.save_state`` (model,
    optimizer, scheduler, grad scaler, RNG states) plus ``training_state.json`` (steps, epoch, batches of the
-   epoch already consumed, the evaluation curve so far). ``--resume-from-checkpoint DIR|latest`` reloads
+   epoch already consumed, the evaluation curve so far, the run's :func:`run_flags`). A used output folder needs
+   ``--overwrite`` (which deletes the previous run's checkpoints and metrics first), and a checkpoint is only
+   resumed with the flags it recorded. ``--resume-from-checkpoint DIR|latest`` reloads
    them and skips the consumed batches of the epoch (``accelerate.skip_first_batches``): the resumed run
    continues exactly where the interrupted one stopped and ends with the same weights and metrics.
 5. **Output.** The final model folder (``save_pretrained``: Performer folders keep their code and
@@ -69,6 +78,19 @@ overrides them."""
 
 CHECKPOINT_PREFIX = "step_"
 TRAINING_STATE_FILE = "training_state.json"
+BEST_WEIGHTS_FILE = "best_weights.pt"
+
+RUN_OUTPUTS = ("checkpoints", "runs", "adapter", "metrics.json", "eval_curve.json")
+"""What ``--overwrite`` deletes from a used output folder before training (the model files are replaced by the
+new run's)."""
+
+RESUMABLE_CHANGES = (
+    "output_dir", "resume_from_checkpoint", "overwrite", "eval_steps", "logging_steps", "checkpointing_steps",
+    "report_to", "num_workers", "per_device_eval_batch_size", "no_save_model", "metrics_backend", "validation_file",
+    "max_eval_samples", "max_eval_chars", "context_length", "stride",
+)
+"""Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
+number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
 
 LossHook = Callable[[torch.nn.Module, dict, object, int], "torch.Tensor | None"]
 
@@ -185,12 +207,32 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     training.add_argument("--eval-steps", type=int, default=None,
                           help="evaluate every N optimizer steps (default: only at the end)")
     training.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
+    training.add_argument("--early-stopping-split", type=float, default=None, metavar="FRACTION",
+                          help="carve this fraction of the training examples (seeded by --seed) as a held-out split, "
+                               "evaluated with the validation split at every evaluation; --load-best-model-at-end "
+                               "and --early-stopping-patience select on it, never on the reported validation split")
+    training.add_argument("--metric-for-best-model", default=None, metavar="METRIC",
+                          help="held-out metric that decides the best step: a metric of the task or eval_loss "
+                               "(default: the task's main metric; perplexity for causal LM); losses and perplexity "
+                               "are better lower, the others higher")
+    training.add_argument("--load-best-model-at-end", action="store_true",
+                          help="save and report the model of the evaluation step with the best held-out metric "
+                               "instead of the last step (needs --early-stopping-split and --eval-steps)")
+    training.add_argument("--early-stopping-patience", type=int, default=None, metavar="N",
+                          help="stop after N evaluations without improvement of the held-out metric (needs "
+                               "--early-stopping-split and --eval-steps)")
     training.add_argument("--checkpointing-steps", type=int, default=None,
                           help="save a resumable checkpoint every N optimizer steps in OUTPUT_DIR/checkpoints/")
     training.add_argument("--resume-from-checkpoint", default=None, metavar="DIR|latest",
-                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints")
-    training.add_argument("--report-to", choices=("tensorboard", "none"), default="tensorboard",
-                          help="TensorBoard logs in OUTPUT_DIR/runs (default) or none")
+                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints "
+                               "(with the run's flags: a checkpoint of different data-order or training flags is "
+                               "refused)")
+    training.add_argument("--overwrite", action="store_true",
+                          help="train into a non-empty OUTPUT_DIR: the previous run's checkpoints, metrics and logs "
+                               "are deleted first (without it a used folder is refused)")
+    training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
+                          help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
+                               "(needs `pip install tensorboard`)")
     training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
     parser.set_defaults(kind=kind)
@@ -358,6 +400,92 @@ def _dataloader(dataset, batch_size: int, collate_fn, sampler=None, num_workers:
                       num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
 
 
+def carve_early_stopping_split(dataset, fraction: float, seed: int):
+    """Split ``dataset`` (the training examples) into ``(train, held_out)``: ``round(fraction * n)`` examples
+    drawn with ``numpy.random.default_rng(seed)`` are held out, both parts keep the dataset's order.
+
+    Raises:
+        RecipeError: a fraction that leaves either part empty.
+    """
+    import numpy as np
+
+    total = len(dataset)
+    held_out = round(fraction * total)
+    if not 1 <= held_out < total:
+        raise RecipeError(f"--early-stopping-split {fraction} of {total} training examples holds out {held_out}: "
+                          "both the held-out and the training part need at least one example")
+    order = np.random.default_rng(seed).permutation(total)
+    return dataset.select(np.sort(order[held_out:]).tolist()), dataset.select(np.sort(order[:held_out]).tolist())
+
+
+class BestStepSelection:
+    """The best evaluation step on the held-out split (``--metric-for-best-model``), the evaluations since it
+    improved (early stopping), and, when ``keep_weights``, a CPU copy of the weights of that step."""
+
+    def __init__(self, metric: str, patience: int | None, keep_weights: bool):
+        self.metric = metric
+        self.greater_is_better = metric not in ("eval_loss", "perplexity")
+        self.patience = patience
+        self.keep_weights = keep_weights
+        self.best_step: int | None = None
+        self.best_value: float | None = None
+        self.evaluations_without_improvement = 0
+        self.best_weights: dict[str, torch.Tensor] | None = None
+
+    def update(self, step: int, value: float, model_weights: Callable[[], dict]) -> bool:
+        """Record the held-out ``value`` of ``step``; ``model_weights()`` is called only on improvement."""
+        improved = not math.isnan(value) and (
+            self.best_value is None
+            or (value > self.best_value if self.greater_is_better else value < self.best_value))
+        if improved:
+            self.best_step, self.best_value, self.evaluations_without_improvement = step, value, 0
+            if self.keep_weights:
+                self.best_weights = model_weights()
+        else:
+            self.evaluations_without_improvement += 1
+        return improved
+
+    @property
+    def should_stop(self) -> bool:
+        return self.patience is not None and self.evaluations_without_improvement >= self.patience
+
+    def state(self) -> dict:
+        return {"best_step": self.best_step, "best_value": self.best_value,
+                "evaluations_without_improvement": self.evaluations_without_improvement}
+
+    def load_state(self, state: dict, best_weights: dict | None) -> None:
+        self.best_step, self.best_value = state["best_step"], state["best_value"]
+        self.evaluations_without_improvement = state["evaluations_without_improvement"]
+        self.best_weights = best_weights
+
+
+def _selection_metrics(args: argparse.Namespace) -> tuple[str, ...]:
+    """The metrics ``--metric-for-best-model`` accepts for the recipe's task."""
+    if args.kind == "causal-lm":
+        return ("perplexity", "eval_loss")
+    return (*get_task(args.task).metrics, "eval_loss")
+
+
+def _check_selection_options(args: argparse.Namespace) -> None:
+    selects = args.load_best_model_at_end or args.early_stopping_patience is not None
+    if args.early_stopping_split is not None and not 0 < args.early_stopping_split < 1:
+        raise RecipeError(f"--early-stopping-split must be in (0, 1) (a fraction of the training examples), "
+                          f"got {args.early_stopping_split}")
+    if (selects or args.metric_for_best_model is not None) and args.early_stopping_split is None:
+        raise RecipeError("--load-best-model-at-end, --early-stopping-patience and --metric-for-best-model select on "
+                          "a split carved from the training data, never on the reported validation split: pass "
+                          "--early-stopping-split FRACTION (e.g. 0.1)")
+    if selects and not args.eval_steps:
+        raise RecipeError("--load-best-model-at-end and --early-stopping-patience choose among evaluations: pass "
+                          "--eval-steps N")
+    if args.early_stopping_patience is not None and args.early_stopping_patience < 1:
+        raise RecipeError(f"--early-stopping-patience must be >= 1, got {args.early_stopping_patience}")
+    accepted = _selection_metrics(args)
+    if args.metric_for_best_model is not None and args.metric_for_best_model not in accepted:
+        raise RecipeError(f"--metric-for-best-model {args.metric_for_best_model!r} is not a metric of this task; "
+                          f"accepted: {', '.join(accepted)}")
+
+
 # --------------------------------------------------------------------------------------------
 # Checkpoints
 # --------------------------------------------------------------------------------------------
@@ -402,6 +530,126 @@ def _json_safe_config(args: argparse.Namespace) -> dict:
             continue
         config[key] = value if isinstance(value, (int, float, str, bool)) else str(value)
     return config
+
+
+PATH_ARGS = ("model", "tokenizer", "train_file", "validation_file", "output_dir")
+"""Recipe arguments that may be local paths: recorded by :func:`portable_name` (metrics.json goes to the Hub)."""
+
+
+def portable_name(name_or_path: str | None) -> str | None:
+    """``name_or_path`` as a file meant for the Hub may record it: a Hub id (``org/name``, not a local path) is
+    kept, a local path becomes its base name (no ``/home/...``, ``/tmp/...`` reaches a shared file)."""
+    if name_or_path is None:
+        return None
+    text = str(name_or_path)
+    if os.path.exists(text) or os.path.isabs(text) or "\\" in text or text.startswith((".", "~")):
+        return os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(text.replace("\\", "/")))))
+    return text
+
+
+_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])[~/][^\s'\"(),;:]*")
+
+
+def without_local_paths(text: str | None) -> str | None:
+    """``text`` (e.g. an error message quoted in metrics.json) with each absolute or ``~`` path replaced by its
+    base name; URLs and fractions such as ``1/2`` are left alone."""
+    if not text:
+        return text
+
+    def base_name(match: re.Match) -> str:
+        path = match.group(0)
+        stripped = path.rstrip(".")  # a sentence's full stop is not part of the path
+        return (os.path.basename(stripped.rstrip("/")) or stripped) + path[len(stripped):]
+
+    return _LOCAL_PATH.sub(base_name, text)
+
+
+def _portable_checkpoint(path: str | None, output_dir: str) -> str | None:
+    """A checkpoint folder relative to the output folder when inside it (``checkpoints/step_N``), else its base
+    name; ``latest`` as it is."""
+    if path is None or path == "latest":
+        return path
+    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
+    return relative if not relative.startswith("..") else portable_name(path)
+
+
+def _recorded_args(args: argparse.Namespace) -> dict:
+    """The arguments as ``metrics.json`` and TensorBoard record them: scalars and strings, no local paths."""
+    config = _json_safe_config(args)
+    for key in PATH_ARGS:
+        if key in config and config[key] is not None:
+            config[key] = portable_name(config[key])
+    if "resume_from_checkpoint" in config:
+        config["resume_from_checkpoint"] = _portable_checkpoint(args.resume_from_checkpoint, args.output_dir)
+    return config
+
+
+def run_flags(args: argparse.Namespace, num_processes: int) -> dict:
+    """The flags that identify a run and its data order (recorded in each checkpoint, compared on resume)."""
+    flags = {key: value for key, value in _recorded_args(args).items() if key not in RESUMABLE_CHANGES}
+    flags["num_processes"] = num_processes
+    return flags
+
+
+def check_resumable(checkpoint: str, state: dict, flags: dict) -> None:
+    """Refuse to continue the run of ``checkpoint`` with other flags than those it recorded.
+
+    Raises:
+        RecipeError: one line naming each differing flag with the checkpoint's and the current value.
+    """
+    recorded = state.get("run")
+    if recorded is None:  # a checkpoint of an older version: nothing to compare
+        return
+    differing = []
+    for key in sorted(set(recorded) | set(flags)):
+        old, new = recorded.get(key), flags.get(key)
+        if json.dumps(old) != json.dumps(new):
+            name = "processes" if key == "num_processes" else "--" + key.replace("_", "-")
+            differing.append(f"{name} {old} (now {new})")
+    if differing:
+        raise RecipeError(
+            f"--resume-from-checkpoint: {checkpoint} belongs to a run with other flags: {', '.join(differing)}; "
+            "resume with that run's flags, or start a new run (empty --output-dir or --overwrite)")
+
+
+def _check_output_dir(args: argparse.Namespace) -> str | None:
+    """Refuse to mix two runs in one output folder; returns the checkpoint to resume from (or ``None``).
+
+    A non-empty folder is accepted when resuming from one of its own checkpoints, or with ``--overwrite`` (the
+    caller then deletes :data:`RUN_OUTPUTS`).
+    """
+    checkpoint = find_checkpoint(args.output_dir, args.resume_from_checkpoint) if args.resume_from_checkpoint else None
+    output = os.path.abspath(args.output_dir)
+    inside = checkpoint is not None and os.path.abspath(checkpoint).startswith(output + os.sep)
+    if inside and args.overwrite:
+        raise RecipeError(f"--overwrite would delete {checkpoint}, which --resume-from-checkpoint continues: "
+                          "pass one of them")
+    used = os.path.isdir(output) and os.listdir(output)
+    if used and not inside and not args.overwrite:
+        shown = ", ".join(sorted(used)[:4]) + (", ..." if len(used) > 4 else "")
+        resume = ", --resume-from-checkpoint latest to continue it" if "checkpoints" in used else ""
+        raise RecipeError(f"--output-dir {args.output_dir} is not empty ({shown}): pass --overwrite to replace the "
+                          f"run there{resume}, or choose a new folder")
+    return checkpoint
+
+
+def _clear_run_outputs(output_dir: str) -> None:
+    for name in RUN_OUTPUTS:
+        path = os.path.join(output_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def _check_report_to(report_to: str) -> None:
+    """Fail before any work when the chosen tracker's package is missing (accelerate would only warn)."""
+    if report_to == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401
+        except ImportError:
+            raise RecipeError("--report-to tensorboard needs the tensorboard package (not a dependency of "
+                              "hf-performer): pip install tensorboard, or use --report-to none") from None
 
 
 def _prepare_classification(args, accelerator, tokenizer):
@@ -454,6 +702,9 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     from .evaluation import compute_task_metrics, perplexity, predict_classification
 
     started = time.perf_counter()
+    _check_report_to(args.report_to)
+    _check_selection_options(args)
+    checkpoint = _check_output_dir(args)  # every process, before any of them writes
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator_kwargs = dict(gradient_accumulation_steps=args.gradient_accumulation_steps)
     if args.mixed_precision is not None:
@@ -461,6 +712,23 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     if args.report_to == "tensorboard":
         accelerator_kwargs.update(log_with="tensorboard", project_dir=args.output_dir)
     accelerator = Accelerator(**accelerator_kwargs)
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > accelerator.num_processes:
+        raise RecipeError(
+            f"WORLD_SIZE={launched} in the environment (torchrun?) but Accelerate runs {accelerator.num_processes} "
+            "process: each process would train alone into the same folder; on CPU set ACCELERATE_USE_CPU=true "
+            "(ACCELERATE_USE_CPU=true torchrun --nproc_per_node N recipes/...), on GPUs make them visible")
+    processes = accelerator.num_processes
+    accelerator.print(f"training with {processes} process{'es' if processes > 1 else ''} ("
+                      + (f"{accelerator.distributed_type.value} on " if processes > 1 else "")
+                      + f"{accelerator.device.type})")
+    flags = run_flags(args, accelerator.num_processes)
+    if checkpoint is not None:
+        with open(os.path.join(checkpoint, TRAINING_STATE_FILE)) as handle:
+            check_resumable(_portable_checkpoint(checkpoint, args.output_dir), json.load(handle), flags)
+    if args.overwrite and accelerator.is_main_process:
+        _clear_run_outputs(args.output_dir)
+    accelerator.wait_for_everyone()
     set_seed(args.seed)
 
     tokenizer_path = args.tokenizer or args.model
@@ -486,6 +754,18 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)
         model, model_info = load_model(args)
         eval_loader = None
+    heldout_set = heldout_loader = heldout_ids = selection = None
+    if args.early_stopping_split is not None:
+        train_set, heldout_set = carve_early_stopping_split(train_set, args.early_stopping_split, args.seed)
+        if spec is not None:
+            heldout_loader = _dataloader(heldout_set, args.per_device_eval_batch_size, collator, seed=args.seed)
+        else:  # the held-out blocks, joined again: scored with the same perplexity protocol
+            heldout_ids = [token for block in heldout_set["input_ids"] for token in block]
+        selection = BestStepSelection(args.metric_for_best_model or _selection_metrics(args)[0],
+                                      args.early_stopping_patience, args.load_best_model_at_end)
+        if args.load_best_model_at_end and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
+            raise RecipeError("--load-best-model-at-end keeps full weights per process: use it with one process "
+                              "or DDP, not FSDP/DeepSpeed")
     if args.lora:
         model = apply_lora(model, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -515,43 +795,65 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     scheduler = get_scheduler(args.lr_scheduler, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
                               num_training_steps=max_train_steps * accelerator.num_processes)
 
-    if eval_loader is not None:
+    if eval_loader is not None and heldout_loader is not None:
+        model, optimizer, train_loader, eval_loader, heldout_loader, scheduler = accelerator.prepare(
+            model, optimizer, train_loader, eval_loader, heldout_loader, scheduler)
+    elif eval_loader is not None:
         model, optimizer, train_loader, eval_loader, scheduler = accelerator.prepare(
             model, optimizer, train_loader, eval_loader, scheduler)
     else:
         model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     if args.report_to == "tensorboard":
-        accelerator.init_trackers("runs", config=_json_safe_config(args))
+        accelerator.init_trackers("runs", config=_recorded_args(args))
 
     # ---- resume
     completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
-    if args.resume_from_checkpoint:
-        path = find_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    resumed_from = None
+    if checkpoint is not None:
+        path = checkpoint
+        resumed_from = _portable_checkpoint(path, args.output_dir)
         accelerator.load_state(path)
         with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
             state = json.load(handle)
         completed_steps, start_epoch = state["completed_steps"], state["epoch"]
         skip_batches, curve = state["batches_in_epoch"], state["eval_curve"]
         accelerator.step = state.get("accumulation_step", 0)
+        if selection is not None and state.get("selection") is not None:
+            weights_file = os.path.join(path, BEST_WEIGHTS_FILE)
+            best_weights = (torch.load(weights_file, map_location="cpu", weights_only=True)
+                            if os.path.isfile(weights_file) else None)
+            selection.load_state(state["selection"], best_weights)
         accelerator.print(f"resumed from {path}: step {completed_steps}, epoch {start_epoch}, "
                           f"skipping {skip_batches} batches of it")
 
-    def evaluate_now() -> dict:
+    def evaluate_now(heldout: bool = False) -> dict:
         if spec is not None:
-            predictions, references, loss = predict_classification(model, eval_loader, spec, accelerator)
+            loader = heldout_loader if heldout else eval_loader
+            predictions, references, loss = predict_classification(model, loader, spec, accelerator)
             metrics, backend, note = compute_task_metrics(spec, predictions, references, args.metrics_backend)
             return {**metrics, "eval_loss": loss, "_backend": backend, "_note": note}
         context = args.context_length or args.block_size
         stride = args.stride or max(context // 2, 1)
-        result = perplexity(model, eval_ids, context, stride, args.per_device_eval_batch_size, accelerator)
+        result = perplexity(model, heldout_ids if heldout else eval_ids, context, stride,
+                            args.per_device_eval_batch_size, accelerator)
         return {"perplexity": result["perplexity"], "eval_loss": result["nll"], "_backend": None, "_note": None,
                 "_protocol": {k: result[k] for k in ("context_length", "stride", "windows", "num_tokens")}}
 
+    def model_weights() -> dict:
+        return {k: v.detach().to("cpu", copy=True) for k, v in accelerator.unwrap_model(model).state_dict().items()}
+
+    last_result = None
+
     def record_eval(epoch: int, train_loss: float | None) -> dict:
-        result = evaluate_now()
+        nonlocal last_result
+        result = last_result = evaluate_now()
         point = {"step": completed_steps, "epoch": epoch,
                  **{k: v for k, v in result.items() if not k.startswith("_")}}
+        if selection is not None:
+            heldout = evaluate_now(heldout=True)
+            point.update({f"heldout_{k}": v for k, v in heldout.items() if not k.startswith("_")})
+            selection.update(completed_steps, point[f"heldout_{selection.metric}"], model_weights)
         if train_loss is not None:
             point["train_loss"] = train_loss
         curve.append(point)
@@ -564,11 +866,11 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     progress = tqdm(total=max_train_steps, initial=completed_steps, desc="training",
                     disable=not accelerator.is_local_main_process)
     running_loss, running_count, last_train_loss, first_losses = 0.0, 0, None, []
-    final_result = None
+    stopped_at = None
     model.train()
     epoch = start_epoch
     for epoch in range(start_epoch, num_epochs):
-        if completed_steps >= max_train_steps:
+        if completed_steps >= max_train_steps or stopped_at is not None:
             break
         train_loader.set_epoch(epoch)
         loader = train_loader
@@ -608,24 +910,65 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
             if args.eval_steps and completed_steps % args.eval_steps == 0 and completed_steps < max_train_steps:
                 record_eval(epoch, step_loss)
                 model.train()
+                if selection is not None and selection.should_stop:
+                    stopped_at = completed_steps
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
-                _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve)
-            if completed_steps >= max_train_steps:
+                _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve, flags,
+                                 selection)
+            if completed_steps >= max_train_steps or stopped_at is not None:
                 break
         skip_batches = 0
 
     progress.close()
-    final_result = record_eval(epoch, last_train_loss)
+    if stopped_at is None:
+        record_eval(epoch, last_train_loss)
+    final_result = last_result
+
+    # ---- the kept model: the last step, or the best held-out step with --load-best-model-at-end
+    kept_point = curve[-1]
+    if stopped_at is not None:
+        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
+                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
+                       f"{selection.best_step})")
+    else:
+        kept_reason = "last step"
+    if args.load_best_model_at_end and selection.best_step is not None:
+        kept_point = next(point for point in curve if point["step"] == selection.best_step)
+        if selection.best_step != completed_steps:
+            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
+        evaluated = ", ".join(str(point["step"]) for point in curve)
+        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
+                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
+                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
+    early_stopping = None
+    if selection is not None:
+        early_stopping = {
+            "split_fraction": args.early_stopping_split,
+            "split_examples": len(heldout_set),
+            "seed": args.seed,
+            "metric": selection.metric,
+            "greater_is_better": selection.greater_is_better,
+            "patience": selection.patience,
+            "load_best_model_at_end": bool(args.load_best_model_at_end),
+            "best_step": selection.best_step,
+            "best_value": selection.best_value,
+            "stopped_at_step": stopped_at,
+            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
+        }
 
     # ---- outputs
-    final = {k: v for k, v in curve[-1].items() if k not in ("step", "epoch", "train_loss")}
+    final = {k: v for k, v in kept_point.items()
+             if k not in ("step", "epoch", "train_loss") and not k.startswith("heldout_")}
     metrics = {
         "kind": args.kind,
         "task": spec.name if spec is not None else "causal-lm",
-        "model": model_info,
+        "model": {**model_info, "source": portable_name(model_info["source"])},
         "main_metric": spec.main_metric if spec is not None else "perplexity",
         "final": final,
         "completed_steps": completed_steps,
+        "kept_step": kept_point["step"],
+        "kept_reason": kept_reason,
+        "early_stopping": early_stopping,
         "epochs": num_epochs,
         "train_loss_first": first_losses[0] if first_losses else None,
         "train_loss_last": last_train_loss,
@@ -633,7 +976,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         "eval_examples": len(eval_set) if spec is not None else None,
         "perplexity_protocol": final_result.get("_protocol"),
         "metrics_backend": final_result["_backend"],
-        "metrics_note": final_result["_note"],
+        "metrics_note": without_local_paths(final_result["_note"]),
         "trainable_parameters": trainable,
         "total_parameters": total,
         "lora": bool(args.lora),
@@ -641,8 +984,8 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         "num_processes": accelerator.num_processes,
         "device": str(accelerator.device),
         "wall_time_s": round(time.perf_counter() - started, 2),
-        "resumed_from": args.resume_from_checkpoint,
-        "args": _json_safe_config(args),
+        "resumed_from": resumed_from,
+        "args": _recorded_args(args),
     }
     accelerator.wait_for_everyone()
     if not args.no_save_model:
@@ -662,8 +1005,10 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     return metrics
 
 
-def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batches_in_epoch: int, curve: list):
-    """``accelerator.save_state`` + ``training_state.json``, written to a temporary folder then renamed."""
+def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batches_in_epoch: int, curve: list,
+                     flags: dict, selection: BestStepSelection | None = None):
+    """``accelerator.save_state`` + ``training_state.json`` (position, curve, the run's :func:`run_flags`, the
+    best-step selection) and the best step's weights, written to a temporary folder then renamed."""
     final = checkpoint_dir(output_dir, step)
     staging = final + ".partial"
     if accelerator.is_main_process and os.path.isdir(staging):
@@ -672,7 +1017,10 @@ def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batche
     accelerator.save_state(staging)
     if accelerator.is_main_process:
         state = {"completed_steps": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
-                 "accumulation_step": accelerator.step, "eval_curve": curve}
+                 "accumulation_step": accelerator.step, "eval_curve": curve, "run": flags,
+                 "selection": selection.state() if selection is not None else None}
+        if selection is not None and selection.best_weights is not None:
+            torch.save(selection.best_weights, os.path.join(staging, BEST_WEIGHTS_FILE))
         with open(os.path.join(staging, TRAINING_STATE_FILE), "w") as handle:
             json.dump(state, handle, indent=2)
         if os.path.isdir(final):
@@ -709,13 +1057,19 @@ def main(kind: str, argv: list[str] | None = None, loss_hooks: Sequence[LossHook
 __all__ = [
     "KINDS",
     "LORA_TARGET_MODULES",
+    "BestStepSelection",
     "EpochSeededSampler",
     "RecipeError",
     "apply_lora",
     "build_parser",
+    "carve_early_stopping_split",
+    "check_resumable",
     "find_checkpoint",
     "load_model",
     "main",
+    "portable_name",
+    "run_flags",
     "set_redraw_interval",
     "train",
+    "without_local_paths",
 ]

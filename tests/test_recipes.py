@@ -1,7 +1,8 @@
 """The fine-tuning recipes (hf_performer.training, recipes/): a few steps on tiny random models and a handful of
 rows, on CPU and offline. Loss decreases, metrics and the curve are written, the saved folder reloads, an
 interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, LoRA trains
-only adapters (and the new head), the Accelerate configs load. The causal-LM run uses the real GPT-2 tokenizer
+only adapters (and the new head), the Accelerate configs load, two CPU processes under torchrun train one DDP
+run, a used output folder and a resume with other flags are refused. The causal-LM run uses the real GPT-2 tokenizer
 of ../shared/data and is skipped when that folder is absent.
 """
 
@@ -76,12 +77,16 @@ def _args(workdir, output, *extra, kind="text-classification"):
 
 
 def test_classification_converts_trains_and_writes_everything(workdir, tmp_path):
-    """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + TensorBoard + reloadable folder."""
+    """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + reloadable folder. Runs on a
+    machine without tensorboard (not a dependency): nothing is logged by default, as with transformers' Trainer."""
     output = tmp_path / "run"
-    args = _args(workdir, output, "--validation-file", str(workdir / "train.tsv"), "--max-train-samples", "16",
-                 "--max-eval-samples", "16", "--learning-rate", "1e-2", "--per-device-train-batch-size", "16",
-                 "--max-train-steps", "10", "--warmup-steps", "0", "--eval-steps", "5", "--redraw-interval", "3",
-                 "--report-to", "tensorboard")
+    args = training.build_parser("text-classification").parse_args([
+        "--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
+        "--validation-file", str(workdir / "train.tsv"), "--output-dir", str(output), "--nb-features", "16",
+        "--metrics-backend", "local", "--max-train-samples", "16", "--max-eval-samples", "16",
+        "--learning-rate", "1e-2", "--per-device-train-batch-size", "16", "--max-train-steps", "10",
+        "--warmup-steps", "0", "--eval-steps", "5", "--redraw-interval", "3"])
+    assert args.report_to == "none"
     metrics = training.train(args)
 
     assert metrics["model"]["converted"] and metrics["model"]["attention"] == "favor"
@@ -93,7 +98,7 @@ def test_classification_converts_trains_and_writes_everything(workdir, tmp_path)
     on_disk = json.loads((output / "metrics.json").read_text())
     assert on_disk["final"]["accuracy"] == curve[-1]["accuracy"] and on_disk["metrics_backend"] == "local"
     assert on_disk["completed_steps"] == 10
-    assert glob.glob(str(output / "runs" / "**" / "events.out.tfevents.*"), recursive=True)
+    assert not (output / "runs").exists()
 
     # The folder is a complete Performer folder: code + auto_map, tokenizer; it reloads with the trained weights,
     # and the feature maps were redrawn during training (10 steps x 2 layers' calls, every 3 calls).
@@ -108,10 +113,11 @@ def test_classification_converts_trains_and_writes_everything(workdir, tmp_path)
     assert reloaded(**batch).logits.shape == (2, 2)
 
 
-def test_softmax_baseline_trains_without_conversion(workdir, tmp_path):
+def test_softmax_baseline_trains_without_conversion(workdir, tmp_path, capsys):
     metrics = training.train(_args(workdir, tmp_path / "softmax", "--attention", "softmax", "--max-train-steps", "2",
                                    "--per-device-train-batch-size", "16", "--no-save-model"))
-    assert metrics["model"] == {"source": str(workdir / "bert"), "attention": "softmax", "converted": False,
+    assert "training with 1 process (cpu)" in capsys.readouterr().out
+    assert metrics["model"] == {"source": "bert", "attention": "softmax", "converted": False,
                                 "favor_settings": None}
     assert set(metrics["final"]) == {"accuracy", "eval_loss"}
 
@@ -141,6 +147,75 @@ def test_performer_folder_trains_as_regression_with_redraw_override(workdir, tmp
     config = json.loads((output / "config.json").read_text())
     assert config["problem_type"] == "regression" and config["favor_settings"]["redraw_interval"] == 2
     assert config["architectures"] == ["PerformerForSequenceClassification"]
+
+
+def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
+    """metrics.json is meant for the Hub (model cards, results tables): local paths (model, data files, output
+    folder, checkpoint) are recorded by base name; a Hub id is kept as it is."""
+    output = tmp_path / "portable"
+    common = ["--max-train-steps", "2", "--per-device-train-batch-size", "16", "--checkpointing-steps", "1",
+              "--tokenizer", str(workdir / "bert")]
+    training.train(_args(workdir, output, *common, "--no-save-model"))
+    training.train(_args(workdir, output, *common, "--resume-from-checkpoint", str(output / "checkpoints" / "step_1"),
+                         "--no-save-model"))
+    text = (output / "metrics.json").read_text()
+    for local in (str(tmp_path), str(workdir), str(REPO), "/tmp/", "/work/", "/home/"):
+        assert local not in text
+    metrics = json.loads(text)
+    assert metrics["model"]["source"] == "bert"
+    assert {key: metrics["args"][key] for key in ("model", "tokenizer", "train_file", "validation_file", "output_dir",
+                                                  "resume_from_checkpoint")} == {
+        "model": "bert", "tokenizer": "bert", "train_file": "train.tsv", "validation_file": "dev.tsv",
+        "output_dir": "portable", "resume_from_checkpoint": "checkpoints/step_1"}
+    assert metrics["resumed_from"] == "checkpoints/step_1"
+    assert metrics["metrics_note"] is None  # --metrics-backend local: no fallback to explain
+    assert training.portable_name("sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert training.portable_name("/home/someone/data/train.tsv.gz") == "train.tsv.gz"
+    assert training.portable_name("../shared/data/glue/SST-2/") == "SST-2"
+
+
+def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
+    """The note explaining the local metrics fallback quotes `evaluate`'s error, which names a local module path
+    (the working folder when offline): metrics.json keeps its base name only."""
+    from hf_performer import evaluation
+
+    missing = tmp_path / "cwd" / "glue" / "glue.py"
+    monkeypatch.setattr(evaluation, "_load_evaluate_metric", lambda spec: FileNotFoundError(
+        f"Couldn't find a module script at {missing}. Module 'glue' doesn't exist on the Hugging Face Hub either."))
+    output = tmp_path / "note"
+    training.train(_args(workdir, output, "--metrics-backend", "auto", "--max-train-steps", "1",
+                         "--per-device-train-batch-size", "16", "--no-save-model"))
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["metrics_backend"] == "local"
+    assert "module script at glue.py." in metrics["metrics_note"] and str(tmp_path) not in metrics["metrics_note"]
+    assert training.without_local_paths("see /home/me/x/train.tsv, ~/data/dev.tsv and https://hf.co/a/b or 1/2") \
+        == "see train.tsv, dev.tsv and https://hf.co/a/b or 1/2"
+
+
+def test_report_to_tensorboard_without_tensorboard_fails_up_front(workdir, tmp_path, monkeypatch, capsys):
+    """tensorboard is not a dependency: asking for it where it is not installed fails before any work, in one line
+    that says how to get it."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
+    with pytest.raises(RecipeError, match="pip install tensorboard"):
+        training.train(_args(workdir, tmp_path / "tb", "--report-to", "tensorboard"))
+    assert not (tmp_path / "tb").exists()
+    with pytest.raises(SystemExit) as exit_info:
+        training.main("text-classification", ["--model", str(workdir / "bert"), "--task", "sst2",
+                                              "--train-file", str(workdir / "train.tsv"),
+                                              "--output-dir", str(tmp_path / "tb"), "--report-to", "tensorboard"])
+    message = str(exit_info.value.code)
+    assert "\n" not in message and "--report-to tensorboard" in message and "pip install tensorboard" in message
+
+
+def test_report_to_tensorboard_writes_runs(workdir, tmp_path):
+    """Where tensorboard is installed (`pip install tensorboard`), the run logs to OUTPUT_DIR/runs."""
+    pytest.importorskip("tensorboard")
+    output = tmp_path / "tb_run"
+    training.train(_args(workdir, output, "--report-to", "tensorboard", "--max-train-steps", "2",
+                         "--per-device-train-batch-size", "16", "--no-save-model"))
+    assert glob.glob(str(output / "runs" / "**" / "events.out.tfevents.*"), recursive=True)
 
 
 class _Interrupted(Exception):
@@ -175,6 +250,254 @@ def test_resume_from_checkpoint_matches_uninterrupted_run(workdir, tmp_path):
     assert resumed["final"] == pytest.approx(straight["final"], abs=1e-6)
     assert (tmp_path / "a" / "eval_curve.json").read_text() == (tmp_path / "b" / "eval_curve.json").read_text()
     assert resumed["completed_steps"] == straight["completed_steps"] == 6
+
+
+def test_existing_output_folder_needs_overwrite_which_clears_the_old_run(workdir, tmp_path):
+    """A second run into a used folder is refused; with --overwrite the old run's checkpoints and metrics are gone
+    first, so a later `--resume-from-checkpoint latest` continues the new run, not the old one."""
+    output = tmp_path / "reused"
+    old_run = ["--max-train-steps", "4", "--checkpointing-steps", "2", "--per-device-train-batch-size", "8",
+               "--no-save-model"]
+    training.train(_args(workdir, output, *old_run))
+    old_metrics = (output / "metrics.json").read_text()
+    new_run = ["--max-train-steps", "3", "--checkpointing-steps", "3", "--per-device-train-batch-size", "8",
+               "--no-save-model", "--seed", "7"]
+    with pytest.raises(RecipeError, match=r"is not empty .*--overwrite") as error:
+        training.train(_args(workdir, output, *new_run))
+    assert "\n" not in str(error.value)
+    assert (output / "metrics.json").read_text() == old_metrics
+
+    seen = {}
+
+    def cleared_before_training(model, batch, outputs, step):
+        seen.setdefault("files", sorted(os.listdir(output)))
+        return None
+
+    training.train(_args(workdir, output, *new_run, "--overwrite"), loss_hooks=[cleared_before_training])
+    assert "metrics.json" not in seen["files"] and "checkpoints" not in seen["files"]
+    assert sorted(os.listdir(output / "checkpoints")) == ["step_3"]
+    resumed = training.train(_args(workdir, output, *new_run, "--resume-from-checkpoint", "latest"))
+    assert resumed["resumed_from"] == "checkpoints/step_3" and resumed["completed_steps"] == 3
+    assert resumed["args"]["seed"] == 7
+    with pytest.raises(RecipeError, match="--overwrite would delete"):
+        training.train(_args(workdir, output, *new_run, "--resume-from-checkpoint", "latest", "--overwrite"))
+
+
+def test_resume_with_different_run_flags_is_refused(workdir, tmp_path):
+    """The checkpoint records the run's identity and data-order flags: resuming with another batch size, seed or
+    learning rate (wrong batches skipped, two runs mixed) is refused in one line naming them."""
+    output = tmp_path / "mismatch"
+    run = ["--max-train-steps", "2", "--checkpointing-steps", "1", "--per-device-train-batch-size", "8",
+           "--learning-rate", "1e-3", "--no-save-model"]
+    training.train(_args(workdir, output, *run))
+    state = json.loads((output / "checkpoints" / "step_1" / "training_state.json").read_text())
+    assert state["run"]["seed"] == 42 and state["run"]["per_device_train_batch_size"] == 8
+    assert state["run"]["train_file"] == "train.tsv" and state["run"]["num_processes"] == 1
+    changed = [*run, "--per-device-train-batch-size", "4", "--seed", "1", "--learning-rate", "2e-3",
+               "--resume-from-checkpoint", "latest", "--eval-steps", "1"]  # --eval-steps may change
+    with pytest.raises(RecipeError) as error:
+        training.train(_args(workdir, output, *changed))
+    message = str(error.value)
+    assert "\n" not in message and "--eval-steps" not in message
+    for flag in ("--seed 42 (now 1)", "--per-device-train-batch-size 8 (now 4)", "--learning-rate 0.001 (now 0.002)"):
+        assert flag in message
+    same = training.train(_args(workdir, output, *run, "--resume-from-checkpoint", "latest", "--eval-steps", "1"))
+    assert same["completed_steps"] == 2
+
+
+RANK_DRIVER = """
+import json, os, sys
+import torch
+from hf_performer import training
+
+seen = {}
+
+def capture(model, batch, outputs, step):
+    seen["model"] = model
+    seen.setdefault("first_batch", batch["input_ids"].tolist())
+    return None
+
+training.main("text-classification", sys.argv[2:], loss_hooks=[capture])
+model = getattr(seen["model"], "module", seen["model"])  # the rank's own (DDP-wrapped) copy
+torch.save({"state": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+            "first_batch": seen["first_batch"]}, os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pt"))
+"""
+
+
+def test_two_cpu_processes_train_one_ddp_run(workdir, tmp_path):
+    """`ACCELERATE_USE_CPU=true torchrun --nproc_per_node 2` (the documented CPU launch): real DDP on gloo. The
+    32 rows are sharded (4 optimizer steps of 2 x 4 rows instead of 8 of 4), both ranks end with identical weights
+    and FAVOR+ projections although they are redrawn during training, and only rank 0 writes and prints."""
+    import subprocess
+    import sys
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(RANK_DRIVER)
+    output = tmp_path / "ddp"
+    argv = ["--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
+            "--validation-file", str(workdir / "dev.tsv"), "--output-dir", str(output), "--nb-features", "16",
+            "--metrics-backend", "local", "--per-device-train-batch-size", "4", "--num-train-epochs", "1",
+            "--redraw-interval", "2", "--learning-rate", "1e-2", "--checkpointing-steps", "2"]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    done = subprocess.run([*torchrun, str(driver), str(tmp_path), *argv], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "training with 2 processes (MULTI_CPU on cpu)" in done.stdout
+    assert done.stdout.count('"completed_steps"') == 1  # only rank 0 prints the result
+
+    metrics = json.loads((output / "metrics.json").read_text())
+    assert metrics["num_processes"] == 2 and metrics["completed_steps"] == 4
+    assert metrics["train_examples"] == 32
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert rank0["first_batch"] != rank1["first_batch"]  # each rank saw its own shard
+    assert rank0["state"].keys() == rank1["state"].keys()
+    for key in rank0["state"]:
+        assert torch.equal(rank0["state"][key], rank1["state"][key]), key
+    projections = [k for k in rank0["state"] if "favor_feature_map" in k and k.endswith("projection")]
+    redraws = [int(v) for k, v in rank0["state"].items() if k.endswith("favor_feature_map.redraws")]
+    assert projections and redraws and all(r > 0 for r in redraws)
+    saved = load_file(output / "model.safetensors")
+    for key, value in saved.items():
+        if key in rank0["state"]:
+            assert torch.equal(value, rank0["state"][key]), key
+    assert sorted(os.listdir(output / "checkpoints")) == ["step_2", "step_4"]
+
+
+def test_torchrun_without_accelerate_cpu_is_refused(workdir, tmp_path, monkeypatch):
+    """torchrun on CPU without ACCELERATE_USE_CPU=true starts processes that Accelerate does not join: each would
+    train alone into the same folder. Refused before training, in one line saying what to set."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ACCELERATE_USE_CPU", raising=False)
+    with pytest.raises(RecipeError, match="WORLD_SIZE=2 .* 1 process.*ACCELERATE_USE_CPU=true") as error:
+        training.train(_args(workdir, tmp_path / "alone", "--max-train-steps", "1"))
+    assert "\n" not in str(error.value)
+    assert not os.listdir(tmp_path / "alone")
+
+
+def _flipped(text: str) -> str:
+    """The same TSV with every label flipped: a reported split on which learning the task makes things worse."""
+    lines = text.splitlines()
+    return "\n".join([lines[0]] + [f"{row.rsplit(chr(9), 1)[0]}\t{1 - int(row.rsplit(chr(9), 1)[1])}"
+                                   for row in lines[1:]]) + "\n"
+
+
+def test_load_best_model_keeps_the_best_step_on_the_carved_split(workdir, tmp_path):
+    """Selection uses the split carved from the training file, never the reported one: with a reported split whose
+    labels are flipped and a training that turns to gradient ascent after step 10, the kept model is the step with
+    the best held-out loss; the saved weights and the reported metrics are that step's, metrics.json says why."""
+    (tmp_path / "flipped.tsv").write_text(_flipped((workdir / "train.tsv").read_text()))
+    weights = {}
+
+    def ascend_late(model, batch, outputs, step):
+        weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}  # after `step` updates
+        return -2 * outputs.loss if step >= 10 else None
+
+    output = tmp_path / "best"
+    metrics = training.train(_args(
+        workdir, output, "--validation-file", str(tmp_path / "flipped.tsv"), "--early-stopping-split", "0.25",
+        "--load-best-model-at-end", "--metric-for-best-model", "eval_loss", "--eval-steps", "4",
+        "--max-train-steps", "16", "--per-device-train-batch-size", "8", "--learning-rate", "1e-2",
+        "--warmup-steps", "0"), loss_hooks=[ascend_late])
+
+    curve = json.loads((output / "eval_curve.json").read_text())
+    assert [p["step"] for p in curve] == [4, 8, 12, 16]
+    heldout = [p["heldout_eval_loss"] for p in curve]
+    best = curve[heldout.index(min(heldout))]
+    assert best["step"] < 16 and metrics["kept_step"] == best["step"]
+    reported = [p["eval_loss"] for p in curve]
+    assert curve[reported.index(min(reported))]["step"] != best["step"]  # the reported split would pick another
+    assert metrics["final"] == {"accuracy": best["accuracy"], "eval_loss": best["eval_loss"]}
+    assert "held-out eval_loss" in metrics["kept_reason"] and f"step {best['step']}" in metrics["kept_reason"]
+    on_disk = json.loads((output / "metrics.json").read_text())
+    assert on_disk["kept_step"] == best["step"] and on_disk["early_stopping"]["split_examples"] == 8
+    saved = load_file(output / "model.safetensors")
+    kept = weights[best["step"]]
+    compared = [key for key in saved if key in kept]
+    assert compared and all(torch.equal(saved[key], kept[key]) for key in compared)
+    head = next(key for key in compared if key.endswith("classifier.weight"))
+    assert not torch.equal(saved[head], weights[15][head])
+
+
+def test_resumed_run_keeps_the_best_step_saved_before_the_interruption(workdir, tmp_path):
+    """The best step's weights and the selection state travel in the checkpoint: a run interrupted after its
+    best step and resumed still saves and reports that step."""
+    weights = {}
+
+    def ascend_then_interrupt(model, batch, outputs, step):
+        weights[step] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        if step == 7 and "resumed" not in weights:
+            raise _Interrupted
+        return -2 * outputs.loss if step >= 4 else None
+
+    output = tmp_path / "best_resumed"
+    run = ["--early-stopping-split", "0.25", "--load-best-model-at-end", "--metric-for-best-model", "eval_loss",
+           "--eval-steps", "2", "--checkpointing-steps", "2", "--max-train-steps", "8", "--per-device-train-batch-size",
+           "8", "--learning-rate", "1e-2", "--warmup-steps", "0"]
+    with pytest.raises(_Interrupted):
+        training.train(_args(workdir, output, *run), loss_hooks=[ascend_then_interrupt])
+    state = json.loads((output / "checkpoints" / "step_6" / "training_state.json").read_text())
+    best_step = state["selection"]["best_step"]
+    assert best_step < 6 and (output / "checkpoints" / "step_6" / "best_weights.pt").is_file()
+    kept = weights[best_step]
+    weights["resumed"] = True
+    metrics = training.train(_args(workdir, output, *run, "--resume-from-checkpoint", "latest"),
+                             loss_hooks=[ascend_then_interrupt])
+    assert metrics["completed_steps"] == 8 and metrics["kept_step"] == best_step
+    saved = load_file(output / "model.safetensors")
+    compared = [key for key in saved if key in kept]
+    assert compared and all(torch.equal(saved[key], kept[key]) for key in compared)
+
+
+def test_early_stopping_stops_after_patience(workdir, tmp_path):
+    """No improvement of the held-out metric for --early-stopping-patience evaluations stops the run (learning
+    rate 0: the first evaluation stays the best)."""
+    metrics = training.train(_args(
+        workdir, tmp_path / "patience", "--early-stopping-split", "0.25", "--early-stopping-patience", "2",
+        "--eval-steps", "1", "--max-train-steps", "10", "--per-device-train-batch-size", "8", "--learning-rate", "0",
+        "--no-save-model"))
+    assert metrics["completed_steps"] == 3
+    assert [p["step"] for p in json.loads((tmp_path / "patience" / "eval_curve.json").read_text())] == [1, 2, 3]
+    stopping = metrics["early_stopping"]
+    assert stopping["stopped_at_step"] == 3 and stopping["patience"] == 2 and stopping["best_step"] == 1
+    assert stopping["metric"] == "accuracy" and stopping["greater_is_better"]
+    assert metrics["kept_step"] == 3 and "last step" in metrics["kept_reason"]
+
+
+def test_early_stopping_split_is_seeded_and_disjoint_from_training_and_reported_split(workdir, tmp_path):
+    """The carved split is a seeded choice of training rows, disjoint from the rows trained on; the reported
+    evaluation is the whole --validation-file."""
+    from datasets import Dataset
+
+    rows = Dataset.from_dict({"sentence": [f"row {i}" for i in range(40)], "label": [i % 2 for i in range(40)]})
+    train, heldout = training.carve_early_stopping_split(rows, 0.2, seed=3)
+    assert len(heldout) == 8 and len(train) == 32
+    assert not set(train["sentence"]) & set(heldout["sentence"])
+    assert set(train["sentence"]) | set(heldout["sentence"]) == set(rows["sentence"])
+    assert training.carve_early_stopping_split(rows, 0.2, seed=3)[1]["sentence"] == heldout["sentence"]
+    assert training.carve_early_stopping_split(rows, 0.2, seed=4)[1]["sentence"] != heldout["sentence"]
+
+    metrics = training.train(_args(workdir, tmp_path / "split", "--early-stopping-split", "0.25", "--eval-steps", "1",
+                                   "--max-train-steps", "2", "--per-device-train-batch-size", "8", "--no-save-model"))
+    assert metrics["train_examples"] == 24 and metrics["early_stopping"]["split_examples"] == 8
+    assert metrics["early_stopping"]["split_fraction"] == 0.25 and metrics["early_stopping"]["seed"] == 42
+    assert metrics["eval_examples"] == 16  # dev.tsv, untouched
+
+
+def test_best_model_option_errors(workdir, tmp_path):
+    with pytest.raises(RecipeError, match="--early-stopping-split"):
+        training.train(_args(workdir, tmp_path / "b1", "--load-best-model-at-end", "--eval-steps", "1"))
+    with pytest.raises(RecipeError, match="pass --early-stopping-split"):
+        training.train(_args(workdir, tmp_path / "b0", "--metric-for-best-model", "eval_loss"))
+    with pytest.raises(RecipeError, match="--eval-steps"):
+        training.train(_args(workdir, tmp_path / "b2", "--early-stopping-patience", "2", "--early-stopping-split",
+                             "0.2"))
+    with pytest.raises(RecipeError, match=r"--early-stopping-split must be in \(0, 1\)"):
+        training.train(_args(workdir, tmp_path / "b3", "--early-stopping-split", "1.5"))
+    with pytest.raises(RecipeError, match="accepted: accuracy, eval_loss"):
+        training.train(_args(workdir, tmp_path / "b4", "--metric-for-best-model", "f1", "--early-stopping-split",
+                             "0.2", "--load-best-model-at-end", "--eval-steps", "1"))
 
 
 def test_lora_trains_only_adapters_and_head(workdir, tmp_path):
@@ -249,8 +572,13 @@ def test_causal_lm_recipe_on_wikitext_text(tmp_path):
         "--model", str(model_dir), "--train-file", str(WIKI_VALID), "--validation-file", str(WIKI_VALID),
         "--max-train-chars", "4000", "--max-eval-chars", "600", "--block-size", "32", "--context-length", "64",
         "--stride", "32", "--nb-features", "16", "--per-device-train-batch-size", "8", "--max-train-steps", "6",
-        "--learning-rate", "3e-3", "--warmup-steps", "0", "--output-dir", str(output), "--report-to", "none"])
+        "--learning-rate", "3e-3", "--warmup-steps", "0", "--output-dir", str(output), "--report-to", "none",
+        "--early-stopping-split", "0.2", "--eval-steps", "3"])
     metrics = training.train(args)
+    curve = json.loads((output / "eval_curve.json").read_text())
+    assert all(point["heldout_perplexity"] > 1.0 for point in curve)  # held-out blocks, same protocol
+    blocks = metrics["early_stopping"]["split_examples"] + metrics["train_examples"]
+    assert metrics["early_stopping"]["split_examples"] == round(0.2 * blocks) >= 1
     assert metrics["model"]["converted"] and metrics["task"] == "causal-lm"
     assert metrics["train_loss_last"] < metrics["train_loss_first"]
     assert metrics["perplexity_protocol"]["context_length"] == 64 and metrics["perplexity_protocol"]["stride"] == 32

@@ -72,7 +72,7 @@ finetune_args() {  # finetune_args MODEL OUTPUT_DIR [EXTRA...]
     printf '%s\n' "$PYTHON" recipes/text_classification.py --model "$model" "$@" --task "$TASK" \
         --train-file "$TRAIN_FILE" --validation-file "$VALIDATION_FILE" "${SAMPLE_ARGS[@]}" --max-length "$MAX_LENGTH" \
         --learning-rate "$LR" --per-device-train-batch-size "$BATCH" --num-train-epochs "$EPOCHS" \
-        --eval-steps "$EVAL_STEPS" --seed "$SEED" --report-to none --output-dir "$output_dir"
+        --eval-steps "$EVAL_STEPS" --seed "$SEED" --report-to none --output-dir "$output_dir" --overwrite
 }
 evaluate_args() {  # evaluate_args MODEL OUTPUT.json
     printf '%s\n' "$HF_PERFORMER" evaluate "$1" --task "$TASK" --validation-file "$VALIDATION_FILE" \

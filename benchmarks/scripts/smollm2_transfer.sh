@@ -93,6 +93,9 @@ finetune() {  # finetune OUTPUT_DIR RECIPE_ARGS...: the same recipe arguments fo
             extra+=(--resume-from-checkpoint latest)
         fi
     fi
+    if [[ " ${extra[*]} " != *" --resume-from-checkpoint "* ]]; then
+        extra+=(--overwrite)  # a fresh run: replace what an earlier (ALWAYS=1 or failed) run left there
+    fi
     show_and_run "$PYTHON" recipes/causal_lm.py "$@" --train-file "$TRAIN_FILE" --validation-file "$TEST_FILE" \
         --block-size "$BLOCK" --max-train-steps "$STEPS" --per-device-train-batch-size "$BATCH" \
         --per-device-eval-batch-size "$EVAL_BATCH" --learning-rate "$LR" --context-length "$CONTEXT" \
