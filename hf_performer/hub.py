@@ -739,7 +739,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
     """
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise ModelCardError(f"metrics file not found: {path}") from None
     except json.JSONDecodeError as error:

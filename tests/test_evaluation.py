@@ -201,6 +201,40 @@ def test_synthetic_formats_aliases_and_errors(tmp_path):
         read_records(tmp_path / "ragged.tsv")
 
 
+def test_a_byte_order_mark_is_ignored_by_every_text_reader(tmp_path):
+    """The original MRPC TSVs start with a UTF-8 byte-order mark; so may any file saved by a Windows editor."""
+    from hf_performer.hub import load_metrics
+    from hf_performer.recovery_report import load_results
+
+    bom = "\ufeff"
+    mrpc = (f"{bom}Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+            "1\t1\t2\tHe said so.\tHe told us.\n0\t3\t4\tIt rained.\tIt was sunny.\n")
+    (tmp_path / "msr_paraphrase_test.tsv").write_text(mrpc, encoding="utf-8")
+    with gzip.open(tmp_path / "mrpc.tsv.gz", "wt", encoding="utf-8") as handle:
+        handle.write(mrpc)
+    for name in ("msr_paraphrase_test.tsv", "mrpc.tsv.gz"):
+        dataset = load_task_file(tmp_path / name, "mrpc")
+        assert dataset.column_names == ["sentence1", "sentence2", "label"] and dataset["label"] == [1, 0]
+    (tmp_path / "qqp.csv").write_text(f"{bom}question1,question2,is_duplicate\nA?,B?,1\n", encoding="utf-8")
+    assert load_task_file(tmp_path / "qqp.csv", "qqp")["label"] == [1]
+    (tmp_path / "sst.jsonl").write_text(f'{bom}{{"sentence": "good", "label": 1}}\n', encoding="utf-8")
+    assert load_task_file(tmp_path / "sst.jsonl", "sst2")["label"] == [1]
+    (tmp_path / "sst.json").write_text(bom + json.dumps([{"sentence": "bad", "label": 0}]), encoding="utf-8")
+    assert load_task_file(tmp_path / "sst.json", "sst2")["label"] == [0]
+
+    (tmp_path / "wiki.raw").write_text(f"{bom} = Title = \n", encoding="utf-8")
+    with gzip.open(tmp_path / "wiki.raw.gz", "wt", encoding="utf-8") as handle:
+        handle.write(f"{bom} = Title = \n")
+    assert load_lm_text(tmp_path / "wiki.raw") == load_lm_text(tmp_path / "wiki.raw.gz") == " = Title = \n"
+
+    (tmp_path / "metrics.json").write_text(bom + json.dumps({"task": "sst2", "metric": "accuracy", "value": 0.9}),
+                                           encoding="utf-8")
+    assert load_metrics(tmp_path / "metrics.json")[0][0]["value"] == 0.9
+    (tmp_path / "results.json").write_text(bom + json.dumps({"task": "sst2", "main_metric": "accuracy", "runs": {}}),
+                                           encoding="utf-8")
+    assert load_results(str(tmp_path / "results.json"))["task"] == "sst2"
+
+
 # --------------------------------------------------------------------------------------------
 # The evaluate command
 # --------------------------------------------------------------------------------------------
