@@ -347,6 +347,26 @@ def _load_tokenizer(path: str):
         raise EvaluationError(f"no tokenizer could be loaded from {path!r} ({error}); pass --tokenizer") from None
 
 
+def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = False):
+    """``auto_class.from_pretrained(model_path)``, refused when the folder lacks weights the model needs (a base
+    encoder loaded as a classifier gets a randomly initialised head: its metrics would mean nothing).
+
+    Raises:
+        EvaluationError: naming the missing weights.
+    """
+    model, loading_info = auto_class.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     output_loading_info=True)
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise EvaluationError(
+            f"{model_path} has no trained weights for {shown} (initialised randomly when loaded as "
+            f"{type(model).__name__}): its metrics would be those of a random head; evaluate a model fine-tuned on "
+            "the task (e.g. the output folder of recipes/text_classification.py)"
+        )
+    return model
+
+
 def evaluate_classification_model(model_path: str, task: str, validation_file: str | None = None,
                                   max_eval_samples: int | None = None, seed: int = 0, max_length: int = 128,
                                   batch_size: int = 32, tokenizer_path: str | None = None,
@@ -362,7 +382,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
 
     spec = get_task(task)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = load_trained_model(AutoModelForSequenceClassification, model_path, trust_remote_code)
     check_model_matches_task(model, spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
@@ -399,7 +419,7 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     from .data import load_lm_text, tokenize_lm_text
 
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     if context_length is None:
@@ -456,6 +476,7 @@ __all__ = [
     "compute_task_metrics",
     "evaluate_classification_model",
     "evaluate_perplexity_model",
+    "load_trained_model",
     "perplexity",
     "perplexity_windows",
     "predict_classification",

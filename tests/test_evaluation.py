@@ -278,6 +278,32 @@ def test_evaluate_command_classification(tmp_path, capsys):
         cli_main(["evaluate", str(folder), "--task", "stsb", "--validation-file", str(tmp_path / "dev.tsv")])
 
 
+def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
+    """A base encoder folder loads as a classifier whose head transformers initialises randomly: no accuracy."""
+    from transformers import BertModel
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=len(vocab))
+    for name, model in (("bert-base", BertModel(config)),
+                        ("performer-base", convert_to_performer(BertModel(config), nb_features=16))):
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(folder)
+        (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\n")
+        with pytest.raises(EvaluationError, match=r"no trained weights for .*classifier\.weight"):
+            evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["evaluate", str(folder), "--task", "sst2", "--validation-file", str(tmp_path / "dev.tsv")])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        [error] = [line for line in captured.err.splitlines() if "error:" in line]  # transformers logs its load report
+        assert "accuracy" not in captured.out and error.startswith("hf-performer evaluate: error: ")
+        assert "classifier.weight" in error and "fine-tuned on the task" in error
+
+
 @needs_shared
 def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2):
     from transformers import AutoTokenizer
