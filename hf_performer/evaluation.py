@@ -143,8 +143,17 @@ def check_model_matches_task(model, spec: TaskSpec) -> None:
         )
 
 
+def _progress_bar(total: int, description: str, show: bool, accelerator=None):
+    """A tqdm bar when ``show`` on a terminal (tqdm's ``disable=None``), on the local main process only."""
+    from tqdm.auto import tqdm
+
+    hidden = not show or (accelerator is not None and not accelerator.is_local_main_process)
+    return tqdm(total=total, desc=description, disable=True if hidden else None)
+
+
 @torch.no_grad()
-def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) -> tuple[np.ndarray, np.ndarray, float]:
+def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None,
+                           show_progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """Run ``model`` over a tokenised task dataloader (batches with ``labels``).
 
     Args:
@@ -153,6 +162,7 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) 
         spec: the task.
         accelerator: an ``accelerate.Accelerator`` when the dataloader is prepared (predictions are gathered
             across processes, duplicates dropped); ``None`` runs on the model's device.
+        show_progress: a tqdm bar over batches (on a terminal only).
 
     Returns:
         ``(predictions [n], references [n], mean loss)``: argmax class ids, or float scores for regression.
@@ -161,6 +171,7 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) 
     model.eval()
     device = None if accelerator is not None else next(model.parameters()).device
     predictions, references, losses, counts = [], [], [], []
+    progress = _progress_bar(len(dataloader), f"evaluating {spec.name}", show_progress, accelerator)
     for batch in dataloader:
         if device is not None:
             batch = {key: value.to(device) for key, value in batch.items()}
@@ -181,6 +192,8 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) 
         references.append(labels.cpu())
         losses.append(example_loss.double().sum().item())
         counts.append(int(labels.shape[0]))
+        progress.update(1)
+    progress.close()
     model.train(was_training)
     mean_loss = sum(losses) / max(sum(counts), 1)
     return torch.cat(predictions).numpy(), torch.cat(references).numpy(), mean_loss
@@ -230,7 +243,7 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
         batch_size: windows of equal length per forward pass.
         accelerator: with several processes, windows are shared out (each process runs the same number of
             forward passes; sums are reduced); ``None`` runs on the model's device.
-        show_progress: a tqdm bar over windows.
+        show_progress: a tqdm bar over windows (on a terminal only).
 
     Returns:
         ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``.
@@ -255,12 +268,7 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
             groups[-1].append(item)
         else:
             groups.append([item])
-    progress = None
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(mine), desc="perplexity", disable=accelerator is not None
-                        and not accelerator.is_local_main_process)
+    progress = _progress_bar(len(mine), "perplexity", show_progress, accelerator)
     for group in groups:
         batch = torch.stack([ids[begin:end] for (begin, end, _), _ in group]).to(device)
         logits = model(input_ids=batch, use_cache=False).logits.float()  # [B, L, vocab]
@@ -270,10 +278,8 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
             scored = token_nll[row, first - begin - 1:]
             nll_sum += weight * scored.sum()
             count += weight * scored.numel()
-        if progress is not None:
-            progress.update(len(group))
-    if progress is not None:
-        progress.close()
+        progress.update(len(group))
+    progress.close()
     if accelerator is not None and world > 1:
         nll_sum, count = accelerator.reduce(torch.stack([nll_sum, count]), reduction="sum")
     model.train(was_training)
@@ -334,6 +340,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
     parser.add_argument("--output", default=None, help="write the metrics to this JSON file")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal)")
     parser.set_defaults(func=run_evaluate)
     return parser
 
@@ -371,7 +379,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
                                   max_eval_samples: int | None = None, seed: int = 0, max_length: int = 128,
                                   batch_size: int = 32, tokenizer_path: str | None = None,
                                   metrics_backend: str = "auto", device: str | None = None,
-                                  trust_remote_code: bool = False) -> dict:
+                                  trust_remote_code: bool = False, show_progress: bool = True) -> dict:
     """Evaluate a sequence classification model folder on a task's validation split (see ``hf-performer
     evaluate --help``). Returns the metrics record written by the command."""
     from torch.utils.data import DataLoader
@@ -390,7 +398,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
     tokenized = tokenize_task_dataset(dataset, tokenizer, spec, max_length)
     loader = DataLoader(tokenized, batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer))
     start = time.perf_counter()
-    predictions, references, loss = predict_classification(model, loader, spec)
+    predictions, references, loss = predict_classification(model, loader, spec, show_progress=show_progress)
     metrics, backend, note = compute_task_metrics(spec, predictions, references, metrics_backend)
     return {
         "task": spec.name,
@@ -410,7 +418,8 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
 def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file: str | None = None,
                               split: str = "test", max_chars: int | None = None, context_length: int | None = None,
                               stride: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
-                              device: str | None = None, trust_remote_code: bool = False) -> dict:
+                              device: str | None = None, trust_remote_code: bool = False,
+                              show_progress: bool = True) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
     --help``). Returns the metrics record written by the command."""
     from transformers import AutoModelForCausalLM
@@ -429,7 +438,7 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     text = load_lm_text(text_file, dataset=task, split=split, max_chars=max_chars)
     ids = tokenize_lm_text(text, tokenizer)
     start = time.perf_counter()
-    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=True)
+    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=show_progress)
     return {
         "task": "perplexity",
         "model": model_path,
@@ -448,11 +457,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
         if args.task.lower() in LM_DATASETS or args.text_file is not None:
             record = evaluate_perplexity_model(
                 args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
-                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code)
+                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress)
         else:
             record = evaluate_classification_model(
                 args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
-                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code)
+                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress)
     except (DataError, EvaluationError) as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     for name, value in record["metrics"].items():

@@ -4,8 +4,10 @@ folder is absent) and on synthetic files, and the ``hf-performer evaluate`` comm
 """
 
 import gzip
+import io
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 from transformers.utils import logging
 
 from hf_performer import evaluation
+from hf_performer.cli import build_parser as cli_build_parser
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import convert_to_performer
 from hf_performer.data import (
@@ -276,6 +279,34 @@ def test_evaluate_command_classification(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="the model has 2 output labels but task stsb needs 1"):
         cli_main(["evaluate", str(folder), "--task", "stsb", "--validation-file", str(tmp_path / "dev.tsv")])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=37, vocab_size=len(vocab)))
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\nmovie\t1\n")
+    data = tokenize_task_dataset(load_task_file(tmp_path / "dev.tsv", "sst2"), tokenizer, "sst2")
+    loader = DataLoader(data, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
+    spec = get_task("sst2")
+    for stderr_class, show_progress, shown in ((_Terminal, True, True), (io.StringIO, True, False),
+                                               (_Terminal, False, False)):
+        stderr = stderr_class()
+        monkeypatch.setattr(sys, "stderr", stderr)
+        predictions, _, _ = evaluation.predict_classification(model, loader, spec, show_progress=show_progress)
+        assert len(predictions) == 3
+        assert ("evaluating sst2" in stderr.getvalue() and "2/2" in stderr.getvalue()) == shown, stderr.getvalue()
+    assert cli_build_parser("evaluate").parse_args(["evaluate", "m", "--task", "sst2", "--no-progress"]).no_progress
 
 
 def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
