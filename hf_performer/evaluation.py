@@ -25,6 +25,7 @@ Perplexity (:func:`perplexity`), a fixed protocol
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -32,7 +33,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from .data import LM_DATASETS, DataError, TaskSpec, get_task
 
@@ -143,6 +143,19 @@ def check_model_matches_task(model, spec: TaskSpec) -> None:
         )
 
 
+def _no_grad(function):
+    """``torch.no_grad()`` as a decorator that imports torch when ``function`` runs (``evaluate --help`` stays
+    fast)."""
+    @functools.wraps(function)
+    def without_gradients(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return function(*args, **kwargs)
+
+    return without_gradients
+
+
 def _progress_bar(total: int, description: str, show: bool, accelerator=None):
     """A tqdm bar when ``show`` on a terminal (tqdm's ``disable=None``), on the local main process only."""
     from tqdm.auto import tqdm
@@ -151,7 +164,7 @@ def _progress_bar(total: int, description: str, show: bool, accelerator=None):
     return tqdm(total=total, desc=description, disable=True if hidden else None)
 
 
-@torch.no_grad()
+@_no_grad
 def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None,
                            show_progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """Run ``model`` over a tokenised task dataloader (batches with ``labels``).
@@ -167,6 +180,8 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None,
     Returns:
         ``(predictions [n], references [n], mean loss)``: argmax class ids, or float scores for regression.
     """
+    import torch
+
     was_training = model.training
     model.eval()
     device = None if accelerator is not None else next(model.parameters()).device
@@ -230,7 +245,7 @@ def perplexity_windows(num_tokens: int, context_length: int, stride: int) -> lis
     return windows
 
 
-@torch.no_grad()
+@_no_grad
 def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: int, stride: int,
                batch_size: int = 1, accelerator=None, show_progress: bool = False) -> dict[str, float]:
     """Token-weighted perplexity of a causal LM on one token sequence (protocol: module docstring).
@@ -248,6 +263,8 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
     Returns:
         ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``.
     """
+    import torch
+
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     windows = perplexity_windows(ids.numel(), context_length, stride)
     world = accelerator.num_processes if accelerator is not None else 1
@@ -382,6 +399,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
                                   trust_remote_code: bool = False, show_progress: bool = True) -> dict:
     """Evaluate a sequence classification model folder on a task's validation split (see ``hf-performer
     evaluate --help``). Returns the metrics record written by the command."""
+    import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
@@ -422,6 +440,7 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
                               show_progress: bool = True) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
     --help``). Returns the metrics record written by the command."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from . import modeling_performer  # noqa: F401

@@ -11,6 +11,12 @@ import pytest
 from hf_performer import benchmark, cli
 
 
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """No "machine is loaded" warning from the benchmark verbs: these tests count stderr lines."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
 def _run_console_script(*arguments: str) -> subprocess.CompletedProcess:
     """Run ``hf-performer ARGUMENTS`` as the installed console script does (``sys.argv[0]`` names the script when the
     package is imported) and print, last, which heavy modules the process imported."""
@@ -38,10 +44,13 @@ def test_top_level_help_imports_neither_torch_nor_transformers():
     assert result.stdout.strip().splitlines()[-1] == "imported: []"
 
 
-def test_results_help_is_light_and_a_verb_run_imports_the_runtime(tmp_path):
+def test_results_and_evaluate_help_are_light_and_a_verb_run_imports_the_runtime(tmp_path):
     result = _run_console_script("results", "--help")
     assert result.returncode == 0 and "collect" in result.stdout
     assert result.stdout.strip().splitlines()[-1] == "imported: []"
+    result = _run_console_script("evaluate", "--help")
+    assert result.returncode == 0 and "--validation-file" in result.stdout
+    assert "torch" not in result.stdout.strip().splitlines()[-1]
     # A verb that runs finds the package fully imported (the "favor" attention and the Auto classes registered).
     result = _run_console_script("results", "table", str(tmp_path / "missing.json"))
     assert result.returncode == 2
