@@ -392,6 +392,30 @@ def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = Fa
     return model
 
 
+def check_head_was_trained(model_path: str) -> None:
+    """Raise :class:`EvaluationError` when ``model_path`` is a converted folder whose head was new at conversion
+    (its ``conversion_report.json`` says ``untrained_head``) and that records no training run since (the recipes'
+    ``metrics.json`` / ``eval_curve.json``, Trainer files)."""
+    from .conversion.fidelity import REPORT_FILE_NAME
+    from .hub import TRAINING_FILES
+
+    report_path = os.path.join(model_path, REPORT_FILE_NAME)
+    if not os.path.isfile(report_path):
+        return
+    try:
+        with open(report_path, encoding="utf-8-sig") as handle:
+            untrained_head = json.load(handle).get("untrained_head", False)
+    except (OSError, ValueError, AttributeError):
+        return
+    training_records = ("metrics.json", "eval_curve.json", *TRAINING_FILES)
+    if untrained_head and not any(os.path.isfile(os.path.join(model_path, name)) for name in training_records):
+        raise EvaluationError(
+            f"the task head of {model_path} was newly initialised at conversion and never trained ({REPORT_FILE_NAME}: "
+            f"untrained_head; no {', '.join(training_records[:2])} or Trainer files): its metrics would be those of a "
+            "random head; fine-tune it first (recipes/text_classification.py)"
+        )
+
+
 def evaluate_classification_model(model_path: str, task: str, validation_file: str | None = None,
                                   max_eval_samples: int | None = None, seed: int = 0, max_length: int = 128,
                                   batch_size: int = 32, tokenizer_path: str | None = None,
@@ -409,6 +433,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
     spec = get_task(task)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     model = load_trained_model(AutoModelForSequenceClassification, model_path, trust_remote_code)
+    check_head_was_trained(model_path)
     check_model_matches_task(model, spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
@@ -502,6 +527,7 @@ __all__ = [
     "METRIC_BACKENDS",
     "EvaluationError",
     "add_parser",
+    "check_head_was_trained",
     "check_model_matches_task",
     "compute_task_metrics",
     "evaluate_classification_model",

@@ -335,6 +335,30 @@ def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
         assert "classifier.weight" in error and "fine-tuned on the task" in error
 
 
+def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tmp_path, capsys):
+    """Converting a base encoder to sequence classification saves a random head: the folder loads completely, but
+    its conversion report says the head is new and nothing in the folder records a training run."""
+    from transformers import BertModel
+
+    from hf_performer.conversion.cli import main as convert_main
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                         vocab_size=len(vocab))).save_pretrained(tmp_path / "base")
+    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "base")
+    folder = tmp_path / "converted"
+    assert convert_main([str(tmp_path / "base"), str(folder), "--task", "sequence-classification",
+                         "--nb-features", "16"]) == 0
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\n")
+    with pytest.raises(EvaluationError, match="head .*never trained.*conversion_report.json"):
+        evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"))
+    (folder / "metrics.json").write_text("{}")  # a recipe fine-tuned it in place
+    record = evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"),
+                                                      metrics_backend="local", show_progress=False)
+    assert record["num_examples"] == 2
+
+
 @needs_shared
 def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2):
     from transformers import AutoTokenizer
