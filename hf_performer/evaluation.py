@@ -156,7 +156,7 @@ def _no_grad(function):
     return without_gradients
 
 
-def _progress_bar(total: int, description: str, show: bool, accelerator=None):
+def _progress_bar(total: int | None, description: str, show: bool, accelerator=None):
     """A tqdm bar when ``show`` on a terminal (tqdm's ``disable=None``), on the local main process only."""
     from tqdm.auto import tqdm
 
@@ -186,7 +186,8 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None,
     model.eval()
     device = None if accelerator is not None else next(model.parameters()).device
     predictions, references, losses, counts = [], [], [], []
-    progress = _progress_bar(len(dataloader), f"evaluating {spec.name}", show_progress, accelerator)
+    total = len(dataloader) if hasattr(dataloader, "__len__") else None
+    progress = _progress_bar(total, f"evaluating {spec.name}", show_progress, accelerator)
     for batch in dataloader:
         if device is not None:
             batch = {key: value.to(device) for key, value in batch.items()}
