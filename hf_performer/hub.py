@@ -42,8 +42,8 @@ from huggingface_hub.repocard_data import eval_results_to_model_index, model_ind
 from huggingface_hub.utils import filter_repo_objects, get_token
 
 from .data import TASKS
-from .favor_attention import feature_map_kind
-from .feature_maps import FEATURE_MAPS, default_feature_map_init
+
+# The feature-map registry (torch, transformers) is imported in the functions that use it: `push --help` stays fast.
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -822,6 +822,8 @@ def _format_setting(value) -> str:
 
 def _map_kind(name: str) -> str | None:
     """``"random"``, ``"learned"`` or ``"deterministic"`` (``None`` for a map not registered in this process)."""
+    from .favor_attention import feature_map_kind
+
     try:
         return feature_map_kind(name)
     except KeyError:
@@ -830,6 +832,8 @@ def _map_kind(name: str) -> str | None:
 
 def _map_default(name: str, option: str):
     """The default of a feature map's keyword ``option`` (``init``, ``nb_features``, ...), or ``None``."""
+    from .feature_maps import FEATURE_MAPS, default_feature_map_init
+
     factory = FEATURE_MAPS.get(name)
     if factory is None:
         return None
@@ -847,6 +851,8 @@ def _map_default(name: str, option: str):
 def effective_nb_features(feature_map: str, nb_features, head_dim: int | None) -> int | None:
     """The number ``m`` of features per head a map really uses: ``nb_features``, or with ``None`` the map's default
     (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim`` for t2r; elu+1: ``head_dim``; random maps: 256)."""
+    from .feature_maps import FEATURE_MAPS
+
     if nb_features is not None:
         return nb_features
     factory = FEATURE_MAPS.get(feature_map)
@@ -865,6 +871,8 @@ def setting_meanings(settings: dict, head_dim: int | None = None) -> dict[str, s
     :data:`LEARNED_SETTING_MEANINGS` (with the effective ``init`` and whether the seed is used), deterministic maps
     (elu+1) :data:`DETERMINISTIC_SETTING_MEANINGS`. An ``nb_features`` of ``None`` is explained as the map's default
     size (computed from ``head_dim`` when known)."""
+    from .feature_maps import FEATURE_MAPS
+
     name = settings.get("feature_map", "favor+")
     kind = _map_kind(name)
     table = {"learned": LEARNED_SETTING_MEANINGS, "deterministic": DETERMINISTIC_SETTING_MEANINGS}.get(kind, SETTING_MEANINGS)
@@ -1400,6 +1408,8 @@ def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult
     Raises:
         ModelCardError: with what is wrong.
     """
+    from .feature_maps import FEATURE_MAPS
+
     text = str(card)
     try:
         parsed = ModelCard(text)

@@ -44,14 +44,17 @@ def test_top_level_help_imports_neither_torch_nor_transformers():
     assert result.stdout.strip().splitlines()[-1] == "imported: []"
 
 
-def test_results_and_evaluate_help_are_light_and_a_verb_run_imports_the_runtime(tmp_path):
-    result = _run_console_script("results", "--help")
-    assert result.returncode == 0 and "collect" in result.stdout
-    assert result.stdout.strip().splitlines()[-1] == "imported: []"
-    result = _run_console_script("evaluate", "--help")
-    assert result.returncode == 0 and "--validation-file" in result.stdout
+@pytest.mark.parametrize("verb,expected", [("results", "collect"), ("evaluate", "--validation-file"),
+                                           ("push", "--dry-run"), ("card", "--base-model")])
+def test_verb_help_imports_neither_torch_nor_transformers(verb, expected):
+    result = _run_console_script(verb, "--help")
+    assert result.returncode == 0 and expected in result.stdout, result.stderr
     assert "torch" not in result.stdout.strip().splitlines()[-1]
-    # A verb that runs finds the package fully imported (the "favor" attention and the Auto classes registered).
+    assert "transformers" not in result.stdout.strip().splitlines()[-1]
+
+
+def test_a_verb_that_runs_finds_the_runtime_imported(tmp_path):
+    # As in a library session: the "favor" attention and the Performer Auto classes registered.
     result = _run_console_script("results", "table", str(tmp_path / "missing.json"))
     assert result.returncode == 2
     assert "torch" in result.stdout.strip().splitlines()[-1] and "transformers" in result.stdout
