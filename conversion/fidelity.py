@@ -75,6 +75,7 @@ class FidelityReport:
     logits_kl: float | None = None
     logits_relative_error: float | None = None
     position_table: str | None = None  # None: no learned absolute position table
+    untrained_head: bool = False  # the source's head was initialised at load (not in its checkpoint): not compared
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +118,9 @@ class FidelityReport:
                 f"{layer.propagated_relative_error:>23.4f}"
             )
         lines += ["", f"  final hidden states: mean cosine similarity {self.final_hidden_state_cosine:.4f}"]
+        if self.untrained_head:
+            lines.append("  head: newly initialised (the source checkpoint has no weights for it): not compared; "
+                         "train it on the task")
         if self.logits_relative_error is not None:
             head = f"  head: logits rel. error {self.logits_relative_error:.4f}"
             if self.prediction_agreement is not None:
@@ -284,6 +288,7 @@ def fidelity_report(
             f"({len(performer_modules)}) do not have the same attention layers"
         )
     inputs, description = _sample_inputs(source, tokenizer, texts, max_length, seed)
+    untrained_head = _head_is_newly_initialised(source)
     modes = (source.training, performer.training)
     source.eval()
     performer.eval()
@@ -328,7 +333,8 @@ def fidelity_report(
 
             source_logits = getattr(source_output, "logits", None)
             performer_logits = getattr(performer_output, "logits", None)
-            if source_logits is not None and performer_logits is not None and source_logits.shape == performer_logits.shape:
+            if (source_logits is not None and performer_logits is not None and not untrained_head
+                    and source_logits.shape == performer_logits.shape):
                 logits_error.add(performer_logits, source_logits)
                 if source_logits.shape[-1] > 1:  # not a regression head
                     source_log_p = torch.log_softmax(source_logits.double(), dim=-1)
@@ -363,4 +369,15 @@ def fidelity_report(
         logits_kl=float(torch.cat(kls).mean()) if kls else None,
         logits_relative_error=logits_error.value if has_logits else None,
         position_table=_position_table_note(source, performer),
+        untrained_head=untrained_head,
     )
+
+
+def _head_is_newly_initialised(model: PreTrainedModel) -> bool:
+    """Whether ``model`` was loaded from a checkpoint without weights for its head: ``from_pretrained`` marks the
+    parameters it loaded (``_is_hf_initialized``) and initialises the others randomly. A model built in memory has
+    no marks and counts as trained."""
+    base_parameters = {id(parameter) for parameter in model.base_model.parameters()}
+    head = [parameter for parameter in model.parameters() if id(parameter) not in base_parameters]
+    loaded = [getattr(parameter, "_is_hf_initialized", False) for parameter in model.parameters()]
+    return bool(head) and any(loaded) and not any(getattr(parameter, "_is_hf_initialized", False) for parameter in head)

@@ -7,37 +7,48 @@ The functional API::
     out = hf_performer.linear_attention(q, k, v, feature_map, causal=True)   # q, k, v: [B, H, L, d]
 """
 
-from .feature_maps import (
-    FeatureMap,
-    Features,
-    available_feature_maps,
-    gaussian_orthogonal_random_matrix,
-    make_feature_map,
-    register_feature_map,
-)
-from .linear_attention import LinearAttentionError, LinearAttentionState, linear_attention
+import importlib
+import os
+import sys
 
-# Importing favor_attention registers attn_implementation="favor" (attention function and mask) in transformers.
-from .cache import FavorCacheLayer, make_favor_cache
-from .favor_attention import (
-    FAVOR_DEFAULTS,
-    FavorMaskError,
-    attach_feature_maps,
-    favor_attention_forward,
-    favor_attention_mask,
-    resolve_favor_settings,
-)
+# The public names by the runtime module that defines them. Importing favor_attention registers
+# attn_implementation="favor" (attention function and mask) in transformers; importing modeling_performer registers
+# PerformerConfig / Performer* with transformers' Auto classes.
+_PUBLIC_NAMES = {
+    "feature_maps": ("FeatureMap", "Features", "available_feature_maps", "gaussian_orthogonal_random_matrix",
+                     "make_feature_map", "register_feature_map"),
+    "linear_attention": ("LinearAttentionError", "LinearAttentionState", "linear_attention"),
+    "cache": ("FavorCacheLayer", "make_favor_cache"),
+    "favor_attention": ("FAVOR_DEFAULTS", "FavorMaskError", "attach_feature_maps", "favor_attention_forward",
+                        "favor_attention_mask", "resolve_favor_settings"),
+    "configuration_performer": ("PerformerConfig", "PerformerConfigError"),
+    "modeling_performer": ("PerformerForCausalLM", "PerformerForMaskedLM", "PerformerForSequenceClassification",
+                           "PerformerForTokenClassification", "PerformerModel", "PerformerPreTrainedModel"),
+}
 
-# Importing modeling_performer registers PerformerConfig / Performer* with transformers' Auto classes.
-from .configuration_performer import PerformerConfig, PerformerConfigError
-from .modeling_performer import (
-    PerformerForCausalLM,
-    PerformerForMaskedLM,
-    PerformerForSequenceClassification,
-    PerformerForTokenClassification,
-    PerformerModel,
-    PerformerPreTrainedModel,
-)
+
+def import_runtime() -> None:
+    """Import the runtime (torch, transformers) and bind the public names; registers "favor" and the Auto classes."""
+    for module_name, names in _PUBLIC_NAMES.items():
+        module = importlib.import_module(f".{module_name}", __name__)
+        globals().update({name: getattr(module, name) for name in names})
+
+
+def _started_by_console_script() -> bool:
+    """Whether this process is the ``hf-performer`` console script, which imports this package before its ``main``
+    runs: the command line imports the runtime only for the verb it runs, so ``hf-performer --help`` stays fast."""
+    script = os.path.basename((getattr(sys, "argv", None) or [""])[0])
+    return script.removesuffix(".exe").removesuffix("-script.py") == "hf-performer"
+
+
+if _started_by_console_script():
+    def __getattr__(name: str):
+        if any(name in names for names in _PUBLIC_NAMES.values()):
+            import_runtime()
+            return globals()[name]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+else:
+    import_runtime()
 
 __version__ = "0.1.0"
 

@@ -61,6 +61,19 @@ def machine_info(device: torch.device) -> dict:
     return info
 
 
+def machine_load_warning() -> str | None:
+    """One line when the 1-minute load average is above half the cores (other work makes the timings noisy)."""
+    cores = os.cpu_count() or 1
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # not available on this platform
+        return None
+    if load <= 0.5 * cores:
+        return None
+    return (f"warning: the machine is loaded (1-minute load average {load:.1f} on {cores} cores): timings are noisy; "
+            "rerun on an idle machine for numbers to quote")
+
+
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     """Throughput of a plain square matmul: the compute floor the attention kernels are held to."""
     a = torch.randn(size, size, device=device, dtype=dtype)
@@ -291,8 +304,9 @@ def _lookup(records, **where):
 
 
 def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None:
-    """Shortest length at which FAVOR+ is faster than ``baseline`` (log-log interpolation between
-    measured lengths); ``None`` if it never is, the first length if it always is."""
+    """The length from which FAVOR+ stays faster than ``baseline`` at every longer measured length (log-log
+    interpolation between the last measured length where it is slower and the next); ``None`` if it is slower at
+    the longest one, the first length if it is never slower."""
     points = []
     for record in records:
         if record["mode"] == mode and record["implementation"] == "favor":
@@ -300,15 +314,14 @@ def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None
             if other:
                 points.append((record["length"], other["seconds"] / record["seconds"]))
     points.sort()
-    if not points:
+    if not points or points[-1][1] < 1:
         return None
-    if points[0][1] >= 1:
+    slower = [index for index, (_, ratio) in enumerate(points) if ratio < 1]
+    if not slower:
         return float(points[0][0])
-    for (l0, r0), (l1, r1) in zip(points, points[1:]):
-        if r0 < 1 <= r1:
-            t = (0 - math.log(r0)) / (math.log(r1) - math.log(r0))
-            return float(math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0))))
-    return None
+    (l0, r0), (l1, r1) = points[slower[-1]], points[slower[-1] + 1]
+    t = (0 - math.log(r0)) / (math.log(r1) - math.log(r0))
+    return float(math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0))))
 
 
 def summarize_speed(result: dict) -> dict:
@@ -339,8 +352,8 @@ def format_speed_table(result: dict) -> str:
         lines.append(f"{record['length']:>6} {record['mode']:<13} {record['implementation']:<6} "
                      f"{record['seconds']:9.3f} {record['gflops_per_s']:8.1f} {memory} {ratio:>8}")
     crossover = result["summary"]["crossover_length_vs_sdpa"]
-    lines.append("crossover length (FAVOR+ faster than SDPA from): " + ", ".join(
-        f"{mode}: {'never in range' if value is None else round(value)}" for mode, value in sorted(crossover.items())))
+    lines.append("crossover length (FAVOR+ faster than SDPA at every longer measured length from): " + ", ".join(
+        f"{mode}: {'none' if value is None else round(value)}" for mode, value in sorted(crossover.items())))
     lines.append(f"plain matmul on this machine: {result['matmul_gflops_per_s']:.0f} GFLOP/s "
                  f"({result['machine']['device_name']}, {result['machine']['torch_threads']} threads)")
     return "\n".join(lines)
@@ -483,6 +496,9 @@ def _write(result: dict, output_dir: Path | None, stem: str, plot) -> list[Path]
 
 
 def _run_speed(args) -> int:
+    warning = machine_load_warning()
+    if warning:
+        print(warning, file=sys.stderr)
     result = run_speed_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,

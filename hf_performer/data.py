@@ -183,11 +183,12 @@ def _file_format(path: str) -> tuple[str, bool]:
 
 
 def _open_text(path: str, gzipped: bool) -> io.TextIOBase:
+    """The file as UTF-8 text; a leading byte-order mark (the original MRPC files have one) is dropped."""
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path!r}")
     if gzipped:
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8", newline="")
-    return open(path, encoding="utf-8", newline="")
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8-sig", newline="")
+    return open(path, encoding="utf-8-sig", newline="")
 
 
 def read_records(path: str | os.PathLike, max_rows: int | None = None, header: bool | None = None,
@@ -463,7 +464,7 @@ def load_lm_text(text_file: str | os.PathLike | None = None, dataset: str = "wik
         if not os.path.isfile(path):
             raise DataError(f"text file not found: {path!r}")
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as handle:
+        with opener(path, "rt", encoding="utf-8-sig") as handle:  # a leading byte-order mark is not text
             text = handle.read(max_chars) if max_chars is not None else handle.read()
     else:
         from datasets import load_dataset

@@ -71,6 +71,7 @@ import gc
 import math
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -84,6 +85,7 @@ from .benchmark import (
     _synchronize,
     _write,
     machine_info,
+    machine_load_warning,
 )
 
 IMPLEMENTATIONS = ("favor", "softmax")
@@ -651,6 +653,9 @@ def plot_decode(result: dict, path: Path) -> None:
 
 
 def _run_decode(args) -> int:
+    warning = machine_load_warning()
+    if warning:
+        print(warning, file=sys.stderr)
     favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
     result = run_decode_benchmark(
         context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,

@@ -25,6 +25,7 @@ Perplexity (:func:`perplexity`), a fixed protocol
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -32,7 +33,6 @@ import time
 from collections.abc import Sequence
 
 import numpy as np
-import torch
 
 from .data import LM_DATASETS, DataError, TaskSpec, get_task
 
@@ -143,8 +143,30 @@ def check_model_matches_task(model, spec: TaskSpec) -> None:
         )
 
 
-@torch.no_grad()
-def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) -> tuple[np.ndarray, np.ndarray, float]:
+def _no_grad(function):
+    """``torch.no_grad()`` as a decorator that imports torch when ``function`` runs (``evaluate --help`` stays
+    fast)."""
+    @functools.wraps(function)
+    def without_gradients(*args, **kwargs):
+        import torch
+
+        with torch.no_grad():
+            return function(*args, **kwargs)
+
+    return without_gradients
+
+
+def _progress_bar(total: int | None, description: str, show: bool, accelerator=None):
+    """A tqdm bar when ``show`` on a terminal (tqdm's ``disable=None``), on the local main process only."""
+    from tqdm.auto import tqdm
+
+    hidden = not show or (accelerator is not None and not accelerator.is_local_main_process)
+    return tqdm(total=total, desc=description, disable=True if hidden else None)
+
+
+@_no_grad
+def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None,
+                           show_progress: bool = False) -> tuple[np.ndarray, np.ndarray, float]:
     """Run ``model`` over a tokenised task dataloader (batches with ``labels``).
 
     Args:
@@ -153,14 +175,19 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) 
         spec: the task.
         accelerator: an ``accelerate.Accelerator`` when the dataloader is prepared (predictions are gathered
             across processes, duplicates dropped); ``None`` runs on the model's device.
+        show_progress: a tqdm bar over batches (on a terminal only).
 
     Returns:
         ``(predictions [n], references [n], mean loss)``: argmax class ids, or float scores for regression.
     """
+    import torch
+
     was_training = model.training
     model.eval()
     device = None if accelerator is not None else next(model.parameters()).device
     predictions, references, losses, counts = [], [], [], []
+    total = len(dataloader) if hasattr(dataloader, "__len__") else None
+    progress = _progress_bar(total, f"evaluating {spec.name}", show_progress, accelerator)
     for batch in dataloader:
         if device is not None:
             batch = {key: value.to(device) for key, value in batch.items()}
@@ -181,6 +208,8 @@ def predict_classification(model, dataloader, spec: TaskSpec, accelerator=None) 
         references.append(labels.cpu())
         losses.append(example_loss.double().sum().item())
         counts.append(int(labels.shape[0]))
+        progress.update(1)
+    progress.close()
     model.train(was_training)
     mean_loss = sum(losses) / max(sum(counts), 1)
     return torch.cat(predictions).numpy(), torch.cat(references).numpy(), mean_loss
@@ -217,7 +246,7 @@ def perplexity_windows(num_tokens: int, context_length: int, stride: int) -> lis
     return windows
 
 
-@torch.no_grad()
+@_no_grad
 def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: int, stride: int,
                batch_size: int = 1, accelerator=None, show_progress: bool = False) -> dict[str, float]:
     """Token-weighted perplexity of a causal LM on one token sequence (protocol: module docstring).
@@ -230,11 +259,13 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
         batch_size: windows of equal length per forward pass.
         accelerator: with several processes, windows are shared out (each process runs the same number of
             forward passes; sums are reduced); ``None`` runs on the model's device.
-        show_progress: a tqdm bar over windows.
+        show_progress: a tqdm bar over windows (on a terminal only).
 
     Returns:
         ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``.
     """
+    import torch
+
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     windows = perplexity_windows(ids.numel(), context_length, stride)
     world = accelerator.num_processes if accelerator is not None else 1
@@ -255,12 +286,7 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
             groups[-1].append(item)
         else:
             groups.append([item])
-    progress = None
-    if show_progress:
-        from tqdm.auto import tqdm
-
-        progress = tqdm(total=len(mine), desc="perplexity", disable=accelerator is not None
-                        and not accelerator.is_local_main_process)
+    progress = _progress_bar(len(mine), "perplexity", show_progress, accelerator)
     for group in groups:
         batch = torch.stack([ids[begin:end] for (begin, end, _), _ in group]).to(device)
         logits = model(input_ids=batch, use_cache=False).logits.float()  # [B, L, vocab]
@@ -270,10 +296,8 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
             scored = token_nll[row, first - begin - 1:]
             nll_sum += weight * scored.sum()
             count += weight * scored.numel()
-        if progress is not None:
-            progress.update(len(group))
-    if progress is not None:
-        progress.close()
+        progress.update(len(group))
+    progress.close()
     if accelerator is not None and world > 1:
         nll_sum, count = accelerator.reduce(torch.stack([nll_sum, count]), reduction="sum")
     model.train(was_training)
@@ -334,6 +358,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
     parser.add_argument("--output", default=None, help="write the metrics to this JSON file")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is shown only when stderr is a terminal)")
     parser.set_defaults(func=run_evaluate)
     return parser
 
@@ -347,13 +373,58 @@ def _load_tokenizer(path: str):
         raise EvaluationError(f"no tokenizer could be loaded from {path!r} ({error}); pass --tokenizer") from None
 
 
+def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = False):
+    """``auto_class.from_pretrained(model_path)``, refused when the folder lacks weights the model needs (a base
+    encoder loaded as a classifier gets a randomly initialised head: its metrics would mean nothing).
+
+    Raises:
+        EvaluationError: naming the missing weights.
+    """
+    model, loading_info = auto_class.from_pretrained(model_path, trust_remote_code=trust_remote_code,
+                                                     output_loading_info=True)
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+        raise EvaluationError(
+            f"{model_path} has no trained weights for {shown} (initialised randomly when loaded as "
+            f"{type(model).__name__}): its metrics would be those of a random head; evaluate a model fine-tuned on "
+            "the task (e.g. the output folder of recipes/text_classification.py)"
+        )
+    return model
+
+
+def check_head_was_trained(model_path: str) -> None:
+    """Raise :class:`EvaluationError` when ``model_path`` is a converted folder whose head was new at conversion
+    (its ``conversion_report.json`` says ``untrained_head``) and that records no training run since (the recipes'
+    ``metrics.json`` / ``eval_curve.json``, Trainer files)."""
+    from .conversion.fidelity import REPORT_FILE_NAME
+    from .hub import TRAINING_FILES
+
+    report_path = os.path.join(model_path, REPORT_FILE_NAME)
+    if not os.path.isfile(report_path):
+        return
+    try:
+        with open(report_path, encoding="utf-8-sig") as handle:
+            untrained_head = json.load(handle).get("untrained_head", False)
+    except (OSError, ValueError, AttributeError):
+        return
+    training_records = ("metrics.json", "eval_curve.json", *TRAINING_FILES)
+    if untrained_head and not any(os.path.isfile(os.path.join(model_path, name)) for name in training_records):
+        raise EvaluationError(
+            f"the task head of {model_path} was newly initialised at conversion and never trained ({REPORT_FILE_NAME}: "
+            f"untrained_head; no {', '.join(training_records[:2])} or Trainer files): its metrics would be those of a "
+            "random head; fine-tune it first (recipes/text_classification.py)"
+        )
+
+
 def evaluate_classification_model(model_path: str, task: str, validation_file: str | None = None,
                                   max_eval_samples: int | None = None, seed: int = 0, max_length: int = 128,
                                   batch_size: int = 32, tokenizer_path: str | None = None,
                                   metrics_backend: str = "auto", device: str | None = None,
-                                  trust_remote_code: bool = False) -> dict:
+                                  trust_remote_code: bool = False, show_progress: bool = True) -> dict:
     """Evaluate a sequence classification model folder on a task's validation split (see ``hf-performer
     evaluate --help``). Returns the metrics record written by the command."""
+    import torch
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
@@ -362,7 +433,8 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
 
     spec = get_task(task)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = AutoModelForSequenceClassification.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = load_trained_model(AutoModelForSequenceClassification, model_path, trust_remote_code)
+    check_head_was_trained(model_path)
     check_model_matches_task(model, spec)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
@@ -370,7 +442,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
     tokenized = tokenize_task_dataset(dataset, tokenizer, spec, max_length)
     loader = DataLoader(tokenized, batch_size=batch_size, collate_fn=DataCollatorWithPadding(tokenizer))
     start = time.perf_counter()
-    predictions, references, loss = predict_classification(model, loader, spec)
+    predictions, references, loss = predict_classification(model, loader, spec, show_progress=show_progress)
     metrics, backend, note = compute_task_metrics(spec, predictions, references, metrics_backend)
     return {
         "task": spec.name,
@@ -390,16 +462,18 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
 def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file: str | None = None,
                               split: str = "test", max_chars: int | None = None, context_length: int | None = None,
                               stride: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
-                              device: str | None = None, trust_remote_code: bool = False) -> dict:
+                              device: str | None = None, trust_remote_code: bool = False,
+                              show_progress: bool = True) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
     --help``). Returns the metrics record written by the command."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     from . import modeling_performer  # noqa: F401
     from .data import load_lm_text, tokenize_lm_text
 
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, trust_remote_code=trust_remote_code)
+    model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     if context_length is None:
@@ -409,7 +483,7 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     text = load_lm_text(text_file, dataset=task, split=split, max_chars=max_chars)
     ids = tokenize_lm_text(text, tokenizer)
     start = time.perf_counter()
-    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=True)
+    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=show_progress)
     return {
         "task": "perplexity",
         "model": model_path,
@@ -428,11 +502,13 @@ def run_evaluate(args: argparse.Namespace) -> int:
         if args.task.lower() in LM_DATASETS or args.text_file is not None:
             record = evaluate_perplexity_model(
                 args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
-                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code)
+                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress)
         else:
             record = evaluate_classification_model(
                 args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
-                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code)
+                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress)
     except (DataError, EvaluationError) as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     for name, value in record["metrics"].items():
@@ -452,10 +528,12 @@ __all__ = [
     "METRIC_BACKENDS",
     "EvaluationError",
     "add_parser",
+    "check_head_was_trained",
     "check_model_matches_task",
     "compute_task_metrics",
     "evaluate_classification_model",
     "evaluate_perplexity_model",
+    "load_trained_model",
     "perplexity",
     "perplexity_windows",
     "predict_classification",

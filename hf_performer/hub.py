@@ -49,9 +49,8 @@ from huggingface_hub.repocard_data import eval_results_to_model_index, model_ind
 from huggingface_hub.utils import filter_repo_objects, get_token
 
 from .data import HUB_DATASET_IDS, LM_DATASETS, TASKS, DataError, get_task
-from .favor_attention import feature_map_kind
-from .feature_maps import FEATURE_MAPS, default_feature_map_init
-from .training import KINDS as RECIPE_KINDS
+
+# The runtime (torch, transformers) is imported in the functions that use it: `push --help` stays fast.
 
 
 try:  # the patterns upload_folder always adds (private in huggingface_hub; the same list is kept below)
@@ -862,9 +861,11 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
       evaluation split (causal LM: perplexity on the validation split of ``args.dataset``); see
       :func:`recipe_results`.
     """
+    from .training import KINDS as RECIPE_KINDS
+
     path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise ModelCardError(f"metrics file not found: {path}") from None
     except json.JSONDecodeError as error:
@@ -950,6 +951,8 @@ def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict
 
 def _is_recipe_run(folder: Path) -> bool:
     """Whether ``folder`` is the output of a fine-tuning recipe that trained (``metrics.json`` with steps)."""
+    from .training import KINDS as RECIPE_KINDS
+
     try:
         metrics = json.loads((folder / RECIPE_METRICS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -1005,6 +1008,8 @@ def _format_setting(value) -> str:
 
 def _map_kind(name: str) -> str | None:
     """``"random"``, ``"learned"`` or ``"deterministic"`` (``None`` for a map not registered in this process)."""
+    from .favor_attention import feature_map_kind
+
     try:
         return feature_map_kind(name)
     except KeyError:
@@ -1013,6 +1018,8 @@ def _map_kind(name: str) -> str | None:
 
 def _map_default(name: str, option: str):
     """The default of a feature map's keyword ``option`` (``init``, ``nb_features``, ...), or ``None``."""
+    from .feature_maps import FEATURE_MAPS, default_feature_map_init
+
     factory = FEATURE_MAPS.get(name)
     if factory is None:
         return None
@@ -1030,6 +1037,8 @@ def _map_default(name: str, option: str):
 def effective_nb_features(feature_map: str, nb_features, head_dim: int | None) -> int | None:
     """The number ``m`` of features per head a map really uses: ``nb_features``, or with ``None`` the map's default
     (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim`` for t2r; elu+1: ``head_dim``; random maps: 256)."""
+    from .feature_maps import FEATURE_MAPS
+
     if nb_features is not None:
         return nb_features
     factory = FEATURE_MAPS.get(feature_map)
@@ -1048,6 +1057,8 @@ def setting_meanings(settings: dict, head_dim: int | None = None) -> dict[str, s
     :data:`LEARNED_SETTING_MEANINGS` (with the effective ``init`` and whether the seed is used), deterministic maps
     (elu+1) :data:`DETERMINISTIC_SETTING_MEANINGS`. An ``nb_features`` of ``None`` is explained as the map's default
     size (computed from ``head_dim`` when known)."""
+    from .feature_maps import FEATURE_MAPS
+
     name = settings.get("feature_map", "favor+")
     kind = _map_kind(name)
     table = {"learned": LEARNED_SETTING_MEANINGS, "deterministic": DETERMINISTIC_SETTING_MEANINGS}.get(kind, SETTING_MEANINGS)
@@ -1584,6 +1595,8 @@ def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult
     Raises:
         ModelCardError: with what is wrong.
     """
+    from .feature_maps import FEATURE_MAPS
+
     text = str(card)
     try:
         parsed = ModelCard(text)

@@ -96,7 +96,7 @@ def _read_json(path: str, what: str):
     if not os.path.isfile(path):
         raise ResultsError(f"{what}: no such file {path}")
     try:
-        with open(path) as handle:
+        with open(path, encoding="utf-8-sig") as handle:
             return json.load(handle)
     except (OSError, json.JSONDecodeError) as error:
         raise ResultsError(f"{what}: cannot read {path} as JSON ({error})") from None

@@ -4,8 +4,10 @@ folder is absent) and on synthetic files, and the ``hf-performer evaluate`` comm
 """
 
 import gzip
+import io
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from transformers import BertConfig, BertForSequenceClassification, BertTokenize
 from transformers.utils import logging
 
 from hf_performer import evaluation
+from hf_performer.cli import build_parser as cli_build_parser
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import convert_to_performer
 from hf_performer.data import (
@@ -201,6 +204,40 @@ def test_synthetic_formats_aliases_and_errors(tmp_path):
         read_records(tmp_path / "ragged.tsv")
 
 
+def test_a_byte_order_mark_is_ignored_by_every_text_reader(tmp_path):
+    """The original MRPC TSVs start with a UTF-8 byte-order mark; so may any file saved by a Windows editor."""
+    from hf_performer.hub import load_metrics
+    from hf_performer.recovery_report import load_results
+
+    bom = "\ufeff"
+    mrpc = (f"{bom}Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
+            "1\t1\t2\tHe said so.\tHe told us.\n0\t3\t4\tIt rained.\tIt was sunny.\n")
+    (tmp_path / "msr_paraphrase_test.tsv").write_text(mrpc, encoding="utf-8")
+    with gzip.open(tmp_path / "mrpc.tsv.gz", "wt", encoding="utf-8") as handle:
+        handle.write(mrpc)
+    for name in ("msr_paraphrase_test.tsv", "mrpc.tsv.gz"):
+        dataset = load_task_file(tmp_path / name, "mrpc")
+        assert dataset.column_names == ["sentence1", "sentence2", "label"] and dataset["label"] == [1, 0]
+    (tmp_path / "qqp.csv").write_text(f"{bom}question1,question2,is_duplicate\nA?,B?,1\n", encoding="utf-8")
+    assert load_task_file(tmp_path / "qqp.csv", "qqp")["label"] == [1]
+    (tmp_path / "sst.jsonl").write_text(f'{bom}{{"sentence": "good", "label": 1}}\n', encoding="utf-8")
+    assert load_task_file(tmp_path / "sst.jsonl", "sst2")["label"] == [1]
+    (tmp_path / "sst.json").write_text(bom + json.dumps([{"sentence": "bad", "label": 0}]), encoding="utf-8")
+    assert load_task_file(tmp_path / "sst.json", "sst2")["label"] == [0]
+
+    (tmp_path / "wiki.raw").write_text(f"{bom} = Title = \n", encoding="utf-8")
+    with gzip.open(tmp_path / "wiki.raw.gz", "wt", encoding="utf-8") as handle:
+        handle.write(f"{bom} = Title = \n")
+    assert load_lm_text(tmp_path / "wiki.raw") == load_lm_text(tmp_path / "wiki.raw.gz") == " = Title = \n"
+
+    (tmp_path / "metrics.json").write_text(bom + json.dumps({"task": "sst2", "metric": "accuracy", "value": 0.9}),
+                                           encoding="utf-8")
+    assert load_metrics(tmp_path / "metrics.json")[0][0]["value"] == 0.9
+    (tmp_path / "results.json").write_text(bom + json.dumps({"task": "sst2", "main_metric": "accuracy", "runs": {}}),
+                                           encoding="utf-8")
+    assert load_results(str(tmp_path / "results.json"))["task"] == "sst2"
+
+
 # --------------------------------------------------------------------------------------------
 # The evaluate command
 # --------------------------------------------------------------------------------------------
@@ -242,6 +279,84 @@ def test_evaluate_command_classification(tmp_path, capsys):
 
     with pytest.raises(SystemExit, match="the model has 2 output labels but task stsb needs 1"):
         cli_main(["evaluate", str(folder), "--task", "stsb", "--validation-file", str(tmp_path / "dev.tsv")])
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
+    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                     intermediate_size=37, vocab_size=len(vocab)))
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\nmovie\t1\n")
+    data = tokenize_task_dataset(load_task_file(tmp_path / "dev.tsv", "sst2"), tokenizer, "sst2")
+    loader = DataLoader(data, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
+    spec = get_task("sst2")
+    for stderr_class, show_progress, shown in ((_Terminal, True, True), (io.StringIO, True, False),
+                                               (_Terminal, False, False)):
+        stderr = stderr_class()
+        monkeypatch.setattr(sys, "stderr", stderr)
+        predictions, _, _ = evaluation.predict_classification(model, loader, spec, show_progress=show_progress)
+        assert len(predictions) == 3
+        assert ("evaluating sst2" in stderr.getvalue() and "2/2" in stderr.getvalue()) == shown, stderr.getvalue()
+    assert cli_build_parser("evaluate").parse_args(["evaluate", "m", "--task", "sst2", "--no-progress"]).no_progress
+
+
+def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
+    """A base encoder folder loads as a classifier whose head transformers initialises randomly: no accuracy."""
+    from transformers import BertModel
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                        vocab_size=len(vocab))
+    for name, model in (("bert-base", BertModel(config)),
+                        ("performer-base", convert_to_performer(BertModel(config), nb_features=16))):
+        folder = tmp_path / name
+        model.save_pretrained(folder)
+        BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(folder)
+        (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\n")
+        with pytest.raises(EvaluationError, match=r"no trained weights for .*classifier\.weight"):
+            evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"))
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as exit_info:
+            cli_main(["evaluate", str(folder), "--task", "sst2", "--validation-file", str(tmp_path / "dev.tsv")])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        [error] = [line for line in captured.err.splitlines() if "error:" in line]  # transformers logs its load report
+        assert "accuracy" not in captured.out and error.startswith("hf-performer evaluate: error: ")
+        assert "classifier.weight" in error and "fine-tuned on the task" in error
+
+
+def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tmp_path, capsys):
+    """Converting a base encoder to sequence classification saves a random head: the folder loads completely, but
+    its conversion report says the head is new and nothing in the folder records a training run."""
+    from transformers import BertModel
+
+    from hf_performer.conversion.cli import main as convert_main
+
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
+    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
+                         vocab_size=len(vocab))).save_pretrained(tmp_path / "base")
+    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "base")
+    folder = tmp_path / "converted"
+    assert convert_main([str(tmp_path / "base"), str(folder), "--task", "sequence-classification",
+                         "--nb-features", "16"]) == 0
+    (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\n")
+    with pytest.raises(EvaluationError, match="head .*never trained.*conversion_report.json"):
+        evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"))
+    (folder / "metrics.json").write_text("{}")  # a recipe fine-tuned it in place
+    record = evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"),
+                                                      metrics_backend="local", show_progress=False)
+    assert record["num_examples"] == 2
 
 
 @needs_shared

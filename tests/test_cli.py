@@ -1,0 +1,108 @@
+"""The ``hf-performer`` entry point: a fast top-level ``--help`` and one-line errors."""
+
+import argparse
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from hf_performer import benchmark, cli
+
+
+@pytest.fixture(autouse=True)
+def idle_machine(monkeypatch):
+    """No "machine is loaded" warning from the benchmark verbs: these tests count stderr lines."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+
+
+def _run_console_script(*arguments: str) -> subprocess.CompletedProcess:
+    """Run ``hf-performer ARGUMENTS`` as the installed console script does (``sys.argv[0]`` names the script when the
+    package is imported) and print, last, which heavy modules the process imported."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.argv = ["/venv/bin/hf-performer", *{list(arguments)!r}]
+        from hf_performer.cli import main
+        try:
+            status = main()
+        except SystemExit as error:
+            status = error.code
+        print("imported:", sorted(name for name in ("torch", "transformers", "numpy") if name in sys.modules))
+        sys.exit(status)
+    """)
+    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
+
+
+def test_top_level_help_imports_neither_torch_nor_transformers():
+    result = _run_console_script("--help")
+    assert result.returncode == 0, result.stderr
+    for name, help_text, _ in cli.VERBS:
+        assert name in result.stdout
+    assert "--debug" in result.stdout
+    assert result.stdout.strip().splitlines()[-1] == "imported: []"
+
+
+@pytest.mark.parametrize("verb,expected", [("results", "collect"), ("evaluate", "--validation-file"),
+                                           ("push", "--dry-run"), ("card", "--base-model")])
+def test_verb_help_imports_neither_torch_nor_transformers(verb, expected):
+    result = _run_console_script(verb, "--help")
+    assert result.returncode == 0 and expected in result.stdout, result.stderr
+    assert "torch" not in result.stdout.strip().splitlines()[-1]
+    assert "transformers" not in result.stdout.strip().splitlines()[-1]
+
+
+def test_a_verb_that_runs_finds_the_runtime_imported(tmp_path):
+    # As in a library session: the "favor" attention and the Performer Auto classes registered.
+    result = _run_console_script("results", "table", str(tmp_path / "missing.json"))
+    assert result.returncode == 2
+    assert "torch" in result.stdout.strip().splitlines()[-1] and "transformers" in result.stdout
+
+
+def test_verb_table_matches_the_verbs_parsers():
+    parser = cli.build_parser()
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    registered = {choice.dest: choice.help for choice in subparsers._choices_actions}
+    assert registered == {name: help_text for name, help_text, _ in cli.VERBS}
+
+
+def test_an_exception_deep_inside_a_verb_is_one_line_with_status_2(capsys):
+    # torch.device("nosuchdevice") raises inside the benchmark, not in the parser.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "attention", "--device", "nosuchdevice", "--lengths", "16"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert lines[0].startswith("hf-performer bench: error: RuntimeError: ") and "nosuchdevice" in lines[0]
+    assert lines[0].endswith(cli.DEBUG_HINT) and "Traceback" not in captured.err
+
+    for arguments in (["--debug", "bench", "attention"], ["bench", "attention", "--debug"]):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main([*arguments, "--device", "nosuchdevice", "--lengths", "16"])
+        assert exit_info.value.code == 2
+        error = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in error and "run_speed_benchmark" in error
+        assert error.strip().splitlines()[-1].startswith("hf-performer bench: error: RuntimeError: ")
+
+
+def test_a_system_exit_message_is_one_line_with_status_2(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["results", "table", str(tmp_path / "missing.json")])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hf-performer results table: error: ") and "missing.json" in lines[0]
+    # argparse's own usage errors and --help keep their messages and status.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "attention", "--lengths", "x"])
+    assert exit_info.value.code == 2 and "expected comma-separated integers" in capsys.readouterr().err
+
+
+def test_interrupt_is_one_line_with_status_130(monkeypatch, capsys):
+    def interrupted(**_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(benchmark, "run_speed_benchmark", interrupted)
+    assert cli.main(["bench", "attention"]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == ["hf-performer bench: interrupted"]
