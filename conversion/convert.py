@@ -84,8 +84,8 @@ def _task_from_architectures(config) -> str:
 def load_source(
     name_or_path: str | os.PathLike, task: str | None = None, **from_pretrained_kwargs
 ) -> tuple[PreTrainedModel, object | None]:
-    """Load a pretrained softmax model and its tokenizer (``None`` when the source has no usable one: no tokenizer
-    files, or a tokenizer that encodes text to nothing or to unknown tokens only, see :func:`tokenizer_is_usable`).
+    """Load a pretrained softmax model and its tokenizer (``None`` when the source has none: no tokenizer files in a
+    local folder, or a tokenizer transformers makes up, see :func:`_load_usable_tokenizer`).
 
     Args:
         name_or_path: a local folder (or a Hub name available offline).
@@ -127,8 +127,13 @@ def _load_source_config(name_or_path: str | os.PathLike):
 
 
 def _load_usable_tokenizer(name_or_path: str | os.PathLike):
-    """The tokenizer of a source, or ``None`` when it has no usable one (see :func:`tokenizer_is_usable`)."""
-    if os.path.isdir(name_or_path) and not any(
+    """The tokenizer of a source, or ``None`` when it has none: a local folder without tokenizer files, or one that
+    transformers makes up (it encodes text to nothing or to unknown tokens only, see :func:`tokenizer_is_usable`).
+
+    A local folder's own tokenizer is kept even when its vocabulary does not cover the probe text (it is the
+    source's: it goes to the output folder); :func:`fidelity_report` then measures on random token ids."""
+    is_local = os.path.isdir(name_or_path)
+    if is_local and not any(
         all(os.path.isfile(os.path.join(name_or_path, name)) for name in option) for option in TOKENIZER_VOCAB_FILES
     ):
         logger.info(f"no tokenizer files in {name_or_path}")
@@ -139,8 +144,11 @@ def _load_usable_tokenizer(name_or_path: str | os.PathLike):
         logger.info(f"no tokenizer loaded from {name_or_path}: {error}")
         return None
     if not tokenizer_is_usable(tokenizer):
-        logger.warning(f"the tokenizer of {name_or_path} encodes text to nothing or to unknown tokens only: not used")
-        return None
+        if not is_local:
+            logger.warning(f"the tokenizer of {name_or_path} encodes text to nothing or to unknown tokens only: not used")
+            return None
+        logger.warning(f"the tokenizer of {name_or_path} encodes sample text to unknown tokens only: fidelity is "
+                       "measured on random token ids")
     return tokenizer
 
 

@@ -450,17 +450,22 @@ def test_cli_without_tokenizer_files_uses_random_ids_and_writes_no_tokenizer(nam
         convert_cli.main([str(tmp_path / "source"), str(tmp_path / "other"), "--text", "the quick brown fox"])
 
 
-def test_a_tokenizer_that_encodes_to_unknown_tokens_only_is_not_used(tmp_path):
+def test_a_source_tokenizer_that_encodes_to_unknown_tokens_only_is_kept_but_not_measured(tmp_path):
+    """The source's own tokenizer goes to the output even when its vocabulary does not cover the sample text; the
+    report then measures random token ids, not [UNK] sequences."""
     folder = tmp_path / "source"
     make_source("bert-mlm").save_pretrained(folder)
-    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")  # files, but no real vocabulary
+    (folder / "vocab.txt").write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")  # the source's, if a poor one
     source, tokenizer = load_source(folder)
-    assert tokenizer is None
-
-    # Given directly, such a tokenizer is not used either: the report does not measure [UNK] sequences.
-    unusable = BertTokenizer(str(folder / "vocab.txt"))
-    report = fidelity_report(source, convert_to_performer(source, nb_features=16), unusable)
+    assert tokenizer is not None and tokenizer.vocab_size == 5
+    report = fidelity_report(source, convert_to_performer(source, nb_features=16), tokenizer)
     assert report.inputs == NO_TOKENIZER_INPUTS
+
+    output = tmp_path / "performer"
+    assert convert_cli.main([str(folder), str(output), "--nb-features", "16"]) == 0
+    saved = BertTokenizer.from_pretrained(output)
+    assert sorted(saved.get_vocab()) == sorted(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    assert json.loads((output / REPORT_FILE_NAME).read_text())["inputs"] == NO_TOKENIZER_INPUTS
 
 
 def test_a_usable_tokenizer_is_kept(source_folder):
