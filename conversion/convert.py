@@ -25,7 +25,6 @@ from hf_performer.configuration_performer import (
     PerformerConfig,
     PerformerConfigError,
     check_source_architecture,
-    supported_architectures_message,
 )
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init

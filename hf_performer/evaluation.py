@@ -31,10 +31,14 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .data import LM_DATASETS, DataError, TaskSpec, get_task
+
+if TYPE_CHECKING:
+    import torch
 
 
 METRIC_BACKENDS = ("auto", "evaluate", "local")

@@ -48,7 +48,7 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 from huggingface_hub.utils import filter_repo_objects, get_token
 
-from .data import HUB_DATASET_IDS, LM_DATASETS, TASKS, DataError, get_task
+from .data import LM_DATASETS, TASKS, DataError, get_task
 
 # The runtime (torch, transformers) is imported in the functions that use it: `push --help` stays fast.
 

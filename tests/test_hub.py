@@ -1044,22 +1044,6 @@ def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
 # A new user's first run: the card's snippet, the recipe's card, push failures, folders that would not load
 # --------------------------------------------------------------------------------------------
 
-BLOCK_HF_PERFORMER = """\
-import sys
-
-
-class BlockHfPerformer:
-    # Makes `hf_performer` unimportable, as on a machine where the package is not installed.
-    def find_spec(self, name, path=None, target=None):
-        if name == "hf_performer" or name.startswith("hf_performer."):
-            raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)", name=name)
-        return None
-
-
-sys.meta_path.insert(0, BlockHfPerformer())
-
-"""
-
 
 def loading_snippet(card_text: str) -> str:
     """The python code block of the card's "How to load" section, verbatim."""
@@ -1081,7 +1065,8 @@ def test_card_loading_snippet_trusts_the_code_for_every_auto_class(converted):
 
 
 @pytest.mark.slow
-def test_card_loading_snippet_runs_unattended_where_the_package_is_not_installed(converted, tmp_path):
+def test_card_loading_snippet_runs_unattended_where_the_package_is_not_installed(converted, tmp_path,
+                                                                                 block_hf_performer_source):
     """The card's snippet, run as a script (stdin closed, no hf_performer) must not stop at the "Do you wish to run
     the custom code? [y/N]" prompt, which blocks scripts and servers (AutoTokenizer reads config.json's auto_map)."""
     snippet = loading_snippet((converted / "README.md").read_text())
@@ -1089,7 +1074,7 @@ def test_card_loading_snippet_runs_unattended_where_the_package_is_not_installed
     user = tmp_path / "user"
     shutil.copytree(converted, user / "tiny-performer")
     script = user / "load.py"
-    script.write_text(BLOCK_HF_PERFORMER + snippet + '\nassert "hf_performer" not in sys.modules\n'
+    script.write_text(block_hf_performer_source + snippet + '\nassert "hf_performer" not in sys.modules\n'
                       'print("loaded", type(model).__module__.split(".")[0], tuple(logits.shape))\n')
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                    "HF_MODULES_CACHE": str(tmp_path / "modules_cache")}

@@ -380,23 +380,9 @@ REMOTE_SCRIPT = textwrap.dedent(
     """
 )
 
-BLOCKER = textwrap.dedent(
-    """
-    import sys
-
-    class BlockHfPerformer:
-        # Makes `hf_performer` unimportable, as on a machine where the package is not installed.
-        def find_spec(self, name, path=None, target=None):
-            if name == "hf_performer" or name.startswith("hf_performer."):
-                raise ModuleNotFoundError(f"No module named {name!r} (blocked for this test)", name=name)
-            return None
-
-    sys.meta_path.insert(0, BlockHfPerformer())
-    """
-)
 
 
-def test_trust_remote_code_loads_where_the_package_is_not_installed(tmp_path):
+def test_trust_remote_code_loads_where_the_package_is_not_installed(tmp_path, block_hf_performer_source):
     masked_lm = PerformerForMaskedLM(performer_config(bert_config())).eval()
     # The causal LM uses a learned map whose parameters were moved from their initialisation: the remote copy must
     # load them from the weights (favor+ is covered by the masked LM).
@@ -415,7 +401,7 @@ def test_trust_remote_code_loads_where_the_package_is_not_installed(tmp_path):
 
     blocker_dir = tmp_path / "blocker"
     blocker_dir.mkdir()
-    (blocker_dir / "sitecustomize.py").write_text(BLOCKER)
+    (blocker_dir / "sitecustomize.py").write_text(block_hf_performer_source)
     script = tmp_path / "load_remote.py"
     script.write_text(REMOTE_SCRIPT)
     environment = {
