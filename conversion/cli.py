@@ -72,20 +72,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         metavar="LAYER",
         help="indices of layers that keep exact softmax attention",
     )
-    positions = parser.add_mutually_exclusive_group()
-    positions.add_argument(
-        "--max-position-embeddings",
-        type=int,
-        default=None,
-        metavar="N",
-        help="extend the learned absolute position table to N positions (BERT/RoBERTa/DistilBERT/GPT-2; default: "
-        f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama have none)",
-    )
-    positions.add_argument(
-        "--keep-position-table",
-        action="store_true",
-        help="keep the source's learned absolute position table as it is (inputs longer than it are refused)",
-    )
+    add_position_table_arguments(parser)
     parser.add_argument(
         "--seed", type=int, default=None, help=f"seed of the projections (default: {FAVOR_DEFAULTS['seed']})"
     )
@@ -118,6 +105,33 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
     parser.set_defaults(func=run_convert)
     return parser
+
+
+def add_position_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-position-embeddings N`` / ``--keep-position-table`` (convert and distill; see
+    :func:`position_table_size`)."""
+    positions = parser.add_mutually_exclusive_group()
+    positions.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        metavar="N",
+        help="extend the learned absolute position table to N positions (BERT/RoBERTa/DistilBERT/GPT-2; default: "
+        f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama have none)",
+    )
+    positions.add_argument(
+        "--keep-position-table",
+        action="store_true",
+        help="keep the source's learned absolute position table as it is (inputs longer than it are refused)",
+    )
+
+
+def position_table_size(args: argparse.Namespace, source) -> int | None:
+    """The position count to extend ``source``'s learned table to (``None``: leave it as it is), from the arguments
+    of :func:`add_position_table_arguments`."""
+    if args.max_position_embeddings is not None or args.keep_position_table:
+        return args.max_position_embeddings
+    return default_position_table_size(source)
 
 
 def check_output_folder(output: str, overwrite: bool, command: str, source: str | None = None) -> str:
@@ -239,9 +253,7 @@ def run_convert(args: argparse.Namespace) -> int:
         source, tokenizer = load_source(args.source, args.task)
         if args.text and tokenizer is None:
             raise ConversionError(f"--text was given but {args.source} has no usable tokenizer to encode it")
-        max_position_embeddings = args.max_position_embeddings
-        if max_position_embeddings is None and not args.keep_position_table:
-            max_position_embeddings = default_position_table_size(source)
+        max_position_embeddings = position_table_size(args, source)
         performer = convert_to_performer(
             source,
             task=args.task,

@@ -27,7 +27,7 @@ from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps,
 from hf_performer.hub import write_model_card
 
 from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
-from .cli import check_output_folder, staged_folder
+from .cli import add_position_table_arguments, check_output_folder, position_table_size, staged_folder
 from .convert import TASKS, ConversionError, convert_to_performer, load_source, public_source_name
 from .fidelity import fidelity_report
 
@@ -61,8 +61,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="model head to build (default: the task of the class the checkpoint was saved from)")
     parser.add_argument("--keep-softmax-layers", type=int, nargs="+", default=[], metavar="LAYER",
                         help="layers that keep exact softmax attention (not transferred)")
-    parser.add_argument("--max-position-embeddings", type=int, default=None, metavar="N",
-                        help="extend the learned absolute position table to N positions")
+    add_position_table_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the data sample and initialisation (default: 0)")
     parser.add_argument("--data", required=True, metavar="FILE",
                         help="training text: a raw text file (--data-task text) or a task file (TSV/CSV/JSON lines)")
@@ -192,10 +191,11 @@ def run_distill(args: argparse.Namespace) -> int:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         options = {} if args.feature_map_init is None else {"init": args.feature_map_init}
+        max_position_embeddings = position_table_size(args, source)
         try:
             performer = convert_to_performer(
                 source, task=args.task, feature_map=args.feature_map, nb_features=args.nb_features,
-                keep_softmax_layers=args.keep_softmax_layers, max_position_embeddings=args.max_position_embeddings,
+                keep_softmax_layers=args.keep_softmax_layers, max_position_embeddings=max_position_embeddings,
                 seed=args.seed, feature_map_options=options,
             )
         except TypeError as error:
@@ -234,8 +234,8 @@ def run_distill(args: argparse.Namespace) -> int:
     }
     with staged_folder(output) as staging:
         performer.save_pretrained(staging)
-        if args.max_position_embeddings is not None:
-            tokenizer.model_max_length = args.max_position_embeddings
+        if max_position_embeddings is not None:
+            tokenizer.model_max_length = max_position_embeddings
         tokenizer.save_pretrained(staging)
         after.save(staging)
         with open(os.path.join(staging, "attention_transfer.json"), "w") as handle:

@@ -668,6 +668,9 @@ def test_distill_writes_no_local_paths_and_refuses_its_source(source_folder, tmp
     record = json.loads((output / "attention_transfer.json").read_text())
     assert record["source"] == "source" and record["data"]["file"] == "train.raw"
     assert record["command"].startswith("hf-performer distill source hedgehog --data train.raw")
+    # distill extends a learned position table by default, as convert does
+    assert json.loads((output / "config.json").read_text())["source_config"]["max_position_embeddings"] == 4096
+    assert "extended" in json.loads((output / REPORT_FILE_NAME).read_text())["position_table"]
 
     with pytest.raises(SystemExit, match="is the source folder"):
         main(["distill", str(source_folder), str(source_folder), "--overwrite", "--data", str(data)])
