@@ -34,6 +34,9 @@ from .fidelity import fidelity_report
 
 TEXT_DATA = "text"
 
+TRANSFER_FILE_NAME = "attention_transfer.json"
+"""Written next to ``conversion_report.json``: the attention-transfer record; its presence marks a distilled folder."""
+
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``distill`` subcommand to ``subparsers``."""
@@ -238,7 +241,7 @@ def run_distill(args: argparse.Namespace) -> int:
             tokenizer.model_max_length = max_position_embeddings
         tokenizer.save_pretrained(staging)
         after.save(staging)
-        with open(os.path.join(staging, "attention_transfer.json"), "w") as handle:
+        with open(os.path.join(staging, TRANSFER_FILE_NAME), "w") as handle:
             json.dump(record, handle, indent=2)
         write_model_card(staging, report=after, model_name=os.path.basename(output), transfer=record)
 

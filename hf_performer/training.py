@@ -80,7 +80,14 @@ CHECKPOINT_PREFIX = "step_"
 TRAINING_STATE_FILE = "training_state.json"
 BEST_WEIGHTS_FILE = "best_weights.pt"
 
-RUN_OUTPUTS = ("checkpoints", "runs", "adapter", "metrics.json", "eval_curve.json")
+METRICS_FILE_NAME = "metrics.json"
+"""Written at the end of a run into the output folder: ``kind`` (``text-classification`` or ``causal-lm``), ``task``,
+``final`` (the final metrics), ``completed_steps``, ``args``, ... It marks a fine-tuned model; the model card reads
+its results (:func:`hf_performer.hub.load_metrics`)."""
+EVAL_CURVE_FILE_NAME = "eval_curve.json"
+"""Written next to :data:`METRICS_FILE_NAME`: the evaluations during the run."""
+
+RUN_OUTPUTS = ("checkpoints", "runs", "adapter", METRICS_FILE_NAME, EVAL_CURVE_FILE_NAME)
 """What ``--overwrite`` deletes from a used output folder before training (the model files are replaced by the
 new run's)."""
 
@@ -991,9 +998,9 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     if not args.no_save_model:
         _save_model(accelerator, model, tokenizer, args)
     if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, "metrics.json"), "w") as handle:
+        with open(os.path.join(args.output_dir, METRICS_FILE_NAME), "w") as handle:
             json.dump(metrics, handle, indent=2)
-        with open(os.path.join(args.output_dir, "eval_curve.json"), "w") as handle:
+        with open(os.path.join(args.output_dir, EVAL_CURVE_FILE_NAME), "w") as handle:
             json.dump(curve, handle, indent=2)
         from .hub import write_recipe_card
 

@@ -1024,7 +1024,8 @@ def test_fake_hub_is_local_and_bounded():
 
 
 def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
-    """Cards quote hf_performer.hub.MEASURED_SPEED; it must stay equal to benchmarks/results/attention_speed.json."""
+    """Cards quote hf_performer.hub.MEASURED_SPEED (model_cards/measured_speed.json); it must stay equal to
+    benchmarks/results/attention_speed.json."""
     from pathlib import Path
 
     from hf_performer.hub import MEASURED_SPEED
@@ -1038,6 +1039,32 @@ def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
     for row in MEASURED_SPEED["rows"]:
         for mode in ("bidirectional", "causal"):
             assert row[mode] == round(speedups[mode][str(row["length"])], 2)
+
+
+def test_card_data_files_are_read_and_quoted_in_the_card(converted):
+    """The citations and measured speeds are package data (model_cards/*.json), read by hub.describe and quoted
+    in every card."""
+    from importlib.resources import files
+
+    from hf_performer.hub import describe
+
+    data = files("hf_performer.model_cards")
+    citations = json.loads((data / "citations.json").read_text(encoding="utf-8"))
+    measured = json.loads((data / "measured_speed.json").read_text(encoding="utf-8"))
+    assert describe.FEATURE_MAP_PAPERS == citations["feature_map_papers"]
+    for key, paper in citations["papers"].items():
+        assert describe.PAPERS[key] == {**paper, "bibtex": "\n".join(paper["bibtex"])}
+    assert describe.MEASURED_SPEED == {key: value for key, value in measured.items() if key != "_comment"}
+
+    text = (converted / "README.md").read_text(encoding="utf-8")
+    performer = citations["papers"]["choromanski2021"]
+    assert f"[{performer['cite']}]({performer['url']})" in text
+    assert "\n".join(performer["bibtex"]) in text
+    assert f"({measured['setup']}; {measured['machine']})" in text
+    assert f"about **{measured['crossover_bidirectional']} tokens bidirectional**" in text
+    assert f"**{measured['crossover_causal']} tokens causal**" in text
+    for row in measured["rows"]:
+        assert f"| {row['length']} | {row['bidirectional']:.2f}x | {row['causal']:.2f}x |" in text
 
 
 # --------------------------------------------------------------------------------------------
@@ -1190,7 +1217,7 @@ def test_push_network_and_auth_failures_are_one_line(folder, fake_hub, monkeypat
         raise ConnectionResetError(104, "Connection reset by peer")
 
     with monkeypatch.context() as patch:
-        patch.setattr(hub.HfApi, "upload_folder", failing_upload)
+        patch.setattr(hub.push.HfApi, "upload_folder", failing_upload)
         with pytest.raises(SystemExit) as exit_info:
             cli_main(["push", str(folder), REPO_ID])
     message = str(exit_info.value)

@@ -1,0 +1,455 @@
+"""The model card of a Performer model folder (``hf-performer card``).
+
+:func:`build_model_card` renders ``model_cards/performer_card.md`` with ``huggingface_hub``'s
+``ModelCard.from_template`` / ``ModelCardData``: metadata (``base_model``, ``library_name``, ``pipeline_tag``, tags,
+``datasets``, ``model-index`` results), the conversion settings (explained for the feature map's kind: random,
+learned or deterministic, with the map's own paper cited), the attention transfer (``attention_transfer.json``:
+data, steps, per-layer errors before and after), the fidelity report, recovery results and measured notes on where
+FAVOR+ is and is not faster. The card is parsed back and validated offline by :func:`validate_model_card`
+(``model-index`` round trip through ``huggingface_hub.repocard_data``). :func:`write_model_card` writes it as the
+folder's ``README.md``; :func:`write_recipe_card` writes the card of a fine-tuning recipe's output folder, with the
+results of its ``metrics.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
+
+from .describe import (
+    SETTING_MEANINGS,
+    _citations,
+    _describe_map,
+    _map_kind,
+    _speed_context,
+    setting_meanings,
+    transfer_context,
+)
+from .folder import (
+    _HUB_ID,
+    ARCHITECTURES,
+    ModelCardError,
+    _check_code,
+    _looks_like_hub_id,
+    _read_json,
+)
+from .results import (
+    TRAINING_FILES,
+    _is_recipe_run,
+    load_metrics,
+    normalize_recovery,
+    normalize_results,
+)
+
+TEMPLATE_NAME = "performer_card.md"
+CARD_FILE_NAME = "README.md"
+
+CARD_TAGS = ("performer", "favor+", "linear-attention", "hf-performer", "custom_code")
+"""Tags of a FAVOR+ card (the source architecture's model type is added). A card of another feature map carries
+that map's name (``hedgehog``, ``elu+1``, ...) instead of ``favor+``, and ``attention-transfer`` when distilled."""
+
+REQUIRED_CARD_TAGS = tuple(tag for tag in CARD_TAGS if tag != "favor+")
+"""Tags every card must carry, plus the name of its feature map (checked by :func:`validate_model_card`)."""
+
+
+def default_template_path() -> Path:
+    """``model_cards/performer_card.md``, installed as package data of ``hf_performer.model_cards``."""
+    from importlib.resources import files
+
+    path = Path(str(files("hf_performer.model_cards") / TEMPLATE_NAME))
+    if not path.is_file():
+        raise ModelCardError(f"model card template {TEMPLATE_NAME} not found at {path}; pass template_path=")
+    return path
+
+
+def _source_geometry(config: dict) -> dict:
+    source = config.get("source_config") or {}
+    layers = source.get("num_hidden_layers") or source.get("n_layer") or source.get("n_layers")
+    heads = source.get("num_attention_heads") or source.get("n_head") or source.get("n_heads")
+    hidden = source.get("hidden_size") or source.get("n_embd") or source.get("dim")
+    head_dim = source.get("head_dim") or (hidden // heads if hidden and heads else None)
+    kv_heads = source.get("num_key_value_heads") or heads
+    max_positions = source.get("max_position_embeddings") or source.get("n_positions")
+    return {
+        "source_model_type": source.get("model_type", "unknown"),
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "hidden_size": hidden,
+        "head_dim": head_dim,
+        "max_positions": max_positions,
+        "name_or_path": source.get("_name_or_path"),
+        "source_architectures": source.get("architectures") or [],
+    }
+
+
+def _format_setting(value) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, list):
+        return ", ".join(str(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"`{k}`: {_format_setting(v)}" for k, v in value.items()) if value else "none"
+    return f"`{value}`" if isinstance(value, str) else str(value)
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
+
+
+def build_model_card(
+    folder: str | os.PathLike,
+    *,
+    base_model: str | list[str] | None = None,
+    datasets: str | list[str] | None = None,
+    results=None,
+    recovery=None,
+    model_name: str | None = None,
+    repo_id: str | None = None,
+    license: str | None = None,
+    language: str | list[str] | None = None,
+    tags: list[str] | None = None,
+    report=None,
+    fine_tuned: bool | None = None,
+    template_path: str | os.PathLike | None = None,
+    transfer=None,
+) -> ModelCard:
+    """Build the model card of a Performer model folder (validated; see :func:`validate_model_card`).
+
+    Args:
+        folder: the model folder (``config.json`` with ``favor_settings``; ``conversion_report.json`` if any).
+        base_model: Hub id(s) of the model this one derives from. Default: the conversion source when it is a
+            Hub id (a local path is never written as ``base_model``).
+        datasets: Hub dataset id(s) used for training. Default: the datasets of ``results``.
+        results: evaluation results of *this* model (``model-index``): dicts or ``EvalResult`` objects, see
+            :func:`normalize_results`.
+        recovery: rows comparing softmax / converted / recovered models, shown in the card body only (see
+            :func:`normalize_recovery`).
+        model_name: the card's title and ``model-index`` name. Default: the last part of ``repo_id``, else the
+            folder name.
+        repo_id: the Hub repository the card's loading example uses (default: ``model_name``).
+        license, language, tags: extra metadata (``tags`` are added to :data:`CARD_TAGS`).
+        report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
+            ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
+        fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
+            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`) or a recipe's
+            ``metrics.json`` (:data:`hf_performer.training.METRICS_FILE_NAME`) with completed steps.
+        template_path: a Jinja template; default :func:`default_template_path`.
+        transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
+            ``attention_transfer.json``, or a path to such a file); default: the folder's ``attention_transfer.json``
+            if present. With one, the
+            card says the model was distilled and gains an "Attention transfer" section (see
+            :func:`transfer_context`).
+
+    Returns:
+        A ``huggingface_hub.ModelCard``.
+
+    Raises:
+        ModelCardError: not a Performer folder, invalid results, a malformed ``attention_transfer.json``, or metadata
+            that fails validation.
+    """
+    from ..conversion.distill import TRANSFER_FILE_NAME
+    from ..conversion.fidelity import REPORT_FILE_NAME
+
+    folder = Path(folder)
+    config = _read_json(folder / "config.json", "config")
+    settings = config.get("favor_settings")
+    if not isinstance(settings, dict):
+        raise ModelCardError(f"{folder}: config.json has no favor_settings: not a Performer model folder")
+    architecture = (config.get("architectures") or ["PerformerModel"])[0]
+    if architecture not in ARCHITECTURES:
+        raise ModelCardError(
+            f"{folder}: unknown architecture {architecture!r} (expected one of {', '.join(ARCHITECTURES)})"
+        )
+    pipeline_tag, auto_class, usage_example = ARCHITECTURES[architecture]
+    geometry = _source_geometry(config)
+    feature_map = settings.get("feature_map", "favor+")
+    kind = _map_kind(feature_map)
+
+    transfer_where = "the attention-transfer record"
+    if transfer is None and (folder / TRANSFER_FILE_NAME).is_file():
+        transfer = folder / TRANSFER_FILE_NAME
+    if isinstance(transfer, (str, os.PathLike)):
+        transfer_where = str(transfer)
+        transfer = _read_json(Path(transfer), "attention-transfer record")
+    transfer_info = transfer_context(transfer, transfer_where, feature_map) if transfer is not None else None
+    if transfer_info is not None and kind not in ("learned", None):
+        raise ModelCardError(
+            f"{transfer_where}: attention transfer trains learned feature maps, but this model's {feature_map!r} map "
+            f"is {kind} (no trainable parameters): the record does not belong to this model"
+        )
+
+    report_file = f"`{REPORT_FILE_NAME}`"
+    if report is None and (folder / REPORT_FILE_NAME).is_file():
+        report = _read_json(folder / REPORT_FILE_NAME, "fidelity report")
+    elif report is None and transfer_info is not None:
+        report, report_file = transfer_info["fidelity_after"], f"`{TRANSFER_FILE_NAME}` (`fidelity_after`)"
+    elif report is not None and not isinstance(report, dict):
+        report = report.to_dict()
+    if report is not None:
+        missing = [key for key in ("layers", "final_hidden_state_cosine", "inputs") if key not in report]
+        if missing:
+            raise ModelCardError(f"the fidelity report lacks {', '.join(missing)}: not a conversion_report.json")
+        source = report.get("source")
+        # A local path says nothing to a reader of the Hub page (and may expose a home folder): keep Hub ids only.
+        report = {**report, "source": source if source and _looks_like_hub_id(source) else None}
+    if fine_tuned is None:
+        fine_tuned = any((folder / name).is_file() for name in TRAINING_FILES) or _is_recipe_run(folder)
+
+    if base_model is None:
+        for candidate in ((report or {}).get("source"), geometry["name_or_path"]):
+            if candidate and _looks_like_hub_id(candidate):
+                base_model = candidate
+                break
+    base_model_list = [base_model] if isinstance(base_model, str) else list(base_model or [])
+    for name in base_model_list:
+        if not _looks_like_hub_id(name) and not _HUB_ID.match(name or ""):
+            raise ModelCardError(f"base_model {name!r} is not a Hub model id (namespace/name)")
+
+    eval_results = normalize_results(results, default_task=pipeline_tag)
+    recovery_rows = normalize_recovery(recovery)
+    if datasets is None and eval_results:
+        datasets = sorted({result.dataset_type for result in eval_results})
+    dataset_list = [datasets] if isinstance(datasets, str) else list(datasets or [])
+
+    if model_name is None:
+        model_name = repo_id.split("/")[-1] if repo_id else folder.resolve().name
+    map_tags = CARD_TAGS if feature_map == "favor+" else [
+        tag if tag != "favor+" else feature_map for tag in CARD_TAGS
+    ]
+    if transfer_info is not None:
+        map_tags = [*map_tags, "attention-transfer"]
+    card_tags = list(dict.fromkeys([*map_tags, geometry["source_model_type"], *(tags or [])]))
+    card_data = ModelCardData(
+        base_model=base_model if base_model_list else None,
+        datasets=dataset_list or None,
+        library_name="transformers",
+        pipeline_tag=pipeline_tag,
+        tags=card_tags,
+        license=license,
+        language=language,
+        eval_results=eval_results or None,
+        model_name=model_name if eval_results else None,
+    )
+
+    try:
+        code_files = sorted(_check_code(folder, config.get("auto_map") or {}, "config.json", [], []))
+    except OSError:
+        code_files = []
+    is_causal = architecture == "PerformerForCausalLM" or any(
+        "CausalLM" in name or "LMHead" in name for name in geometry["source_architectures"]
+    )
+    dtype_bytes = _DTYPE_BYTES.get(str(config.get("dtype") or config.get("torch_dtype") or "float32"), 4)
+    described = _describe_map(feature_map, kind, settings, distilled=transfer_info is not None)
+    if not described["is_favor"]:
+        usage_example = usage_example.replace("FAVOR+ state", "linear-attention state")
+    paper, citations = _citations(feature_map, distilled=transfer_info is not None)
+    meanings = setting_meanings(settings, geometry["head_dim"])
+    order = list(meanings) + [key for key in SETTING_MEANINGS if key not in meanings]
+    context = {
+        "model_name": model_name,
+        "repo_id": repo_id or model_name,
+        "base_model_list": base_model_list,
+        "architecture": architecture,
+        "auto_class": auto_class,
+        "usage_example": usage_example,
+        "pipeline_tag": pipeline_tag,
+        "code_files": code_files or ["modeling_performer.py"],
+        **described,
+        "paper": paper,
+        "citations": citations,
+        "softmax_layers": settings.get("softmax_layers") or [],
+        "settings_rows": [
+            {"name": key, "value": _format_setting(settings[key]), "meaning": meanings.get(key, "")}
+            for key in sorted(settings, key=lambda k: (order.index(k) if k in order else 99, k))
+        ],
+        **geometry,
+        # The record's fidelity_after (local source path included) is read through `fidelity` only.
+        "transfer": {k: v for k, v in transfer_info.items() if k != "fidelity_after"} if transfer_info else None,
+        "fidelity": report,
+        "fidelity_file": report_file,
+        "results": eval_results,
+        "recovery": recovery_rows,
+        "is_causal": is_causal,
+        "fine_tuned": fine_tuned,
+        **_speed_context(settings, geometry, is_causal, dtype_bytes),
+    }
+    template = Path(template_path) if template_path is not None else default_template_path()
+    try:
+        card = ModelCard.from_template(card_data, template_path=str(template), **context)
+    except Exception as error:  # jinja2 errors (undefined values, syntax) carry no common base class here
+        raise ModelCardError(f"cannot render the model card template {template}: {error}") from error
+    validate_model_card(card, expected_results=eval_results)
+    return card
+
+
+def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult] | None = None) -> dict:
+    """Validate a card offline with huggingface_hub's own parsing; returns its metadata as a dict.
+
+    The card's text is parsed again as a ``ModelCard`` (YAML block, ``ModelCardData``, ``model-index`` parsed
+    by ``model_index_to_eval_results``); ``model-index`` must survive a round trip
+    (``model_index_to_eval_results`` then ``eval_results_to_model_index`` gives the same structure) and hold
+    ``expected_results`` if given. Also checked: ``library_name: transformers``, a ``pipeline_tag``, the
+    :data:`REQUIRED_CARD_TAGS` and a feature-map tag (``favor+``, ``hedgehog``, ...), ``base_model`` / ``datasets``
+    as Hub ids.
+
+    Raises:
+        ModelCardError: with what is wrong.
+    """
+    from ..feature_maps import FEATURE_MAPS
+
+    text = str(card)
+    try:
+        parsed = ModelCard(text)
+    except Exception as error:  # yaml errors and ValueError from ModelCardData
+        raise ModelCardError(f"the card's metadata does not parse: {error}") from error
+    if not text.startswith("---\n"):
+        raise ModelCardError("the card does not start with a YAML metadata block")
+    data = parsed.data.to_dict()
+    if data.get("library_name") != "transformers":
+        raise ModelCardError(f"library_name must be 'transformers', got {data.get('library_name')!r}")
+    if not data.get("pipeline_tag"):
+        raise ModelCardError("the card has no pipeline_tag")
+    card_tags = data.get("tags") or []
+    missing_tags = [tag for tag in REQUIRED_CARD_TAGS if tag not in card_tags]
+    if missing_tags:
+        raise ModelCardError(f"the card lacks the tags {missing_tags}")
+    if not any(tag in FEATURE_MAPS for tag in card_tags):
+        raise ModelCardError(f"the card has no feature-map tag (one of {', '.join(sorted(FEATURE_MAPS))})")
+    for key in ("base_model", "datasets"):
+        value = data.get(key)
+        values = [value] if isinstance(value, str) else (value or [])
+        if not isinstance(values, list) or not all(isinstance(v, str) and _HUB_ID.match(v) for v in values):
+            raise ModelCardError(f"{key} must be Hub ids (namespace/name), got {value!r}")
+    model_index = data.get("model-index")
+    if model_index is not None:
+        try:
+            name, results = model_index_to_eval_results(model_index)
+        except (KeyError, TypeError, ValueError) as error:
+            raise ModelCardError(f"model-index does not parse: {error}") from error
+        if eval_results_to_model_index(name, results) != model_index:
+            raise ModelCardError("model-index does not survive a round trip through huggingface_hub")
+        if expected_results is not None and sorted(map(repr, results)) != sorted(map(repr, expected_results)):
+            raise ModelCardError("model-index does not hold the given results")
+    elif expected_results:
+        raise ModelCardError("results were given but the card has no model-index")
+    return data
+
+
+def write_model_card(folder: str | os.PathLike, **kwargs) -> Path:
+    """Build the card (:func:`build_model_card`, same keyword arguments) and write it as ``folder/README.md``
+    (replacing an existing one). Returns the path."""
+    card = build_model_card(folder, **kwargs)
+    path = Path(folder) / CARD_FILE_NAME
+    card.save(path)
+    return path
+
+
+def write_recipe_card(output_dir: str | os.PathLike) -> Path | None:
+    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.training.train`
+    at the end of a run): fine-tuned, with the results of its ``metrics.json`` (:func:`recipe_results`).
+
+    Returns the card's path, or ``None`` when the folder holds no Performer model (a softmax baseline,
+    ``--no-save-model``) or the card could not be built (a warning on stderr says why and how to write it).
+    """
+    from ..training import METRICS_FILE_NAME
+
+    folder = Path(output_dir)
+    try:
+        config = _read_json(folder / "config.json", "config")
+    except ModelCardError:
+        return None
+    if not isinstance(config.get("favor_settings"), dict):
+        return None
+    results = None
+    try:
+        results, _ = load_metrics(folder / METRICS_FILE_NAME)
+    except ModelCardError as error:
+        print(f"warning: the model card gets no results: {error}", file=sys.stderr)
+    try:
+        return write_model_card(folder, results=results, fine_tuned=True)
+    except ModelCardError as error:
+        print(f"warning: no model card written ({error}); write it with `hf-performer card {folder}`", file=sys.stderr)
+        return None
+
+
+# --------------------------------------------------------------------------------------------
+# Command line
+# --------------------------------------------------------------------------------------------
+
+_CARD_DESCRIPTION = """(Re)write the README.md model card of a Performer model folder.
+
+Metadata: base_model, library_name (transformers), pipeline_tag, tags, datasets, model-index (from
+--metrics). Body: how to load it, the conversion settings (config.json favor_settings, explained for the
+feature map's kind), the attention transfer (attention_transfer.json, written by `hf-performer distill`), the
+fidelity report (conversion_report.json), results and recovery rows (--metrics) and measured notes on where
+linear attention is and is not faster. The card is validated with huggingface_hub before it is written.
+
+--metrics files hold a list of results, {"results": [...], "recovery": [...]}, one result
+{"task": "sst2", "metric": "accuracy", "value": 0.91, "split": "validation"}, a run summary
+{"task": ..., "metrics": {"accuracy": 0.91}}, or the metrics.json of a recipe run (recipes/; such a
+folder counts as fine-tuned) (see model_cards/README.md).
+"""
+
+
+def add_card_parser(subparsers) -> None:
+    """Add the ``card`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    card = subparsers.add_parser(
+        "card",
+        help="(re)write the README.md model card of a Performer model folder",
+        description=_CARD_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    card.add_argument("folder", metavar="FOLDER", help="the model folder")
+    card.add_argument("--base-model", action="append", default=None, metavar="HUB_ID",
+                      help="Hub id of the model this one derives from (repeatable; default: the conversion "
+                           "source if it is a Hub id)")
+    card.add_argument("--dataset", action="append", default=None, metavar="HUB_ID",
+                      help="Hub id of a training dataset (repeatable; default: the datasets of --metrics)")
+    card.add_argument("--metrics", action="append", default=None, metavar="JSON",
+                      help="metrics file with results (model-index) and recovery rows (repeatable)")
+    card.add_argument("--model-name", default=None, help="title and model-index name (default: folder name)")
+    card.add_argument("--repo-id", default=None, help="Hub repository used in the card's loading example")
+    card.add_argument("--license", default=None, help="license identifier (e.g. apache-2.0)")
+    card.add_argument("--language", action="append", default=None, help="language code (repeatable)")
+    card.add_argument("--tag", action="append", default=None, help="extra tag (repeatable)")
+    card.add_argument("--fine-tuned", action=argparse.BooleanOptionalAction, default=None,
+                      help="whether the model was fine-tuned after conversion (default: detected from Trainer files)")
+    card.add_argument("--template", default=None, help="Jinja template (default: model_cards/performer_card.md)")
+    card.set_defaults(func=run_card)
+
+
+def run_card(args: argparse.Namespace) -> int:
+    """Run ``hf-performer card`` (see :func:`add_card_parser`). Returns the exit status."""
+    results: list = []
+    recovery: list = []
+    try:
+        for metrics_path in args.metrics or []:
+            file_results, file_recovery = load_metrics(metrics_path)
+            results += file_results
+            recovery += file_recovery
+        base_model = args.base_model
+        if base_model is not None and len(base_model) == 1:
+            base_model = base_model[0]
+        path = write_model_card(
+            args.folder,
+            base_model=base_model,
+            datasets=args.dataset,
+            results=results or None,
+            recovery=recovery or None,
+            model_name=args.model_name,
+            repo_id=args.repo_id,
+            license=args.license,
+            language=args.language,
+            tags=args.tag,
+            fine_tuned=args.fine_tuned,
+            template_path=args.template,
+        )
+    except ModelCardError as error:
+        raise SystemExit(f"hf-performer card: error: {error}") from None
+    print(f"wrote {path}")
+    return 0
