@@ -47,6 +47,10 @@ from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
 LOSSES = ("weights", "output", "both")
 
+TRANSFER_FILE_NAME = "attention_transfer.json"
+"""The record of an attention transfer (``hf-performer distill`` writes it next to ``conversion_report.json``);
+its presence marks a distilled folder."""
+
 
 class AttentionTransferError(ValueError):
     """Attention transfer cannot run as asked (no trainable feature map, bad option)."""

@@ -26,16 +26,13 @@ from hf_performer.favor_attention import feature_map_kind
 from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps, default_feature_map_init
 from hf_performer.hub import write_model_card
 
-from .attention_transfer import LOSSES, AttentionTransferError, transfer_attention
+from .attention_transfer import LOSSES, TRANSFER_FILE_NAME, AttentionTransferError, transfer_attention
 from .cli import add_position_table_arguments, check_output_folder, position_table_size, staged_folder
 from .convert import TASKS, ConversionError, convert_to_performer, load_source, public_source_name
 from .fidelity import fidelity_report
 
 
 TEXT_DATA = "text"
-
-TRANSFER_FILE_NAME = "attention_transfer.json"
-"""Written next to ``conversion_report.json``: the attention-transfer record; its presence marks a distilled folder."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -397,12 +397,15 @@ def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = Fa
     return model
 
 
+TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
+"""Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
+
+
 def check_head_was_trained(model_path: str) -> None:
     """Raise :class:`EvaluationError` when ``model_path`` is a converted folder whose head was new at conversion
     (its ``conversion_report.json`` says ``untrained_head``) and that records no training run since (the recipes'
     ``metrics.json`` / ``eval_curve.json``, Trainer files)."""
     from .conversion.fidelity import REPORT_FILE_NAME
-    from .hub import TRAINING_FILES
 
     report_path = os.path.join(model_path, REPORT_FILE_NAME)
     if not os.path.isfile(report_path):

@@ -63,7 +63,6 @@ from .folder import (
 from .push import PushError, PushResult, add_push_parser, push_folder, run_push
 from .results import (
     LM_HUB_DATASET_IDS,
-    TRAINING_FILES,
     load_metrics,
     normalize_recovery,
     normalize_results,

@@ -39,7 +39,6 @@ from .folder import (
     _read_json,
 )
 from .results import (
-    TRAINING_FILES,
     _is_recipe_run,
     load_metrics,
     normalize_recovery,
@@ -136,7 +135,7 @@ def build_model_card(
         report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
             ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
-            Default: whether the folder holds a Trainer's files (:data:`TRAINING_FILES`) or a recipe's
+            Default: whether the folder holds a Trainer's files (:data:`hf_performer.evaluation.TRAINING_FILES`) or a recipe's
             ``metrics.json`` (:data:`hf_performer.training.METRICS_FILE_NAME`) with completed steps.
         template_path: a Jinja template; default :func:`default_template_path`.
         transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
@@ -152,8 +151,9 @@ def build_model_card(
         ModelCardError: not a Performer folder, invalid results, a malformed ``attention_transfer.json``, or metadata
             that fails validation.
     """
-    from ..conversion.distill import TRANSFER_FILE_NAME
+    from ..conversion.attention_transfer import TRANSFER_FILE_NAME
     from ..conversion.fidelity import REPORT_FILE_NAME
+    from ..evaluation import TRAINING_FILES
 
     folder = Path(folder)
     config = _read_json(folder / "config.json", "config")

@@ -399,7 +399,7 @@ def transfer_context(record: dict, where: str | None = None, feature_map: str | 
     ``source`` nor ``command`` is shown.
     """
     if where is None:
-        from ..conversion.distill import TRANSFER_FILE_NAME as where
+        from ..conversion.attention_transfer import TRANSFER_FILE_NAME as where
     if not isinstance(record, dict):
         raise ModelCardError(f"{where}: expected a JSON object, got {type(record).__name__}")
     is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731

@@ -17,9 +17,6 @@ from huggingface_hub import EvalResult
 from ..data import LM_DATASETS, TASKS, DataError, get_task
 from .folder import ModelCardError
 
-TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
-"""Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
-
 LM_HUB_DATASET_IDS = {"wikitext": "Salesforce/wikitext"}
 """Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.data.LM_DATASETS`."""
 
