@@ -48,7 +48,7 @@ from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 from huggingface_hub.utils import filter_repo_objects, get_token
 
-from .data import LM_DATASETS, TASKS, DataError, get_task
+from .tasks.data import LM_DATASETS, TASKS, DataError, get_task
 
 # The runtime (torch, transformers) is imported in the functions that use it: `push --help` stays fast.
 
@@ -256,7 +256,7 @@ RECIPE_METRICS_FILE = "metrics.json"
 It marks a fine-tuned model, and :func:`load_metrics` reads its results."""
 
 LM_HUB_DATASET_IDS = {"wikitext": "Salesforce/wikitext"}
-"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.data.LM_DATASETS`."""
+"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.tasks.data.LM_DATASETS`."""
 
 _RESULT_ALIASES = {
     "task": "task_type",

@@ -16,11 +16,11 @@ import torch
 from transformers import BertConfig, BertForSequenceClassification, BertTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
-from hf_performer import evaluation
+from hf_performer.tasks import evaluation
 from hf_performer.cli import build_parser as cli_build_parser
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import convert_to_performer
-from hf_performer.data import (
+from hf_performer.tasks.data import (
     TASKS,
     DataError,
     get_task,
@@ -30,7 +30,7 @@ from hf_performer.data import (
     select_subset,
     tokenize_task_dataset,
 )
-from hf_performer.evaluation import EvaluationError, compute_task_metrics, perplexity, perplexity_windows
+from hf_performer.tasks.evaluation import EvaluationError, compute_task_metrics, perplexity, perplexity_windows
 
 logging.set_verbosity_error()
 

@@ -177,7 +177,7 @@ def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
 def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
     """The note explaining the local metrics fallback quotes `evaluate`'s error, which names a local module path
     (the working folder when offline): metrics.json keeps its base name only."""
-    from hf_performer import evaluation
+    from hf_performer.tasks import evaluation
 
     missing = tmp_path / "cwd" / "glue" / "glue.py"
     monkeypatch.setattr(evaluation, "_load_evaluate_metric", lambda spec: FileNotFoundError(
