@@ -291,9 +291,8 @@ def runtime_violations() -> list[str]:
             elif found.level == 0 and (top in RUNTIME_THIRD_PARTY or top in standard_library
                                        or (module.name, found.target) in ALLOWED_RUNTIME_IMPORTS):
                 continue
-            written = f"from {'.' * found.level}{found.target} import {', '.join(found.names)}" if found.names \
-                else f"import {found.target}"
-            violations.append(f"{module.path.relative_to(ROOT)}:{found.lineno}: {written}")
+            names = f" ({', '.join(found.names)})" if found.names else ""
+            violations.append(f"{module.path.relative_to(ROOT)}:{found.lineno}: imports {found.target}{names}")
     return violations
 
 
