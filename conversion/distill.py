@@ -37,7 +37,7 @@ TEXT_DATA = "text"
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``distill`` subcommand to ``subparsers``."""
-    from hf_performer.data import TASKS as DATA_TASKS
+    from hf_performer.tasks.data import TASKS as DATA_TASKS
 
     parser = subparsers.add_parser(
         "distill",
@@ -105,7 +105,7 @@ def load_transfer_sequences(data: str, data_task: str, tokenizer, max_length: in
         ``(encodings, fidelity_texts)``: ``encodings`` are dicts of id lists (``input_ids``, ``attention_mask``,
         ``token_type_ids`` when the tokenizer makes them), at most ``max_samples``.
     """
-    from hf_performer.data import load_lm_text, load_task_file, tokenize_lm_text
+    from hf_performer.tasks.data import load_lm_text, load_task_file, tokenize_lm_text
 
     if data_task == TEXT_DATA:
         ids = tokenize_lm_text(load_lm_text(data), tokenizer)
@@ -116,7 +116,7 @@ def load_transfer_sequences(data: str, data_task: str, tokenizer, max_length: in
         encodings = [{"input_ids": blocks[i], "attention_mask": [1] * len(blocks[i])} for i in train]
         texts = [tokenizer.decode(blocks[i]) for i in held_out]
         return encodings, texts
-    from hf_performer.data import get_task
+    from hf_performer.tasks.data import get_task
 
     spec = get_task(data_task)
     dataset = load_task_file(data, spec)

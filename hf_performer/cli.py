@@ -27,7 +27,7 @@ VERBS = (
      "hf_performer.conversion.distill"),
     ("bench", "benchmarks of the attention kernels", "hf_performer.benchmark"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
-     "hf_performer.evaluation"),
+     "hf_performer.tasks.evaluation"),
     ("push", "upload a Performer model folder to the Hugging Face Hub (checked first; --dry-run lists files)",
      "hf_performer.hub"),
     ("card", "(re)write the README.md model card of a Performer model folder", "hf_performer.hub"),

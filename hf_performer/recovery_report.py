@@ -485,7 +485,7 @@ def collect(task: str, run_specs: dict[str, str], protocol: str | None = None,
     Raises:
         ResultsError: no run, a run of another task, runs with different main metrics, unreadable files.
     """
-    from .data import DataError, get_task
+    from .tasks.data import DataError, get_task
 
     try:
         spec = get_task(task)

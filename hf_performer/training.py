@@ -13,7 +13,7 @@ Stages of :func:`train`:
    FAVOR+ options (``--feature-map``, ``--nb-features``, ``--keep-softmax-layers``, ``--redraw-interval``, ...),
    or a softmax model trained as softmax (``--attention softmax``: the baselines). ``--lora`` wraps it with
    PEFT LoRA on the attention projections (:data:`LORA_TARGET_MODULES`).
-2. **Data.** :mod:`hf_performer.data`: the Hub or local files, seeded subsets, tokenisation. The training
+2. **Data.** :mod:`hf_performer.tasks.data`: the Hub or local files, seeded subsets, tokenisation. The training
    order comes from :class:`EpochSeededSampler` (permutation of epoch ``e`` drawn from ``seed + e``), so it
    is known without any saved state.
 3. **Loop.** AdamW, linear (or other) schedule with warmup, gradient accumulation and mixed precision
@@ -57,7 +57,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .data import DataError, LM_DATASETS, get_task
+from .tasks.data import DataError, LM_DATASETS, get_task
 
 
 KINDS = ("text-classification", "causal-lm")
@@ -662,7 +662,7 @@ def _check_report_to(report_to: str) -> None:
 def _prepare_classification(args, accelerator, tokenizer):
     from transformers import DataCollatorWithPadding
 
-    from .data import load_task_split, tokenize_task_dataset
+    from .tasks.data import load_task_split, tokenize_task_dataset
 
     spec = get_task(args.task)
     with accelerator.main_process_first():
@@ -678,7 +678,7 @@ def _prepare_classification(args, accelerator, tokenizer):
 def _prepare_causal_lm(args, accelerator, tokenizer):
     from transformers import default_data_collator
 
-    from .data import group_into_blocks, load_lm_text, select_subset, tokenize_lm_text
+    from .tasks.data import group_into_blocks, load_lm_text, select_subset, tokenize_lm_text
 
     with accelerator.main_process_first():
         train_text = load_lm_text(args.train_file, args.dataset, args.dataset_config, "train", args.max_train_chars)
@@ -706,7 +706,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     from tqdm.auto import tqdm
     from transformers import AutoTokenizer, get_scheduler
 
-    from .evaluation import compute_task_metrics, perplexity, predict_classification
+    from .tasks.evaluation import compute_task_metrics, perplexity, predict_classification
 
     started = time.perf_counter()
     _check_report_to(args.report_to)

@@ -1,5 +1,5 @@
 """Fine-tune a causal LM with FAVOR+ attention (or a softmax baseline) on raw text or WikiText, and report its
-perplexity with the fixed sliding-window protocol of :mod:`hf_performer.evaluation`.
+perplexity with the fixed sliding-window protocol of :mod:`hf_performer.tasks.evaluation`.
 
     accelerate launch recipes/causal_lm.py --model MODEL --train-file train.txt --validation-file valid.txt \
         --output-dir OUT [options]

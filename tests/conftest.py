@@ -24,3 +24,58 @@ def block_hf_performer_source() -> str:
     """Python source that makes ``hf_performer`` unimportable in the process that runs it (put it at the top of a
     script, or in a ``sitecustomize.py`` on ``PYTHONPATH``): a user's machine where the package is not installed."""
     return _BLOCK_HF_PERFORMER
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny source models: the shared BERT / GPT-2 / Llama configurations (2 layers, width 32, vocabulary 99).
+# A test passes overrides for what it needs (its tokenizer's vocabulary size, token ids, ...); a test that needs
+# a different shape of model (4 heads, inverse-layer scaling, ...) keeps its own configuration.
+# Module-level tables of test cases (parametrize) import the builders: `from conftest import tiny_bert_config`.
+# --------------------------------------------------------------------------------------------
+
+TINY_VOCAB = 99
+TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
+                 vocab_size=TINY_VOCAB)
+TINY_GPT2 = dict(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=TINY_VOCAB)
+TINY_LLAMA = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=37, vocab_size=TINY_VOCAB)
+
+
+def tiny_bert_config(**overrides):
+    """A tiny ``BertConfig`` (:data:`TINY_BERT` updated by ``overrides``)."""
+    from transformers import BertConfig
+
+    return BertConfig(**{**TINY_BERT, **overrides})
+
+
+def tiny_gpt2_config(**overrides):
+    """A tiny ``GPT2Config`` (:data:`TINY_GPT2` updated by ``overrides``)."""
+    from transformers import GPT2Config
+
+    return GPT2Config(**{**TINY_GPT2, **overrides})
+
+
+def tiny_llama_config(**overrides):
+    """A tiny ``LlamaConfig`` with grouped-query attention (4 heads, 2 key/value heads; :data:`TINY_LLAMA` updated
+    by ``overrides``)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**TINY_LLAMA, **overrides})
+
+
+@pytest.fixture(name="tiny_bert_config", scope="session")
+def tiny_bert_config_builder():
+    """:func:`tiny_bert_config`: call it with overrides, e.g. ``tiny_bert_config(vocab_size=len(vocab))``."""
+    return tiny_bert_config
+
+
+@pytest.fixture(name="tiny_gpt2_config", scope="session")
+def tiny_gpt2_config_builder():
+    """:func:`tiny_gpt2_config`: call it with overrides, e.g. ``tiny_gpt2_config(vocab_size=len(tokenizer))``."""
+    return tiny_gpt2_config
+
+
+@pytest.fixture(name="tiny_llama_config", scope="session")
+def tiny_llama_config_builder():
+    """:func:`tiny_llama_config`: call it with overrides, e.g. ``tiny_llama_config(pad_token_id=0)``."""
+    return tiny_llama_config

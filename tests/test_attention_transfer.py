@@ -16,12 +16,9 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
-    BertConfig,
     BertModel,
     BertTokenizer,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
 )
 from transformers.utils import logging
@@ -46,6 +43,7 @@ from hf_performer.conversion.attention_transfer import (
 )
 from hf_performer.feature_maps import FeatureMap, Features, HedgehogFeatureMap, T2RFeatureMap
 from hf_performer.reference import softmax_attention
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 logging.set_verbosity_error()
 
@@ -69,8 +67,7 @@ def bert_source(scale=8.0):
     """A tiny BERT whose query/key projections are scaled up, so that its softmax attention is peaked (a random
     BERT's attention is almost uniform, which any map imitates)."""
     torch.manual_seed(0)
-    source = BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                                  vocab_size=VOCAB)).eval()
+    source = BertModel(tiny_bert_config(vocab_size=VOCAB)).eval()
     with torch.no_grad():
         for layer in source.encoder.layer:
             layer.attention.self.query.weight.mul_(scale)
@@ -80,8 +77,7 @@ def bert_source(scale=8.0):
 
 def llama_source():
     torch.manual_seed(0)
-    config = LlamaConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=37, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3)
+    config = tiny_llama_config(num_hidden_layers=3, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3)
     return LlamaForCausalLM(config).eval()
 
 
@@ -566,8 +562,7 @@ def test_distill_a_gpt2_on_raw_text(tmp_path, capsys):
     tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
     source = tmp_path / "gpt2"
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=len(tokenizer),
-                               initializer_range=0.3)).save_pretrained(source)
+    GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), initializer_range=0.3)).save_pretrained(source)
     tokenizer.save_pretrained(source)
     text = tmp_path / "train.raw"
     text.write_text(" ".join(SENTENCES * 3) + "\n")

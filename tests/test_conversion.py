@@ -4,6 +4,7 @@ integrations a converted model must keep working with (Trainer, pipelines, gener
 Tiny random models built offline from configs; the real MiniLM test is skipped when it is not installed.
 """
 
+import functools
 import json
 import os
 import subprocess
@@ -17,7 +18,6 @@ import torch
 from hf_performer.linear_attention import DEFAULT_CHUNK_SIZE
 from transformers import (
     AutoModelForMaskedLM,
-    BertConfig,
     BertForMaskedLM,
     BertForPreTraining,
     BertForSequenceClassification,
@@ -26,9 +26,7 @@ from transformers import (
     DataCollatorWithPadding,
     DistilBertConfig,
     DistilBertForTokenClassification,
-    GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -62,6 +60,7 @@ from hf_performer.conversion import (
 from hf_performer.conversion import cli as convert_cli
 from hf_performer.feature_maps import FeatureMap
 from hf_performer.hub import TOKENIZER_FILES
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 logging.set_verbosity_error()
 
@@ -81,11 +80,8 @@ def tokenizer(tmp_path_factory):
     return BertTokenizer(str(folder / "vocab.txt"))
 
 
-def bert_config(**overrides):
-    settings = dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB
-    )
-    return BertConfig(**{**settings, **overrides})
+# The shared tiny configurations (conftest) over this file's vocabulary.
+bert_config = functools.partial(tiny_bert_config, vocab_size=VOCAB)
 
 
 def roberta_config(**overrides):
@@ -96,12 +92,7 @@ def roberta_config(**overrides):
     return RobertaConfig(**{**settings, **overrides})
 
 
-def gpt2_config(**overrides):
-    settings = dict(
-        n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=VOCAB, bos_token_id=2, eos_token_id=3,
-        pad_token_id=0,
-    )
-    return GPT2Config(**{**settings, **overrides})
+gpt2_config = functools.partial(tiny_gpt2_config, vocab_size=VOCAB, bos_token_id=2, eos_token_id=3, pad_token_id=0)
 
 
 SOURCES = {
@@ -112,10 +103,7 @@ SOURCES = {
         DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=37, vocab_size=VOCAB)
     ),
     "llama-lm": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
-            vocab_size=VOCAB, bos_token_id=2, eos_token_id=3, pad_token_id=0,
-        )
+        tiny_llama_config(vocab_size=VOCAB, bos_token_id=2, eos_token_id=3, pad_token_id=0)
     ),
 }
 EXPECTED_CLASS = {

@@ -13,14 +13,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, BertTokenizer, GPT2Config, GPT2LMHeadModel
+from transformers import BertForSequenceClassification, BertTokenizer, GPT2LMHeadModel
 from transformers.utils import logging
 
-from hf_performer import evaluation
+from hf_performer.tasks import evaluation
 from hf_performer.cli import build_parser as cli_build_parser
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import convert_to_performer
-from hf_performer.data import (
+from hf_performer.tasks.data import (
     TASKS,
     DataError,
     get_task,
@@ -30,7 +30,7 @@ from hf_performer.data import (
     select_subset,
     tokenize_task_dataset,
 )
-from hf_performer.evaluation import EvaluationError, compute_task_metrics, perplexity, perplexity_windows
+from hf_performer.tasks.evaluation import EvaluationError, compute_task_metrics, perplexity, perplexity_windows
 
 logging.set_verbosity_error()
 
@@ -93,9 +93,9 @@ def test_auto_backend_uses_evaluate_when_it_loads_else_falls_back(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def tiny_gpt2():
+def tiny_gpt2(tiny_gpt2_config):
     torch.manual_seed(0)
-    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=50)
+    config = tiny_gpt2_config(vocab_size=50)
     return GPT2LMHeadModel(config).eval()
 
 
@@ -243,13 +243,12 @@ def test_a_byte_order_mark_is_ignored_by_every_text_reader(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-def test_evaluate_command_classification(tmp_path, capsys):
+def test_evaluate_command_classification(tmp_path, capsys, tiny_bert_config):
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "film"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
     torch.manual_seed(0)
-    source = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                      intermediate_size=37, vocab_size=len(vocab))).eval()
+    source = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))).eval()
     folder = tmp_path / "performer"
     convert_to_performer(source, nb_features=16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -286,15 +285,14 @@ class _Terminal(io.StringIO):
         return True
 
 
-def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
+def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, tiny_bert_config):
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
     tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
-    model = BertForSequenceClassification(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                                     intermediate_size=37, vocab_size=len(vocab)))
+    model = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab)))
     (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\nmovie\t1\n")
     data = tokenize_task_dataset(load_task_file(tmp_path / "dev.tsv", "sst2"), tokenizer, "sst2")
     loader = DataLoader(data, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
@@ -309,14 +307,13 @@ def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch):
     assert cli_build_parser("evaluate").parse_args(["evaluate", "m", "--task", "sst2", "--no-progress"]).no_progress
 
 
-def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
+def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys, tiny_bert_config):
     """A base encoder folder loads as a classifier whose head transformers initialises randomly: no accuracy."""
     from transformers import BertModel
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    config = BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
-                        vocab_size=len(vocab))
+    config = tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))
     for name, model in (("bert-base", BertModel(config)),
                         ("performer-base", convert_to_performer(BertModel(config), nb_features=16))):
         folder = tmp_path / name
@@ -335,7 +332,7 @@ def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys):
         assert "classifier.weight" in error and "fine-tuned on the task" in error
 
 
-def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tmp_path, capsys):
+def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tmp_path, capsys, tiny_bert_config):
     """Converting a base encoder to sequence classification saves a random head: the folder loads completely, but
     its conversion report says the head is new and nothing in the folder records a training run."""
     from transformers import BertModel
@@ -344,8 +341,7 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=37,
-                         vocab_size=len(vocab))).save_pretrained(tmp_path / "base")
+    BertModel(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))).save_pretrained(tmp_path / "base")
     BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "base")
     folder = tmp_path / "converted"
     assert convert_main([str(tmp_path / "base"), str(folder), "--task", "sequence-classification",
@@ -360,14 +356,13 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
 
 @needs_shared
-def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2):
+def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2, tiny_gpt2_config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
     torch.manual_seed(0)
     folder = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=64, vocab_size=len(tokenizer))
-                    ).save_pretrained(folder)
+    GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, vocab_size=len(tokenizer))).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     output = tmp_path / "ppl.json"
     assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file",

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import EvalResult, ModelCard, constants, metadata_load
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
-from transformers import BertConfig, BertForSequenceClassification, BertTokenizer
+from transformers import BertForSequenceClassification, BertTokenizer
 from transformers.utils import logging
 
 from hf_performer import PerformerConfig, PerformerForSequenceClassification, hub
@@ -44,6 +44,7 @@ from hf_performer.hub import (
     validate_folder,
     write_model_card,
 )
+from conftest import tiny_bert_config
 
 logging.set_verbosity_error()
 
@@ -66,8 +67,7 @@ def converted(tmp_path_factory):
     root = tmp_path_factory.mktemp("hub")
     source = root / "source"
     (root / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
-    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                        vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
+    config = tiny_bert_config(vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
     BertForSequenceClassification(config).save_pretrained(source)
     BertTokenizer(str(root / "vocab.txt")).save_pretrained(source)
     output = root / "tiny-performer"
@@ -218,8 +218,7 @@ FAVOR_INTRO = "instead of softmax\n([Choromanski et al., 2021](https://arxiv.org
 
 def performer_folder(path: Path, feature_map: str, **settings) -> Path:
     """A tiny (untrained) Performer sequence classifier saved with ``save_pretrained``: 2 layers, 2 heads of dim 16."""
-    source = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                        vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
+    source = tiny_bert_config(vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
     config = PerformerConfig(source_config=source, feature_map=feature_map, **settings)
     PerformerForSequenceClassification(config).save_pretrained(path)
     return path

@@ -7,7 +7,7 @@ Tiny random models built offline from configs; nothing is downloaded.
 import pytest
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, BertConfig, LlamaConfig
+from transformers import AutoConfig, AutoModel, BertConfig
 from transformers.utils import logging
 
 import hf_performer
@@ -399,9 +399,9 @@ def test_learned_maps_take_seed_and_nb_features():
         build_feature_map(settings, 8, 0)
 
 
-def test_performer_config_with_hedgehog_round_trips(tmp_path):
+def test_performer_config_with_hedgehog_round_trips(tmp_path, tiny_bert_config):
     config = PerformerConfig(
-        source_config=BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37),
+        source_config=tiny_bert_config(),
         feature_map="hedgehog", feature_map_options={"init": "favor+"}, seed=4,
     )
     expected = {"feature_map": "hedgehog", "nb_features": None, "seed": 4, "chunk_size": config.chunk_size,
@@ -417,26 +417,19 @@ def test_performer_config_with_hedgehog_round_trips(tmp_path):
     assert PerformerConfig.from_pretrained(tmp_path).favor_settings == expected
 
 
-def tiny_bert_config(**overrides):
-    settings = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                    vocab_size=VOCAB)
-    return BertConfig(**{**settings, **overrides})
-
-
-def tiny_llama_config(**overrides):
-    settings = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    intermediate_size=37, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                    initializer_range=0.3)
-    return LlamaConfig(**{**settings, **overrides})
+# Overrides of the shared tiny Llama (conftest): this file's vocabulary, the token ids generate() needs, a large
+# init scale.
+LLAMA_OVERRIDES = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.3)
 
 
 def feature_maps_of(model):
     return [module for module in model.modules() if isinstance(module, FeatureMap)]
 
 
-def test_models_build_one_learned_map_per_layer_with_the_layer_head_counts():
-    model = PerformerForCausalLM(PerformerConfig(source_config=tiny_llama_config(), feature_map="hedgehog",
-                                                 feature_map_options={"init": "favor+"}, seed=2))
+def test_models_build_one_learned_map_per_layer_with_the_layer_head_counts(tiny_llama_config):
+    config = PerformerConfig(source_config=tiny_llama_config(**LLAMA_OVERRIDES), feature_map="hedgehog",
+                             feature_map_options={"init": "favor+"}, seed=2)
+    model = PerformerForCausalLM(config)
     maps = feature_maps_of(model)
     assert len(maps) == 2 and all(isinstance(m, HedgehogFeatureMap) for m in maps)
     assert [(m.num_heads, m.num_key_value_heads, m.head_dim, m.nb_features, m.seed) for m in maps] == [
@@ -447,17 +440,17 @@ def test_models_build_one_learned_map_per_layer_with_the_layer_head_counts():
                                       for name in learned)
 
 
-def test_tie_qk_setting_with_grouped_heads_is_refused_when_the_model_is_built():
-    config = PerformerConfig(source_config=tiny_llama_config(), feature_map="hedgehog",
+def test_tie_qk_setting_with_grouped_heads_is_refused_when_the_model_is_built(tiny_llama_config):
+    config = PerformerConfig(source_config=tiny_llama_config(**LLAMA_OVERRIDES), feature_map="hedgehog",
                              feature_map_options={"tie_qk": True})
     with pytest.raises(ValueError, match="tie_qk needs as many key heads"):
         PerformerForCausalLM(config)
 
 
-def test_trained_parameters_are_saved_and_reloaded(tmp_path):
+def test_trained_parameters_are_saved_and_reloaded(tmp_path, tiny_bert_config):
     torch.manual_seed(0)
-    config = PerformerConfig(source_config=tiny_bert_config(initializer_range=0.3), feature_map="hedgehog",
-                             feature_map_options={"init": "favor+"})
+    config = PerformerConfig(source_config=tiny_bert_config(vocab_size=VOCAB, initializer_range=0.3),
+                             feature_map="hedgehog", feature_map_options={"init": "favor+"})
     model = PerformerModel(config).eval()
     initial = PerformerModel(config).eval()
     initial.load_state_dict({k: v for k, v in model.state_dict().items() if "favor_feature_map" not in k},
@@ -484,11 +477,11 @@ def test_trained_parameters_are_saved_and_reloaded(tmp_path):
         assert torch.equal(output, expected)
 
 
-def test_llama_with_t2r_generates_greedily_with_the_constant_memory_cache():
+def test_llama_with_t2r_generates_greedily_with_the_constant_memory_cache(tiny_llama_config):
     torch.manual_seed(0)
     # No end-of-sequence token: every row generates all its tokens.
-    model = PerformerForCausalLM(PerformerConfig(source_config=tiny_llama_config(eos_token_id=None),
-                                                 feature_map="t2r", chunk_size=4)).eval()
+    source = tiny_llama_config(**{**LLAMA_OVERRIDES, "eos_token_id": None})
+    model = PerformerForCausalLM(PerformerConfig(source_config=source, feature_map="t2r", chunk_size=4)).eval()
     perturb_parameters(nn.ModuleList(feature_maps_of(model)), seed=2, scale=0.2)
     prompt = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():

@@ -155,7 +155,7 @@ def write_json(path, record):
 
 
 def evaluate_record(model, perplexity, protocol=PROTOCOL):
-    """What ``hf-performer evaluate --text-file`` writes (hf_performer.evaluation.evaluate_perplexity_model)."""
+    """What ``hf-performer evaluate --text-file`` writes (hf_performer.tasks.evaluation.evaluate_perplexity_model)."""
     return {
         "task": "perplexity", "model": model, "data": "/data/wiki.test.raw",
         "metrics": {"perplexity": perplexity, "nll": math.log(perplexity)},

@@ -10,7 +10,7 @@ Tiny random models built offline from configs; nothing is downloaded.
 
 import pytest
 import torch
-from transformers import BertConfig, GPT2Config, LlamaConfig
+from transformers import LlamaConfig
 from transformers.utils import logging
 
 from hf_performer import (
@@ -21,6 +21,7 @@ from hf_performer import (
     linear_attention,
     make_feature_map,
 )
+from conftest import tiny_bert_config, tiny_gpt2_config
 
 logging.set_verbosity_error()
 
@@ -87,13 +88,12 @@ def test_kernels_on_4k_tokens_with_large_norms_stay_finite(name, dtype):
 def _tiny_model(source):
     common = dict(num_hidden_layers=2, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2)
     if source == "bert":
-        config = BertConfig(hidden_size=32, num_attention_heads=2, intermediate_size=37, max_position_embeddings=LENGTH,
-                            **common)
+        config = tiny_bert_config(max_position_embeddings=LENGTH, **common)
         model_class = PerformerForMaskedLM
     elif source == "gpt2":
-        config = GPT2Config(n_embd=32, n_head=2, n_positions=LENGTH, **common)
+        config = tiny_gpt2_config(n_positions=LENGTH, **common)
         model_class = PerformerForCausalLM
-    else:
+    else:  # 2 heads sharing 1 key/value head: not the shared tiny Llama
         config = LlamaConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, intermediate_size=37,
                              max_position_embeddings=LENGTH, **common)
         model_class = PerformerForCausalLM

@@ -4,6 +4,7 @@ Tiny random models built offline from configs; nothing is downloaded.
 """
 
 import filecmp
+import functools
 import json
 import os
 import subprocess
@@ -23,8 +24,6 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     BertConfig,
-    GPT2Config,
-    LlamaConfig,
     T5Config,
 )
 from transformers.cache_utils import DynamicLayer
@@ -45,10 +44,11 @@ from hf_performer import (
     PerformerModel,
 )
 from hf_performer.feature_maps import FeatureMap
+from conftest import TINY_VOCAB, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 logging.set_verbosity_error()
 
-VOCAB = 99
+VOCAB = TINY_VOCAB
 PACKAGE_DIR = Path(hf_performer.__file__).parent
 CODE_FILES = (
     "modeling_performer.py",
@@ -60,27 +60,11 @@ CODE_FILES = (
 )
 
 
-def bert_config(**overrides):
-    settings = dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37, vocab_size=VOCAB
-    )
-    return BertConfig(**{**settings, **overrides})
-
-
-def gpt2_config(**overrides):
-    settings = dict(
-        n_embd=32, n_layer=2, n_head=2, n_positions=64, vocab_size=VOCAB, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0, initializer_range=0.3,
-    )
-    return GPT2Config(**{**settings, **overrides})
-
-
-def llama_config(**overrides):
-    settings = dict(
-        hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=37,
-        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    )
-    return LlamaConfig(**{**settings, **overrides})
+# The shared tiny configurations (conftest), with the token ids generate() needs.
+bert_config = tiny_bert_config
+gpt2_config = functools.partial(tiny_gpt2_config, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                initializer_range=0.3)
+llama_config = functools.partial(tiny_llama_config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 def performer_config(source_config, **settings):

@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
+from transformers import BertModel, LlamaForCausalLM
 
 from hf_performer import PerformerForCausalLM
 from hf_performer.cli import main
@@ -38,11 +38,10 @@ def test_quickstart_help_runs(capsys):
     assert "MiniLM" in capsys.readouterr().out
 
 
-def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch):
+def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch, tiny_llama_config):
     torch.manual_seed(0)
     source = tmp_path / "tiny-llama"
-    LlamaForCausalLM(LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                 intermediate_size=37, vocab_size=50, max_position_embeddings=128)).save_pretrained(source)
+    LlamaForCausalLM(tiny_llama_config(vocab_size=50, max_position_embeddings=128)).save_pretrained(source)
     output = tmp_path / "tiny-llama-performer"
     compared = []
 
@@ -61,11 +60,10 @@ def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch):
     assert "(m=16, d=8)" in printed and "     256 " not in printed  # 256 is beyond the model's 128 positions
 
 
-def test_quickstart_extends_a_learned_table_and_prints_the_real_head_dim(tmp_path, capsys):
+def test_quickstart_extends_a_learned_table_and_prints_the_real_head_dim(tmp_path, capsys, tiny_bert_config):
     torch.manual_seed(0)
     source = tmp_path / "tiny-bert"
-    BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                         vocab_size=50)).save_pretrained(source)
+    BertModel(tiny_bert_config(vocab_size=50)).save_pretrained(source)
     output = tmp_path / "tiny-bert-performer"
     assert main(["quickstart", str(source), "--output", str(output), "--nb-features", "32", "--lengths", "16",
                  "--repeats", "1"]) == 0

@@ -18,10 +18,8 @@ from safetensors.torch import load_file
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
-    BertConfig,
     BertForSequenceClassification,
     BertTokenizer,
-    GPT2Config,
     GPT2LMHeadModel,
 )
 from transformers.utils import logging
@@ -53,15 +51,14 @@ def _rows(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def workdir(tmp_path_factory, tiny_bert_config):
     """A tiny softmax BERT classifier folder (with a WordPiece tokenizer) and SST-2-layout train/dev files."""
     root = tmp_path_factory.mktemp("recipes")
     model_dir = root / "bert"
     model_dir.mkdir()
     (model_dir / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
     BertTokenizer(str(model_dir / "vocab.txt")).save_pretrained(model_dir)
-    config = BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=37,
-                        vocab_size=len(VOCAB), max_position_embeddings=64)
+    config = tiny_bert_config(vocab_size=len(VOCAB), max_position_embeddings=64)
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(model_dir)
     (root / "train.tsv").write_text(_rows(32, 0))
@@ -177,7 +174,7 @@ def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
 def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
     """The note explaining the local metrics fallback quotes `evaluate`'s error, which names a local module path
     (the working folder when offline): metrics.json keeps its base name only."""
-    from hf_performer import evaluation
+    from hf_performer.tasks import evaluation
 
     missing = tmp_path / "cwd" / "glue" / "glue.py"
     monkeypatch.setattr(evaluation, "_load_evaluate_metric", lambda spec: FileNotFoundError(
@@ -558,14 +555,13 @@ def test_recipe_scripts_help_lists_the_flags(capsys, monkeypatch):
 
 
 @pytest.mark.skipif(not (GPT2_TOKENIZER.is_dir() and WIKI_VALID.is_file()), reason="../shared/data is absent")
-def test_causal_lm_recipe_on_wikitext_text(tmp_path):
+def test_causal_lm_recipe_on_wikitext_text(tmp_path, tiny_gpt2_config):
     """A tiny random GPT-2 (real GPT-2 tokenizer) converted on the fly, fine-tuned on the first characters of
     WikiText-2 valid; perplexity with the documented protocol is reported and the loss falls."""
     model_dir = tmp_path / "gpt2"
     tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
     torch.manual_seed(0)
-    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=128, vocab_size=len(tokenizer))
-                    ).save_pretrained(model_dir)
+    GPT2LMHeadModel(tiny_gpt2_config(n_positions=128, vocab_size=len(tokenizer))).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     output = tmp_path / "clm"
     args = training.build_parser("causal-lm").parse_args([

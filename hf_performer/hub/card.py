@@ -135,7 +135,7 @@ def build_model_card(
         report: the fidelity report (a ``FidelityReport`` or its dict); default: the folder's
             ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
-            Default: whether the folder holds a Trainer's files (:data:`hf_performer.evaluation.TRAINING_FILES`) or a recipe's
+            Default: whether the folder holds a Trainer's files (:data:`hf_performer.tasks.evaluation.TRAINING_FILES`) or a recipe's
             ``metrics.json`` (:data:`hf_performer.training.METRICS_FILE_NAME`) with completed steps.
         template_path: a Jinja template; default :func:`default_template_path`.
         transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
@@ -153,7 +153,7 @@ def build_model_card(
     """
     from ..conversion.attention_transfer import TRANSFER_FILE_NAME
     from ..conversion.fidelity import REPORT_FILE_NAME
-    from ..evaluation import TRAINING_FILES
+    from ..tasks.evaluation import TRAINING_FILES
 
     folder = Path(folder)
     config = _read_json(folder / "config.json", "config")

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from huggingface_hub import EvalResult
 
-from ..data import LM_DATASETS, TASKS, DataError, get_task
+from ..tasks.data import LM_DATASETS, TASKS, DataError, get_task
 from .folder import ModelCardError
 
 LM_HUB_DATASET_IDS = {"wikitext": "Salesforce/wikitext"}
-"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.data.LM_DATASETS`."""
+"""Canonical Hub repositories of the causal-LM datasets of :data:`~hf_performer.tasks.data.LM_DATASETS`."""
 
 _RESULT_ALIASES = {
     "task": "task_type",

@@ -101,7 +101,7 @@ def compute_task_metrics(task: str | TaskSpec, predictions: Sequence, references
     """The task's metrics.
 
     Args:
-        task: task name or spec (see :data:`hf_performer.data.TASKS`).
+        task: task name or spec (see :data:`hf_performer.tasks.data.TASKS`).
         predictions: ``[n]`` class ids (float scores for STS-B).
         references: ``[n]`` labels.
         backend: ``"evaluate"`` (``evaluate.load``; raises if unavailable), ``"local"`` (scikit-learn / scipy) or
@@ -405,7 +405,7 @@ def check_head_was_trained(model_path: str) -> None:
     """Raise :class:`EvaluationError` when ``model_path`` is a converted folder whose head was new at conversion
     (its ``conversion_report.json`` says ``untrained_head``) and that records no training run since (the recipes'
     ``metrics.json`` / ``eval_curve.json``, Trainer files)."""
-    from .conversion.fidelity import REPORT_FILE_NAME
+    from ..conversion.fidelity import REPORT_FILE_NAME
 
     report_path = os.path.join(model_path, REPORT_FILE_NAME)
     if not os.path.isfile(report_path):
@@ -435,7 +435,7 @@ def evaluate_classification_model(model_path: str, task: str, validation_file: s
     from torch.utils.data import DataLoader
     from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
-    from . import modeling_performer  # noqa: F401 - registers the Performer classes with the Auto classes
+    from .. import modeling_performer  # noqa: F401 - registers the Performer classes with the Auto classes
     from .data import load_task_split, tokenize_task_dataset
 
     spec = get_task(task)
@@ -476,7 +476,7 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     import torch
     from transformers import AutoModelForCausalLM
 
-    from . import modeling_performer  # noqa: F401
+    from .. import modeling_performer  # noqa: F401
     from .data import load_lm_text, tokenize_lm_text
 
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
