@@ -36,10 +36,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hf_performer.favor_attention import (
     ATTN_IMPLEMENTATION,
     FEATURE_MAP_ATTRIBUTE,
-    favor_settings_of,
     find_attention_modules,
     layer_index_of,
 )
+from hf_performer.favor_settings import favor_settings_of
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 

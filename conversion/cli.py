@@ -21,7 +21,7 @@ import shutil
 import sys
 import tempfile
 
-from hf_performer.favor_attention import FAVOR_DEFAULTS
+from hf_performer.favor_settings import FAVOR_DEFAULTS
 from hf_performer.feature_maps import available_feature_maps
 from hf_performer.hub import write_model_card
 

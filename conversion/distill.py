@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-from hf_performer.favor_attention import feature_map_kind
+from hf_performer.favor_settings import feature_map_kind
 from hf_performer.feature_maps import LEARNED_MAP_INITS, available_feature_maps, default_feature_map_init
 from hf_performer.hub import write_model_card
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
+from .favor_settings import resolve_favor_settings
 from .linear_attention import LinearAttentionState
 
 
@@ -158,8 +159,6 @@ def make_favor_cache(config_or_model) -> DynamicCache:
     The model must run ``attn_implementation="favor"`` and have been prepared with
     ``attach_feature_maps(model)``.
     """
-    from .favor_attention import resolve_favor_settings  # favor_attention imports this module
-
     config = getattr(config_or_model, "config", config_or_model)
     text_config = config.get_text_config(decoder=True)
     favor_settings = getattr(text_config, "favor_settings", None) or getattr(config, "favor_settings", None)

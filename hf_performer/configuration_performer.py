@@ -6,8 +6,8 @@ A :class:`PerformerConfig` holds
   ``GPT2Config``, ... object at run time, serialised as a dict with its ``model_type``);
 * ``favor_settings``: how attention is approximated (feature map, number of features, projection kind,
   redraw policy, seed, chunk size of the causal scan, layers kept on softmax attention). They are
-  validated by :func:`~.favor_attention.resolve_favor_settings`, the one place where the accepted keys and
-  their defaults (:data:`~.favor_attention.FAVOR_DEFAULTS`) are defined. Each setting can also be read or
+  validated by :func:`~.favor_settings.resolve_favor_settings`, the one place where the accepted keys and
+  their defaults (:data:`~.favor_settings.FAVOR_DEFAULTS`) are defined. Each setting can also be read or
   set as an attribute (``config.nb_features``).
 
 Task fields (``id2label``, ``label2id``, ``problem_type``) belong to the Performer config (pipelines read
@@ -34,7 +34,7 @@ from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
-from .favor_attention import FAVOR_DEFAULTS, feature_map_kind, resolve_favor_settings
+from .favor_settings import FAVOR_DEFAULTS, canonical_favor_settings, resolve_favor_settings
 
 
 PERFORMER_MODEL_TYPE = "performer"
@@ -127,21 +127,6 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
             f"(sliding_window={getattr(config, 'sliding_window', None)}), which linear attention cannot express. "
             "Set sliding_window=None (full causal attention) in the source config before converting."
         )
-
-
-def canonical_favor_settings(settings: dict | None) -> dict:
-    """Validated settings with every default made explicit (so a saved model records them all), except
-    the keys the chosen feature map does not take (deterministic maps have no projection options)."""
-    settings = dict(settings or {})
-    resolved = resolve_favor_settings(settings)
-    kind = feature_map_kind(resolved["feature_map"])
-    if kind == "learned":  # no random projection: the seed only draws a "favor+" initialisation
-        keys = ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options")
-        return {key: resolved[key] for key in keys}
-    if kind == "deterministic":
-        # elu+1: it has its own size and no random-projection options.
-        return {key: resolved[key] for key in ("feature_map", "chunk_size", "softmax_layers", "feature_map_options")}
-    return resolved
 
 
 def _close_matches(word: str, candidates) -> str:
@@ -416,6 +401,5 @@ __all__ = [
     "PerformerConfig",
     "PerformerConfigError",
     "VERIFIED_SOURCE_MODEL_TYPES",
-    "canonical_favor_settings",
     "check_source_architecture",
 ]

@@ -9,7 +9,7 @@ What is measured (``hf-performer bench decode``):
 * The two implementations, measured in the same run, interleaved step by step at every length:
 
   - ``favor``: ``attn_implementation="favor"`` (FAVOR+, settings ``config.favor_settings``, defaults
-    :data:`~.favor_attention.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`~.cache.make_favor_cache`:
+    :data:`~.favor_settings.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`~.cache.make_favor_cache`:
     every layer is a :class:`~.cache.FavorCacheLayer` holding ``kv [B, H, m, d]``, ``k_sum [B, H, m]`` and
     ``stabilizer [B, H]`` (float32), whatever the context length;
   - ``softmax``: ``attn_implementation="sdpa"`` with transformers' standard ``DynamicCache`` (every layer a
@@ -169,7 +169,7 @@ class FavorStateBuilder:
     """
 
     def __init__(self, model, batch: int, seed: int = 0, block: int = STATE_BLOCK):
-        from .favor_attention import favor_settings_of
+        from .favor_settings import favor_settings_of
 
         self.model, self.batch, self.block = model, batch, block
         self.generator = torch.Generator().manual_seed(seed)
@@ -427,7 +427,7 @@ def run_decode_benchmark(
     """
     from tqdm.auto import tqdm
 
-    from .favor_attention import resolve_favor_settings
+    from .favor_settings import resolve_favor_settings
 
     context_lengths = sorted(int(length) for length in context_lengths)
     if not context_lengths or context_lengths[0] < 1 or repeats < 1 or warmup < 1:

@@ -27,12 +27,13 @@ Behaviour of :func:`favor_attention_forward`:
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given.
 
-Settings are read from ``module.config.favor_settings`` (a dict validated strictly; absent keys take
-:data:`FAVOR_DEFAULTS`). Each favor attention module owns a submodule ``favor_feature_map`` (seed
-``settings["seed"] + layer_idx``), so projections and redraw counters live in the state dict and reload
-bit-identically. :func:`attach_feature_maps` creates them eagerly (call it before loading a state
-dict); a stock model switched with ``set_attn_implementation("favor")`` gets them lazily on its first
-forward.
+Settings are read from ``module.config.favor_settings`` (validated strictly by
+:func:`~.favor_settings.resolve_favor_settings`; absent keys take :data:`~.favor_settings.FAVOR_DEFAULTS`)
+once, when the module's feature map is attached, and kept on the module (:func:`module_favor_settings`).
+Each favor attention module owns a submodule ``favor_feature_map`` (seed ``settings["seed"] + layer_idx``),
+so projections and redraw counters live in the state dict and reload bit-identically.
+:func:`attach_feature_maps` creates them eagerly (call it before loading a state dict); a stock model switched
+with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
 hands the layer's ``past_key_values`` to the attention function and, for causal favor layers, replaces an
@@ -68,221 +69,20 @@ from transformers.masking_utils import (
 from transformers.utils import logging
 
 from .cache import FavorCacheLayer
-from .feature_maps import (
-    FEATURE_MAPS,
-    FeatureMap,
-    LearnedFeatureMap,
-    RandomFeatureMap,
-    available_feature_maps,
-    make_feature_map,
-)
-from .linear_attention import DEFAULT_CHUNK_SIZE, LinearAttentionError, linear_attention
+from .favor_settings import build_feature_map, favor_settings_of, is_int
+from .favor_settings import feature_map_kind  # noqa: F401 - hub.py still imports it from here
+from .feature_maps import FeatureMap
+from .linear_attention import LinearAttentionError, linear_attention
 
 
 logger = logging.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "favor"
 FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
-
-FAVOR_DEFAULTS: dict = {
-    "feature_map": "favor+",
-    "nb_features": 256,
-    "orthogonal": True,
-    "row_norms": "chi",
-    "redraw_interval": 0,
-    "seed": 0,
-    "chunk_size": DEFAULT_CHUNK_SIZE,
-    "softmax_layers": [],
-    "feature_map_options": {},
-}
-"""Defaults of ``config.favor_settings``, the one place where they are defined.
-
-* ``feature_map``: a name of ``available_feature_maps()`` ("favor+", "trig", "relu", "elu+1", "hedgehog", "t2r", ...).
-* ``nb_features``: ``m`` features per head; ``None`` lets the map choose (learned maps: ``2 * head_dim`` for
-  hedgehog, ``head_dim`` for t2r; elu+1 always has ``head_dim`` and refuses an explicit value).
-* ``orthogonal``, ``row_norms`` ("chi" or "fixed"), ``redraw_interval`` (training calls between redraws,
-  0 = never): options of random feature maps.
-* ``seed``: layer ``i`` draws its projection (random maps) or its ``"favor+"`` initialisation (learned maps)
-  with seed ``seed + i``.
-* ``chunk_size``: tokens per chunk of the causal scan.
-* ``softmax_layers``: layer indices kept on exact softmax attention (sdpa).
-* ``feature_map_options``: the map's own keyword options, e.g. ``{"init": "favor+", "tie_qk": False}`` for
-  learned maps or ``{"feature_epsilon": 1e-3}`` for relu; checked against the map's signature.
-"""
-
-RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
-LEARNED_MAP_SETTINGS = ("seed",)
-"""Top-level settings of random maps that learned maps also take (the seed of their ``"favor+"`` initialisation)."""
-_BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_heads", *RANDOM_MAP_OPTIONS)
-"""Arguments :func:`build_feature_map` passes itself: not accepted in ``feature_map_options``."""
-
+SETTINGS_ATTRIBUTE = "_favor_settings"
 
 class FavorMaskError(LinearAttentionError):
     """An attention mask that linear attention cannot express (raised instead of ignoring it)."""
-
-
-# --------------------------------------------------------------------------------------------
-# Settings
-# --------------------------------------------------------------------------------------------
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def resolve_favor_settings(settings: dict | None = None) -> dict:
-    """Validate ``favor_settings`` and fill absent keys from :data:`FAVOR_DEFAULTS`.
-
-    Args:
-        settings: a dict (e.g. ``config.favor_settings``) or ``None`` for all defaults.
-
-    Returns:
-        A new dict with every key of :data:`FAVOR_DEFAULTS` (``softmax_layers`` as a sorted list of ints).
-
-    Raises:
-        ValueError: unknown key, unknown feature map or out-of-range value. TypeError: wrong type.
-    """
-    if settings is None:
-        settings = {}
-    if not isinstance(settings, dict):
-        raise TypeError(f"favor_settings must be a dict, got {type(settings).__name__}: {settings!r}")
-    unknown = sorted(set(settings) - set(FAVOR_DEFAULTS))
-    if unknown:
-        raise ValueError(
-            f"unknown favor_settings key(s) {unknown}; accepted keys: {sorted(FAVOR_DEFAULTS)} "
-            f"(defaults: {FAVOR_DEFAULTS})"
-        )
-    resolved = {**FAVOR_DEFAULTS, **settings}
-
-    if resolved["feature_map"] not in FEATURE_MAPS:
-        raise ValueError(
-            f"favor_settings['feature_map']={resolved['feature_map']!r} is not a known feature map; "
-            f"available: {available_feature_maps()}"
-        )
-    nb_features = resolved["nb_features"]
-    if nb_features is not None and not (_is_int(nb_features) and nb_features > 0):
-        raise ValueError(f"favor_settings['nb_features'] must be a positive int or None, got {nb_features!r}")
-    kind = feature_map_kind(resolved["feature_map"])
-    if kind == "deterministic" and settings.get("nb_features") is not None:
-        raise ValueError(
-            f"the {resolved['feature_map']!r} feature map has exactly head_dim features and takes no nb_features "
-            f"(got {settings['nb_features']}); leave nb_features unset"
-        )
-    if not isinstance(resolved["orthogonal"], bool):
-        raise TypeError(f"favor_settings['orthogonal'] must be a bool, got {resolved['orthogonal']!r}")
-    if resolved["row_norms"] not in ("chi", "fixed"):
-        raise ValueError(f"favor_settings['row_norms'] must be 'chi' or 'fixed', got {resolved['row_norms']!r}")
-    if not (_is_int(resolved["redraw_interval"]) and resolved["redraw_interval"] >= 0):
-        raise ValueError(
-            f"favor_settings['redraw_interval'] must be an int >= 0 (0 = never), got {resolved['redraw_interval']!r}"
-        )
-    if not _is_int(resolved["seed"]):
-        raise TypeError(f"favor_settings['seed'] must be an int, got {resolved['seed']!r}")
-    if not (_is_int(resolved["chunk_size"]) and resolved["chunk_size"] >= 1):
-        raise ValueError(f"favor_settings['chunk_size'] must be an int >= 1, got {resolved['chunk_size']!r}")
-    softmax_layers = resolved["softmax_layers"]
-    if not isinstance(softmax_layers, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in softmax_layers):
-        raise ValueError(
-            f"favor_settings['softmax_layers'] must be a list of layer indices (ints >= 0), got {softmax_layers!r}"
-        )
-    resolved["softmax_layers"] = sorted(set(softmax_layers))
-
-    resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
-
-    if kind != "random":
-        allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
-        explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings and key not in allowed]
-        if explicit:
-            raise ValueError(
-                f"favor_settings {explicit} only apply to random feature maps; {resolved['feature_map']!r} has no "
-                "random projection"
-            )
-        if "nb_features" not in settings:
-            resolved["nb_features"] = None  # the map's own size (elu+1: head_dim; hedgehog: 2 * head_dim)
-    factory = FEATURE_MAPS[resolved["feature_map"]]
-    if resolved["nb_features"] is not None and isinstance(factory, type) and issubclass(factory, FeatureMap):
-        factory.check_nb_features(resolved["nb_features"])  # e.g. trig's even count, before any model is built
-    return resolved
-
-
-def _keyword_options(factory) -> list[str]:
-    """Keyword options a feature-map factory takes (its signature, the base class's for ``**kwargs``)."""
-    names, targets = [], [factory]
-    while targets:
-        target = targets.pop()
-        parameters = inspect.signature(target).parameters.values()
-        names += [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if any(p.kind == p.VAR_KEYWORD for p in parameters) and isinstance(target, type):
-            targets += [base for base in target.__mro__[1:2] if issubclass(base, FeatureMap)]
-    return sorted(set(names) - set(_BUILDER_ARGUMENTS))
-
-
-def _check_feature_map_options(name: str, options) -> dict:
-    if not isinstance(options, dict):
-        raise TypeError(f"favor_settings['feature_map_options'] must be a dict, got {options!r}")
-    accepted = _keyword_options(FEATURE_MAPS[name])
-    unknown = sorted(set(options) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"favor_settings['feature_map_options'] has option(s) {unknown} that the {name!r} feature map does not "
-            f"take; accepted: {accepted or 'none'}"
-        )
-    return dict(options)
-
-
-def favor_settings_of(module_or_config) -> dict:
-    """Resolved settings of an attention module (``module.config.favor_settings``) or of a config."""
-    config = getattr(module_or_config, "config", module_or_config)
-    return resolve_favor_settings(getattr(config, "favor_settings", None))
-
-
-def feature_map_kind(name: str) -> str:
-    """``"random"`` (a random projection: favor+, trig, relu), ``"learned"`` (trainable parameters per head:
-    hedgehog, t2r) or ``"deterministic"`` (elu+1) for a registered feature-map name."""
-    factory = FEATURE_MAPS[name]
-    if isinstance(factory, type) and issubclass(factory, RandomFeatureMap):
-        return "random"
-    if isinstance(factory, type) and issubclass(factory, LearnedFeatureMap):
-        return "learned"
-    return "deterministic"
-
-
-def build_feature_map(
-    settings: dict, head_dim: int, layer_idx: int, num_heads: int | None = None, num_key_value_heads: int | None = None
-) -> FeatureMap:
-    """The feature map of layer ``layer_idx`` from resolved settings (seed ``settings["seed"] + layer_idx``).
-
-    ``num_heads`` / ``num_key_value_heads`` (query / key heads of the layer) are needed by learned maps, which
-    have parameters per head.
-    """
-    name = settings["feature_map"]
-    options = dict(settings.get("feature_map_options") or {})
-    kind = feature_map_kind(name)
-    if kind == "random":
-        return make_feature_map(
-            name,
-            head_dim,
-            settings["nb_features"],
-            orthogonal=settings["orthogonal"],
-            row_norms=settings["row_norms"],
-            redraw_interval=settings["redraw_interval"],
-            seed=settings["seed"] + layer_idx,
-            **options,
-        )
-    if kind == "learned":
-        if num_heads is None:
-            raise ValueError(f"the learned feature map {name!r} needs the layer's number of heads")
-        return make_feature_map(
-            name,
-            head_dim,
-            settings["nb_features"],
-            num_heads=num_heads,
-            num_key_value_heads=num_key_value_heads,
-            seed=settings["seed"] + layer_idx,
-            **options,
-        )
-    # Deterministic maps (elu+1) have a fixed size; an nb_features other than theirs is rejected by the map.
-    return make_feature_map(name, head_dim, settings["nb_features"], **options)
 
 
 # --------------------------------------------------------------------------------------------
@@ -331,16 +131,16 @@ def layer_index_of(module: nn.Module) -> int:
 def _module_head_dim(module: nn.Module) -> int | None:
     for attribute in ("head_dim", "attention_head_size", "head_size"):
         value = getattr(module, attribute, None)
-        if _is_int(value):
+        if is_int(value):
             return value
     config = getattr(module, "config", None)
     if config is None:
         return None
     head_dim = getattr(config, "head_dim", None)
-    if _is_int(head_dim):
+    if is_int(head_dim):
         return head_dim
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if _is_int(hidden) and _is_int(heads) and heads > 0:
+    if is_int(hidden) and is_int(heads) and heads > 0:
         return hidden // heads
     return None
 
@@ -351,15 +151,15 @@ def _module_head_counts(module: nn.Module) -> tuple[int | None, int | None]:
     heads = None
     for attribute in ("num_attention_heads", "num_heads", "n_heads"):
         value = getattr(module, attribute, None)
-        if _is_int(value):
+        if is_int(value):
             heads = value
             break
-    if heads is None and _is_int(getattr(config, "num_attention_heads", None)):
+    if heads is None and is_int(getattr(config, "num_attention_heads", None)):
         heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None)
-    if _is_int(getattr(module, "num_key_value_groups", None)) and heads is not None:
+    if is_int(getattr(module, "num_key_value_groups", None)) and heads is not None:
         kv_heads = heads // module.num_key_value_groups
-    return heads, kv_heads if _is_int(kv_heads) else heads
+    return heads, kv_heads if is_int(kv_heads) else heads
 
 
 def _module_device(module: nn.Module) -> torch.device:
@@ -369,12 +169,23 @@ def _module_device(module: nn.Module) -> torch.device:
     return parameter.device
 
 
+def module_favor_settings(module: nn.Module) -> dict:
+    """The resolved settings of an attention module, kept on it when first asked for (when its feature map is
+    attached); resolved again only if its config's ``favor_settings`` dict has been replaced since."""
+    given = getattr(getattr(module, "config", None), "favor_settings", None)
+    kept = getattr(module, SETTINGS_ATTRIBUTE, None)
+    if kept is None or kept[0] is not given:
+        kept = (given, favor_settings_of(module))
+        setattr(module, SETTINGS_ATTRIBUTE, kept)
+    return kept[1]
+
+
 def uses_favor(module: nn.Module) -> bool:
     """Whether this attention module runs favor attention (implementation "favor", not a softmax layer)."""
     config = getattr(module, "config", None)
     if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return False
-    return layer_index_of(module) not in favor_settings_of(module)["softmax_layers"]
+    return layer_index_of(module) not in module_favor_settings(module)["softmax_layers"]
 
 
 def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMap:
@@ -423,7 +234,7 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
             # the projection must exist when a checkpoint does not hold it.
             with torch.device("cpu"):
                 feature_map = build_feature_map(
-                    favor_settings_of(module), head_dim, layer_idx, *_module_head_counts(module)
+                    module_favor_settings(module), head_dim, layer_idx, *_module_head_counts(module)
                 )
             _attach_feature_map(module, feature_map.to(_module_device(module)))
         favor_layers.add(layer_idx)
@@ -716,7 +527,7 @@ def favor_attention_forward(
     """
     is_causal = kwargs.get("is_causal")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
-    settings = favor_settings_of(module)
+    settings = module_favor_settings(module)
     layer_idx = layer_index_of(module)
 
     if layer_idx in settings["softmax_layers"]:

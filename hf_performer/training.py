@@ -113,7 +113,7 @@ class RecipeError(ValueError):
 
 def build_parser(kind: str) -> argparse.ArgumentParser:
     """The argument parser of the recipe ``kind`` (``"text-classification"`` or ``"causal-lm"``)."""
-    from .favor_attention import FAVOR_DEFAULTS
+    from .favor_settings import FAVOR_DEFAULTS
     from .feature_maps import available_feature_maps
 
     if kind not in KINDS:

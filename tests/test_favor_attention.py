@@ -25,14 +25,13 @@ from transformers.utils import logging
 
 import hf_performer
 from hf_performer.favor_attention import (
-    FAVOR_DEFAULTS,
     FavorMaskError,
     attach_feature_maps,
     favor_attention_forward,
     favor_attention_mask,
     find_attention_modules,
-    resolve_favor_settings,
 )
+from hf_performer.favor_settings import FAVOR_DEFAULTS, resolve_favor_settings
 from hf_performer.feature_maps import make_feature_map
 from hf_performer.reference import reference_linear_attention
 

@@ -52,7 +52,7 @@ TOKEN = "hf_fake_token_for_tests_0123456789"
 REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
-CODE_FILES = ["cache.py", "configuration_performer.py", "favor_attention.py", "feature_maps.py",
+CODE_FILES = ["cache.py", "configuration_performer.py", "favor_attention.py", "favor_settings.py", "feature_maps.py",
               "linear_attention.py", "modeling_performer.py"]
 
 
@@ -603,9 +603,9 @@ def _remove(*names):
         (_remove("modeling_performer.py"), "modeling_performer.py: missing (needed by config.json auto_map['AutoModel'])"),
         (_remove("configuration_performer.py"), "configuration_performer.py: missing (needed by config.json auto_map['AutoConfig'])"),
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
-        (_remove("favor_attention.py"), "favor_attention.py: missing (needed by configuration_performer.py "
-                                        "(from .favor_attention import FAVOR_DEFAULTS, feature_map_kind, resolve_favor_settings))"),
-        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_attention.py (from .linear_attention"),
+        (_remove("favor_attention.py"), "favor_attention.py: missing (needed by modeling_performer.py "
+                                        "(from .favor_attention import attach_feature_maps, find_attention_modules))"),
+        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_settings.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),
         (_lfs_pointer, "model.safetensors: not a safetensors file (bad header length; a Git LFS pointer"),

@@ -20,7 +20,7 @@ from hf_performer import (
     linear_attention,
     make_feature_map,
 )
-from hf_performer.favor_attention import build_feature_map, feature_map_kind, resolve_favor_settings
+from hf_performer.favor_settings import build_feature_map, feature_map_kind, resolve_favor_settings
 from hf_performer.feature_maps import (
     LEARNED_MAP_INITS,
     FeatureMap,

@@ -54,6 +54,7 @@ CODE_FILES = (
     "modeling_performer.py",
     "configuration_performer.py",
     "favor_attention.py",
+    "favor_settings.py",
     "cache.py",
     "feature_maps.py",
     "linear_attention.py",

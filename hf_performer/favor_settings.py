@@ -1,0 +1,325 @@
+"""The one schema of the FAVOR+ settings (``config.favor_settings``): what each setting means, its default,
+its validation and what it builds.
+
+* :data:`FAVOR_SETTINGS`: one :class:`FavorSetting` per key (name, type, default, one-line meaning), the
+  declaration the configuration, the attention function and the command line read;
+* :data:`FAVOR_DEFAULTS`: the defaults, ``{name: default}``;
+* :func:`resolve_favor_settings`: the one validation; a given settings dict is validated once and the result
+  memoised (the configuration, every layer's attach and the cache factory ask for the same settings);
+* :func:`build_feature_map`: the feature map of one layer from resolved settings;
+* :func:`effective_nb_features`: the number of features per head a layer really has;
+* :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``.
+
+This module imports only relative siblings (and, through them, ``torch``): it is copied next to saved models
+for ``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+from .feature_maps import (
+    FEATURE_MAPS,
+    FeatureMap,
+    LearnedFeatureMap,
+    RandomFeatureMap,
+    available_feature_maps,
+    make_feature_map,
+)
+from .linear_attention import DEFAULT_CHUNK_SIZE
+
+
+@dataclass(frozen=True)
+class FavorSetting:
+    """One key of ``favor_settings``: its ``name``, the Python ``type`` of its values (``nb_features`` also takes
+    ``None``), its ``default`` and a one-line ``meaning``."""
+
+    name: str
+    type: type
+    default: object
+    meaning: str
+
+
+FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
+    FavorSetting("feature_map", str, "favor+",
+                 'a name of available_feature_maps() ("favor+", "trig", "relu", "elu+1", "hedgehog", "t2r", ...)'),
+    FavorSetting("nb_features", int, 256,
+                 "features m per head; None lets the map choose (hedgehog 2 * head_dim, t2r and elu+1 head_dim)"),
+    FavorSetting("orthogonal", bool, True, "random maps: orthogonal (True) or iid (False) projection rows"),
+    FavorSetting("row_norms", str, "chi", 'random maps: projection row norms, "chi" (sampled) or "fixed" (sqrt(d))'),
+    FavorSetting("redraw_interval", int, 0, "random maps: training calls between redraws of the projection, 0 = never"),
+    FavorSetting("seed", int, 0,
+                 'layer i draws its projection (random maps) or its "favor+" initialisation (learned maps) with '
+                 "seed + i"),
+    FavorSetting("chunk_size", int, DEFAULT_CHUNK_SIZE, "tokens per chunk of the causal scan"),
+    FavorSetting("softmax_layers", list, [], "layer indices kept on exact softmax attention (sdpa)"),
+    FavorSetting("feature_map_options", dict, {},
+                 'the map\'s own keyword options, e.g. {"init": "favor+", "tie_qk": False} (learned maps)'),
+)
+
+FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTINGS}
+"""Defaults of ``config.favor_settings``, ``{name: default}`` of :data:`FAVOR_SETTINGS`.
+
+* ``nb_features``: ``None`` lets the map choose (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim``
+  for t2r; elu+1 always has ``head_dim`` and refuses an explicit value).
+* ``orthogonal``, ``row_norms``, ``redraw_interval``: options of random feature maps only.
+* ``feature_map_options``: checked against the map's signature, e.g. ``{"feature_epsilon": 1e-3}`` for relu.
+"""
+
+RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
+LEARNED_MAP_SETTINGS = ("seed",)
+"""Top-level settings of random maps that learned maps also take (the seed of their ``"favor+"`` initialisation)."""
+_BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_heads", *RANDOM_MAP_OPTIONS)
+"""Arguments :func:`build_feature_map` passes itself: not accepted in ``feature_map_options``."""
+
+CANONICAL_KEYS = {
+    "random": tuple(FAVOR_DEFAULTS),
+    # No random projection: the seed only draws a "favor+" initialisation.
+    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options"),
+    # elu+1: its own size and no random-projection options.
+    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options"),
+}
+"""The keys a config records for each :func:`feature_map_kind` (:func:`canonical_favor_settings`)."""
+
+_RESOLVED: dict[tuple, dict] = {}
+_RESOLVED_LIMIT = 256
+
+
+def is_int(value) -> bool:
+    """Whether ``value`` is an ``int`` (``bool`` is not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def feature_map_kind(name: str) -> str:
+    """``"random"`` (a random projection: favor+, trig, relu), ``"learned"`` (trainable parameters per head:
+    hedgehog, t2r) or ``"deterministic"`` (elu+1) for a registered feature-map name."""
+    factory = FEATURE_MAPS[name]
+    if isinstance(factory, type) and issubclass(factory, RandomFeatureMap):
+        return "random"
+    if isinstance(factory, type) and issubclass(factory, LearnedFeatureMap):
+        return "learned"
+    return "deterministic"
+
+
+def _frozen(value):
+    """A hashable image of a settings value that keeps types apart (``True`` vs ``1``, list vs tuple)."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((repr(key), _frozen(item)) for key, item in value.items())))
+    if isinstance(value, (list, tuple, set)):
+        items = tuple(_frozen(item) for item in value)
+        return (type(value).__name__, tuple(sorted(items, key=repr)) if isinstance(value, set) else items)
+    hash(value)  # TypeError for anything else unhashable: not memoised
+    return (type(value).__name__, value)
+
+
+def _copy(resolved: dict) -> dict:
+    """A copy the caller may change without touching the memoised resolution."""
+    return {
+        **resolved,
+        "softmax_layers": list(resolved["softmax_layers"]),
+        "feature_map_options": dict(resolved["feature_map_options"]),
+    }
+
+
+def resolve_favor_settings(settings: dict | None = None) -> dict:
+    """Validate ``favor_settings`` and fill absent keys from :data:`FAVOR_DEFAULTS`.
+
+    Settings equal to ones already resolved (same keys, values and value types, same registered feature map)
+    are not validated again: the memoised result is returned as a new dict.
+
+    Args:
+        settings: a dict (e.g. ``config.favor_settings``) or ``None`` for all defaults.
+
+    Returns:
+        A new dict with every key of :data:`FAVOR_DEFAULTS` (``softmax_layers`` as a sorted list of ints).
+
+    Raises:
+        ValueError: unknown key, unknown feature map or out-of-range value. TypeError: wrong type.
+    """
+    if settings is None:
+        settings = {}
+    if not isinstance(settings, dict):
+        raise TypeError(f"favor_settings must be a dict, got {type(settings).__name__}: {settings!r}")
+    try:
+        key = (_frozen(settings), FEATURE_MAPS.get(settings.get("feature_map", FAVOR_DEFAULTS["feature_map"])))
+    except TypeError:  # an unhashable option value: validate without memoising
+        return _validate(settings)
+    resolved = _RESOLVED.get(key)
+    if resolved is None:
+        resolved = _validate(settings)
+        if len(_RESOLVED) >= _RESOLVED_LIMIT:
+            _RESOLVED.clear()
+        _RESOLVED[key] = resolved
+        # The canonical form (what a config stores) resolves to the same settings: no second validation.
+        _RESOLVED.setdefault((_frozen(_canonical(resolved)), key[1]), resolved)
+    return _copy(resolved)
+
+
+def _canonical(resolved: dict) -> dict:
+    return {name: resolved[name] for name in CANONICAL_KEYS[feature_map_kind(resolved["feature_map"])]}
+
+
+def canonical_favor_settings(settings: dict | None) -> dict:
+    """Validated settings with every default made explicit (so a saved model records them all), except the keys
+    the chosen feature map does not take (:data:`CANONICAL_KEYS`)."""
+    return _copy(_canonical(resolve_favor_settings(dict(settings or {}))))
+
+
+def _validate(settings: dict) -> dict:
+    """The validation behind :func:`resolve_favor_settings` (run once per distinct settings)."""
+    unknown = sorted(set(settings) - set(FAVOR_DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"unknown favor_settings key(s) {unknown}; accepted keys: {sorted(FAVOR_DEFAULTS)} "
+            f"(defaults: {FAVOR_DEFAULTS})"
+        )
+    resolved = {**FAVOR_DEFAULTS, **settings}
+
+    if resolved["feature_map"] not in FEATURE_MAPS:
+        raise ValueError(
+            f"favor_settings['feature_map']={resolved['feature_map']!r} is not a known feature map; "
+            f"available: {available_feature_maps()}"
+        )
+    nb_features = resolved["nb_features"]
+    if nb_features is not None and not (is_int(nb_features) and nb_features > 0):
+        raise ValueError(f"favor_settings['nb_features'] must be a positive int or None, got {nb_features!r}")
+    kind = feature_map_kind(resolved["feature_map"])
+    if kind == "deterministic" and settings.get("nb_features") is not None:
+        raise ValueError(
+            f"the {resolved['feature_map']!r} feature map has exactly head_dim features and takes no nb_features "
+            f"(got {settings['nb_features']}); leave nb_features unset"
+        )
+    if not isinstance(resolved["orthogonal"], bool):
+        raise TypeError(f"favor_settings['orthogonal'] must be a bool, got {resolved['orthogonal']!r}")
+    if resolved["row_norms"] not in ("chi", "fixed"):
+        raise ValueError(f"favor_settings['row_norms'] must be 'chi' or 'fixed', got {resolved['row_norms']!r}")
+    if not (is_int(resolved["redraw_interval"]) and resolved["redraw_interval"] >= 0):
+        raise ValueError(
+            f"favor_settings['redraw_interval'] must be an int >= 0 (0 = never), got {resolved['redraw_interval']!r}"
+        )
+    if not is_int(resolved["seed"]):
+        raise TypeError(f"favor_settings['seed'] must be an int, got {resolved['seed']!r}")
+    if not (is_int(resolved["chunk_size"]) and resolved["chunk_size"] >= 1):
+        raise ValueError(f"favor_settings['chunk_size'] must be an int >= 1, got {resolved['chunk_size']!r}")
+    softmax_layers = resolved["softmax_layers"]
+    if not isinstance(softmax_layers, (list, tuple)) or not all(is_int(i) and i >= 0 for i in softmax_layers):
+        raise ValueError(
+            f"favor_settings['softmax_layers'] must be a list of layer indices (ints >= 0), got {softmax_layers!r}"
+        )
+    resolved["softmax_layers"] = sorted(set(softmax_layers))
+
+    resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
+
+    if kind != "random":
+        allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
+        explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings and key not in allowed]
+        if explicit:
+            raise ValueError(
+                f"favor_settings {explicit} only apply to random feature maps; {resolved['feature_map']!r} has no "
+                "random projection"
+            )
+        if "nb_features" not in settings:
+            resolved["nb_features"] = None  # the map's own size (elu+1: head_dim; hedgehog: 2 * head_dim)
+    factory = FEATURE_MAPS[resolved["feature_map"]]
+    if resolved["nb_features"] is not None and isinstance(factory, type) and issubclass(factory, FeatureMap):
+        factory.check_nb_features(resolved["nb_features"])  # e.g. trig's even count, before any model is built
+    return resolved
+
+
+def _keyword_options(factory) -> list[str]:
+    """Keyword options a feature-map factory takes (its signature, the base class's for ``**kwargs``)."""
+    names, targets = [], [factory]
+    while targets:
+        target = targets.pop()
+        parameters = inspect.signature(target).parameters.values()
+        names += [p.name for p in parameters if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        if any(p.kind == p.VAR_KEYWORD for p in parameters) and isinstance(target, type):
+            targets += [base for base in target.__mro__[1:2] if issubclass(base, FeatureMap)]
+    return sorted(set(names) - set(_BUILDER_ARGUMENTS))
+
+
+def _check_feature_map_options(name: str, options) -> dict:
+    if not isinstance(options, dict):
+        raise TypeError(f"favor_settings['feature_map_options'] must be a dict, got {options!r}")
+    accepted = _keyword_options(FEATURE_MAPS[name])
+    unknown = sorted(set(options) - set(accepted))
+    if unknown:
+        raise ValueError(
+            f"favor_settings['feature_map_options'] has option(s) {unknown} that the {name!r} feature map does not "
+            f"take; accepted: {accepted or 'none'}"
+        )
+    return dict(options)
+
+
+def favor_settings_of(module_or_config) -> dict:
+    """Resolved settings of an attention module (``module.config.favor_settings``) or of a config."""
+    config = getattr(module_or_config, "config", module_or_config)
+    return resolve_favor_settings(getattr(config, "favor_settings", None))
+
+
+def effective_nb_features(settings: dict, head_dim: int) -> int:
+    """The number ``m`` of features per head that :func:`build_feature_map` gives a layer of ``head_dim``:
+    ``settings["nb_features"]``, or with ``None`` the map's own size (hedgehog ``2 * head_dim``, t2r and elu+1
+    ``head_dim``, a random map its default)."""
+    if settings["nb_features"] is not None:
+        return settings["nb_features"]
+    name = settings["feature_map"]
+    factory = FEATURE_MAPS[name]
+    kind = feature_map_kind(name)
+    if kind == "learned":
+        return factory.default_nb_features(head_dim)
+    if kind == "random":
+        return inspect.signature(factory).parameters["nb_features"].default
+    return head_dim
+
+
+def build_feature_map(
+    settings: dict, head_dim: int, layer_idx: int, num_heads: int | None = None, num_key_value_heads: int | None = None
+) -> FeatureMap:
+    """The feature map of layer ``layer_idx`` from resolved settings (seed ``settings["seed"] + layer_idx``).
+
+    ``num_heads`` / ``num_key_value_heads`` (query / key heads of the layer) are needed by learned maps, which
+    have parameters per head.
+    """
+    name = settings["feature_map"]
+    options = dict(settings.get("feature_map_options") or {})
+    kind = feature_map_kind(name)
+    if kind == "random":
+        return make_feature_map(
+            name,
+            head_dim,
+            settings["nb_features"],
+            orthogonal=settings["orthogonal"],
+            row_norms=settings["row_norms"],
+            redraw_interval=settings["redraw_interval"],
+            seed=settings["seed"] + layer_idx,
+            **options,
+        )
+    if kind == "learned":
+        if num_heads is None:
+            raise ValueError(f"the learned feature map {name!r} needs the layer's number of heads")
+        return make_feature_map(
+            name,
+            head_dim,
+            settings["nb_features"],
+            num_heads=num_heads,
+            num_key_value_heads=num_key_value_heads,
+            seed=settings["seed"] + layer_idx,
+            **options,
+        )
+    # Deterministic maps (elu+1) have a fixed size; an nb_features other than theirs is rejected by the map.
+    return make_feature_map(name, head_dim, settings["nb_features"], **options)
+
+
+__all__ = [
+    "FAVOR_DEFAULTS",
+    "FAVOR_SETTINGS",
+    "FavorSetting",
+    "build_feature_map",
+    "canonical_favor_settings",
+    "effective_nb_features",
+    "favor_settings_of",
+    "feature_map_kind",
+    "resolve_favor_settings",
+]
