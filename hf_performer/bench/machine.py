@@ -101,12 +101,17 @@ def _status_kib(field: str) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith(field + ":"))
 
 
-def resident_bytes() -> int:
-    """The process' resident set size (``VmRSS``; the peak where ``/proc`` is missing)."""
+def _status_bytes(field: str) -> int:
+    """A memory field of ``/proc/self/status``, in bytes; the process' peak resident set where ``/proc`` is missing."""
     try:
-        return _status_kib("VmRSS") * 1024
+        return _status_kib(field) * 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes() -> int:
+    """The process' resident set size (``VmRSS``)."""
+    return _status_bytes("VmRSS")
 
 
 def reset_peak_resident() -> None:
@@ -120,10 +125,7 @@ def reset_peak_resident() -> None:
 
 def peak_resident_bytes() -> int:
     """The process' peak resident set size since the last :func:`reset_peak_resident` (``VmHWM``)."""
-    try:
-        return _status_kib("VmHWM") * 1024
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return _status_bytes("VmHWM")
 
 
 def _release_free_heap() -> None:

@@ -21,6 +21,36 @@ FLATNESS_TARGET = 1.1
 SPEEDUP_TARGET = 3.0
 
 
+# ------------------------------------------------------------------------------------ plotting
+
+
+def _pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (imported when a plot is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_log_axes(axes, xlabel: str, ylabels: list[str]) -> None:
+    """Lengths on a log2 x axis, log y, grid and legend, one y label per axis."""
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------ attention speed and approximation
 
 
@@ -89,11 +119,7 @@ def format_speed_table(result: dict) -> str:
 
 
 def plot_speed(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     records = result["records"]
     has_memory = any("peak_memory_bytes" in r for r in records)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
@@ -114,17 +140,9 @@ def plot_speed(result: dict, path: Path) -> None:
     s = result["settings"]
     title = (f"one attention layer, {'fwd+bwd' if s['backward'] else 'fwd'}, B={s['batch']} H={s['heads']} "
              f"d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n{result['machine']['device_name']}")
-    for ax, ylabel in zip(axes[0], ["time (s)", "peak extra memory (MiB)"]):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("sequence length L")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    _log_log_axes(axes[0], "sequence length L", ["time (s)", "peak extra memory (MiB)"])
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def format_approximation_table(result: dict) -> str:
@@ -138,11 +156,7 @@ def format_approximation_table(result: dict) -> str:
 
 
 def plot_approximation(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for projection, style in (("orthogonal", "-o"), ("iid", "--s")):
         points = sorted((r["nb_features"], r) for r in result["records"] if r["projection"] == projection)
@@ -158,9 +172,7 @@ def plot_approximation(result: dict, path: Path) -> None:
     ax.set_title(f"FAVOR+ approximation, d={s['head_dim']}, L={s['length']}, {s['seeds']} seeds", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 def write_result(result: dict, output_dir: Path | None, stem: str, plot) -> list[Path]:
@@ -252,11 +264,7 @@ def format_decode_table(result: dict) -> str:
 
 
 def plot_decode(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     records = result["records"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"),
@@ -273,21 +281,14 @@ def plot_decode(result: dict, path: Path) -> None:
                      color="tab:blue", alpha=0.7,
                      label=f"FAVOR+ at context {reference[0][1]['context']}, stepped in the same rounds")
     s, m = result["settings"], result["settings"]["model"]
-    for ax, ylabel in zip(axes, [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"]):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens in the cache)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+    _log_log_axes(axes, "context length (tokens in the cache)",
+                  [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"])
     axes[0].set_title("per-token decode latency (median)", fontsize=10)
     axes[1].set_title("cache size", fontsize=10)
     fig.suptitle(f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}, batch {s['batch']}, "
                  f"{s['dtype']}, m={s['favor_settings']['nb_features']}\n{result['machine']['device_name']}, "
                  f"{result['machine']['torch_threads']} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, path)
 
 
 # ------------------------------------------------------------------------------------ whole-model forward speed
