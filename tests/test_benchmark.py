@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from hf_performer import benchmark
-from hf_performer.benchmark import crossover_length, format_speed_table, summarize_speed
+from hf_performer import bench
+from hf_performer.bench import machine
+from hf_performer.bench.report import crossover_length, format_speed_table, summarize_speed
 
 
 def _rows(mode, speedups):
@@ -42,17 +43,17 @@ def test_summary_line_says_none_when_favor_never_stays_ahead():
 def test_load_warning_when_the_machine_is_busy(monkeypatch):
     cores = os.cpu_count()
     monkeypatch.setattr(os, "getloadavg", lambda: (0.6 * cores, 0.0, 0.0))
-    warning = benchmark.machine_load_warning()
+    warning = machine.machine_load_warning()
     assert warning is not None and "\n" not in warning and "noisy" in warning and f"{cores} cores" in warning
     monkeypatch.setattr(os, "getloadavg", lambda: (0.4 * cores, 9.0, 9.0))
-    assert benchmark.machine_load_warning() is None
+    assert machine.machine_load_warning() is None
 
 
 def test_bench_attention_prints_the_load_warning(monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * os.cpu_count(), 0.0, 0.0))
-    assert benchmark._run_speed(benchmark_args(lengths=[16])) == 0
+    assert bench._run_speed(benchmark_args(lengths=[16])) == 0
     captured = capsys.readouterr()
-    assert [line for line in captured.err.splitlines() if "noisy" in line] == [benchmark.machine_load_warning()]
+    assert [line for line in captured.err.splitlines() if "noisy" in line] == [machine.machine_load_warning()]
 
 
 def benchmark_args(**overrides):

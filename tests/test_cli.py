@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from hf_performer import benchmark, cli
+from hf_performer import cli
+from hf_performer.bench import attention
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +104,6 @@ def test_interrupt_is_one_line_with_status_130(monkeypatch, capsys):
     def interrupted(**_):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(benchmark, "run_speed_benchmark", interrupted)
+    monkeypatch.setattr(attention, "run_speed_benchmark", interrupted)
     assert cli.main(["bench", "attention"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["hf-performer bench: interrupted"]

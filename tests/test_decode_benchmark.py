@@ -5,13 +5,9 @@ import json
 import pytest
 
 from hf_performer import cli
-from hf_performer.benchmark import _write
-from hf_performer.decode_benchmark import (
-    IMPLEMENTATIONS,
-    format_decode_table,
-    plot_decode,
-    run_decode_benchmark,
-)
+from hf_performer.bench.decode import run_decode_benchmark
+from hf_performer.bench.report import DECODE_IMPLEMENTATIONS as IMPLEMENTATIONS
+from hf_performer.bench.report import format_decode_table, plot_decode, write_result
 
 LAYERS, HEADS, EMBD, FEATURES, BATCH = 2, 2, 32, 16, 2
 
@@ -66,7 +62,7 @@ def test_favor_cache_is_constant_and_softmax_cache_grows(result):
 
 
 def test_json_png_and_table(result, tmp_path):
-    paths = _write(result, tmp_path, "decode", plot_decode)
+    paths = write_result(result, tmp_path, "decode", plot_decode)
     assert [p.name for p in paths] == ["decode.json", "decode.png"]
     assert json.loads(paths[0].read_text())["summary"] == json.loads(json.dumps(result["summary"]))
     assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -10,7 +10,7 @@ from transformers import BertModel, LlamaForCausalLM
 from hf_performer import PerformerForCausalLM
 from hf_performer.cli import main
 from hf_performer.conversion import quickstart
-from hf_performer.conversion.quickstart import speed_comparison
+from hf_performer.conversion.quickstart import forward_speed_comparison
 
 
 def test_quickstart_converts_reports_and_compares_speed(tmp_path, capsys):
@@ -47,9 +47,9 @@ def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch, tiny_llama_
 
     def recording_speed_comparison(source, performer, *args):
         compared.append((type(source), type(performer)))
-        return speed_comparison(source, performer, *args)
+        return forward_speed_comparison(source, performer, *args)
 
-    monkeypatch.setattr(quickstart, "speed_comparison", recording_speed_comparison)
+    monkeypatch.setattr(quickstart, "forward_speed_comparison", recording_speed_comparison)
     assert main(["quickstart", str(source), "--output", str(output), "--nb-features", "16", "--lengths", "16,256",
                  "--repeats", "1"]) == 0
     printed = capsys.readouterr().out

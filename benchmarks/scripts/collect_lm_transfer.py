@@ -365,7 +365,7 @@ def machine_info() -> dict:
     plus the installed versions of the libraries the runs used."""
     import torch
 
-    from hf_performer.benchmark import machine_info as benchmark_machine_info
+    from hf_performer.bench.machine import machine_info as benchmark_machine_info
 
     versions = {}
     for package in ("transformers", "accelerate", "hf-performer"):

@@ -41,7 +41,7 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    from hf_performer.benchmark import machine_info as benchmark_machine_info
+    from hf_performer.bench.machine import machine_info as benchmark_machine_info
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return {**benchmark_machine_info(device), "platform": platform.platform(), "transformers": transformers.__version__}

@@ -9,8 +9,8 @@ What is measured (``hf-performer bench decode``):
 * The two implementations, measured in the same run, interleaved step by step at every length:
 
   - ``favor``: ``attn_implementation="favor"`` (FAVOR+, settings ``config.favor_settings``, defaults
-    :data:`~.favor_settings.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`~.cache.make_favor_cache`:
-    every layer is a :class:`~.cache.FavorCacheLayer` holding ``kv [B, H, m, d]``, ``k_sum [B, H, m]`` and
+    :data:`hf_performer.FAVOR_DEFAULTS`) with the recurrent-state cache of :func:`hf_performer.make_favor_cache`:
+    every layer is a :class:`hf_performer.FavorCacheLayer` holding ``kv [B, H, m, d]``, ``k_sum [B, H, m]`` and
     ``stabilizer [B, H]`` (float32), whatever the context length;
   - ``softmax``: ``attn_implementation="sdpa"`` with transformers' standard ``DynamicCache`` (every layer a
     ``DynamicLayer`` holding keys and values ``[B, H, L, d]``, grown by ``torch.cat`` at every step).
@@ -20,7 +20,7 @@ What is measured (``hf-performer bench decode``):
 
   - softmax: per layer, random keys and values ``[B, H, L, d]`` in the model dtype, put in through
     ``DynamicCache.update``;
-  - favor: per layer, the state the engine's causal kernel (:func:`~.linear_attention.linear_attention` with
+  - favor: per layer, the state the engine's causal kernel (:func:`hf_performer.linear_attention` with
     ``causal=True, return_state=True``, the layer's own feature map and ``scaling``, carried block by block with
     ``initial_state``) returns after ``L`` random tokens, and a token counter of ``L``. States of longer
     contexts continue those of shorter ones (the same random token stream), so building them costs one pass
@@ -66,34 +66,19 @@ softmax latency / FAVOR+ latency at the longest context >= 3 (ratio of medians).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
-import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-from .benchmark import (
-    _int_list,
-    _peak_resident_bytes,
-    _reset_peak_resident,
-    _resident_bytes,
-    _synchronize,
-    _write,
-    machine_info,
-    machine_load_warning,
-)
+from .machine import PeakMemoryGrowth, load_average, machine_info, synchronize
+from .report import DECODE_IMPLEMENTATIONS, summarize_decode
 
-IMPLEMENTATIONS = ("favor", "softmax")
 ATTN_IMPLEMENTATIONS = {"favor": "favor", "softmax": "sdpa"}
 FULL_CONTEXT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_CONTEXT_LENGTHS = (512, 1024, 2048)
-FLATNESS_TARGET = 1.1
-SPEEDUP_TARGET = 3.0
 STATE_BLOCK = 1024  # tokens per call of the causal kernel when building favor states
 
 
@@ -114,7 +99,7 @@ def build_model(
     """A random-weight GPT-2 (``eval``) with favor feature maps attached, left on ``sdpa``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from .favor_attention import attach_feature_maps
+    from ..favor_attention import attach_feature_maps
 
     special = min(50256, vocab_size - 1)
     config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, vocab_size=vocab_size,
@@ -169,7 +154,7 @@ class FavorStateBuilder:
     """
 
     def __init__(self, model, batch: int, seed: int = 0, block: int = STATE_BLOCK):
-        from .favor_settings import favor_settings_of
+        from ..favor_settings import favor_settings_of
 
         self.model, self.batch, self.block = model, batch, block
         self.generator = torch.Generator().manual_seed(seed)
@@ -179,7 +164,7 @@ class FavorStateBuilder:
         self.length = 0
 
     def extend_to(self, length: int) -> None:
-        from .linear_attention import linear_attention
+        from ..linear_attention import linear_attention
 
         if length < self.length:
             raise ValueError(f"states already hold {self.length} tokens, cannot go back to {length}")
@@ -200,9 +185,9 @@ class FavorStateBuilder:
             self.length += n
 
     def cache(self):
-        """A fresh cache from :func:`~.cache.make_favor_cache` holding copies of the states (``length`` tokens)."""
-        from .cache import make_favor_cache
-        from .linear_attention import LinearAttentionState
+        """A fresh cache from :func:`hf_performer.make_favor_cache` holding copies of the states (``length`` tokens)."""
+        from ..cache import make_favor_cache
+        from ..linear_attention import LinearAttentionState
 
         cache = make_favor_cache(self.model)
         config = self.model.config
@@ -245,7 +230,7 @@ def describe_cache(cache) -> list[dict]:
 
 def _check_favor_cache(cache, context: int, state_shapes, previous_states=None) -> None:
     """The favor cache took the recurrent path: state only, replaced by the step, counter ``context``."""
-    from .cache import FavorCacheLayer
+    from ..cache import FavorCacheLayer
 
     for layer_idx, layer in enumerate(cache.layers):
         if not isinstance(layer, FavorCacheLayer):
@@ -262,47 +247,7 @@ def _check_favor_cache(cache, context: int, state_shapes, previous_states=None) 
             raise AssertionError(f"favor layer {layer_idx}: the decode step did not replace the recurrent state")
 
 
-# ------------------------------------------------------------------------------------ decode steps
 
-
-def _release_free_heap() -> None:
-    """Give free heap memory back to the OS (glibc ``malloc_trim``), so that later allocations show in RSS."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class _PeakMemory:
-    """Growth of peak memory during a block: CUDA allocator peak, or CPU peak resident set (VmHWM)."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.growth: int | None = None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            gc.collect()
-            _release_free_heap()  # freed temporaries must not hide the allocations of the steps
-            self.base = _resident_bytes()
-            _reset_peak_resident()
-            # Without a working reset VmHWM keeps an older, higher peak: then no number is reported.
-            self.valid = _peak_resident_bytes() <= self.base + (64 << 20)
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.growth = int(torch.cuda.max_memory_allocated(self.device) - self.base)
-        elif self.valid:
-            self.growth = max(_peak_resident_bytes() - self.base, 0)
-        return False
 
 
 class DecodeStream:
@@ -322,14 +267,14 @@ class DecodeStream:
     def step(self) -> float:
         use_implementation(self.model, self.implementation)
         batch, position, device = self.batch, self.position, self.device
-        _synchronize(device)
+        synchronize(device)
         start = time.perf_counter()
         attention_mask = torch.ones(batch, position + 1, dtype=torch.long, device=device)
         position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
         logits = self.model(input_ids=self.input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=self.cache, use_cache=True).logits
         self.input_ids = logits[:, -1].argmax(-1, keepdim=True)
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - start
         self.logits, self.position = logits, position + 1
         return seconds
@@ -370,7 +315,7 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, se
     builder = FavorStateBuilder(model, batch, seed=seed + 2)
     builder.extend_to(context)
     report = {"context": context, "steps": steps}
-    for implementation in IMPLEMENTATIONS:
+    for implementation in DECODE_IMPLEMENTATIONS:
         use_implementation(model, implementation)
         real = model(input_ids=input_ids, use_cache=True).past_key_values
         synthetic = (builder.cache() if implementation == "favor"
@@ -427,7 +372,7 @@ def run_decode_benchmark(
     """
     from tqdm.auto import tqdm
 
-    from .favor_settings import resolve_favor_settings
+    from ..favor_settings import resolve_favor_settings
 
     context_lengths = sorted(int(length) for length in context_lengths)
     if not context_lengths or context_lengths[0] < 1 or repeats < 1 or warmup < 1:
@@ -443,7 +388,7 @@ def run_decode_benchmark(
     state_shapes = [(batch, n_head, nb_features, head_dim), (batch, n_head, nb_features), (batch, n_head)]
 
     records = []
-    load_start = _load_average()
+    load_start = load_average()
     with torch.inference_mode():
         verification = None
         if verify_context:
@@ -467,7 +412,7 @@ def run_decode_benchmark(
             cache_bytes = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
             warm, peaks = {}, {}
             for stream in (favor, softmax):
-                with _PeakMemory(device_) as peak:
+                with PeakMemoryGrowth(device_) as peak:
                     warm[stream.implementation] = stream.steps(warmup)
                 peaks[stream.implementation] = peak.growth
             streams = [favor, softmax] + ([reference] if reference is not favor else [])
@@ -524,180 +469,9 @@ def run_decode_benchmark(
                       "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
             seed=seed,
         ),
-        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": _load_average()}},
+        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
         "verification": verification,
         "records": records,
     }
     result["summary"] = summarize_decode(result)
     return result
-
-
-def _load_average() -> list[float] | None:
-    try:
-        return [round(value, 2) for value in os.getloadavg()]
-    except OSError:
-        return None
-
-
-def _record(records, context, implementation):
-    return next((r for r in records if r["context"] == context and r["implementation"] == implementation), None)
-
-
-def summarize_decode(result: dict) -> dict:
-    """Targets: FAVOR+ flat in context (longest / shortest <= 1.1), and >= 3x faster than softmax at the longest.
-
-    The flatness uses the paired ratio (FAVOR+ at the longest context against the shortest-context FAVOR+
-    stream stepped in the same rounds), which machine-speed drifts between lengths do not bias; the ratio of
-    the per-length medians is given too.
-    """
-    records = result["records"]
-    lengths = sorted({r["context"] for r in records})
-    shortest, longest = lengths[0], lengths[-1]
-    favor_short, favor_long = _record(records, shortest, "favor"), _record(records, longest, "favor")
-    softmax_long = _record(records, longest, "softmax")
-    flatness = favor_long["paired_ratio_to_shortest"]
-    speedup = softmax_long["seconds_per_token"] / favor_long["seconds_per_token"]
-    return {
-        "favor_latency_longest_over_shortest": dict(
-            value=flatness, ratio_of_medians=favor_long["seconds_per_token"] / favor_short["seconds_per_token"],
-            longest=longest, shortest=shortest, target=FLATNESS_TARGET, met=bool(flatness <= FLATNESS_TARGET)),
-        "softmax_over_favor_latency_at_longest": dict(
-            value=speedup, paired=softmax_long["paired_ratio_to_favor"], context=longest, target=SPEEDUP_TARGET,
-            met=bool(speedup >= SPEEDUP_TARGET)),
-        "softmax_over_favor_latency": {
-            str(n): _record(records, n, "softmax")["seconds_per_token"]
-            / _record(records, n, "favor")["seconds_per_token"] for n in lengths},
-        "favor_over_shortest_paired": {
-            str(n): _record(records, n, "favor")["paired_ratio_to_shortest"] for n in lengths},
-        "favor_cache_bytes_constant": len({_record(records, n, "favor")["cache_bytes"] for n in lengths}) == 1,
-        "cache_bytes_at_longest": {impl: _record(records, longest, impl)["cache_bytes"] for impl in IMPLEMENTATIONS},
-    }
-
-
-def format_decode_table(result: dict) -> str:
-    records = result["records"]
-    mib = lambda value: f"{value / 2**20:.1f}" if value is not None else "-"  # noqa: E731
-    lines = [f"{'context':>8} {'favor ms':>9} {'softmax ms':>11} {'speedup':>8} {'favor/short':>11} {'favor MiB':>10} "
-             f"{'softmax MiB':>11} {'favor peak+':>11} {'softmax peak+':>13}"]
-    for length in sorted({r["context"] for r in records}):
-        favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
-        lines.append(
-            f"{length:>8} {favor['seconds_per_token'] * 1e3:9.1f} {softmax['seconds_per_token'] * 1e3:11.1f} "
-            f"{softmax['seconds_per_token'] / favor['seconds_per_token']:7.2f}x "
-            f"{favor['paired_ratio_to_shortest']:11.3f} "
-            f"{mib(favor['cache_bytes']):>10} {mib(softmax['cache_bytes']):>11} "
-            f"{mib(favor['peak_memory_growth_bytes']):>11} {mib(softmax['peak_memory_growth_bytes']):>13}")
-    s = result["summary"]
-    flat, speed = s["favor_latency_longest_over_shortest"], s["softmax_over_favor_latency_at_longest"]
-    settings = result["settings"]
-    lines.append(f"(median ms per decode step of batch {settings['batch']}; favor/short = paired ratio to the "
-                 "shortest-context favor stream; cache MiB before decoding; peak+ = peak memory growth in the "
-                 "warm-up steps, MiB)")
-    lines.append(f"favor latency at {flat['longest']} / at {flat['shortest']}: {flat['value']:.3f} paired, "
-                 f"{flat['ratio_of_medians']:.3f} ratio of medians (target <= {flat['target']}: "
-                 f"{'met' if flat['met'] else 'NOT met'})")
-    lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
-                 f"({speed['paired']:.2f}x paired) (target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
-    verification = result.get("verification")
-    if verification:
-        lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
-                     "structure): step time synthetic/real " + ", ".join(
-                         f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}" for impl in IMPLEMENTATIONS))
-    load = result["machine"].get("load_average_1_5_15min") or {}
-    machine = result["machine"]
-    lines.append(f"{machine['device_name']}, {machine['torch_threads']} threads, {settings['dtype']}; "
-                 f"load average at start {load.get('start')}")
-    return "\n".join(lines)
-
-
-def plot_decode(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = result["records"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"),
-              "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
-    for implementation in IMPLEMENTATIONS:
-        points = sorted((r["context"], r) for r in records if r["implementation"] == implementation)
-        style, color, label = styles[implementation]
-        lengths = [p[0] for p in points]
-        axes[0].plot(lengths, [p[1]["seconds_per_token"] * 1e3 for p in points], style, color=color, label=label)
-        axes[1].plot(lengths, [p[1]["cache_bytes"] / 2**20 for p in points], style, color=color, label=label)
-    reference = sorted((r["context"], r["reference"]) for r in records if "reference" in r)
-    if reference:
-        axes[0].plot([n for n, _ in reference], [ref["seconds_per_token"] * 1e3 for _, ref in reference], ":",
-                     color="tab:blue", alpha=0.7,
-                     label=f"FAVOR+ at context {reference[0][1]['context']}, stepped in the same rounds")
-    s, m = result["settings"], result["settings"]["model"]
-    for ax, ylabel in zip(axes, [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"]):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("context length (tokens in the cache)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0].set_title("per-token decode latency (median)", fontsize=10)
-    axes[1].set_title("cache size", fontsize=10)
-    fig.suptitle(f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}, batch {s['batch']}, "
-                 f"{s['dtype']}, m={s['favor_settings']['nb_features']}\n{result['machine']['device_name']}, "
-                 f"{result['machine']['torch_threads']} threads", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------ CLI
-
-
-def _run_decode(args) -> int:
-    warning = machine_load_warning()
-    if warning:
-        print(warning, file=sys.stderr)
-    favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
-    result = run_decode_benchmark(
-        context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
-        warmup=args.warmup, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        vocab_size=args.vocab_size, favor_settings=favor_settings, device=args.device,
-        verify_context=args.verify_context,
-    )
-    print(format_decode_table(result))
-    for path in _write(result, args.output_dir, args.name, plot_decode):
-        print(f"wrote {path}")
-    return 0
-
-
-def add_parser(kinds) -> None:
-    """Add ``decode`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
-    full = ",".join(str(n) for n in FULL_CONTEXT_LENGTHS)
-    decode = kinds.add_parser(
-        "decode", help="per-token generation latency and cache memory: FAVOR+ recurrent state vs softmax KV cache",
-        description=(
-            "Per-token decode latency (one new token per sequence through the whole model, median over steps) and "
-            "cache memory vs context length, for a random-weight GPT-2 small (12x12x768) with FAVOR+ and its "
-            "constant-size recurrent-state cache against the same weights with SDPA softmax and transformers' "
-            "DynamicCache, interleaved in one run. Caches of L tokens are built synthetically at the size a "
-            "prefill leaves (checked against a real prefill at --verify-context). The defaults are a quick "
-            f"setting; the full run is: --context-lengths {full} --repeats 10 --output-dir benchmarks/results"),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    decode.add_argument("--context-lengths", type=_int_list, default=list(QUICK_CONTEXT_LENGTHS),
-                        help=f"comma-separated tokens already in the cache (full run: {full})")
-    decode.add_argument("--batch", type=int, default=4, help="sequences decoded together")
-    decode.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    decode.add_argument("--repeats", type=int, default=3, help="timed decode steps per point (median); full run: 10")
-    decode.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
-    decode.add_argument("--nb-features", type=int, default=None,
-                        help="FAVOR+ features m per head (None: FAVOR_DEFAULTS)")
-    decode.add_argument("--n-layer", type=int, default=12)
-    decode.add_argument("--n-head", type=int, default=12)
-    decode.add_argument("--n-embd", type=int, default=768)
-    decode.add_argument("--vocab-size", type=int, default=50257)
-    decode.add_argument("--verify-context", type=int, default=64,
-                        help="context of the real-prefill vs synthetic-cache check (0: skip)")
-    decode.add_argument("--device", default="cpu")
-    decode.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
-    decode.add_argument("--name", default="decode", help="file stem of the outputs")
-    decode.set_defaults(func=_run_decode)

@@ -1,0 +1,281 @@
+"""Benchmarks of one attention layer: FAVOR+ against softmax, and FAVOR+ against its target.
+
+* ``speed``: forward+backward time and peak memory of one attention call at head geometry
+  ``[B, H, L, d]`` for FAVOR+ (bidirectional and causal) against
+  ``torch.nn.functional.scaled_dot_product_attention`` and the eager materialised softmax that
+  transformers' ``"eager"`` path uses, all measured in the same run, interleaved length by length.
+  Reports the crossover length, achieved GFLOP/s and a plain matmul's GFLOP/s on the same machine.
+* ``approximation``: mean squared error of FAVOR+ attention against exact softmax attention as the
+  number of random features grows, orthogonal against iid projections, over several seeds.
+
+* ``forward speed``: inference forward time of a whole converted model against its softmax source (SDPA), length by
+  length (``hf-performer quickstart``'s speed comparison).
+
+The first two write a JSON (with machine, device and versions) and a PNG plot (:mod:`.report`). Run
+``hf-performer bench --help``.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from ..feature_maps import make_feature_map
+from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
+from ..reference import softmax_attention
+from .machine import (
+    machine_info,
+    matmul_gflops,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+    timed_calls,
+)
+from .report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, summarize_speed
+
+
+# ------------------------------------------------------------------------------------ FLOP counts
+
+
+def attention_flops(implementation: str, mode: str, length: int, heads: int, head_dim: int, nb_features: int,
+                    batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True) -> float:
+    """Matmul FLOPs of one attention call (forward, plus backward if asked).
+
+    Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
+    when causal. FAVOR+ bidirectional: ``8 L m d`` forward (half of it the feature map) and
+    ``12 L m d`` backward. FAVOR+ causal (chunk ``C``, ``e = d + 1``): ``4 L m d + 2 L C (m + e) +
+    4 L m e`` forward and ``4 L m d + 4 L C (m + e) + 8 L m e`` backward.
+    """
+    L, d, m, C, e = length, head_dim, nb_features, chunk_size, head_dim + 1
+    if implementation in ("sdpa", "eager"):
+        forward, backward_flops = 4 * L * L * d, 10 * L * L * d
+        if mode == "causal":
+            forward, backward_flops = forward / 2, backward_flops / 2
+    elif mode == "bidirectional":
+        forward, backward_flops = 8 * L * m * d, 12 * L * m * d
+        if implementation == "favor-recompute":
+            backward_flops += 4 * L * m * d
+    else:
+        forward = 4 * L * m * d + 2 * L * C * (m + e) + 4 * L * m * e
+        backward_flops = 4 * L * m * d + 4 * L * C * (m + e) + 8 * L * m * e
+    return batch * heads * (forward + (backward_flops if backward else 0))
+
+
+# ------------------------------------------------------------------------------------ one call
+
+
+def _eager_attention(q, k, v, causal):
+    """Materialised softmax, as transformers' eager attention: an [L, L] score matrix per head."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+def make_attention_call(implementation: str, mode: str, head_dim: int, nb_features: int, chunk_size: int,
+                        device: torch.device):
+    """A function ``(q, k, v) -> out`` for one implementation and mode."""
+    causal = mode == "causal"
+    if implementation == "sdpa":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if implementation == "eager":
+        return lambda q, k, v: _eager_attention(q, k, v, causal)
+    if implementation in ("favor", "favor-recompute"):
+        feature_map = make_feature_map("favor+", head_dim, nb_features=nb_features).to(device)
+        recompute = implementation == "favor-recompute"
+        return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size,
+                                                recompute_features=recompute)
+    raise ValueError(f"unknown implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
+
+
+def time_attention_call(call, batch, heads, length, head_dim, device, dtype, backward=True, repeats=3) -> float:
+    """Median seconds of ``repeats`` calls (forward, and backward if asked) after one warm-up."""
+    shape = (batch, heads, length, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
+
+    def one_call():
+        out = call(q, k, v)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    def clear_gradients():
+        q.grad = k.grad = v.grad = None
+
+    return statistics.median(timed_calls(one_call, repeats, device, after=clear_gradients))
+
+
+def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device,
+                      dtype, backward=True) -> int:
+    """Extra peak memory of one call beyond its inputs.
+
+    CUDA: ``torch.cuda.max_memory_allocated``. CPU (which has no allocator statistics): a fresh
+    process runs the call once and reports the growth of its peak resident set size.
+    """
+    if device.type == "cuda":
+        shape = (batch, heads, length, head_dim)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device)
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        out = call(q, k, v)
+        if backward:
+            out.backward(torch.ones_like(out))
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - base)
+    request = dict(implementation=implementation, mode=mode, batch=batch, heads=heads, length=length,
+                   head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
+                   dtype=str(dtype).replace("torch.", ""), backward=backward)
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, json; from hf_performer.bench.attention import _rss_child; "
+         "_rss_child(json.loads(sys.argv[1]))", json.dumps(request)],
+        capture_output=True, text=True, check=True,
+    )
+    return int(result.stdout.strip().splitlines()[-1])
+
+
+def _rss_child(request: dict) -> None:
+    """Child process of :func:`peak_memory_bytes` on CPU: prints the growth of the peak resident
+    set size during one call, in bytes."""
+    dtype = getattr(torch, request["dtype"])
+    device = torch.device("cpu")
+    call = make_attention_call(request["implementation"], request["mode"], request["head_dim"],
+                               request["nb_features"], request["chunk_size"], device)
+    # Warm up on a tiny input so that library initialisation is not counted.
+    tiny = [torch.randn(1, 1, 8, request["head_dim"], dtype=dtype, requires_grad=True) for _ in range(3)]
+    call(*tiny).sum().backward()
+    shape = (request["batch"], request["heads"], request["length"], request["head_dim"])
+    q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=request["backward"]) for _ in range(3))
+    before = resident_bytes()
+    reset_peak_resident()
+    out = call(q, k, v)
+    if request["backward"]:
+        out.backward(torch.ones_like(out))
+    print(max(peak_resident_bytes() - before, 0))
+
+
+
+# ------------------------------------------------------------------------------------ speed
+
+
+def run_speed_benchmark(
+    lengths=(512, 1024, 2048, 4096, 8192, 16384),
+    batch: int = 1,
+    heads: int = 12,
+    head_dim: int = 64,
+    nb_features: int = 256,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    modes=ATTENTION_MODES,
+    implementations=ATTENTION_IMPLEMENTATIONS,
+    eager_max_length: int = 4096,
+    device: str = "cpu",
+    dtype: str = "float32",
+    repeats: int = 3,
+    backward: bool = True,
+    memory: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Time (and measure peak memory of) every implementation at every length, interleaved."""
+    from tqdm.auto import tqdm
+
+    device_ = torch.device(device)
+    dtype_ = getattr(torch, dtype)
+    records = []
+    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
+            if not (impl == "eager" and L > eager_max_length) and not (impl == "favor-recompute" and mode == "causal")]
+    for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_)
+        seconds = time_attention_call(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
+        flops = attention_flops(implementation, mode, length, heads, head_dim, nb_features, batch, chunk_size, backward)
+        record = dict(length=length, mode=mode, implementation=implementation, seconds=seconds,
+                      gflops_per_s=flops / seconds / 1e9, flops=flops)
+        if memory:
+            record["peak_memory_bytes"] = peak_memory_bytes(
+                implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device_, dtype_, backward
+            )
+        records.append(record)
+    result = {
+        "benchmark": "attention_speed",
+        "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
+                         dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
+                         eager_max_length=eager_max_length),
+        "machine": machine_info(device_),
+        "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
+        "records": records,
+    }
+    result["summary"] = summarize_speed(result)
+    return result
+
+
+# ------------------------------------------------------------------------------------ approximation
+
+
+def run_approximation_benchmark(
+    head_dim: int = 100,
+    nb_features=(10, 20, 50, 100, 150, 200, 300, 400),
+    seeds: int = 25,
+    length: int = 256,
+    input_scale: float = 0.3,
+    progress: bool = True,
+) -> dict:
+    """MSE of FAVOR+ (orthogonal and iid) against exact softmax attention, vs the number of features.
+
+    Inputs: one head of ``length`` tokens with q, k, v ~ ``input_scale * N(0, I_d)`` (fixed), default
+    temperature ``d ** -0.5``; each point averages ``seeds`` independent projections.
+    """
+    from tqdm.auto import tqdm
+
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (input_scale * torch.randn(1, 1, length, head_dim, generator=generator, dtype=torch.float64)
+               for _ in range(3))
+    exact = softmax_attention(q, k, v)
+    records = []
+    jobs = [(m, orthogonal) for m in nb_features for orthogonal in (True, False)]
+    for m, orthogonal in tqdm(jobs, desc="approximation benchmark", disable=not progress):
+        errors = []
+        for seed in range(seeds):
+            feature_map = make_feature_map("favor+", head_dim, nb_features=m, orthogonal=orthogonal, seed=seed).double()
+            errors.append((linear_attention(q, k, v, feature_map) - exact).square().mean().item())
+        records.append(dict(nb_features=m, projection="orthogonal" if orthogonal else "iid",
+                            mse_mean=statistics.fmean(errors), mse_median=statistics.median(errors),
+                            mse_std=statistics.pstdev(errors), mse_per_seed=errors))
+    return {
+        "benchmark": "favor_approximation",
+        "settings": dict(head_dim=head_dim, nb_features=list(nb_features), seeds=seeds, length=length,
+                         input_scale=input_scale, dtype="float64"),
+        "machine": machine_info(torch.device("cpu")),
+        "records": records,
+    }
+
+
+# ------------------------------------------------------------------------------------ whole-model forward speed
+
+
+def time_model_forward(model, length: int, batch: int = 1, repeats: int = 3, seed: int = 0) -> float:
+    """Median seconds of an inference forward on ``batch`` random sequences of ``length`` tokens (``input_ids``
+    ``[batch, length]``), after one warm-up forward."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model.config.get_text_config().vocab_size
+    input_ids = torch.randint(0, vocab, (batch, length), generator=generator)
+    with torch.inference_mode():
+        return statistics.median(timed_calls(lambda: model(input_ids=input_ids), repeats, model.device))
+
+
+def forward_speed_comparison(source, performer, lengths, batch: int = 1, repeats: int = 3) -> list[dict]:
+    """Forward time of the softmax source (SDPA) and the Performer model at each length, interleaved: one row
+    ``{length, softmax_sdpa_s, favor_s, speedup}`` per length."""
+    from tqdm.auto import tqdm
+
+    rows = []
+    for length in tqdm(lengths, desc="speed comparison"):
+        softmax_s = time_model_forward(source, length, batch, repeats)
+        favor_s = time_model_forward(performer, length, batch, repeats)
+        rows.append(dict(length=length, softmax_sdpa_s=softmax_s, favor_s=favor_s, speedup=softmax_s / favor_s))
+    return rows

@@ -1,0 +1,303 @@
+"""Reading benchmark results: summaries (crossover length, decode targets), tables, plots and the JSON + PNG writing.
+
+Results are the JSON-able dicts of :mod:`.attention` and :mod:`.decode` (``settings``, ``machine``, ``records``,
+``summary``); this module also names the implementations their records hold, in display order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from .machine import machine_info
+
+ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "sdpa", "eager")  # favor-recompute: bidirectional only
+ATTENTION_MODES = ("bidirectional", "causal")
+DECODE_IMPLEMENTATIONS = ("favor", "softmax")
+FLATNESS_TARGET = 1.1
+SPEEDUP_TARGET = 3.0
+
+
+# ------------------------------------------------------------------------------------ plotting
+
+
+def _pyplot():
+    """matplotlib's pyplot on the non-interactive Agg backend (imported when a plot is drawn)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _log_log_axes(axes, xlabel: str, ylabels: list[str]) -> None:
+    """Lengths on a log2 x axis, log y, grid and legend, one y label per axis."""
+    for ax, ylabel in zip(axes, ylabels):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def _save(plt, fig, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------ attention speed and approximation
+
+
+def _lookup(records, **where):
+    for record in records:
+        if all(record[key] == value for key, value in where.items()):
+            return record
+    return None
+
+
+def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None:
+    """The length from which FAVOR+ stays faster than ``baseline`` at every longer measured length (log-log
+    interpolation between the last measured length where it is slower and the next); ``None`` if it is slower at
+    the longest one, the first length if it is never slower."""
+    points = []
+    for record in records:
+        if record["mode"] == mode and record["implementation"] == "favor":
+            other = _lookup(records, mode=mode, implementation=baseline, length=record["length"])
+            if other:
+                points.append((record["length"], other["seconds"] / record["seconds"]))
+    points.sort()
+    if not points or points[-1][1] < 1:
+        return None
+    slower = [index for index, (_, ratio) in enumerate(points) if ratio < 1]
+    if not slower:
+        return float(points[0][0])
+    (l0, r0), (l1, r1) = points[slower[-1]], points[slower[-1] + 1]
+    t = (0 - math.log(r0)) / (math.log(r1) - math.log(r0))
+    return float(math.exp(math.log(l0) + t * (math.log(l1) - math.log(l0))))
+
+
+def summarize_speed(result: dict) -> dict:
+    records = result["records"]
+    summary = {"speedup_vs_sdpa": {}, "crossover_length_vs_sdpa": {}}
+    for mode in {r["mode"] for r in records}:
+        speedups = {}
+        for record in records:
+            if record["mode"] == mode and record["implementation"] == "favor":
+                sdpa = _lookup(records, mode=mode, implementation="sdpa", length=record["length"])
+                if sdpa:
+                    speedups[str(record["length"])] = sdpa["seconds"] / record["seconds"]
+        summary["speedup_vs_sdpa"][mode] = speedups
+        summary["crossover_length_vs_sdpa"][mode] = crossover_length(records, mode)
+    return summary
+
+
+def format_speed_table(result: dict) -> str:
+    records = result["records"]
+    lines = [
+        f"{'L':>6} {'mode':<13} {'impl':<6} {'time (s)':>9} {'GFLOP/s':>8} {'peak MiB':>9} {'vs sdpa':>8}",
+    ]
+    order = lambda r: (r["mode"], r["length"], ATTENTION_IMPLEMENTATIONS.index(r["implementation"]))  # noqa: E731
+    for record in sorted(records, key=order):
+        sdpa = _lookup(records, mode=record["mode"], implementation="sdpa", length=record["length"])
+        ratio = f"{sdpa['seconds'] / record['seconds']:7.2f}x" if sdpa else ""
+        memory = record.get("peak_memory_bytes")
+        memory = f"{memory / 2**20:9.0f}" if memory is not None else f"{'-':>9}"
+        lines.append(f"{record['length']:>6} {record['mode']:<13} {record['implementation']:<6} "
+                     f"{record['seconds']:9.3f} {record['gflops_per_s']:8.1f} {memory} {ratio:>8}")
+    crossover = result["summary"]["crossover_length_vs_sdpa"]
+    lines.append("crossover length (FAVOR+ faster than SDPA at every longer measured length from): " + ", ".join(
+        f"{mode}: {'none' if value is None else round(value)}" for mode, value in sorted(crossover.items())))
+    lines.append(f"plain matmul on this machine: {result['matmul_gflops_per_s']:.0f} GFLOP/s "
+                 f"({result['machine']['device_name']}, {result['machine']['torch_threads']} threads)")
+    return "\n".join(lines)
+
+
+def plot_speed(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    records = result["records"]
+    has_memory = any("peak_memory_bytes" in r for r in records)
+    fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
+    styles = {"favor": "-o", "favor-recompute": "--x", "sdpa": "-s", "eager": ":^"}
+    names = {"favor": "FAVOR+", "favor-recompute": "FAVOR+ (recompute)", "sdpa": "SDPA", "eager": "eager softmax"}
+    colors = {"bidirectional": "tab:blue", "causal": "tab:red"}
+    for mode in sorted({r["mode"] for r in records}):
+        for impl in ATTENTION_IMPLEMENTATIONS:
+            points = sorted((r["length"], r) for r in records if r["mode"] == mode and r["implementation"] == impl)
+            if not points:
+                continue
+            label = f"{names[impl]} {mode}"
+            lengths = [p[0] for p in points]
+            axes[0][0].plot(lengths, [p[1]["seconds"] for p in points], styles[impl], color=colors[mode], label=label)
+            if has_memory:
+                axes[0][1].plot(lengths, [p[1]["peak_memory_bytes"] / 2**20 for p in points], styles[impl],
+                                color=colors[mode], label=label)
+    s = result["settings"]
+    title = (f"one attention layer, {'fwd+bwd' if s['backward'] else 'fwd'}, B={s['batch']} H={s['heads']} "
+             f"d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n{result['machine']['device_name']}")
+    _log_log_axes(axes[0], "sequence length L", ["time (s)", "peak extra memory (MiB)"])
+    fig.suptitle(title, fontsize=9)
+    _save(plt, fig, path)
+
+
+def format_approximation_table(result: dict) -> str:
+    lines = [f"{'m':>5} {'orthogonal MSE':>15} {'iid MSE':>12} {'orth/iid':>9} {'(medians)':>10}"]
+    for m in result["settings"]["nb_features"]:
+        orth = _lookup(result["records"], nb_features=m, projection="orthogonal")
+        iid = _lookup(result["records"], nb_features=m, projection="iid")
+        lines.append(f"{m:>5} {orth['mse_mean']:15.3e} {iid['mse_mean']:12.3e} {orth['mse_mean'] / iid['mse_mean']:9.2f} "
+                     f"{orth['mse_median'] / iid['mse_median']:10.2f}")
+    return "\n".join(lines)
+
+
+def plot_approximation(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for projection, style in (("orthogonal", "-o"), ("iid", "--s")):
+        points = sorted((r["nb_features"], r) for r in result["records"] if r["projection"] == projection)
+        ms = [p[0] for p in points]
+        mean = [p[1]["mse_mean"] for p in points]
+        std = [p[1]["mse_std"] for p in points]
+        ax.errorbar(ms, mean, yerr=std, fmt=style, capsize=3, label=f"FAVOR+ {projection}")
+    s = result["settings"]
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("number of random features m")
+    ax.set_ylabel("MSE vs exact softmax attention")
+    ax.set_title(f"FAVOR+ approximation, d={s['head_dim']}, L={s['length']}, {s['seeds']} seeds", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    _save(plt, fig, path)
+
+
+def write_result(result: dict, output_dir: Path | None, stem: str, plot) -> list[Path]:
+    """Write ``STEM.json`` and ``STEM.png`` (drawn by ``plot(result, path)``) into ``output_dir`` (nothing if
+    ``None``); returns their paths."""
+    if output_dir is None:
+        return []
+    output_dir.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = output_dir / f"{stem}.json", output_dir / f"{stem}.png"
+    json_path.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, png_path)
+    return [json_path, png_path]
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def _record(records, context, implementation):
+    return next((r for r in records if r["context"] == context and r["implementation"] == implementation), None)
+
+
+def summarize_decode(result: dict) -> dict:
+    """Targets: FAVOR+ flat in context (longest / shortest <= 1.1), and >= 3x faster than softmax at the longest.
+
+    The flatness uses the paired ratio (FAVOR+ at the longest context against the shortest-context FAVOR+
+    stream stepped in the same rounds), which machine-speed drifts between lengths do not bias; the ratio of
+    the per-length medians is given too.
+    """
+    records = result["records"]
+    lengths = sorted({r["context"] for r in records})
+    shortest, longest = lengths[0], lengths[-1]
+    favor_short, favor_long = _record(records, shortest, "favor"), _record(records, longest, "favor")
+    softmax_long = _record(records, longest, "softmax")
+    flatness = favor_long["paired_ratio_to_shortest"]
+    speedup = softmax_long["seconds_per_token"] / favor_long["seconds_per_token"]
+    return {
+        "favor_latency_longest_over_shortest": dict(
+            value=flatness, ratio_of_medians=favor_long["seconds_per_token"] / favor_short["seconds_per_token"],
+            longest=longest, shortest=shortest, target=FLATNESS_TARGET, met=bool(flatness <= FLATNESS_TARGET)),
+        "softmax_over_favor_latency_at_longest": dict(
+            value=speedup, paired=softmax_long["paired_ratio_to_favor"], context=longest, target=SPEEDUP_TARGET,
+            met=bool(speedup >= SPEEDUP_TARGET)),
+        "softmax_over_favor_latency": {
+            str(n): _record(records, n, "softmax")["seconds_per_token"]
+            / _record(records, n, "favor")["seconds_per_token"] for n in lengths},
+        "favor_over_shortest_paired": {
+            str(n): _record(records, n, "favor")["paired_ratio_to_shortest"] for n in lengths},
+        "favor_cache_bytes_constant": len({_record(records, n, "favor")["cache_bytes"] for n in lengths}) == 1,
+        "cache_bytes_at_longest": {
+            impl: _record(records, longest, impl)["cache_bytes"] for impl in DECODE_IMPLEMENTATIONS},
+    }
+
+
+def format_decode_table(result: dict) -> str:
+    records = result["records"]
+    mib = lambda value: f"{value / 2**20:.1f}" if value is not None else "-"  # noqa: E731
+    lines = [f"{'context':>8} {'favor ms':>9} {'softmax ms':>11} {'speedup':>8} {'favor/short':>11} {'favor MiB':>10} "
+             f"{'softmax MiB':>11} {'favor peak+':>11} {'softmax peak+':>13}"]
+    for length in sorted({r["context"] for r in records}):
+        favor, softmax = _record(records, length, "favor"), _record(records, length, "softmax")
+        lines.append(
+            f"{length:>8} {favor['seconds_per_token'] * 1e3:9.1f} {softmax['seconds_per_token'] * 1e3:11.1f} "
+            f"{softmax['seconds_per_token'] / favor['seconds_per_token']:7.2f}x "
+            f"{favor['paired_ratio_to_shortest']:11.3f} "
+            f"{mib(favor['cache_bytes']):>10} {mib(softmax['cache_bytes']):>11} "
+            f"{mib(favor['peak_memory_growth_bytes']):>11} {mib(softmax['peak_memory_growth_bytes']):>13}")
+    s = result["summary"]
+    flat, speed = s["favor_latency_longest_over_shortest"], s["softmax_over_favor_latency_at_longest"]
+    settings = result["settings"]
+    lines.append(f"(median ms per decode step of batch {settings['batch']}; favor/short = paired ratio to the "
+                 "shortest-context favor stream; cache MiB before decoding; peak+ = peak memory growth in the "
+                 "warm-up steps, MiB)")
+    lines.append(f"favor latency at {flat['longest']} / at {flat['shortest']}: {flat['value']:.3f} paired, "
+                 f"{flat['ratio_of_medians']:.3f} ratio of medians (target <= {flat['target']}: "
+                 f"{'met' if flat['met'] else 'NOT met'})")
+    lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
+                 f"({speed['paired']:.2f}x paired) (target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
+    verification = result.get("verification")
+    if verification:
+        lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
+                     "structure): step time synthetic/real " + ", ".join(
+                         f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}"
+                         for impl in DECODE_IMPLEMENTATIONS))
+    load = result["machine"].get("load_average_1_5_15min") or {}
+    machine = result["machine"]
+    lines.append(f"{machine['device_name']}, {machine['torch_threads']} threads, {settings['dtype']}; "
+                 f"load average at start {load.get('start')}")
+    return "\n".join(lines)
+
+
+def plot_decode(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    records = result["records"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"),
+              "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
+    for implementation in DECODE_IMPLEMENTATIONS:
+        points = sorted((r["context"], r) for r in records if r["implementation"] == implementation)
+        style, color, label = styles[implementation]
+        lengths = [p[0] for p in points]
+        axes[0].plot(lengths, [p[1]["seconds_per_token"] * 1e3 for p in points], style, color=color, label=label)
+        axes[1].plot(lengths, [p[1]["cache_bytes"] / 2**20 for p in points], style, color=color, label=label)
+    reference = sorted((r["context"], r["reference"]) for r in records if "reference" in r)
+    if reference:
+        axes[0].plot([n for n, _ in reference], [ref["seconds_per_token"] * 1e3 for _, ref in reference], ":",
+                     color="tab:blue", alpha=0.7,
+                     label=f"FAVOR+ at context {reference[0][1]['context']}, stepped in the same rounds")
+    s, m = result["settings"], result["settings"]["model"]
+    _log_log_axes(axes, "context length (tokens in the cache)",
+                  [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"])
+    axes[0].set_title("per-token decode latency (median)", fontsize=10)
+    axes[1].set_title("cache size", fontsize=10)
+    fig.suptitle(f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}, batch {s['batch']}, "
+                 f"{s['dtype']}, m={s['favor_settings']['nb_features']}\n{result['machine']['device_name']}, "
+                 f"{result['machine']['torch_threads']} threads", fontsize=9)
+    _save(plt, fig, path)
+
+
+# ------------------------------------------------------------------------------------ whole-model forward speed
+
+
+def format_forward_speed_table(rows: list[dict], batch: int) -> str:
+    """The rows of :func:`~.attention.forward_speed_comparison` as a table, headed by the batch and the CPU."""
+    lines = [f"forward pass, batch {batch}, {machine_info(torch.device('cpu'))['device_name']}",
+             f"{'tokens':>7} {'softmax (SDPA) s':>17} {'FAVOR+ s':>9} {'FAVOR+ speedup':>15}"]
+    for row in rows:
+        lines.append(f"{row['length']:>7} {row['softmax_sdpa_s']:17.3f} {row['favor_s']:9.3f} {row['speedup']:14.2f}x")
+    return "\n".join(lines)
