@@ -251,7 +251,7 @@ TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json",
 """Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
 
 RECIPE_METRICS_FILE = "metrics.json"
-"""Written by the fine-tuning recipes (:mod:`hf_performer.training`) into their output folder: ``kind``
+"""Written by the fine-tuning recipes (:mod:`hf_performer.recipes.train`) into their output folder: ``kind``
 (``text-classification`` or ``causal-lm``), ``task``, ``final`` (the final metrics), ``completed_steps``, ``args``, ...
 It marks a fine-tuned model, and :func:`load_metrics` reads its results."""
 
@@ -861,7 +861,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
       evaluation split (causal LM: perplexity on the validation split of ``args.dataset``); see
       :func:`recipe_results`.
     """
-    from .training import KINDS as RECIPE_KINDS
+    from .recipes.arguments import KINDS as RECIPE_KINDS
 
     path = Path(path)
     try:
@@ -903,7 +903,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 
 
 def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict]:
-    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.training`).
+    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.recipes.train`).
 
     Text classification: one result per finite metric of ``final`` but ``eval_loss``, on the task's evaluation split
     (``validation``; MNLI ``validation_matched``; IMDB ``test``), the task naming its Hub dataset. Causal LM: the
@@ -951,7 +951,7 @@ def recipe_results(metrics: dict, where: str = RECIPE_METRICS_FILE) -> list[dict
 
 def _is_recipe_run(folder: Path) -> bool:
     """Whether ``folder`` is the output of a fine-tuning recipe that trained (``metrics.json`` with steps)."""
-    from .training import KINDS as RECIPE_KINDS
+    from .recipes.arguments import KINDS as RECIPE_KINDS
 
     try:
         metrics = json.loads((folder / RECIPE_METRICS_FILE).read_text(encoding="utf-8"))
@@ -1645,7 +1645,7 @@ def write_model_card(folder: str | os.PathLike, **kwargs) -> Path:
 
 
 def write_recipe_card(output_dir: str | os.PathLike) -> Path | None:
-    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.training.train`
+    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.recipes.train.train`
     at the end of a run): fine-tuned, with the results of its ``metrics.json`` (:func:`recipe_results`).
 
     Returns the card's path, or ``None`` when the folder holds no Performer model (a softmax baseline,
