@@ -345,25 +345,17 @@ def _prepare_causal_lm(args, accelerator, tokenizer):
     return train, eval_ids, default_data_collator
 
 
-def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
-    """Run a recipe (see the module docstring for the stages).
-
-    Args:
-        args: arguments from :func:`build_parser` (``args.kind`` says which recipe).
-        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss
-            (e.g. a future attention-distillation term). None are used by the recipes.
+def _start_run(args):
+    """Check the options and the output folder, start Accelerate, check a checkpoint to resume against the run's
+    flags, clear a previous run with ``--overwrite`` and seed everything.
 
     Returns:
-        The content of ``metrics.json``.
+        ``(accelerator, checkpoint, flags)``: the checkpoint folder to resume from (or ``None``) and the run's
+        :func:`run_flags`.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer, get_scheduler
 
-    from ..evaluation import compute_task_metrics, perplexity, predict_classification
-
-    started = time.perf_counter()
     _check_report_to(args.report_to)
     _check_selection_options(args)
     checkpoint = _check_output_dir(args)  # every process, before any of them writes
@@ -392,17 +384,135 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         _clear_run_outputs(args.output_dir)
     accelerator.wait_for_everyone()
     set_seed(args.seed)
+    return accelerator, checkpoint, flags
+
+
+def _load_tokenizer(args):
+    """The tokenizer of ``--tokenizer`` (default ``--model``); GPT-2-like tokenizers pad with EOS (the model's
+    ``pad_token_id`` is set from it)."""
+    from transformers import AutoTokenizer
 
     tokenizer_path = args.tokenizer or args.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError, TypeError) as error:
         raise RecipeError(f"no tokenizer could be loaded from {tokenizer_path!r} ({error}); pass --tokenizer") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _build_optimizer(model, args) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, without weight decay on biases and normalisation weights."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_", "norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and any(k in n for k in no_decay)],
+         "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+
+
+def _resume(accelerator, checkpoint: str | None, output_dir: str, selection: BestStepSelection | None):
+    """Reload ``checkpoint`` (``accelerator.load_state``, ``training_state.json``, the best step's weights) if any.
+
+    Returns:
+        ``(completed_steps, start_epoch, skip_batches, curve, resumed_from)``: where the run continues (the
+        batches of ``start_epoch`` already consumed), the evaluation curve so far and the checkpoint as recorded.
+    """
+    completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
+    resumed_from = None
+    if checkpoint is not None:
+        path = checkpoint
+        resumed_from = portable_checkpoint(path, output_dir)
+        accelerator.load_state(path)
+        with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
+            state = json.load(handle)
+        completed_steps, start_epoch = state["completed_steps"], state["epoch"]
+        skip_batches, curve = state["batches_in_epoch"], state["eval_curve"]
+        accelerator.step = state.get("accumulation_step", 0)
+        if selection is not None and state.get("selection") is not None:
+            weights_file = os.path.join(path, BEST_WEIGHTS_FILE)
+            best_weights = (torch.load(weights_file, map_location="cpu", weights_only=True)
+                            if os.path.isfile(weights_file) else None)
+            selection.load_state(state["selection"], best_weights)
+        accelerator.print(f"resumed from {path}: step {completed_steps}, epoch {start_epoch}, "
+                          f"skipping {skip_batches} batches of it")
+    return completed_steps, start_epoch, skip_batches, curve, resumed_from
+
+
+def _keep_model(accelerator, model, args, selection: BestStepSelection | None, curve: list[dict],
+                completed_steps: int, stopped_at: int | None) -> tuple[dict, str]:
+    """The kept model: the last step, or with ``--load-best-model-at-end`` the best held-out step (whose weights
+    are loaded back into ``model``).
+
+    Returns:
+        ``(kept_point, kept_reason)``: the kept step's point of the curve and why it was kept.
+    """
+    kept_point = curve[-1]
+    if stopped_at is not None:
+        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
+                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
+                       f"{selection.best_step})")
+    else:
+        kept_reason = "last step"
+    if args.load_best_model_at_end and selection.best_step is not None:
+        kept_point = next(point for point in curve if point["step"] == selection.best_step)
+        if selection.best_step != completed_steps:
+            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
+        evaluated = ", ".join(str(point["step"]) for point in curve)
+        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
+                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
+                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
+    return kept_point, kept_reason
+
+
+def _early_stopping_record(args, selection: BestStepSelection | None, heldout_set, kept_point: dict,
+                           stopped_at: int | None) -> dict | None:
+    """``metrics.json``'s ``early_stopping``: the held-out split, the selection and the kept step's held-out
+    metrics (``None`` without ``--early-stopping-split``)."""
+    early_stopping = None
+    if selection is not None:
+        early_stopping = {
+            "split_fraction": args.early_stopping_split,
+            "split_examples": len(heldout_set),
+            "seed": args.seed,
+            "metric": selection.metric,
+            "greater_is_better": selection.greater_is_better,
+            "patience": selection.patience,
+            "load_best_model_at_end": bool(args.load_best_model_at_end),
+            "best_step": selection.best_step,
+            "best_value": selection.best_value,
+            "stopped_at_step": stopped_at,
+            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
+        }
+    return early_stopping
+
+
+def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
+    """Run a recipe (see the module docstring for the stages).
+
+    Args:
+        args: arguments from :func:`build_parser` (``args.kind`` says which recipe).
+        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss
+            (e.g. a future attention-distillation term). None are used by the recipes.
+
+    Returns:
+        The content of ``metrics.json``.
+    """
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    from ..evaluation import compute_task_metrics, perplexity, predict_classification
+
+    started = time.perf_counter()
+    accelerator, checkpoint, flags = _start_run(args)
+
+    tokenizer = _load_tokenizer(args)
 
     # ---- data and model
     if args.kind == "text-classification":
-        if tokenizer.pad_token is None:  # GPT-2-like tokenizers: pad with EOS (the model is told below)
-            tokenizer.pad_token = tokenizer.eos_token
         spec, train_set, eval_set, collator = _prepare_classification(args, accelerator, tokenizer)
         model, model_info = load_model(args, spec.num_labels, spec.id2label, spec.problem_type)
         for config in (model.config, getattr(model.config, "source_config", None)):
@@ -411,8 +521,6 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         eval_loader = _dataloader(eval_set, args.per_device_eval_batch_size, collator, seed=args.seed)
     else:
         spec = None
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)
         model, model_info = load_model(args)
         eval_loader = None
@@ -437,14 +545,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
     train_loader = _dataloader(train_set, args.per_device_train_batch_size, collator, sampler, args.num_workers,
                                args.seed)
 
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_", "norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and any(k in n for k in no_decay)],
-         "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+    optimizer = _build_optimizer(model, args)
 
     # ---- schedule (in optimizer steps)
     batches_per_epoch = math.ceil(len(train_set) / (args.per_device_train_batch_size * accelerator.num_processes))
@@ -470,24 +571,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         accelerator.init_trackers("runs", config=recorded_args(args))
 
     # ---- resume
-    completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
-    resumed_from = None
-    if checkpoint is not None:
-        path = checkpoint
-        resumed_from = portable_checkpoint(path, args.output_dir)
-        accelerator.load_state(path)
-        with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
-            state = json.load(handle)
-        completed_steps, start_epoch = state["completed_steps"], state["epoch"]
-        skip_batches, curve = state["batches_in_epoch"], state["eval_curve"]
-        accelerator.step = state.get("accumulation_step", 0)
-        if selection is not None and state.get("selection") is not None:
-            weights_file = os.path.join(path, BEST_WEIGHTS_FILE)
-            best_weights = (torch.load(weights_file, map_location="cpu", weights_only=True)
-                            if os.path.isfile(weights_file) else None)
-            selection.load_state(state["selection"], best_weights)
-        accelerator.print(f"resumed from {path}: step {completed_steps}, epoch {start_epoch}, "
-                          f"skipping {skip_batches} batches of it")
+    completed_steps, start_epoch, skip_batches, curve, resumed_from = _resume(accelerator, checkpoint, args.output_dir,
+                                                                              selection)
 
     def evaluate_now(heldout: bool = False) -> dict:
         if spec is not None:
@@ -587,36 +672,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
     final_result = last_result
 
     # ---- the kept model: the last step, or the best held-out step with --load-best-model-at-end
-    kept_point = curve[-1]
-    if stopped_at is not None:
-        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
-                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
-                       f"{selection.best_step})")
-    else:
-        kept_reason = "last step"
-    if args.load_best_model_at_end and selection.best_step is not None:
-        kept_point = next(point for point in curve if point["step"] == selection.best_step)
-        if selection.best_step != completed_steps:
-            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
-        evaluated = ", ".join(str(point["step"]) for point in curve)
-        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
-                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
-                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
-    early_stopping = None
-    if selection is not None:
-        early_stopping = {
-            "split_fraction": args.early_stopping_split,
-            "split_examples": len(heldout_set),
-            "seed": args.seed,
-            "metric": selection.metric,
-            "greater_is_better": selection.greater_is_better,
-            "patience": selection.patience,
-            "load_best_model_at_end": bool(args.load_best_model_at_end),
-            "best_step": selection.best_step,
-            "best_value": selection.best_value,
-            "stopped_at_step": stopped_at,
-            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
-        }
+    kept_point, kept_reason = _keep_model(accelerator, model, args, selection, curve, completed_steps, stopped_at)
+    early_stopping = _early_stopping_record(args, selection, heldout_set, kept_point, stopped_at)
 
     # ---- outputs
     final = {k: v for k, v in kept_point.items()
