@@ -32,7 +32,7 @@ VERBS = (
      "hf_performer.hub"),
     ("card", "(re)write the README.md model card of a Performer model folder", "hf_performer.hub"),
     ("results", "recovery results: collect runs into JSON, plot the recovery curve, write the README table",
-     "hf_performer.recovery_report"),
+     "hf_performer.recipes.arguments"),
 )
 
 DEBUG_HINT = "(run with --debug for the traceback)"

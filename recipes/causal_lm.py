@@ -5,12 +5,12 @@ perplexity with the fixed sliding-window protocol of :mod:`hf_performer.tasks.ev
         --output-dir OUT [options]
     python recipes/causal_lm.py --help
 
-Everything is implemented in :mod:`hf_performer.training`; see recipes/README.md for complete commands.
+Everything is implemented in :mod:`hf_performer.recipes.train`; see recipes/README.md for complete commands.
 """
 
 import sys
 
-from hf_performer.training import main
+from hf_performer.recipes.train import main
 
 
 if __name__ == "__main__":

@@ -207,7 +207,7 @@ def test_synthetic_formats_aliases_and_errors(tmp_path):
 def test_a_byte_order_mark_is_ignored_by_every_text_reader(tmp_path):
     """The original MRPC TSVs start with a UTF-8 byte-order mark; so may any file saved by a Windows editor."""
     from hf_performer.hub import load_metrics
-    from hf_performer.recovery_report import load_results
+    from hf_performer.recipes.results import load_results
 
     bom = "\ufeff"
     mrpc = (f"{bom}Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"

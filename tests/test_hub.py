@@ -1126,7 +1126,7 @@ def _sst2_rows(n: int, seed: int) -> str:
 def test_recipe_run_writes_a_card_that_card_and_push_accept(converted, tmp_path, capsys):
     """Fine-tune (recipe) -> card -> push, without hand edits: the recipe writes README.md, `hf-performer card
     --metrics <run>/metrics.json` reads the recipe's own metrics file, and the folder passes validation."""
-    from hf_performer import training
+    from hf_performer.recipes import train as training
 
     (tmp_path / "train.tsv").write_text(_sst2_rows(16, 0))
     (tmp_path / "dev.tsv").write_text(_sst2_rows(8, 1))

@@ -19,7 +19,8 @@ from transformers.utils import logging
 from hf_performer.conversion import convert_to_performer
 from hf_performer.conversion.attention_transfer import AttentionTransferResult
 from hf_performer.conversion.fidelity import FidelityReport, LayerFidelity
-from hf_performer.training import _json_safe_config, build_parser
+from hf_performer.recipes.arguments import build_parser
+from hf_performer.recipes.results import json_safe_args
 
 logging.set_verbosity_error()
 
@@ -165,7 +166,7 @@ def evaluate_record(model, perplexity, protocol=PROTOCOL):
 
 
 def recipe_folder(path, model, perplexity, attention="softmax", steps=5, wall=12.5, protocol=PROTOCOL):
-    """What ``recipes/causal_lm.py`` writes (hf_performer.training.train): metrics.json and eval_curve.json."""
+    """What ``recipes/causal_lm.py`` writes (hf_performer.recipes.train.train): metrics.json and eval_curve.json."""
     argv = ["--model", model, "--train-file", "/data/wiki.valid.raw", "--validation-file", "/data/wiki.test.raw",
             "--block-size", "8", "--max-train-steps", str(steps), "--per-device-train-batch-size", "4",
             "--learning-rate", "1e-4", "--context-length", "32", "--stride", "16", "--max-eval-chars", "3000",
@@ -185,7 +186,7 @@ def recipe_folder(path, model, perplexity, attention="softmax", steps=5, wall=12
         "train_examples": 10, "eval_examples": None, "perplexity_protocol": dict(protocol),
         "metrics_backend": None, "metrics_note": None, "trainable_parameters": 1000, "total_parameters": 1000,
         "lora": False, "mixed_precision": "no", "num_processes": 1, "device": "cpu", "wall_time_s": wall,
-        "resumed_from": None, "args": _json_safe_config(args),
+        "resumed_from": None, "args": json_safe_args(args),
     }
     write_json(path / "metrics.json", metrics)
     write_json(path / "eval_curve.json", curve)

@@ -1,4 +1,4 @@
-"""The fine-tuning recipes (hf_performer.training, recipes/): a few steps on tiny random models and a handful of
+"""The fine-tuning recipes (hf_performer.recipes, recipes/): a few steps on tiny random models and a handful of
 rows, on CPU and offline. Loss decreases, metrics and the curve are written, the saved folder reloads, an
 interrupted run resumed from its checkpoint ends with the same weights as an uninterrupted one, LoRA trains
 only adapters (and the new head), the Accelerate configs load, two CPU processes under torchrun train one DDP
@@ -24,8 +24,8 @@ from transformers import (
 )
 from transformers.utils import logging
 
-from hf_performer import training
-from hf_performer.training import RecipeError
+from hf_performer.recipes import arguments as recipe_arguments, results as recipe_results, train as training
+from hf_performer.recipes.arguments import RecipeError
 
 logging.set_verbosity_error()
 
@@ -70,14 +70,14 @@ def _args(workdir, output, *extra, kind="text-classification"):
     base = ["--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
             "--validation-file", str(workdir / "dev.tsv"), "--output-dir", str(output), "--nb-features", "16",
             "--metrics-backend", "local", "--report-to", "none"]
-    return training.build_parser(kind).parse_args([*base, *extra])
+    return recipe_arguments.build_parser(kind).parse_args([*base, *extra])
 
 
 def test_classification_converts_trains_and_writes_everything(workdir, tmp_path):
     """Convert on the fly, overfit 16 rows (loss falls), eval curve + metrics + reloadable folder. Runs on a
     machine without tensorboard (not a dependency): nothing is logged by default, as with transformers' Trainer."""
     output = tmp_path / "run"
-    args = training.build_parser("text-classification").parse_args([
+    args = recipe_arguments.build_parser("text-classification").parse_args([
         "--model", str(workdir / "bert"), "--task", "sst2", "--train-file", str(workdir / "train.tsv"),
         "--validation-file", str(workdir / "train.tsv"), "--output-dir", str(output), "--nb-features", "16",
         "--metrics-backend", "local", "--max-train-samples", "16", "--max-eval-samples", "16",
@@ -134,7 +134,7 @@ def test_performer_folder_trains_as_regression_with_redraw_override(workdir, tmp
     (tmp_path / "stsb.tsv").write_text("index\tsentence1\tsentence2\tscore\n"
                                        + "".join(f"{i}\t{row}\n" for i, row in enumerate(rows)))
     output = tmp_path / "stsb_run"
-    args = training.build_parser("text-classification").parse_args([
+    args = recipe_arguments.build_parser("text-classification").parse_args([
         "--model", str(folder), "--task", "stsb", "--train-file", str(tmp_path / "stsb.tsv"), "--validation-file",
         str(tmp_path / "stsb.tsv"), "--output-dir", str(output), "--max-train-steps", "2", "--redraw-interval", "2",
         "--metrics-backend", "local", "--report-to", "none"])
@@ -166,9 +166,9 @@ def test_metrics_json_carries_no_local_paths(workdir, tmp_path):
         "output_dir": "portable", "resume_from_checkpoint": "checkpoints/step_1"}
     assert metrics["resumed_from"] == "checkpoints/step_1"
     assert metrics["metrics_note"] is None  # --metrics-backend local: no fallback to explain
-    assert training.portable_name("sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
-    assert training.portable_name("/home/someone/data/train.tsv.gz") == "train.tsv.gz"
-    assert training.portable_name("../shared/data/glue/SST-2/") == "SST-2"
+    assert recipe_results.portable_name("sentence-transformers/all-MiniLM-L6-v2") == "sentence-transformers/all-MiniLM-L6-v2"
+    assert recipe_results.portable_name("/home/someone/data/train.tsv.gz") == "train.tsv.gz"
+    assert recipe_results.portable_name("../shared/data/glue/SST-2/") == "SST-2"
 
 
 def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
@@ -185,7 +185,7 @@ def test_metrics_note_carries_no_local_paths(workdir, tmp_path, monkeypatch):
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["metrics_backend"] == "local"
     assert "module script at glue.py." in metrics["metrics_note"] and str(tmp_path) not in metrics["metrics_note"]
-    assert training.without_local_paths("see /home/me/x/train.tsv, ~/data/dev.tsv and https://hf.co/a/b or 1/2") \
+    assert recipe_results.without_local_paths("see /home/me/x/train.tsv, ~/data/dev.tsv and https://hf.co/a/b or 1/2") \
         == "see train.tsv, dev.tsv and https://hf.co/a/b or 1/2"
 
 
@@ -305,7 +305,7 @@ def test_resume_with_different_run_flags_is_refused(workdir, tmp_path):
 RANK_DRIVER = """
 import json, os, sys
 import torch
-from hf_performer import training
+from hf_performer.recipes import train as training
 
 seen = {}
 
@@ -564,7 +564,7 @@ def test_causal_lm_recipe_on_wikitext_text(tmp_path, tiny_gpt2_config):
     GPT2LMHeadModel(tiny_gpt2_config(n_positions=128, vocab_size=len(tokenizer))).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     output = tmp_path / "clm"
-    args = training.build_parser("causal-lm").parse_args([
+    args = recipe_arguments.build_parser("causal-lm").parse_args([
         "--model", str(model_dir), "--train-file", str(WIKI_VALID), "--validation-file", str(WIKI_VALID),
         "--max-train-chars", "4000", "--max-eval-chars", "600", "--block-size", "32", "--context-length", "64",
         "--stride", "32", "--nb-features", "16", "--per-device-train-batch-size", "8", "--max-train-steps", "6",

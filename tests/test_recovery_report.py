@@ -2,14 +2,21 @@
 layouts), the issue 4 and issue 5 target checks, the recovery plot, the markdown table and the README marker
 replacement; the committed a-d files still plot and tabulate."""
 
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from hf_performer import recovery_report
+from hf_performer.recipes import report, results as recipe_results
 from hf_performer.cli import main as cli_main
-from hf_performer.recovery_report import README_END, README_START, ResultsError
+from hf_performer.recipes.results import ResultsError
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "update_readme_results.py"
+_SPEC = importlib.util.spec_from_file_location("_script_update_readme_results", _SCRIPT)
+update_readme = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(update_readme)
+README_START, README_END = update_readme.README_START, update_readme.README_END
 
 BASE = "/models/minilm"
 
@@ -128,7 +135,7 @@ def test_collect_gathers_every_run(runs, tmp_path):
     results = json.loads(output.read_text())
     assert results["task"] == "sst2" and results["main_metric"] == "accuracy" and results["protocol"] == "synthetic"
     assert set(results["runs"]) == {"a", "b", "c", "d"}
-    assert results["labels"] == recovery_report.LABELS
+    assert results["labels"] == recipe_results.LABELS
     assert {"cpu", "torch", "python", "date"} <= set(results["machine"])
     a, b, c, d = (results["runs"][k] for k in "abcd")
     assert a["metric"] == 0.83 and a["steps"] == 30 and a["train_examples"] == 800 and a["seed"] == 42
@@ -154,38 +161,38 @@ def test_collect_gathers_every_run(runs, tmp_path):
 
 
 def test_evaluate_command_rebuilt_without_given_command(runs):
-    b = recovery_report.load_run("b", runs["b"])
+    b = recipe_results.load_run("b", runs["b"])
     assert b["command"].startswith("hf-performer evaluate ") and "--validation-file data/dev.tsv" in b["command"]
 
 
 def test_target_check_not_met_and_missing():
     runs = {"a": {"metric": 0.90}, "c": {"metric": 0.884}}
-    check = recovery_report.target_check(runs)
+    check = recipe_results.target_check(runs)
     assert check["met"] is False and check["status"] == "not met" and check["gap_points"] == pytest.approx(1.6)
-    assert recovery_report.target_check({"a": {"metric": 0.90}, "c": {"metric": 0.885}})["met"] is True
-    better = recovery_report.target_check({"a": {"metric": 0.80}, "c": {"metric": 0.82}})
+    assert recipe_results.target_check({"a": {"metric": 0.90}, "c": {"metric": 0.885}})["met"] is True
+    better = recipe_results.target_check({"a": {"metric": 0.80}, "c": {"metric": 0.82}})
     assert better["met"] is True and better["gap_points"] == pytest.approx(-2.0)
-    missing = recovery_report.target_check({"a": {"metric": 0.9}})
+    missing = recipe_results.target_check({"a": {"metric": 0.9}})
     assert missing["met"] is None and missing["status"] == "not evaluated" and "c" in missing["reason"]
 
 
 def test_collect_errors(runs, tmp_path):
     with pytest.raises(ResultsError, match="unknown run label"):
-        recovery_report.load_run("z", runs["a"])
+        recipe_results.load_run("z", runs["a"])
     with pytest.raises(ResultsError, match="no such file or folder"):
-        recovery_report.load_run("a", str(tmp_path / "nowhere"))
+        recipe_results.load_run("a", str(tmp_path / "nowhere"))
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(ResultsError, match="holds none of"):
-        recovery_report.load_run("a", str(empty))
+        recipe_results.load_run("a", str(empty))
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps({"task": "sst2", "final": {"accuracy": 0.8}}))
     with pytest.raises(ResultsError, match="lacks the key"):
-        recovery_report.load_run("a", str(broken))
+        recipe_results.load_run("a", str(broken))
     with pytest.raises(ResultsError, match="not 'imdb'"):
-        recovery_report.collect("imdb", {"a": runs["a"]})
+        recipe_results.collect("imdb", {"a": runs["a"]})
     with pytest.raises(ResultsError, match="unknown task"):
-        recovery_report.collect("nosuchtask", {"a": runs["a"]})
+        recipe_results.collect("nosuchtask", {"a": runs["a"]})
     with pytest.raises(SystemExit, match="expects LABEL=VALUE"):
         cli_main(["results", "collect", "--task", "sst2", "--run", runs["a"], "--output", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="given twice"):
@@ -195,7 +202,7 @@ def test_collect_errors(runs, tmp_path):
 
 def test_curve_falls_back_to_the_final_point(runs):
     Path(runs["a"], "eval_curve.json").unlink()
-    run = recovery_report.load_run("a", runs["a"])
+    run = recipe_results.load_run("a", runs["a"])
     assert run["curve"] == [{"step": 30, "accuracy": 0.83, "eval_loss": pytest.approx(0.17)}]
     assert "not found" in run["curve_source"]
 
@@ -203,7 +210,7 @@ def test_curve_falls_back_to_the_final_point(runs):
 @pytest.fixture()
 def collected(runs, tmp_path) -> Path:
     path = tmp_path / "recovery_sst2.json"
-    path.write_text(json.dumps(recovery_report.collect("sst2", runs, "synthetic")))
+    path.write_text(json.dumps(recipe_results.collect("sst2", runs, "synthetic")))
     return path
 
 
@@ -212,10 +219,10 @@ def test_plot_writes_png(collected, tmp_path):
     png = collected.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
     # A subset of the runs plots too.
-    results = recovery_report.load_results(str(collected))
+    results = recipe_results.load_results(str(collected))
     del results["runs"]["a"], results["runs"]["d"]
     other = tmp_path / "sub" / "only_bc.png"
-    recovery_report.plot(results, str(other))
+    report.plot(results, str(other))
     assert other.stat().st_size > 0
     with pytest.raises(SystemExit, match="no such file"):
         cli_main(["results", "plot", str(tmp_path / "missing.json")])
@@ -238,24 +245,24 @@ def test_readme_marker_replacement(collected, tmp_path):
     readme = tmp_path / "README.md"
     before, after = "# Title\n\nIntro text.\n\n", "\n\n## Next section\n\nUntouched.\n"
     readme.write_text(before + README_START + "\nold table\n" + README_END + after)
-    assert cli_main(["results", "table", str(collected), "--readme", str(readme)]) == 0
+    assert update_readme.main([str(collected), "--readme", str(readme)]) == 0
     text = readme.read_text()
     assert text.startswith(before + README_START + "\n| Task |") and text.endswith(README_END + after)
     # 4 run rows + the side-by-side comparison (reference, converted, fine-tuned, from base, target).
     assert "old table" not in text and text.count("| sst2 |") == 4 + 5
     # Idempotent: a second run gives the same file.
-    cli_main(["results", "table", str(collected), "--readme", str(readme)])
+    update_readme.main([str(collected), "--readme", str(readme)])
     assert readme.read_text() == text
 
     no_markers = tmp_path / "PLAIN.md"
     no_markers.write_text("# Plain\n")
     with pytest.raises(SystemExit, match="must contain the marker"):
-        cli_main(["results", "table", str(collected), "--readme", str(no_markers)])
+        update_readme.main([str(collected), "--readme", str(no_markers)])
     assert no_markers.read_text() == "# Plain\n"
     swapped = tmp_path / "SWAPPED.md"
     swapped.write_text(README_END + "\n" + README_START + "\n")
     with pytest.raises(ResultsError, match="comes before"):
-        recovery_report.replace_in_readme(str(swapped), "x")
+        update_readme.replace_in_readme(str(swapped), "x")
 
 
 def test_help_everywhere(capsys):
@@ -294,7 +301,7 @@ def test_collect_attention_transfer_runs(all_runs, tmp_path, capsys):
     assert "(e) (a) + attention transfer (hedgehog), no fine-tuning: accuracy 80.00 after 0 steps" in printed
     assert "attention-transfer target (issue 5) (f) within 0.5 points of (a): met" in printed
     results = json.loads(output.read_text())
-    assert set(results["runs"]) == set("abcdef") and results["labels"] == recovery_report.LABELS
+    assert set(results["runs"]) == set("abcdef") and results["labels"] == recipe_results.LABELS
     e, f = results["runs"]["e"], results["runs"]["f"]
     # (e): an evaluation of the distilled folder, with the transfer summarised from attention_transfer.json.
     assert e["kind"] == "evaluated" and e["metric"] == 0.80 and e["steps"] == 0 and e["wall_time_s"] == 15.2
@@ -328,30 +335,30 @@ def test_collect_attention_transfer_runs(all_runs, tmp_path, capsys):
 def test_attention_transfer_run_variants(runs, tmp_path):
     # The feature map recorded in the folder names (e).
     t2r = _distilled(tmp_path / "e_t2r", runs["a"], 0.79, feature_map="t2r")
-    run = recovery_report.load_run("e", str(t2r / "dev_metrics.json"))
+    run = recipe_results.load_run("e", str(t2r / "dev_metrics.json"))
     assert run["description"] == "(a) + attention transfer (t2r), no fine-tuning"
     assert run["attention_transfer"]["feature_map"] == "t2r"
     # The evaluate JSON written elsewhere: attention_transfer.json is found through its `model`.
     elsewhere = tmp_path / "e_eval.json"
     elsewhere.write_text((t2r / "dev_metrics.json").read_text())
-    assert recovery_report.load_run("e", str(elsewhere))["attention_transfer"]["steps"] == 300
+    assert recipe_results.load_run("e", str(elsewhere))["attention_transfer"]["steps"] == 300
     # No attention_transfer.json: no summary, the feature map of conversion_report.json still names the run.
     bare = _distilled(tmp_path / "e_bare", runs["a"], 0.79, record=False)
-    run = recovery_report.load_run("e", str(bare))
-    assert "attention_transfer" not in run and run["description"] == recovery_report.LABELS["e"]
+    run = recipe_results.load_run("e", str(bare))
+    assert "attention_transfer" not in run and run["description"] == recipe_results.LABELS["e"]
     nothing = tmp_path / "e_nothing"
     nothing.mkdir()
     (nothing / "dev_metrics.json").write_text((bare / "dev_metrics.json").read_text().replace(str(bare), "/gone"))
-    assert recovery_report.load_run("e", str(nothing))["description"] == recovery_report.LABELS["e"]
+    assert recipe_results.load_run("e", str(nothing))["description"] == recipe_results.LABELS["e"]
     # Runs (a)-(d) never carry a transfer summary; an unreadable record is an error.
-    assert "attention_transfer" not in recovery_report.load_run("b", str(t2r))
+    assert "attention_transfer" not in recipe_results.load_run("b", str(t2r))
     (t2r / "attention_transfer.json").write_text("{not json")
     with pytest.raises(ResultsError, match="attention transfer record"):
-        recovery_report.load_run("e", str(t2r))
+        recipe_results.load_run("e", str(t2r))
 
 
 def test_attention_transfer_target_sst2_points():
-    check = recovery_report.attention_transfer_target_check
+    check = recipe_results.attention_transfer_target_check
     met = check({"a": {"metric": 0.90}, "f": {"metric": 0.896}}, "sst2")
     assert met["met"] is True and met["status"] == "met" and met["gap_points"] == pytest.approx(0.4)
     assert met["kind"] == "points" and met["description"] == "(f) within 0.5 points of (a)"
@@ -366,7 +373,7 @@ def test_attention_transfer_target_sst2_points():
 
 
 def test_attention_transfer_target_stsb_ratio():
-    check = recovery_report.attention_transfer_target_check
+    check = recipe_results.attention_transfer_target_check
     met = check({"a": {"metric": 0.80}, "f": {"metric": 0.78}}, "stsb")
     assert met["kind"] == "ratio" and met["threshold_ratio"] == 0.97 and met["description"] == "(f) at least 97% of (a)"
     assert met["met"] is True and met["ratio"] == pytest.approx(0.975) and met["gap_points"] == pytest.approx(2.0)
@@ -387,7 +394,7 @@ def _stsb_results(tmp_path: Path, f_value: float) -> dict:
     e = _distilled(tmp_path / "stsb_e", str(a), 0.40, task="stsb", metric="pearson")
     f = _training_run(tmp_path / "stsb_f", [0.60, f_value], "favor", str(e), False, task="stsb", metric="pearson",
                       feature_map="hedgehog")
-    return recovery_report.collect("stsb", {"a": str(a), "e": str(e), "f": str(f)})
+    return recipe_results.collect("stsb", {"a": str(a), "e": str(e), "f": str(f)})
 
 
 def test_collect_stsb_ratio_target(tmp_path):
@@ -397,7 +404,7 @@ def test_collect_stsb_ratio_target(tmp_path):
     missed = results["attention_transfer_target"]
     assert missed["met"] is False and missed["ratio"] == pytest.approx(0.875) and missed["f"] == 0.70
     assert results["target"]["status"] == "not evaluated"  # no (c): issue 4 is not checked
-    text = recovery_report.table([results])
+    text = report.table([results])
     assert ("attention-transfer target (issue 5) (f) at least 97% of (a): **not met** ((f) = 87.50% of (a), "
             "gap +10.00 points: (a) 80.00, (f) 70.00)") in text
     assert "| stsb | target | issue 4, (c) within 1.5 points of (a): not evaluated" in text
@@ -406,7 +413,7 @@ def test_collect_stsb_ratio_target(tmp_path):
 @pytest.fixture()
 def collected_all(all_runs, tmp_path) -> Path:
     path = tmp_path / "recovery_sst2_all.json"
-    path.write_text(json.dumps(recovery_report.collect("sst2", all_runs, "synthetic")))
+    path.write_text(json.dumps(recipe_results.collect("sst2", all_runs, "synthetic")))
     return path
 
 
@@ -441,10 +448,10 @@ def test_table_with_attention_transfer(collected_all, capsys):
 
 
 def test_table_attention_transfer_not_met(collected_all):
-    results = recovery_report.load_results(str(collected_all))
+    results = recipe_results.load_results(str(collected_all))
     results["runs"]["f"]["metric"] = 0.82
     del results["attention_transfer_target"]  # recomputed from the runs
-    text = recovery_report.table([results])
+    text = report.table([results])
     assert "issue 5, (f) within 0.5 points of (a): **not met** (gap +1.00 points) |" in text
     assert "(f) within 0.5 points of (a): **not met** (gap +1.00 points: (a) 83.00, (f) 82.00)." in text
 
@@ -453,14 +460,14 @@ def test_plot_with_attention_transfer(collected_all, tmp_path):
     assert cli_main(["results", "plot", str(collected_all)]) == 0
     png = collected_all.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
-    results = recovery_report.load_results(str(collected_all))
+    results = recipe_results.load_results(str(collected_all))
     for keep in ("aef", "ef", "f", "e"):
         subset = {**results, "runs": {k: v for k, v in results["runs"].items() if k in keep}}
         out = tmp_path / f"only_{keep}.png"
-        recovery_report.plot(subset, str(out))
+        report.plot(subset, str(out))
         assert out.stat().st_size > 0
     stsb = _stsb_results(tmp_path / "stsb", 0.78)  # the ratio target line
-    recovery_report.plot(stsb, str(tmp_path / "stsb.png"))
+    report.plot(stsb, str(tmp_path / "stsb.png"))
     assert (tmp_path / "stsb.png").stat().st_size > 5000
 
 
@@ -474,7 +481,7 @@ def _old_layout(results: dict) -> dict:
 
 def test_old_results_still_render(runs, tmp_path, capsys):
     path = tmp_path / "recovery_sst2_old.json"
-    path.write_text(json.dumps(_old_layout(recovery_report.collect("sst2", runs, "synthetic"))))
+    path.write_text(json.dumps(_old_layout(recipe_results.collect("sst2", runs, "synthetic"))))
     assert cli_main(["results", "table", str(path)]) == 0
     text = capsys.readouterr().out
     lines = text.splitlines()
@@ -493,13 +500,13 @@ COMMITTED = sorted((Path(__file__).resolve().parent.parent / "benchmarks" / "res
 
 @pytest.mark.skipif(not COMMITTED, reason="no committed recovery results")
 def test_committed_results_render(tmp_path):
-    results = [recovery_report.load_results(str(path)) for path in COMMITTED]
-    text = recovery_report.table(results, sources=[str(path) for path in COMMITTED])
+    results = [recipe_results.load_results(str(path)) for path in COMMITTED]
+    text = report.table(results, sources=[str(path) for path in COMMITTED])
     for result in results:
         task = result["task"]
         for label, run in result["runs"].items():
             assert f"| {task} | ({label}) {run['description']} |" in text
         assert f"| {task} | target | issue 4, " in text and f"- {task}: attention-transfer target (issue 5)" in text
         png = tmp_path / f"{task}.png"
-        recovery_report.plot(result, str(png))
+        report.plot(result, str(png))
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -29,7 +29,6 @@ per-layer relative attention error before vs after transfer.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
@@ -113,57 +112,6 @@ def read_evaluation(path: str, what: str) -> dict:
     }
 
 
-def _recipe_defaults() -> dict[str, tuple[str, object, bool]]:
-    """``{dest: (flag, default, is_store_true)}`` of ``recipes/causal_lm.py`` (empty when the package is absent)."""
-    try:
-        from hf_performer.training import build_parser
-    except Exception:  # noqa: BLE001 - the command is then rebuilt from every recorded argument
-        return {}
-    options = {}
-    for action in build_parser("causal-lm")._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        flag = next((s for s in action.option_strings if s.startswith("--")), action.option_strings[0])
-        store_true = action.nargs == 0 and action.const is True
-        options[action.dest] = (flag, action.default, store_true)
-    return options
-
-
-def _safe(value):
-    """The value as ``hf_performer.training._json_safe_config`` records it."""
-    return value if isinstance(value, (int, float, str, bool)) else str(value)
-
-
-def recipe_command(args: dict, defaults: dict | None = None) -> str:
-    """``python recipes/causal_lm.py`` with the recorded arguments that differ from the recipe's defaults."""
-    defaults = _recipe_defaults() if defaults is None else defaults
-    parts = ["python", "recipes/causal_lm.py"]
-    for dest, value in args.items():
-        if dest in ("kind", "func"):
-            continue
-        flag, default, store_true = defaults.get(dest, ("--" + dest.replace("_", "-"), object(), False))
-        if dest in defaults and _safe(default) == value:
-            continue
-        if value == "None":
-            continue
-        if store_true:
-            if value is True:
-                parts.append(flag)
-            continue
-        if dest == "convert":  # BooleanOptionalAction
-            parts.append("--convert" if value in (True, "True") else "--no-convert")
-            continue
-        if isinstance(value, str) and value.startswith("["):
-            try:
-                items = ast.literal_eval(value)
-            except (ValueError, SyntaxError):
-                items = [value]
-            parts += [flag, *(str(item) for item in items)]
-            continue
-        parts += [flag, str(value)]
-    return shlex.join(parts)
-
-
 def tokens_seen(train_examples: int, block_size: int, batch_size: int, accumulation: int, processes: int,
                 steps: int) -> int:
     """Training tokens the recipe consumed in ``steps`` optimizer steps: every epoch is ``ceil(N / B)`` batches (the
@@ -188,17 +136,20 @@ def tokens_seen(train_examples: int, block_size: int, batch_size: int, accumulat
     return examples * block_size
 
 
-def read_recipe(folder: str, what: str, defaults: dict | None = None) -> dict:
+def read_recipe(folder: str, what: str) -> dict:
     """A recipe output folder (``metrics.json`` + ``eval_curve.json``)."""
+    from hf_performer.recipes.arguments import recipe_command
+    from hf_performer.recipes.results import EVAL_CURVE_FILE, METRICS_FILE
+
     if not os.path.isdir(folder):
         raise CollectError(f"{what}: {folder} is not a folder (a recipe --output-dir)")
-    path = os.path.join(folder, "metrics.json")
+    path = os.path.join(folder, METRICS_FILE)
     metrics = _load_json(path, what)
     perplexity = _require(metrics, ("final", "perplexity"), what, path)
     args = _require(metrics, ("args",), what, path)
     steps = _require(metrics, ("completed_steps",), what, path)
     protocol = metrics.get("perplexity_protocol") or {}
-    curve_path = os.path.join(folder, "eval_curve.json")
+    curve_path = os.path.join(folder, EVAL_CURVE_FILE)
     curve = _load_json(curve_path, what) if os.path.isfile(curve_path) else []
     block_size = int(_require(metrics, ("args", "block_size"), what, path))
     batch_size = int(_require(metrics, ("args", "per_device_train_batch_size"), what, path))
@@ -241,7 +192,7 @@ def read_recipe(folder: str, what: str, defaults: dict | None = None) -> dict:
         "wall_time_note": "the whole recipe run: loading, training, every evaluation, saving",
         "device": metrics.get("device"),
         "trainable_parameters": metrics.get("trainable_parameters"),
-        "command": recipe_command(args, defaults),
+        "command": recipe_command(metrics),
         "command_source": "reconstructed from metrics.json args (the arguments differing from the defaults)",
         "args": args,
     }
@@ -470,7 +421,6 @@ def transfer_trend(current: dict, previous: list[str]) -> dict:
 
 
 def build_record(args: argparse.Namespace) -> dict:
-    defaults = _recipe_defaults()
     runs = []
 
     def add(name, label, stage, fine_tuned, body, extra=None):
@@ -491,7 +441,7 @@ def build_record(args: argparse.Namespace) -> dict:
             {"steps": 0, "tokens_seen": 0, "wall_time_s": body["eval_seconds"],
              "wall_time_note": "evaluation only"})
     softmax_ft = add("softmax_finetuned", "softmax, fine-tuned", "fine-tuned", True,
-                     read_recipe(args.softmax_finetuned, "--softmax-finetuned", defaults))
+                     read_recipe(args.softmax_finetuned, "--softmax-finetuned"))
     if args.transfer:
         body = read_evaluation(args.transfer, "--transfer")
         extra = {"steps": 0, "tokens_seen": 0, "wall_time_s": body["eval_seconds"],
@@ -500,7 +450,7 @@ def build_record(args: argparse.Namespace) -> dict:
             extra.update(transfer_steps=transfer_info["steps"], transfer_tokens_seen=transfer_info["tokens_seen"],
                          transfer_wall_time_s=transfer_info["wall_time_s"], transfer_command=transfer_info["command"])
         add("transfer", f"{feature_map} after attention transfer, not fine-tuned", "transfer", False, body, extra)
-    transfer_ft_body = read_recipe(args.transfer_finetuned, "--transfer-finetuned", defaults)
+    transfer_ft_body = read_recipe(args.transfer_finetuned, "--transfer-finetuned")
     extra = {}
     if transfer_info and transfer_info["tokens_seen"] is not None:
         extra["tokens_seen_including_transfer"] = transfer_ft_body["tokens_seen"] + transfer_info["tokens_seen"]
@@ -513,7 +463,7 @@ def build_record(args: argparse.Namespace) -> dict:
     favor_ft = None
     if args.favor_finetuned:
         favor_ft = add("favor_finetuned", "FAVOR+ converted, fine-tuned", "fine-tuned", True,
-                       read_recipe(args.favor_finetuned, "--favor-finetuned", defaults))
+                       read_recipe(args.favor_finetuned, "--favor-finetuned"))
 
     ratio = transfer_ft["perplexity"] / softmax_ft["perplexity"]
     comparison = {

@@ -19,7 +19,7 @@
 #
 # Data: wiki.valid.raw trains (transfer and fine-tuning; there is no offline train split), wiki.test.raw evaluates.
 # Every perplexity (evaluate and the recipes' final evaluation) uses the same protocol: the first $EVAL_CHARS
-# characters of wiki.test.raw, windows of $CONTEXT tokens every $STRIDE tokens (hf_performer.evaluation). The recipes
+# characters of wiki.test.raw, windows of $CONTEXT tokens every $STRIDE tokens (hf_performer.tasks.evaluation). The recipes
 # evaluate on the test text every $EVAL_STEPS steps for the curve only; the final model is the last step's.
 set -euo pipefail
 
@@ -148,7 +148,7 @@ run_step samples "$OUT/samples.json" \
     --output "$OUT/samples.json"
 
 PROTOCOL="Perplexity on the first ${EVAL_CHARS:-all} characters of $(basename "$TEST_FILE") (WikiText-2 raw test), \
-windows of $CONTEXT tokens every $STRIDE tokens, each token scored once, token-weighted (hf_performer.evaluation). \
+windows of $CONTEXT tokens every $STRIDE tokens, each token scored once, token-weighted (hf_performer.tasks.evaluation). \
 Fine-tuning: recipes/causal_lm.py on $(basename "$TRAIN_FILE") (WikiText-2 raw validation: no train split offline), \
 $STEPS steps x $BATCH sequences x $BLOCK tokens, lr $LR (linear decay, 6% warmup), seed $SEED, identical for both runs. \
 Attention transfer: hf-performer distill --feature-map $FEATURE_MAP ${FEATURE_ARGS[*]}, $TRANSFER_SAMPLES sequences of $TRANSFER_LENGTH \

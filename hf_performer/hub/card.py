@@ -136,7 +136,7 @@ def build_model_card(
             ``conversion_report.json`` if present, else the ``fidelity_after`` of the attention-transfer record.
         fine_tuned: whether the model was fine-tuned after conversion (the card warns when it was not).
             Default: whether the folder holds a Trainer's files (:data:`hf_performer.tasks.evaluation.TRAINING_FILES`) or a recipe's
-            ``metrics.json`` (:data:`hf_performer.training.METRICS_FILE_NAME`) with completed steps.
+            ``metrics.json`` (:data:`hf_performer.recipes.results.METRICS_FILE`) with completed steps.
         template_path: a Jinja template; default :func:`default_template_path`.
         transfer: the attention-transfer record of ``hf-performer distill`` (the dict it writes as
             ``attention_transfer.json``, or a path to such a file); default: the folder's ``attention_transfer.json``
@@ -350,13 +350,13 @@ def write_model_card(folder: str | os.PathLike, **kwargs) -> Path:
 
 
 def write_recipe_card(output_dir: str | os.PathLike) -> Path | None:
-    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.training.train`
+    """Write the model card of a fine-tuning recipe's output folder (called by :func:`hf_performer.recipes.train.train`
     at the end of a run): fine-tuned, with the results of its ``metrics.json`` (:func:`recipe_results`).
 
     Returns the card's path, or ``None`` when the folder holds no Performer model (a softmax baseline,
     ``--no-save-model``) or the card could not be built (a warning on stderr says why and how to write it).
     """
-    from ..training import METRICS_FILE_NAME
+    from ..recipes.results import METRICS_FILE as METRICS_FILE_NAME
 
     folder = Path(output_dir)
     try:

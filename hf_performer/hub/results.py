@@ -151,7 +151,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
       evaluation split (causal LM: perplexity on the validation split of ``args.dataset``); see
       :func:`recipe_results`.
     """
-    from ..training import KINDS as RECIPE_KINDS  # training imports torch: read lazily
+    from ..recipes.arguments import KINDS as RECIPE_KINDS  # read lazily: `push --help` imports no recipe code
 
     path = Path(path)
     try:
@@ -193,7 +193,7 @@ def load_metrics(path: str | os.PathLike) -> tuple[list[dict], list[dict]]:
 
 
 def recipe_results(metrics: dict, where: str | None = None) -> list[dict]:
-    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.training`).
+    """The results (dicts for :func:`normalize_results`) of a recipe's ``metrics.json`` (:mod:`hf_performer.recipes.train`).
 
     Text classification: one result per finite metric of ``final`` but ``eval_loss``, on the task's evaluation split
     (``validation``; MNLI ``validation_matched``; IMDB ``test``), the task naming its Hub dataset. Causal LM: the
@@ -204,7 +204,7 @@ def recipe_results(metrics: dict, where: str | None = None) -> list[dict]:
             local text file (which names no Hub dataset: give its result in a results file).
     """
     if where is None:
-        from ..training import METRICS_FILE_NAME as where
+        from ..recipes.results import METRICS_FILE as where
     final = metrics.get("final")
     if not isinstance(final, dict):
         raise ModelCardError(f"{where}: 'final' must be an object of metrics (a recipe's metrics.json), got {final!r}")
@@ -243,8 +243,8 @@ def recipe_results(metrics: dict, where: str | None = None) -> list[dict]:
 
 def _is_recipe_run(folder: Path) -> bool:
     """Whether ``folder`` is the output of a fine-tuning recipe that trained (``metrics.json`` with steps)."""
-    from ..training import KINDS as RECIPE_KINDS
-    from ..training import METRICS_FILE_NAME
+    from ..recipes.arguments import KINDS as RECIPE_KINDS
+    from ..recipes.results import METRICS_FILE as METRICS_FILE_NAME
 
     try:
         metrics = json.loads((folder / METRICS_FILE_NAME).read_text(encoding="utf-8"))

@@ -1,7 +1,9 @@
-"""Fine-tuning recipes over the library: an Accelerate training loop for text classification and causal LMs.
+"""The recipes' training loop (Accelerate) for text classification and causal LMs: :func:`train` and the
+scripts' entry point :func:`main`.
 
 The scripts ``recipes/text_classification.py`` and ``recipes/causal_lm.py`` call :func:`main` with their
-kind; everything they do lives here. Run them with ``accelerate launch`` (multi-GPU / multi-node, DDP, FSDP,
+kind; their flags are declared in :mod:`~hf_performer.recipes.arguments`, the model is loaded in
+:mod:`~hf_performer.recipes.model`, the outputs are written by :mod:`~hf_performer.recipes.results`. Run them with ``accelerate launch`` (multi-GPU / multi-node, DDP, FSDP,
 DeepSpeed through the configs in ``recipes/configs/``), plain ``python`` (one process, CPU or one GPU), or
 ``ACCELERATE_USE_CPU=true torchrun --nproc_per_node N`` (DDP on CPU processes, gloo; ``accelerate launch --cpu
 --num_processes N`` starts one process only). The number of processes is printed at the start.
@@ -12,7 +14,7 @@ Stages of :func:`train`:
    converted on the fly (``--convert``, the default for softmax folders with ``--attention favor``) with the
    FAVOR+ options (``--feature-map``, ``--nb-features``, ``--keep-softmax-layers``, ``--redraw-interval``, ...),
    or a softmax model trained as softmax (``--attention softmax``: the baselines). ``--lora`` wraps it with
-   PEFT LoRA on the attention projections (:data:`LORA_TARGET_MODULES`).
+   PEFT LoRA on the attention projections (:data:`hf_performer.recipes.model.LORA_TARGET_MODULES`).
 2. **Data.** :mod:`hf_performer.tasks.data`: the Hub or local files, seeded subsets, tokenisation. The training
    order comes from :class:`EpochSeededSampler` (permutation of epoch ``e`` drawn from ``seed + e``), so it
    is known without any saved state.
@@ -45,7 +47,6 @@ source softmax model's attention outputs) would be such a hook and needs no chan
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -57,37 +58,25 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils.data import DataLoader, Sampler
 
-from .tasks.data import DataError, LM_DATASETS, get_task
+from ..tasks.data import DataError, get_task
+from .arguments import RecipeError, build_parser
+from .model import apply_lora, load_model
+from .results import (
+    EVAL_CURVE_FILE,
+    METRICS_FILE,
+    portable_checkpoint,
+    portable_name,
+    recorded_args,
+    without_local_paths,
+    write_run_results,
+)
 
-
-KINDS = ("text-classification", "causal-lm")
-
-LORA_TARGET_MODULES: dict[str, list[str]] = {
-    "bert": ["query", "key", "value"],
-    "roberta": ["query", "key", "value"],
-    "xlm-roberta": ["query", "key", "value"],
-    "electra": ["query", "key", "value"],
-    "distilbert": ["q_lin", "k_lin", "v_lin"],
-    "gpt2": ["c_attn"],
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
-"""Default LoRA target modules by source ``model_type`` (the attention projections); ``--lora-target-modules``
-overrides them."""
 
 CHECKPOINT_PREFIX = "step_"
 TRAINING_STATE_FILE = "training_state.json"
 BEST_WEIGHTS_FILE = "best_weights.pt"
 
-METRICS_FILE_NAME = "metrics.json"
-"""Written at the end of a run into the output folder: ``kind`` (``text-classification`` or ``causal-lm``), ``task``,
-``final`` (the final metrics), ``completed_steps``, ``args``, ... It marks a fine-tuned model; the model card reads
-its results (:func:`hf_performer.hub.load_metrics`)."""
-EVAL_CURVE_FILE_NAME = "eval_curve.json"
-"""Written next to :data:`METRICS_FILE_NAME`: the evaluations during the run."""
-
-RUN_OUTPUTS = ("checkpoints", "runs", "adapter", METRICS_FILE_NAME, EVAL_CURVE_FILE_NAME)
+RUN_OUTPUTS = ("checkpoints", "runs", "adapter", METRICS_FILE, EVAL_CURVE_FILE)
 """What ``--overwrite`` deletes from a used output folder before training (the model files are replaced by the
 new run's)."""
 
@@ -100,278 +89,6 @@ RESUMABLE_CHANGES = (
 number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
 
 LossHook = Callable[[torch.nn.Module, dict, object, int], "torch.Tensor | None"]
-
-
-class RecipeError(ValueError):
-    """Recipe options that do not fit together or a model that cannot be trained as asked."""
-
-
-# --------------------------------------------------------------------------------------------
-# Arguments
-# --------------------------------------------------------------------------------------------
-
-
-def build_parser(kind: str) -> argparse.ArgumentParser:
-    """The argument parser of the recipe ``kind`` (``"text-classification"`` or ``"causal-lm"``)."""
-    from .favor_settings import FAVOR_DEFAULTS
-    from .feature_maps import available_feature_maps
-
-    if kind not in KINDS:
-        raise RecipeError(f"unknown recipe kind {kind!r}; accepted: {KINDS}")
-    script = "text_classification.py" if kind == "text-classification" else "causal_lm.py"
-    parser = argparse.ArgumentParser(
-        prog=f"recipes/{script}",
-        description=(
-            "Fine-tune a Performer (FAVOR+) model, or a softmax baseline, with Accelerate. "
-            "Run with `accelerate launch recipes/" + script + " ...` or `python recipes/" + script + " ...`. "
-            "See recipes/README.md."
-        ),
-    )
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", required=True,
-                       help="model folder (or offline Hub name): a Performer folder, or a softmax model to convert")
-    model.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
-    model.add_argument("--attention", choices=("favor", "softmax"), default="favor",
-                       help="favor: train FAVOR+ attention (default); softmax: train the softmax model as it is "
-                            "(baselines)")
-    model.add_argument("--convert", action=argparse.BooleanOptionalAction, default=None,
-                       help="convert a softmax --model to FAVOR+ before training (default: yes for a softmax "
-                            "model with --attention favor; a Performer folder is never converted)")
-    model.add_argument("--feature-map", choices=available_feature_maps(), default=FAVOR_DEFAULTS["feature_map"],
-                       help="conversion: feature map (default: %(default)s)")
-    model.add_argument("--nb-features", type=int, default=None,
-                       help=f"conversion: random features per head (default: {FAVOR_DEFAULTS['nb_features']})")
-    model.add_argument("--keep-softmax-layers", type=int, nargs="+", default=[], metavar="LAYER",
-                       help="conversion: layers that keep exact softmax attention")
-    model.add_argument("--favor-seed", type=int, default=None, help="conversion: seed of the projections")
-    model.add_argument("--redraw-interval", type=int, default=None,
-                       help="training attention calls between projection redraws (0 = never); sets the converted "
-                            "or loaded Performer model's favor_settings (default: keep the model's, 0 on conversion)")
-    model.add_argument("--max-position-embeddings", type=int, default=None,
-                       help="conversion: extend the learned position table to N positions (long inputs)")
-    model.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) instead of all weights")
-    model.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
-    model.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default: 16)")
-    model.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default: 0.05)")
-    model.add_argument("--lora-target-modules", nargs="+", default=None,
-                       help="module names to adapt (default: the attention projections of the architecture: "
-                            + "; ".join(f"{k}: {' '.join(v)}" for k, v in LORA_TARGET_MODULES.items()) + ")")
-
-    data = parser.add_argument_group("data")
-    if kind == "text-classification":
-        data.add_argument("--task", required=True,
-                          help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli or imdb")
-        data.add_argument("--train-file", default=None,
-                          help="local training file (TSV/CSV/JSON lines, .gz ok); default: the Hub's train split")
-        data.add_argument("--validation-file", default=None,
-                          help="local validation file; default: the Hub's validation split (IMDB: test)")
-        data.add_argument("--max-length", type=int, default=128, help="tokens per example (default: 128)")
-        data.add_argument("--metrics-backend", choices=("auto", "evaluate", "local"), default="auto",
-                          help="task metrics from `evaluate` (needs the Hub), local scikit-learn/scipy, or auto")
-    else:
-        data.add_argument("--dataset", default="wikitext",
-                          help=f"Hub text dataset when no files are given ({', '.join(LM_DATASETS)}, or any name "
-                               "with a 'text' column; default: wikitext = wikitext-2-raw-v1)")
-        data.add_argument("--dataset-config", default=None, help="Hub dataset configuration")
-        data.add_argument("--train-file", default=None, help="raw training text file (default: the Hub train split)")
-        data.add_argument("--validation-file", default=None,
-                          help="raw validation text file (default: the Hub validation split)")
-        data.add_argument("--block-size", type=int, default=256, help="training tokens per example (default: 256)")
-        data.add_argument("--max-train-chars", type=int, default=None, help="use the first N characters of the "
-                          "training text")
-        data.add_argument("--max-eval-chars", type=int, default=None, help="use the first N characters of the "
-                          "validation text")
-        data.add_argument("--context-length", type=int, default=None,
-                          help="perplexity: tokens per window (default: --block-size)")
-        data.add_argument("--stride", type=int, default=None,
-                          help="perplexity: tokens between window starts (default: context length / 2)")
-    data.add_argument("--max-train-samples", type=int, default=None,
-                      help="train on a seeded random subset of N examples (blocks for causal LM)")
-    data.add_argument("--max-eval-samples", type=int, default=None,
-                      help="evaluate on a seeded random subset of N examples (classification)")
-
-    training = parser.add_argument_group("training")
-    training.add_argument("--output-dir", required=True, help="folder for the model, metrics and checkpoints")
-    training.add_argument("--seed", type=int, default=42, help="seed of everything: init, data order, dropout")
-    training.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default: 5e-5)")
-    training.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01)")
-    training.add_argument("--lr-scheduler", default="linear",
-                          choices=("linear", "cosine", "constant", "constant_with_warmup", "polynomial"),
-                          help="learning-rate schedule after warmup (default: linear decay to 0)")
-    training.add_argument("--warmup-ratio", type=float, default=0.06,
-                          help="fraction of the optimizer steps spent warming up (default: 0.06)")
-    training.add_argument("--warmup-steps", type=int, default=None, help="warmup steps (overrides --warmup-ratio)")
-    training.add_argument("--per-device-train-batch-size", type=int, default=32, help="default: 32")
-    training.add_argument("--per-device-eval-batch-size", type=int, default=64, help="default: 64")
-    training.add_argument("--gradient-accumulation-steps", type=int, default=1,
-                          help="micro-batches per optimizer step (default: 1)")
-    training.add_argument("--num-train-epochs", type=float, default=3.0, help="default: 3")
-    training.add_argument("--max-train-steps", type=int, default=None,
-                          help="optimizer steps in all (overrides --num-train-epochs)")
-    training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
-    training.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
-                          help="mixed precision through Accelerate (default: the accelerate config's, else no)")
-    training.add_argument("--eval-steps", type=int, default=None,
-                          help="evaluate every N optimizer steps (default: only at the end)")
-    training.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
-    training.add_argument("--early-stopping-split", type=float, default=None, metavar="FRACTION",
-                          help="carve this fraction of the training examples (seeded by --seed) as a held-out split, "
-                               "evaluated with the validation split at every evaluation; --load-best-model-at-end "
-                               "and --early-stopping-patience select on it, never on the reported validation split")
-    training.add_argument("--metric-for-best-model", default=None, metavar="METRIC",
-                          help="held-out metric that decides the best step: a metric of the task or eval_loss "
-                               "(default: the task's main metric; perplexity for causal LM); losses and perplexity "
-                               "are better lower, the others higher")
-    training.add_argument("--load-best-model-at-end", action="store_true",
-                          help="save and report the model of the evaluation step with the best held-out metric "
-                               "instead of the last step (needs --early-stopping-split and --eval-steps)")
-    training.add_argument("--early-stopping-patience", type=int, default=None, metavar="N",
-                          help="stop after N evaluations without improvement of the held-out metric (needs "
-                               "--early-stopping-split and --eval-steps)")
-    training.add_argument("--checkpointing-steps", type=int, default=None,
-                          help="save a resumable checkpoint every N optimizer steps in OUTPUT_DIR/checkpoints/")
-    training.add_argument("--resume-from-checkpoint", default=None, metavar="DIR|latest",
-                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints "
-                               "(with the run's flags: a checkpoint of different data-order or training flags is "
-                               "refused)")
-    training.add_argument("--overwrite", action="store_true",
-                          help="train into a non-empty OUTPUT_DIR: the previous run's checkpoints, metrics and logs "
-                               "are deleted first (without it a used folder is refused)")
-    training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
-                          help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
-                               "(needs `pip install tensorboard`)")
-    training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
-    training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
-    parser.set_defaults(kind=kind)
-    return parser
-
-
-# --------------------------------------------------------------------------------------------
-# Model
-# --------------------------------------------------------------------------------------------
-
-
-def _is_performer_folder(name_or_path: str) -> bool:
-    from transformers import AutoConfig
-
-    from . import modeling_performer  # noqa: F401 - registers model_type "performer"
-
-    try:
-        return AutoConfig.from_pretrained(name_or_path).model_type == "performer"
-    except (OSError, ValueError) as error:
-        raise RecipeError(f"cannot load a model configuration from --model {name_or_path!r}: {error}") from None
-
-
-def set_redraw_interval(model, interval: int) -> int:
-    """Set the redraw interval of every random feature map of ``model`` and of its ``favor_settings``.
-
-    Returns:
-        How many feature maps were updated.
-    """
-    from .feature_maps import RandomFeatureMap
-
-    if interval < 0:
-        raise RecipeError(f"--redraw-interval must be >= 0, got {interval}")
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "model_type", None) == "performer":
-        config.redraw_interval = interval
-    updated = 0
-    for module in model.modules():
-        if isinstance(module, RandomFeatureMap):
-            module.redraw_interval = interval
-            updated += 1
-    return updated
-
-
-def load_model(args: argparse.Namespace, num_labels: int | None = None, id2label: dict | None = None,
-               problem_type: str | None = None):
-    """The model to train and a description of how it was obtained.
-
-    Args:
-        args: the recipe arguments (``--model``, ``--attention``, ``--convert``, FAVOR+ options).
-        num_labels, id2label, problem_type: classification head (``None`` for causal LM).
-
-    Returns:
-        ``(model, info)`` with ``info = {"source", "attention", "converted", "favor_settings"}``.
-
-    Raises:
-        RecipeError: inconsistent options (``--attention softmax`` on a Performer folder, ``--no-convert`` on a
-            softmax model with ``--attention favor``, ``--convert`` on a Performer folder).
-    """
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from .conversion import ConversionError, convert_to_performer, load_source
-
-    task = "causal-lm" if args.kind == "causal-lm" else "sequence-classification"
-    head_kwargs = {}
-    if num_labels is not None:
-        head_kwargs = dict(num_labels=num_labels, id2label=id2label,
-                           label2id={v: k for k, v in (id2label or {}).items()}, problem_type=problem_type)
-    performer_folder = _is_performer_folder(args.model)
-    if performer_folder:
-        if args.attention == "softmax":
-            raise RecipeError(f"{args.model} is a Performer (FAVOR+) folder; --attention softmax needs a softmax model")
-        if args.convert:
-            raise RecipeError(f"{args.model} is already a Performer folder: --convert does not apply")
-        auto = AutoModelForCausalLM if task == "causal-lm" else AutoModelForSequenceClassification
-        model = auto.from_pretrained(args.model, **head_kwargs)
-        converted = False
-    else:
-        convert = args.convert if args.convert is not None else args.attention == "favor"
-        if args.attention == "favor" and not convert:
-            raise RecipeError(f"{args.model} is a softmax model: --attention favor needs --convert (the default)")
-        if args.attention == "softmax" and convert:
-            raise RecipeError("--attention softmax trains the softmax model: --convert does not apply")
-        try:
-            source, _ = load_source(args.model, task, **head_kwargs)
-            if convert:
-                model = convert_to_performer(
-                    source, task=task, feature_map=args.feature_map, nb_features=args.nb_features,
-                    keep_softmax_layers=args.keep_softmax_layers,
-                    max_position_embeddings=args.max_position_embeddings, seed=args.favor_seed,
-                    redraw_interval=args.redraw_interval,
-                )
-            else:
-                model = source
-        except ConversionError as error:
-            raise RecipeError(str(error)) from None
-        converted = convert
-    is_performer = getattr(model.config, "model_type", None) == "performer"
-    if args.redraw_interval is not None:
-        if not is_performer:
-            raise RecipeError("--redraw-interval applies to FAVOR+ models, not to --attention softmax")
-        set_redraw_interval(model, args.redraw_interval)
-    if num_labels is not None and problem_type is not None:
-        model.config.problem_type = problem_type
-    info = {
-        "source": args.model,
-        "attention": "favor" if is_performer else "softmax",
-        "converted": converted,
-        "favor_settings": dict(model.config.resolved_favor_settings) if is_performer else None,
-    }
-    return model.train(), info
-
-
-def apply_lora(model, args: argparse.Namespace):
-    """Wrap ``model`` with PEFT LoRA adapters on its attention projections (see :data:`LORA_TARGET_MODULES`).
-
-    Only the adapters (and, for classification, the newly initialised head) are trainable.
-    """
-    from peft import LoraConfig, TaskType, get_peft_model
-
-    config = model.config
-    model_type = config.source_config.model_type if config.model_type == "performer" else config.model_type
-    targets = args.lora_target_modules or LORA_TARGET_MODULES.get(model_type)
-    if not targets:
-        raise RecipeError(
-            f"no default LoRA target modules for model type {model_type!r} (known: {sorted(LORA_TARGET_MODULES)}); "
-            "pass --lora-target-modules"
-        )
-    task_type = TaskType.CAUSAL_LM if args.kind == "causal-lm" else TaskType.SEQ_CLS
-    lora_config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha,
-                             lora_dropout=args.lora_dropout, target_modules=targets,
-                             fan_in_fan_out=model_type == "gpt2")
-    return get_peft_model(model, lora_config)
 
 
 # --------------------------------------------------------------------------------------------
@@ -466,14 +183,14 @@ class BestStepSelection:
         self.best_weights = best_weights
 
 
-def _selection_metrics(args: argparse.Namespace) -> tuple[str, ...]:
+def _selection_metrics(args) -> tuple[str, ...]:
     """The metrics ``--metric-for-best-model`` accepts for the recipe's task."""
     if args.kind == "causal-lm":
         return ("perplexity", "eval_loss")
     return (*get_task(args.task).metrics, "eval_loss")
 
 
-def _check_selection_options(args: argparse.Namespace) -> None:
+def _check_selection_options(args) -> None:
     selects = args.load_best_model_at_end or args.early_stopping_patience is not None
     if args.early_stopping_split is not None and not 0 < args.early_stopping_split < 1:
         raise RecipeError(f"--early-stopping-split must be in (0, 1) (a fraction of the training examples), "
@@ -529,71 +246,9 @@ def find_checkpoint(output_dir: str, which: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def _json_safe_config(args: argparse.Namespace) -> dict:
-    """Hyperparameters for TensorBoard (scalars and strings only)."""
-    config = {}
-    for key, value in vars(args).items():
-        if key == "func":
-            continue
-        config[key] = value if isinstance(value, (int, float, str, bool)) else str(value)
-    return config
-
-
-PATH_ARGS = ("model", "tokenizer", "train_file", "validation_file", "output_dir")
-"""Recipe arguments that may be local paths: recorded by :func:`portable_name` (metrics.json goes to the Hub)."""
-
-
-def portable_name(name_or_path: str | None) -> str | None:
-    """``name_or_path`` as a file meant for the Hub may record it: a Hub id (``org/name``, not a local path) is
-    kept, a local path becomes its base name (no ``/home/...``, ``/tmp/...`` reaches a shared file)."""
-    if name_or_path is None:
-        return None
-    text = str(name_or_path)
-    if os.path.exists(text) or os.path.isabs(text) or "\\" in text or text.startswith((".", "~")):
-        return os.path.basename(os.path.normpath(os.path.abspath(os.path.expanduser(text.replace("\\", "/")))))
-    return text
-
-
-_LOCAL_PATH = re.compile(r"(?<![\w.:/~-])[~/][^\s'\"(),;:]*")
-
-
-def without_local_paths(text: str | None) -> str | None:
-    """``text`` (e.g. an error message quoted in metrics.json) with each absolute or ``~`` path replaced by its
-    base name; URLs and fractions such as ``1/2`` are left alone."""
-    if not text:
-        return text
-
-    def base_name(match: re.Match) -> str:
-        path = match.group(0)
-        stripped = path.rstrip(".")  # a sentence's full stop is not part of the path
-        return (os.path.basename(stripped.rstrip("/")) or stripped) + path[len(stripped):]
-
-    return _LOCAL_PATH.sub(base_name, text)
-
-
-def _portable_checkpoint(path: str | None, output_dir: str) -> str | None:
-    """A checkpoint folder relative to the output folder when inside it (``checkpoints/step_N``), else its base
-    name; ``latest`` as it is."""
-    if path is None or path == "latest":
-        return path
-    relative = os.path.relpath(os.path.abspath(path), os.path.abspath(output_dir))
-    return relative if not relative.startswith("..") else portable_name(path)
-
-
-def _recorded_args(args: argparse.Namespace) -> dict:
-    """The arguments as ``metrics.json`` and TensorBoard record them: scalars and strings, no local paths."""
-    config = _json_safe_config(args)
-    for key in PATH_ARGS:
-        if key in config and config[key] is not None:
-            config[key] = portable_name(config[key])
-    if "resume_from_checkpoint" in config:
-        config["resume_from_checkpoint"] = _portable_checkpoint(args.resume_from_checkpoint, args.output_dir)
-    return config
-
-
-def run_flags(args: argparse.Namespace, num_processes: int) -> dict:
+def run_flags(args, num_processes: int) -> dict:
     """The flags that identify a run and its data order (recorded in each checkpoint, compared on resume)."""
-    flags = {key: value for key, value in _recorded_args(args).items() if key not in RESUMABLE_CHANGES}
+    flags = {key: value for key, value in recorded_args(args).items() if key not in RESUMABLE_CHANGES}
     flags["num_processes"] = num_processes
     return flags
 
@@ -619,7 +274,7 @@ def check_resumable(checkpoint: str, state: dict, flags: dict) -> None:
             "resume with that run's flags, or start a new run (empty --output-dir or --overwrite)")
 
 
-def _check_output_dir(args: argparse.Namespace) -> str | None:
+def _check_output_dir(args) -> str | None:
     """Refuse to mix two runs in one output folder; returns the checkpoint to resume from (or ``None``).
 
     A non-empty folder is accepted when resuming from one of its own checkpoints, or with ``--overwrite`` (the
@@ -662,7 +317,7 @@ def _check_report_to(report_to: str) -> None:
 def _prepare_classification(args, accelerator, tokenizer):
     from transformers import DataCollatorWithPadding
 
-    from .tasks.data import load_task_split, tokenize_task_dataset
+    from ..tasks.data import load_task_split, tokenize_task_dataset
 
     spec = get_task(args.task)
     with accelerator.main_process_first():
@@ -678,7 +333,7 @@ def _prepare_classification(args, accelerator, tokenizer):
 def _prepare_causal_lm(args, accelerator, tokenizer):
     from transformers import default_data_collator
 
-    from .tasks.data import group_into_blocks, load_lm_text, select_subset, tokenize_lm_text
+    from ..tasks.data import group_into_blocks, load_lm_text, select_subset, tokenize_lm_text
 
     with accelerator.main_process_first():
         train_text = load_lm_text(args.train_file, args.dataset, args.dataset_config, "train", args.max_train_chars)
@@ -690,25 +345,17 @@ def _prepare_causal_lm(args, accelerator, tokenizer):
     return train, eval_ids, default_data_collator
 
 
-def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict:
-    """Run a recipe (see the module docstring for the stages).
-
-    Args:
-        args: arguments from :func:`build_parser` (``args.kind`` says which recipe).
-        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss
-            (e.g. a future attention-distillation term). None are used by the recipes.
+def _start_run(args):
+    """Check the options and the output folder, start Accelerate, check a checkpoint to resume against the run's
+    flags, clear a previous run with ``--overwrite`` and seed everything.
 
     Returns:
-        The content of ``metrics.json``.
+        ``(accelerator, checkpoint, flags)``: the checkpoint folder to resume from (or ``None``) and the run's
+        :func:`run_flags`.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import AutoTokenizer, get_scheduler
 
-    from .tasks.evaluation import compute_task_metrics, perplexity, predict_classification
-
-    started = time.perf_counter()
     _check_report_to(args.report_to)
     _check_selection_options(args)
     checkpoint = _check_output_dir(args)  # every process, before any of them writes
@@ -732,22 +379,140 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     flags = run_flags(args, accelerator.num_processes)
     if checkpoint is not None:
         with open(os.path.join(checkpoint, TRAINING_STATE_FILE)) as handle:
-            check_resumable(_portable_checkpoint(checkpoint, args.output_dir), json.load(handle), flags)
+            check_resumable(portable_checkpoint(checkpoint, args.output_dir), json.load(handle), flags)
     if args.overwrite and accelerator.is_main_process:
         _clear_run_outputs(args.output_dir)
     accelerator.wait_for_everyone()
     set_seed(args.seed)
+    return accelerator, checkpoint, flags
+
+
+def _load_tokenizer(args):
+    """The tokenizer of ``--tokenizer`` (default ``--model``); GPT-2-like tokenizers pad with EOS (the model's
+    ``pad_token_id`` is set from it)."""
+    from transformers import AutoTokenizer
 
     tokenizer_path = args.tokenizer or args.model
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     except (OSError, ValueError, TypeError) as error:
         raise RecipeError(f"no tokenizer could be loaded from {tokenizer_path!r} ({error}); pass --tokenizer") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _build_optimizer(model, args) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, without weight decay on biases and normalisation weights."""
+    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_", "norm.weight")
+    groups = [
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)],
+         "weight_decay": args.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if p.requires_grad and any(k in n for k in no_decay)],
+         "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+
+
+def _resume(accelerator, checkpoint: str | None, output_dir: str, selection: BestStepSelection | None):
+    """Reload ``checkpoint`` (``accelerator.load_state``, ``training_state.json``, the best step's weights) if any.
+
+    Returns:
+        ``(completed_steps, start_epoch, skip_batches, curve, resumed_from)``: where the run continues (the
+        batches of ``start_epoch`` already consumed), the evaluation curve so far and the checkpoint as recorded.
+    """
+    completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
+    resumed_from = None
+    if checkpoint is not None:
+        path = checkpoint
+        resumed_from = portable_checkpoint(path, output_dir)
+        accelerator.load_state(path)
+        with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
+            state = json.load(handle)
+        completed_steps, start_epoch = state["completed_steps"], state["epoch"]
+        skip_batches, curve = state["batches_in_epoch"], state["eval_curve"]
+        accelerator.step = state.get("accumulation_step", 0)
+        if selection is not None and state.get("selection") is not None:
+            weights_file = os.path.join(path, BEST_WEIGHTS_FILE)
+            best_weights = (torch.load(weights_file, map_location="cpu", weights_only=True)
+                            if os.path.isfile(weights_file) else None)
+            selection.load_state(state["selection"], best_weights)
+        accelerator.print(f"resumed from {path}: step {completed_steps}, epoch {start_epoch}, "
+                          f"skipping {skip_batches} batches of it")
+    return completed_steps, start_epoch, skip_batches, curve, resumed_from
+
+
+def _keep_model(accelerator, model, args, selection: BestStepSelection | None, curve: list[dict],
+                completed_steps: int, stopped_at: int | None) -> tuple[dict, str]:
+    """The kept model: the last step, or with ``--load-best-model-at-end`` the best held-out step (whose weights
+    are loaded back into ``model``).
+
+    Returns:
+        ``(kept_point, kept_reason)``: the kept step's point of the curve and why it was kept.
+    """
+    kept_point = curve[-1]
+    if stopped_at is not None:
+        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
+                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
+                       f"{selection.best_step})")
+    else:
+        kept_reason = "last step"
+    if args.load_best_model_at_end and selection.best_step is not None:
+        kept_point = next(point for point in curve if point["step"] == selection.best_step)
+        if selection.best_step != completed_steps:
+            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
+        evaluated = ", ".join(str(point["step"]) for point in curve)
+        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
+                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
+                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
+    return kept_point, kept_reason
+
+
+def _early_stopping_record(args, selection: BestStepSelection | None, heldout_set, kept_point: dict,
+                           stopped_at: int | None) -> dict | None:
+    """``metrics.json``'s ``early_stopping``: the held-out split, the selection and the kept step's held-out
+    metrics (``None`` without ``--early-stopping-split``)."""
+    early_stopping = None
+    if selection is not None:
+        early_stopping = {
+            "split_fraction": args.early_stopping_split,
+            "split_examples": len(heldout_set),
+            "seed": args.seed,
+            "metric": selection.metric,
+            "greater_is_better": selection.greater_is_better,
+            "patience": selection.patience,
+            "load_best_model_at_end": bool(args.load_best_model_at_end),
+            "best_step": selection.best_step,
+            "best_value": selection.best_value,
+            "stopped_at_step": stopped_at,
+            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
+        }
+    return early_stopping
+
+
+def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
+    """Run a recipe (see the module docstring for the stages).
+
+    Args:
+        args: arguments from :func:`build_parser` (``args.kind`` says which recipe).
+        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss
+            (e.g. a future attention-distillation term). None are used by the recipes.
+
+    Returns:
+        The content of ``metrics.json``.
+    """
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    from ..tasks.evaluation import compute_task_metrics, perplexity, predict_classification
+
+    started = time.perf_counter()
+    accelerator, checkpoint, flags = _start_run(args)
+
+    tokenizer = _load_tokenizer(args)
 
     # ---- data and model
     if args.kind == "text-classification":
-        if tokenizer.pad_token is None:  # GPT-2-like tokenizers: pad with EOS (the model is told below)
-            tokenizer.pad_token = tokenizer.eos_token
         spec, train_set, eval_set, collator = _prepare_classification(args, accelerator, tokenizer)
         model, model_info = load_model(args, spec.num_labels, spec.id2label, spec.problem_type)
         for config in (model.config, getattr(model.config, "source_config", None)):
@@ -756,8 +521,6 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         eval_loader = _dataloader(eval_set, args.per_device_eval_batch_size, collator, seed=args.seed)
     else:
         spec = None
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)
         model, model_info = load_model(args)
         eval_loader = None
@@ -782,14 +545,7 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     train_loader = _dataloader(train_set, args.per_device_train_batch_size, collator, sampler, args.num_workers,
                                args.seed)
 
-    no_decay = ("bias", "LayerNorm.weight", "layer_norm.weight", "ln_", "norm.weight")
-    groups = [
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and not any(k in n for k in no_decay)],
-         "weight_decay": args.weight_decay},
-        {"params": [p for n, p in model.named_parameters() if p.requires_grad and any(k in n for k in no_decay)],
-         "weight_decay": 0.0},
-    ]
-    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=args.learning_rate)
+    optimizer = _build_optimizer(model, args)
 
     # ---- schedule (in optimizer steps)
     batches_per_epoch = math.ceil(len(train_set) / (args.per_device_train_batch_size * accelerator.num_processes))
@@ -812,27 +568,11 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         model, optimizer, train_loader, scheduler = accelerator.prepare(model, optimizer, train_loader, scheduler)
 
     if args.report_to == "tensorboard":
-        accelerator.init_trackers("runs", config=_recorded_args(args))
+        accelerator.init_trackers("runs", config=recorded_args(args))
 
     # ---- resume
-    completed_steps, start_epoch, skip_batches, curve = 0, 0, 0, []
-    resumed_from = None
-    if checkpoint is not None:
-        path = checkpoint
-        resumed_from = _portable_checkpoint(path, args.output_dir)
-        accelerator.load_state(path)
-        with open(os.path.join(path, TRAINING_STATE_FILE)) as handle:
-            state = json.load(handle)
-        completed_steps, start_epoch = state["completed_steps"], state["epoch"]
-        skip_batches, curve = state["batches_in_epoch"], state["eval_curve"]
-        accelerator.step = state.get("accumulation_step", 0)
-        if selection is not None and state.get("selection") is not None:
-            weights_file = os.path.join(path, BEST_WEIGHTS_FILE)
-            best_weights = (torch.load(weights_file, map_location="cpu", weights_only=True)
-                            if os.path.isfile(weights_file) else None)
-            selection.load_state(state["selection"], best_weights)
-        accelerator.print(f"resumed from {path}: step {completed_steps}, epoch {start_epoch}, "
-                          f"skipping {skip_batches} batches of it")
+    completed_steps, start_epoch, skip_batches, curve, resumed_from = _resume(accelerator, checkpoint, args.output_dir,
+                                                                              selection)
 
     def evaluate_now(heldout: bool = False) -> dict:
         if spec is not None:
@@ -932,36 +672,8 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
     final_result = last_result
 
     # ---- the kept model: the last step, or the best held-out step with --load-best-model-at-end
-    kept_point = curve[-1]
-    if stopped_at is not None:
-        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
-                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
-                       f"{selection.best_step})")
-    else:
-        kept_reason = "last step"
-    if args.load_best_model_at_end and selection.best_step is not None:
-        kept_point = next(point for point in curve if point["step"] == selection.best_step)
-        if selection.best_step != completed_steps:
-            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
-        evaluated = ", ".join(str(point["step"]) for point in curve)
-        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
-                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
-                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
-    early_stopping = None
-    if selection is not None:
-        early_stopping = {
-            "split_fraction": args.early_stopping_split,
-            "split_examples": len(heldout_set),
-            "seed": args.seed,
-            "metric": selection.metric,
-            "greater_is_better": selection.greater_is_better,
-            "patience": selection.patience,
-            "load_best_model_at_end": bool(args.load_best_model_at_end),
-            "best_step": selection.best_step,
-            "best_value": selection.best_value,
-            "stopped_at_step": stopped_at,
-            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
-        }
+    kept_point, kept_reason = _keep_model(accelerator, model, args, selection, curve, completed_steps, stopped_at)
+    early_stopping = _early_stopping_record(args, selection, heldout_set, kept_point, stopped_at)
 
     # ---- outputs
     final = {k: v for k, v in kept_point.items()
@@ -992,17 +704,14 @@ def train(args: argparse.Namespace, loss_hooks: Sequence[LossHook] = ()) -> dict
         "device": str(accelerator.device),
         "wall_time_s": round(time.perf_counter() - started, 2),
         "resumed_from": resumed_from,
-        "args": _recorded_args(args),
+        "args": recorded_args(args),
     }
     accelerator.wait_for_everyone()
     if not args.no_save_model:
         _save_model(accelerator, model, tokenizer, args)
     if accelerator.is_main_process:
-        with open(os.path.join(args.output_dir, METRICS_FILE_NAME), "w") as handle:
-            json.dump(metrics, handle, indent=2)
-        with open(os.path.join(args.output_dir, EVAL_CURVE_FILE_NAME), "w") as handle:
-            json.dump(curve, handle, indent=2)
-        from .hub import write_recipe_card
+        write_run_results(args.output_dir, metrics, curve)
+        from ..hub import write_recipe_card
 
         write_recipe_card(args.output_dir)  # README.md model card of a Performer folder, results from metrics.json
         print(json.dumps({"final": final, "completed_steps": completed_steps}, indent=2))
@@ -1062,21 +771,12 @@ def main(kind: str, argv: list[str] | None = None, loss_hooks: Sequence[LossHook
 
 
 __all__ = [
-    "KINDS",
-    "LORA_TARGET_MODULES",
     "BestStepSelection",
     "EpochSeededSampler",
-    "RecipeError",
-    "apply_lora",
-    "build_parser",
     "carve_early_stopping_split",
     "check_resumable",
     "find_checkpoint",
-    "load_model",
     "main",
-    "portable_name",
     "run_flags",
-    "set_redraw_interval",
     "train",
-    "without_local_paths",
 ]

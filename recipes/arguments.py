@@ -1,0 +1,322 @@
+"""The recipes' command line: the one module of :mod:`hf_performer.recipes` that uses argparse.
+
+:func:`build_parser` declares the flags of ``recipes/text_classification.py`` and ``recipes/causal_lm.py``;
+:func:`recipe_command` rebuilds a run's command line from the arguments its ``metrics.json`` recorded (the only
+walk over the parser's actions); :func:`add_results_parser` adds the ``hf-performer results`` verb (collect,
+plot, table). Nothing here imports torch at module level (``--help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shlex
+
+KINDS = ("text-classification", "causal-lm")
+"""The recipe kinds, one per script: ``recipes/text_classification.py`` and ``recipes/causal_lm.py``."""
+
+SCRIPTS = {"text-classification": "recipes/text_classification.py", "causal-lm": "recipes/causal_lm.py"}
+
+
+class RecipeError(ValueError):
+    """Recipe options that do not fit together or a model that cannot be trained as asked."""
+
+
+# --------------------------------------------------------------------------------------------
+# The recipe scripts
+# --------------------------------------------------------------------------------------------
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    """The argument parser of the recipe ``kind`` (``"text-classification"`` or ``"causal-lm"``)."""
+    from ..favor_settings import FAVOR_DEFAULTS
+    from ..feature_maps import available_feature_maps
+    from ..tasks.data import LM_DATASETS
+    from .model import LORA_TARGET_MODULES
+
+    if kind not in KINDS:
+        raise RecipeError(f"unknown recipe kind {kind!r}; accepted: {KINDS}")
+    script = "text_classification.py" if kind == "text-classification" else "causal_lm.py"
+    parser = argparse.ArgumentParser(
+        prog=f"recipes/{script}",
+        description=(
+            "Fine-tune a Performer (FAVOR+) model, or a softmax baseline, with Accelerate. "
+            "Run with `accelerate launch recipes/" + script + " ...` or `python recipes/" + script + " ...`. "
+            "See recipes/README.md."
+        ),
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True,
+                       help="model folder (or offline Hub name): a Performer folder, or a softmax model to convert")
+    model.add_argument("--tokenizer", default=None, help="tokenizer folder (default: --model)")
+    model.add_argument("--attention", choices=("favor", "softmax"), default="favor",
+                       help="favor: train FAVOR+ attention (default); softmax: train the softmax model as it is "
+                            "(baselines)")
+    model.add_argument("--convert", action=argparse.BooleanOptionalAction, default=None,
+                       help="convert a softmax --model to FAVOR+ before training (default: yes for a softmax "
+                            "model with --attention favor; a Performer folder is never converted)")
+    model.add_argument("--feature-map", choices=available_feature_maps(), default=FAVOR_DEFAULTS["feature_map"],
+                       help="conversion: feature map (default: %(default)s)")
+    model.add_argument("--nb-features", type=int, default=None,
+                       help=f"conversion: random features per head (default: {FAVOR_DEFAULTS['nb_features']})")
+    model.add_argument("--keep-softmax-layers", type=int, nargs="+", default=[], metavar="LAYER",
+                       help="conversion: layers that keep exact softmax attention")
+    model.add_argument("--favor-seed", type=int, default=None, help="conversion: seed of the projections")
+    model.add_argument("--redraw-interval", type=int, default=None,
+                       help="training attention calls between projection redraws (0 = never); sets the converted "
+                            "or loaded Performer model's favor_settings (default: keep the model's, 0 on conversion)")
+    model.add_argument("--max-position-embeddings", type=int, default=None,
+                       help="conversion: extend the learned position table to N positions (long inputs)")
+    model.add_argument("--lora", action="store_true", help="train LoRA adapters (PEFT) instead of all weights")
+    model.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
+    model.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default: 16)")
+    model.add_argument("--lora-dropout", type=float, default=0.05, help="LoRA dropout (default: 0.05)")
+    model.add_argument("--lora-target-modules", nargs="+", default=None,
+                       help="module names to adapt (default: the attention projections of the architecture: "
+                            + "; ".join(f"{k}: {' '.join(v)}" for k, v in LORA_TARGET_MODULES.items()) + ")")
+
+    data = parser.add_argument_group("data")
+    if kind == "text-classification":
+        data.add_argument("--task", required=True,
+                          help="cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli or imdb")
+        data.add_argument("--train-file", default=None,
+                          help="local training file (TSV/CSV/JSON lines, .gz ok); default: the Hub's train split")
+        data.add_argument("--validation-file", default=None,
+                          help="local validation file; default: the Hub's validation split (IMDB: test)")
+        data.add_argument("--max-length", type=int, default=128, help="tokens per example (default: 128)")
+        data.add_argument("--metrics-backend", choices=("auto", "evaluate", "local"), default="auto",
+                          help="task metrics from `evaluate` (needs the Hub), local scikit-learn/scipy, or auto")
+    else:
+        data.add_argument("--dataset", default="wikitext",
+                          help=f"Hub text dataset when no files are given ({', '.join(LM_DATASETS)}, or any name "
+                               "with a 'text' column; default: wikitext = wikitext-2-raw-v1)")
+        data.add_argument("--dataset-config", default=None, help="Hub dataset configuration")
+        data.add_argument("--train-file", default=None, help="raw training text file (default: the Hub train split)")
+        data.add_argument("--validation-file", default=None,
+                          help="raw validation text file (default: the Hub validation split)")
+        data.add_argument("--block-size", type=int, default=256, help="training tokens per example (default: 256)")
+        data.add_argument("--max-train-chars", type=int, default=None, help="use the first N characters of the "
+                          "training text")
+        data.add_argument("--max-eval-chars", type=int, default=None, help="use the first N characters of the "
+                          "validation text")
+        data.add_argument("--context-length", type=int, default=None,
+                          help="perplexity: tokens per window (default: --block-size)")
+        data.add_argument("--stride", type=int, default=None,
+                          help="perplexity: tokens between window starts (default: context length / 2)")
+    data.add_argument("--max-train-samples", type=int, default=None,
+                      help="train on a seeded random subset of N examples (blocks for causal LM)")
+    data.add_argument("--max-eval-samples", type=int, default=None,
+                      help="evaluate on a seeded random subset of N examples (classification)")
+
+    training = parser.add_argument_group("training")
+    training.add_argument("--output-dir", required=True, help="folder for the model, metrics and checkpoints")
+    training.add_argument("--seed", type=int, default=42, help="seed of everything: init, data order, dropout")
+    training.add_argument("--learning-rate", type=float, default=5e-5, help="peak learning rate (default: 5e-5)")
+    training.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay (default: 0.01)")
+    training.add_argument("--lr-scheduler", default="linear",
+                          choices=("linear", "cosine", "constant", "constant_with_warmup", "polynomial"),
+                          help="learning-rate schedule after warmup (default: linear decay to 0)")
+    training.add_argument("--warmup-ratio", type=float, default=0.06,
+                          help="fraction of the optimizer steps spent warming up (default: 0.06)")
+    training.add_argument("--warmup-steps", type=int, default=None, help="warmup steps (overrides --warmup-ratio)")
+    training.add_argument("--per-device-train-batch-size", type=int, default=32, help="default: 32")
+    training.add_argument("--per-device-eval-batch-size", type=int, default=64, help="default: 64")
+    training.add_argument("--gradient-accumulation-steps", type=int, default=1,
+                          help="micro-batches per optimizer step (default: 1)")
+    training.add_argument("--num-train-epochs", type=float, default=3.0, help="default: 3")
+    training.add_argument("--max-train-steps", type=int, default=None,
+                          help="optimizer steps in all (overrides --num-train-epochs)")
+    training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
+    training.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
+                          help="mixed precision through Accelerate (default: the accelerate config's, else no)")
+    training.add_argument("--eval-steps", type=int, default=None,
+                          help="evaluate every N optimizer steps (default: only at the end)")
+    training.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
+    training.add_argument("--early-stopping-split", type=float, default=None, metavar="FRACTION",
+                          help="carve this fraction of the training examples (seeded by --seed) as a held-out split, "
+                               "evaluated with the validation split at every evaluation; --load-best-model-at-end "
+                               "and --early-stopping-patience select on it, never on the reported validation split")
+    training.add_argument("--metric-for-best-model", default=None, metavar="METRIC",
+                          help="held-out metric that decides the best step: a metric of the task or eval_loss "
+                               "(default: the task's main metric; perplexity for causal LM); losses and perplexity "
+                               "are better lower, the others higher")
+    training.add_argument("--load-best-model-at-end", action="store_true",
+                          help="save and report the model of the evaluation step with the best held-out metric "
+                               "instead of the last step (needs --early-stopping-split and --eval-steps)")
+    training.add_argument("--early-stopping-patience", type=int, default=None, metavar="N",
+                          help="stop after N evaluations without improvement of the held-out metric (needs "
+                               "--early-stopping-split and --eval-steps)")
+    training.add_argument("--checkpointing-steps", type=int, default=None,
+                          help="save a resumable checkpoint every N optimizer steps in OUTPUT_DIR/checkpoints/")
+    training.add_argument("--resume-from-checkpoint", default=None, metavar="DIR|latest",
+                          help="continue a run from a checkpoint folder, or the latest one in OUTPUT_DIR/checkpoints "
+                               "(with the run's flags: a checkpoint of different data-order or training flags is "
+                               "refused)")
+    training.add_argument("--overwrite", action="store_true",
+                          help="train into a non-empty OUTPUT_DIR: the previous run's checkpoints, metrics and logs "
+                               "are deleted first (without it a used folder is refused)")
+    training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
+                          help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
+                               "(needs `pip install tensorboard`)")
+    training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
+    training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
+    parser.set_defaults(kind=kind)
+    return parser
+
+def recorded_value(value):
+    """A recorded argument read back: the recipe stores ``None`` as the string ``"None"`` in ``args``."""
+    return None if value in (None, "None") else value
+
+
+def recipe_command(metrics: dict) -> str | None:
+    """The recipe command line that reproduces a training run, rebuilt from its recorded ``args`` (the options
+    that differ from the recipe's defaults, plus the required ones and the seed). ``None`` if it cannot be rebuilt.
+
+    Args:
+        metrics: a recipe's ``metrics.json`` (``args`` as :func:`hf_performer.recipes.results.recorded_args`
+            writes them: scalars, other values as strings; ``kind``, ``num_processes``).
+    """
+    try:
+        args = metrics["args"]
+        kind = args.get("kind", metrics.get("kind", "text-classification"))
+        parser = build_parser(kind)
+    except Exception:  # noqa: BLE001 - a record from another version: no command rather than no results
+        return None
+    launcher = "accelerate launch" if (metrics.get("num_processes") or 1) > 1 else "python"
+    parts = [launcher, SCRIPTS[kind]]
+    for action in parser._actions:  # noqa: SLF001 - argparse offers no public list
+        if not action.option_strings or action.dest not in args:
+            continue
+        value = args[action.dest]
+        default = action.default if isinstance(action.default, (int, float, str, bool)) else str(action.default)
+        if value == default and not action.required and action.dest != "seed":
+            continue
+        option = action.option_strings[0]
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if value in (True, "True"):
+                parts.append(option)
+            elif value in (False, "False"):
+                parts.append("--no-" + option[2:])
+        elif action.nargs == 0:  # store_true
+            if value in (True, "True"):
+                parts.append(option)
+        elif recorded_value(value) is None:
+            continue
+        elif action.nargs in ("+", "*"):
+            items = ast.literal_eval(value) if isinstance(value, str) else value
+            if items:
+                parts.append(option)
+                parts.extend(shlex.quote(str(item)) for item in items)
+        else:
+            parts.extend([option, shlex.quote(str(value))])
+    return " ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The ``hf-performer results`` verb
+# --------------------------------------------------------------------------------------------
+
+
+def _run_results_action(action: str):
+    """The runner of ``hf-performer results ACTION`` (:mod:`hf_performer.recipes.report`, imported when run)."""
+
+    def run(args: argparse.Namespace) -> int:
+        from . import report
+
+        return getattr(report, f"run_{action}")(args)
+
+    return run
+
+
+def _results_help_texts() -> tuple[str, str, str]:
+    """The run labels, the target rules and the description of ``hf-performer results``."""
+    from .results import ATTENTION_TRANSFER_TARGET_POINTS, ATTENTION_TRANSFER_TARGET_RATIO, LABELS, TARGET_POINTS
+
+    label_lines = "\n".join(f"  {k}: {v}" for k, v in LABELS.items())
+    target_lines = (
+        f"Targets:\n  issue 4: (c) within {TARGET_POINTS:g} points (metric x 100) of (a)\n"
+        "  issue 5 (attention transfer): "
+        + "; ".join(f"on {task} (f) within {points:g} points of (a)" for task, points in
+                    ATTENTION_TRANSFER_TARGET_POINTS.items())
+        + f";\n    on any other task (f) at least {100 * ATTENTION_TRANSFER_TARGET_RATIO:g}% of (a)'s metric"
+    )
+    description = f"""Recovery results (issues 4 and 5): collect the runs of a task, plot the recovery curve, write
+the table.
+
+Run labels (fixed meanings; every label is optional):
+{label_lines}
+
+(e) is the folder written by `hf-performer distill RUN_A E --feature-map hedgehog ...`, evaluated with
+`hf-performer evaluate E --task TASK --output E/dev_metrics.json`; (f) is the recipe run on that folder.
+
+{target_lines}
+
+  hf-performer results collect --task sst2 --run a=RUN_A --run b=CONVERTED/dev_metrics.json --run c=RUN_C \\
+      --run d=RUN_D --run e=DISTILLED/dev_metrics.json --run f=RUN_F \\
+      --protocol "MiniLM-L6, 8000 training examples, ..." --output benchmarks/results/recovery_sst2.json
+  hf-performer results plot benchmarks/results/recovery_sst2.json
+  hf-performer results table benchmarks/results/recovery_*.json
+  python benchmarks/scripts/update_readme_results.py benchmarks/results/recovery_*.json --readme README.md
+"""
+    return label_lines, target_lines, description
+
+
+def add_results_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``results`` subcommand (``collect``, ``plot``, ``table``) to ``subparsers``."""
+    from .results import LABELS
+
+    label_lines, target_lines, description = _results_help_texts()
+    parser = subparsers.add_parser(
+        "results",
+        help="recovery results: collect runs into JSON, plot the recovery curve, write the README table",
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    actions = parser.add_subparsers(dest="results_command", metavar="ACTION", required=True)
+
+    collect_parser = actions.add_parser(
+        "collect", help="gather the runs (a)-(f) of one task into one JSON file",
+        description="Gather the labelled runs of one task (final dev metric, steps, examples, seed, wall time,\n"
+                    "model settings, eval curve, recipe args, metrics backend; for (e) and (f) the summary of the\n"
+                    "distilled folder's attention_transfer.json) and the target checks into one JSON file.\n\n"
+                    + label_lines + "\n\n" + target_lines,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    collect_parser.add_argument("--task", required=True, help="the task of the runs (sst2, imdb, a GLUE task)")
+    collect_parser.add_argument("--run", action="append", required=True, metavar="LABEL=PATH",
+                                help="a run: LABEL in " + ", ".join(LABELS) + "; PATH a recipe output folder or its "
+                                     "metrics.json (a, c, d, f), or an `hf-performer evaluate` JSON or the folder "
+                                     "holding it as dev_metrics.json (b, e) (repeat for each run)")
+    collect_parser.add_argument("--command", action="append", default=None, metavar="LABEL=COMMAND",
+                                help="the exact command line of a run (default: rebuilt from its recorded args)")
+    collect_parser.add_argument("--protocol", default=None, help="free text: model, data, budget, hardware, ...")
+    collect_parser.add_argument("--output", required=True, help="the JSON file to write")
+    collect_parser.set_defaults(func=_run_results_action("collect"))
+
+    plot_parser = actions.add_parser(
+        "plot", help="plot the recovery curve of a collected JSON file as PNG",
+        description="Dev metric vs optimizer steps: (a) softmax and (d) FAVOR+ direct from step 0; (c) FAVOR+ "
+                    "recovery after (a)'s last step, starting from (b) (the converted model, untrained); (f) "
+                    "attention transfer + fine-tuning (dashed) after (a)'s last step, starting from (e) (the "
+                    "distilled model, not fine-tuned); the issue 4 target (dotted) and, with (e) or (f), the "
+                    "issue 5 target (dash-dot).",
+    )
+    plot_parser.add_argument("results", metavar="FILE.json", help="a JSON file written by `results collect`")
+    plot_parser.add_argument("--output", default=None, help="the PNG to write (default: FILE.png)")
+    plot_parser.set_defaults(func=_run_results_action("plot"))
+
+    table_parser = actions.add_parser(
+        "table", help="the markdown results table of collected JSON files",
+        description="Print the markdown table (task, run, metric, steps, examples, seed, wall time) of one or "
+                    "more collected JSON files, then per task the FAVOR+ runs (b, c, d) and the attention-transfer "
+                    "runs (e, f) side by side against (a) with the status of both targets (issue 4 and issue 5). "
+                    "The README's results section is rewritten from the same table by `python "
+                    "benchmarks/scripts/update_readme_results.py FILE.json ... --readme README.md`.",
+    )
+    table_parser.add_argument("results", metavar="FILE.json", nargs="+", help="JSON files written by `results collect`")
+    table_parser.set_defaults(func=_run_results_action("table"))
+    return parser
+
+
+add_parser = add_results_parser
+"""``hf-performer results``: the CLI adds each verb through its module's ``add_parser``."""
