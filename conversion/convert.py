@@ -28,7 +28,6 @@ from hf_performer.configuration_performer import (
 )
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init
-from hf_performer.hub import TOKENIZER_VOCAB_FILES
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
 
@@ -36,6 +35,16 @@ logger = logging.get_logger(__name__)
 
 TASKS = tuple(PERFORMER_CLASSES_BY_TASK)
 """Accepted ``task`` names: "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm"."""
+
+TOKENIZER_VOCAB_FILES = (
+    ("tokenizer.json",),
+    ("vocab.txt",),
+    ("vocab.json", "merges.txt"),
+    ("tokenizer.model",),
+    ("spiece.model",),
+    ("sentencepiece.bpe.model",),
+)
+"""Alternatives, any one of which gives the tokenizer its vocabulary (next to ``tokenizer_config.json``)."""
 
 DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
 """Positions a shorter learned absolute table is extended to by ``hf-performer convert`` and ``quickstart``."""

@@ -70,7 +70,6 @@ from transformers.utils import logging
 
 from .cache import FavorCacheLayer
 from .favor_settings import build_feature_map, favor_settings_of, is_int
-from .favor_settings import feature_map_kind  # noqa: F401 - hub.py still imports it from here
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
 

@@ -47,11 +47,10 @@ ALLOWED_RUNTIME_IMPORTS = {
 # Modules allowed to import argparse: the command line and the recipes' argument module.
 ARGPARSE_HOMES = ("hf_performer.cli", "hf_performer.recipes.arguments")
 ALLOWED_ARGPARSE = {
-    "hf_performer.benchmark": "moves to cli/ in issue 14 step 2",
-    "hf_performer.decode_benchmark": "moves to cli/ in issue 14 step 2",
+    "hf_performer.bench": "moves to cli/ in issue 14 step 2",
     "hf_performer.hub": "moves to cli/ in issue 14 step 2",
-    "hf_performer.recovery_report": "moves to cli/ in issue 14 step 2",
-    "hf_performer.training": "moves to cli/ in issue 14 step 2",
+    "hf_performer.hub.card": "moves to cli/ in issue 14 step 2",
+    "hf_performer.hub.push": "moves to cli/ in issue 14 step 2",
     "hf_performer.tasks.evaluation": "moves to cli/ in issue 14 step 2",
     "hf_performer.conversion.cli": "moves to cli/ in issue 14 step 2",
     "hf_performer.conversion.distill": "moves to cli/ in issue 14 step 2",
@@ -59,17 +58,16 @@ ALLOWED_ARGPARSE = {
 }
 
 MAX_LINES = 800
-ALLOWED_LONG_MODULES = {
-    "hf_performer.hub": "split into hub/ in issue 14 step 3",
-    "hf_performer.recovery_report": "moves to benchmarks/scripts/ and recipes/ in issue 14 step 5",
-    "hf_performer.training": "cut into recipes/ in issue 14 step 5",
-}
+ALLOWED_LONG_MODULES: dict[str, str] = {}
 
 # Function-level imports that close a cycle, as (importing module, imported module).
 ALLOWED_LAZY_CYCLE_IMPORTS = {
-    ("hf_performer.cache", "hf_performer.favor_attention"): "favor_settings.py out of favor_attention, issue 14 step 1",
-    ("hf_performer.benchmark", "hf_performer.decode_benchmark"): "bench/ split in issue 14 step 4",
-    ("hf_performer.hub", "hf_performer.training"): "the recipe kinds, read by the card: hub/ and recipes/ (steps 3, 5)",
+    ("hf_performer.hub.folder", "hf_performer.hub.card"): "the folder check reads README.md, named by the card's writer",
+    ("hf_performer.recipes.arguments", "hf_performer.recipes.model"): "help texts quote the defaults of the modules",
+    ("hf_performer.recipes.arguments", "hf_performer.recipes.results"):
+        "help texts and the `results` verb's runners: the verb moves to cli/ in issue 14 step 2",
+    ("hf_performer.recipes.arguments", "hf_performer.recipes.report"):
+        "the `results` verb's runners: the verb moves to cli/ in issue 14 step 2",
 }
 
 # Layers of subpackages (a root module of the same name counts: hub.py is the hub layer until hub/ exists), and the
@@ -79,7 +77,7 @@ LAYER_IMPORTS = {
     "conversion": {"tasks"},
     "hub": {"tasks", "conversion"},
     "bench": set(),
-    "recipes": {"tasks", "conversion"},
+    "recipes": {"tasks", "conversion", "hub", "bench"},  # a run writes its model card and records the machine
     "cli": {"tasks", "conversion", "hub", "bench", "recipes"},
 }
 # Upward imports as (importing module, imported module).
@@ -88,12 +86,17 @@ ALLOWED_UPWARD = {
         "writes the model card: the convert verb moves to cli/ (step 2)",
     ("hf_performer.conversion.distill", "hf_performer.hub"):
         "writes the model card: the distill verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.convert", "hf_performer.hub"):
-        "TOKENIZER_VOCAB_FILES, declared by hub: each file name declared once by its writer (step 3)",
+    ("hf_performer.conversion.quickstart", "hf_performer.bench"): "the quickstart verb moves to cli/ (step 2)",
+    ("hf_performer.conversion.quickstart", "hf_performer.bench.attention"): "the quickstart verb moves to cli/ (step 2)",
+    ("hf_performer.conversion.quickstart", "hf_performer.bench.report"): "the quickstart verb moves to cli/ (step 2)",
     ("hf_performer.tasks.evaluation", "hf_performer.conversion.fidelity"):
         "check_head_was_trained reads conversion_report.json: goes with the evaluate verb to cli/ (step 2)",
-    ("hf_performer.tasks.evaluation", "hf_performer.hub"):
-        "check_head_was_trained reads hub.TRAINING_FILES: goes with the evaluate verb to cli/ (step 2)",
+    ("hf_performer.hub.card", "hf_performer.recipes.results"):
+        "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
+    ("hf_performer.hub.results", "hf_performer.recipes.results"):
+        "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
+    ("hf_performer.hub.results", "hf_performer.recipes.arguments"):
+        "the recipe kinds of a metrics.json, declared by the recipes (lazy import)",
 }
 
 

@@ -91,7 +91,7 @@ benchmark means updating the data file."""
 
 def _map_kind(name: str) -> str | None:
     """``"random"``, ``"learned"`` or ``"deterministic"`` (``None`` for a map not registered in this process)."""
-    from ..favor_attention import feature_map_kind
+    from ..favor_settings import feature_map_kind
 
     try:
         return feature_map_kind(name)
@@ -118,19 +118,16 @@ def _map_default(name: str, option: str):
 
 
 def effective_nb_features(feature_map: str, nb_features, head_dim: int | None) -> int | None:
-    """The number ``m`` of features per head a map really uses: ``nb_features``, or with ``None`` the map's default
-    (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim`` for t2r; elu+1: ``head_dim``; random maps: 256)."""
+    """The number ``m`` of features per head a map really uses (:func:`hf_performer.favor_settings.effective_nb_features`),
+    for a card that may not know the head size (``None``) or name a map this installation does not register."""
+    from ..favor_settings import effective_nb_features as layer_nb_features
     from ..feature_maps import FEATURE_MAPS
 
-    if nb_features is not None:
-        return nb_features
-    factory = FEATURE_MAPS.get(feature_map)
-    kind = _map_kind(feature_map)
-    if kind == "learned" and head_dim and hasattr(factory, "default_nb_features"):
-        return factory.default_nb_features(head_dim)
-    if kind == "random" and isinstance(_map_default(feature_map, "nb_features"), int):
-        return _map_default(feature_map, "nb_features")
-    return head_dim
+    if nb_features is not None or feature_map not in FEATURE_MAPS:
+        return nb_features if nb_features is not None else head_dim
+    if head_dim is None and _map_kind(feature_map) != "random":
+        return None
+    return layer_nb_features({"feature_map": feature_map, "nb_features": None}, head_dim)
 
 
 def setting_meanings(settings: dict, head_dim: int | None = None) -> dict[str, str]:

@@ -73,15 +73,6 @@ _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.\-]{0,95}/)?[A-Za-z0-9][\w.\-]{0,95}$"
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_INDEX_FILES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-TOKENIZER_VOCAB_FILES = (
-    ("tokenizer.json",),
-    ("vocab.txt",),
-    ("vocab.json", "merges.txt"),
-    ("tokenizer.model",),
-    ("spiece.model",),
-    ("sentencepiece.bpe.model",),
-)
-"""Alternatives, any one of which gives the tokenizer its vocabulary (next to ``tokenizer_config.json``)."""
 TOKENIZER_FILES = (
     "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
     "tokenizer.json", "vocab.txt", "vocab.json", "merges.txt", "tokenizer.model", "spiece.model",
@@ -303,6 +294,8 @@ def _check_weights(folder: Path, problems: list[str]) -> list[str]:
 
 
 def _check_tokenizer(folder: Path, problems: list[str], warnings: list[str]) -> list[str]:
+    from ..conversion.convert import TOKENIZER_VOCAB_FILES  # lazily: `push --help` imports no torch
+
     present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
     if "tokenizer_config.json" not in present:
         problems.append("tokenizer: tokenizer_config.json missing (save the tokenizer with save_pretrained)")
