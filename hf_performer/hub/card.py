@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
+from huggingface_hub.constants import REPOCARD_NAME
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 
 from .describe import (
@@ -46,7 +47,7 @@ from .results import (
 )
 
 TEMPLATE_NAME = "performer_card.md"
-CARD_FILE_NAME = "README.md"
+CARD_FILE_NAME = REPOCARD_NAME  # README.md: the Hub reads a repository's card from this file
 
 CARD_TAGS = ("performer", "favor+", "linear-attention", "hf-performer", "custom_code")
 """Tags of a FAVOR+ card (the source architecture's model type is added). A card of another feature map carries

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from huggingface_hub.constants import REPOCARD_NAME
 from huggingface_hub.utils import filter_repo_objects
 
 # The runtime (torch, transformers) is imported in the functions that use it: `push --help` stays fast.
@@ -506,10 +507,8 @@ def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False
     tokenizer_files = _check_tokenizer(path, problems, warnings)
     if problems:
         raise FolderValidationError(folder, problems)
-    from .card import CARD_FILE_NAME  # declared by the card's writer
-
-    if not (path / CARD_FILE_NAME).is_file():
-        warnings.append(f"no {CARD_FILE_NAME} model card (write one with `hf-performer card {folder}`)")
+    if not (path / REPOCARD_NAME).is_file():
+        warnings.append(f"no {REPOCARD_NAME} model card (write one with `hf-performer card {folder}`)")
     files = upload_file_list(path, include_checkpoints=include_checkpoints)
     left_out = [f for f in upload_file_list(path, include_checkpoints=True) if f not in files]
     if left_out:
