@@ -46,17 +46,7 @@ ALLOWED_RUNTIME_IMPORTS = {
 
 # Modules allowed to import argparse: the command line and the recipes' argument module.
 ARGPARSE_HOMES = ("hf_performer.cli", "hf_performer.recipes.arguments")
-ALLOWED_ARGPARSE = {
-    "hf_performer.benchmark": "moves to cli/ in issue 14 step 2",
-    "hf_performer.decode_benchmark": "moves to cli/ in issue 14 step 2",
-    "hf_performer.hub": "moves to cli/ in issue 14 step 2",
-    "hf_performer.recovery_report": "moves to cli/ in issue 14 step 2",
-    "hf_performer.training": "moves to cli/ in issue 14 step 2",
-    "hf_performer.tasks.evaluation": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.cli": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.distill": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.quickstart": "moves to cli/ in issue 14 step 2",
-}
+ALLOWED_ARGPARSE: dict[str, str] = {}
 
 MAX_LINES = 800
 ALLOWED_LONG_MODULES = {
@@ -84,10 +74,8 @@ LAYER_IMPORTS = {
 }
 # Upward imports as (importing module, imported module).
 ALLOWED_UPWARD = {
-    ("hf_performer.conversion.cli", "hf_performer.hub"):
-        "writes the model card: the convert verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.distill", "hf_performer.hub"):
-        "writes the model card: the distill verb moves to cli/ (step 2)",
+    ("hf_performer.recipes.arguments", "hf_performer.cli.arguments"):
+        "the recipes' parser takes the favor flags from their one declaration (cli.arguments is a leaf)",
     ("hf_performer.conversion.convert", "hf_performer.hub"):
         "TOKENIZER_VOCAB_FILES, declared by hub: each file name declared once by its writer (step 3)",
     ("hf_performer.tasks.evaluation", "hf_performer.conversion.fidelity"):
