@@ -1,15 +1,9 @@
-"""Data and report of ``hf-performer distill`` (the verb: :mod:`hf_performer.cli.distill`): convert a softmax model
-with a *learned* feature map and train that map by attention transfer (each layer's linear attention learns to
-mimic the layer's softmax attention), then save the folder.
+"""The library side of ``hf-performer distill`` (the verb and its output folder: :mod:`hf_performer.cli.distill`).
 
-    hf-performer distill SOURCE OUTPUT --feature-map hedgehog --data train.tsv --data-task sst2
-    hf-performer distill SOURCE OUTPUT --feature-map hedgehog --data wiki.valid.raw --max-length 256
-
-Only the feature maps are trained, with no labels and little data (a few hundred sequences); fine-tune the output
-folder afterwards with the recipes as usual. The folder holds what ``hf-performer convert`` writes (weights, code,
-tokenizer, model card, ``conversion_report.json`` with the fidelity after transfer) plus ``attention_transfer.json``:
-the settings, the loss history, and per layer the transfer losses and the fidelity (relative error of the attention
-output on the softmax model's own inputs) before and after transfer. The per-layer table is printed.
+* :func:`load_transfer_sequences`: a seeded sample of tokenised sequences from raw text or a task file, and
+  held-out texts for the fidelity report before / after transfer;
+* :func:`make_batches`: padded tensor batches in a seeded order;
+* :func:`format_layer_table`: the per-layer table (fidelity and attention-weights KL before -> after).
 """
 
 from __future__ import annotations

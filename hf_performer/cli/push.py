@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from . import add_verb_parser
+
 _PUSH_DESCRIPTION = """Upload a Performer model folder to the Hugging Face Hub.
 
 The folder is checked first: it must load with from_pretrained(..., trust_remote_code=True) (config.json
@@ -21,12 +23,7 @@ can be sent. --dry-run lists the files that would be uploaded, with their sizes,
 
 def add_parser(subparsers) -> None:
     """Add the ``push`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    push = subparsers.add_parser(
-        "push",
-        help="upload a Performer model folder to the Hugging Face Hub (checked first; --dry-run lists files)",
-        description=_PUSH_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    push = add_verb_parser(subparsers, "push", _PUSH_DESCRIPTION)
     push.add_argument("folder", metavar="FOLDER", help="the model folder to upload")
     push.add_argument("repo_id", metavar="REPO_ID", help="the Hub model repository, namespace/name")
     push.add_argument("--private", action="store_true", help="create the repository private")

