@@ -3,14 +3,19 @@
 * :func:`load_transfer_sequences`: a seeded sample of tokenised sequences from raw text or a task file, and
   held-out texts for the fidelity report before / after transfer;
 * :func:`make_batches`: padded tensor batches in a seeded order;
+* :func:`transfer_and_measure`: attention transfer on those batches, with the fidelity report before and after;
 * :func:`format_layer_table`: the per-layer table (fidelity and attention-weights KL before -> after).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
+from .attention_transfer import AttentionTransferResult, transfer_attention
 from .convert import ConversionError
+from .fidelity import FidelityReport, fidelity_report
 
 
 TEXT_DATA = "text"
@@ -67,6 +72,52 @@ def make_batches(encodings: list[dict], tokenizer, batch_size: int, seed: int) -
         chunk = [encodings[i] for i in order[start:start + batch_size]]
         batches.append(dict(tokenizer.pad(chunk, return_tensors="pt")))
     return batches
+
+
+# --------------------------------------------------------------------------------------------
+# Transfer
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TransferRun:
+    """What :func:`transfer_and_measure` did: the fidelity reports ``before`` / ``after`` transfer, the
+    ``transfer`` result, the number of optimizer ``steps``, of training ``sequences`` and of held-out
+    ``fidelity_sequences``."""
+
+    before: FidelityReport
+    after: FidelityReport
+    transfer: AttentionTransferResult
+    steps: int
+    sequences: int
+    fidelity_sequences: int
+
+
+def transfer_and_measure(source, performer, tokenizer, data: str, data_task: str = TEXT_DATA, *, max_length: int = 128,
+                         max_samples: int = 512, fidelity_samples: int = 32, batch_size: int = 16,
+                         steps: int | None = None, learning_rate: float = 1e-2, loss: str = "both", seed: int = 0,
+                         progress: bool = True) -> TransferRun:
+    """Train ``performer``'s learned feature maps to mimic ``source``'s softmax attention on a seeded sample of
+    ``data`` (:func:`load_transfer_sequences`), ``steps`` optimizer steps (default: one pass), and measure the
+    fidelity against ``source`` on held-out sequences before and after.
+
+    Raises:
+        ConversionError, AttentionTransferError, ValueError: the data or the settings do not fit.
+    """
+    encodings, fidelity_texts = load_transfer_sequences(
+        data, data_task, tokenizer, max_length, max_samples, fidelity_samples, seed
+    )
+    batches = make_batches(encodings, tokenizer, batch_size, seed)
+    steps = steps if steps is not None else len(batches)
+    before = fidelity_report(source, performer, tokenizer, texts=fidelity_texts, max_length=max_length)
+    held_out = make_batches(
+        [dict(tokenizer(t, truncation=True, max_length=max_length)) for t in fidelity_texts],
+        tokenizer, batch_size, seed,
+    )
+    result = transfer_attention(performer, batches, steps=steps, learning_rate=learning_rate,
+                                loss=loss, evaluation_batches=held_out, progress=progress)
+    after = fidelity_report(source, performer, tokenizer, texts=fidelity_texts, max_length=max_length)
+    return TransferRun(before, after, result, steps, len(encodings), len(fidelity_texts))
 
 
 # --------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def add_parser(subparsers) -> None:
     speed.add_argument("--heads", type=int, default=12)
     speed.add_argument("--head-dim", type=int, default=64)
     add_favor_arguments(speed, ("nb_features", "chunk_size"),
-                        defaults={"nb_features": 256, "chunk_size": DEFAULT_CHUNK_SIZE}, helps={"nb_features": "features m per head", "chunk_size": "causal chunk size"})
+                        defaults={"nb_features": 256, "chunk_size": DEFAULT_CHUNK_SIZE},
+                        helps={"nb_features": "features m per head", "chunk_size": "causal chunk size"})
     speed.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
     speed.add_argument("--implementations", nargs="+", choices=ATTENTION_IMPLEMENTATIONS,
                        default=list(ATTENTION_IMPLEMENTATIONS))

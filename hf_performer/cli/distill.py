@@ -21,12 +21,10 @@ import time
 
 import torch
 
-from ..conversion import (
-    AttentionTransferError, ConversionError, convert_to_performer, fidelity_report, load_source, transfer_attention,
-)
+from ..conversion import AttentionTransferError, ConversionError, convert_to_performer, load_source
 from ..conversion.attention_transfer import LOSSES, TRANSFER_FILE_NAME
 from ..conversion.convert import TASKS, public_source_name
-from ..conversion.distill import TEXT_DATA, format_layer_table, load_transfer_sequences, make_batches
+from ..conversion.distill import TEXT_DATA, format_layer_table, transfer_and_measure
 from ..favor_settings import feature_map_kind
 from ..feature_maps import available_feature_maps, default_feature_map_init
 from ..hub import write_model_card
@@ -113,19 +111,12 @@ def run_distill(args: argparse.Namespace) -> int:
             )
         except TypeError as error:
             raise ConversionError(str(error)) from None
-        encodings, fidelity_texts = load_transfer_sequences(
-            args.data, args.data_task, tokenizer, args.max_length, args.max_samples, args.fidelity_samples, args.seed
+        run = transfer_and_measure(
+            source, performer, tokenizer, args.data, args.data_task, max_length=args.max_length,
+            max_samples=args.max_samples, fidelity_samples=args.fidelity_samples, batch_size=args.batch_size,
+            steps=args.steps, learning_rate=args.learning_rate, loss=args.loss, seed=args.seed,
+            progress=not args.no_progress,
         )
-        batches = make_batches(encodings, tokenizer, args.batch_size, args.seed)
-        steps = args.steps if args.steps is not None else len(batches)
-        before = fidelity_report(source, performer, tokenizer, texts=fidelity_texts, max_length=args.max_length)
-        held_out = make_batches(
-            [dict(tokenizer(t, truncation=True, max_length=args.max_length)) for t in fidelity_texts],
-            tokenizer, args.batch_size, args.seed,
-        )
-        result = transfer_attention(performer, batches, steps=steps, learning_rate=args.learning_rate,
-                                    loss=args.loss, evaluation_batches=held_out, progress=not args.no_progress)
-        after = fidelity_report(source, performer, tokenizer, texts=fidelity_texts, max_length=args.max_length)
     except (ConversionError, AttentionTransferError, ValueError) as error:
         raise SystemExit(f"hf-performer distill: error: {error}") from None
     wall_time = time.perf_counter() - started
@@ -136,12 +127,12 @@ def run_distill(args: argparse.Namespace) -> int:
         "source": public_source_name(args.source),
         "feature_map": args.feature_map,
         "favor_settings": dict(performer.config.favor_settings),
-        "data": {"file": public_source_name(args.data), "layout": args.data_task, "sequences": len(encodings),
+        "data": {"file": public_source_name(args.data), "layout": args.data_task, "sequences": run.sequences,
                  "max_length": args.max_length, "batch_size": args.batch_size, "seed": args.seed,
-                 "fidelity_sequences": len(fidelity_texts)},
-        "transfer": result.to_dict(),
-        "fidelity_before": before.to_dict(),
-        "fidelity_after": after.to_dict(),
+                 "fidelity_sequences": run.fidelity_sequences},
+        "transfer": run.transfer.to_dict(),
+        "fidelity_before": run.before.to_dict(),
+        "fidelity_after": run.after.to_dict(),
         "wall_time_s": round(wall_time, 2),
         "command": "hf-performer distill " + " ".join(command) if sys.argv[1:2] == ["distill"] else None,
     }
@@ -150,11 +141,11 @@ def run_distill(args: argparse.Namespace) -> int:
         if max_position_embeddings is not None:
             tokenizer.model_max_length = max_position_embeddings
         tokenizer.save_pretrained(staging)
-        after.save(staging)
+        run.after.save(staging)
         with open(os.path.join(staging, TRANSFER_FILE_NAME), "w") as handle:
             json.dump(record, handle, indent=2)
-        write_model_card(staging, report=after, model_name=os.path.basename(output), transfer=record)
+        write_model_card(staging, report=run.after, model_name=os.path.basename(output), transfer=record)
 
-    print(format_layer_table(before, after, result.layer_losses_before, result.layer_losses_after))
-    print(f"\nattention transfer: {steps} steps on {len(encodings)} sequences in {wall_time:.1f} s; wrote {output}")
+    print(format_layer_table(run.before, run.after, run.transfer.layer_losses_before, run.transfer.layer_losses_after))
+    print(f"\nattention transfer: {run.steps} steps on {run.sequences} sequences in {wall_time:.1f} s; wrote {output}")
     return 0

@@ -35,7 +35,8 @@ def run_quickstart(args: argparse.Namespace) -> int:
     # The convert verb's arguments: quickstart's favor flags, the others unset (the defaults).
     favor_flags = {flag.dest: getattr(args, flag.dest, None) for flag in FAVOR_FLAGS.values()}
     convert_args = argparse.Namespace(
-        command="quickstart", source=source_path, output=output, task=None, **{**favor_flags, "keep_softmax_layers": []},
+        command="quickstart", source=source_path, output=output, task=None,
+        **{**favor_flags, "keep_softmax_layers": []},
         max_position_embeddings=args.max_position_embeddings, keep_position_table=False, text=args.text,
         overwrite=True,
     )
