@@ -5,21 +5,8 @@ Heavy imports (transformers, peft, the converter) happen inside the functions.
 
 from __future__ import annotations
 
-from .arguments import RecipeError
+from .arguments import LORA_TARGET_MODULES, RecipeError
 
-LORA_TARGET_MODULES: dict[str, list[str]] = {
-    "bert": ["query", "key", "value"],
-    "roberta": ["query", "key", "value"],
-    "xlm-roberta": ["query", "key", "value"],
-    "electra": ["query", "key", "value"],
-    "distilbert": ["q_lin", "k_lin", "v_lin"],
-    "gpt2": ["c_attn"],
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj"],
-}
-"""Default LoRA target modules by source ``model_type`` (the attention projections); ``--lora-target-modules``
-overrides them."""
 
 
 def _is_performer_folder(name_or_path: str) -> bool:

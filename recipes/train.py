@@ -14,7 +14,7 @@ Stages of :func:`train`:
    converted on the fly (``--convert``, the default for softmax folders with ``--attention favor``) with the
    FAVOR+ options (``--feature-map``, ``--nb-features``, ``--keep-softmax-layers``, ``--redraw-interval``, ...),
    or a softmax model trained as softmax (``--attention softmax``: the baselines). ``--lora`` wraps it with
-   PEFT LoRA on the attention projections (:data:`hf_performer.recipes.model.LORA_TARGET_MODULES`).
+   PEFT LoRA on the attention projections (:data:`hf_performer.recipes.arguments.LORA_TARGET_MODULES`).
 2. **Data.** :mod:`hf_performer.tasks.data`: the Hub or local files, seeded subsets, tokenisation. The training
    order comes from :class:`EpochSeededSampler` (permutation of epoch ``e`` drawn from ``seed + e``), so it
    is known without any saved state.
@@ -731,6 +731,7 @@ def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batche
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
     accelerator.save_state(staging)
+    accelerator.wait_for_everyone()  # every rank has written its own files (RNG states) before the rename
     if accelerator.is_main_process:
         state = {"completed_steps": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,
                  "accumulation_step": accelerator.step, "eval_curve": curve, "run": flags,

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from hf_performer import bench
+from hf_performer.cli import bench
 from hf_performer.bench import machine
 from hf_performer.bench.report import crossover_length, format_speed_table, summarize_speed
 
@@ -51,7 +51,7 @@ def test_load_warning_when_the_machine_is_busy(monkeypatch):
 
 def test_bench_attention_prints_the_load_warning(monkeypatch, capsys):
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * os.cpu_count(), 0.0, 0.0))
-    assert bench._run_speed(benchmark_args(lengths=[16])) == 0
+    assert bench.run_speed(benchmark_args(lengths=[16])) == 0
     captured = capsys.readouterr()
     assert [line for line in captured.err.splitlines() if "noisy" in line] == [machine.machine_load_warning()]
 

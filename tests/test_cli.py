@@ -107,3 +107,42 @@ def test_interrupt_is_one_line_with_status_130(monkeypatch, capsys):
     monkeypatch.setattr(attention, "run_speed_benchmark", interrupted)
     assert cli.main(["bench", "attention"]) == 130
     assert capsys.readouterr().err.strip().splitlines() == ["hf-performer bench: interrupted"]
+
+
+def test_favor_flags_have_one_spelling_across_the_verbs_and_the_recipes():
+    from hf_performer.cli.arguments import FAVOR_FLAGS
+    from hf_performer.recipes.arguments import build_parser as recipe_parser
+
+    parsers = {"recipes": recipe_parser("text-classification")}
+    for verb in ("convert", "distill", "quickstart"):
+        parser = cli.build_parser(verb)
+        subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parsers[verb] = subparsers.choices[verb]
+    spellings = {flag.flag for flag in FAVOR_FLAGS.values()}
+    for name, parser in parsers.items():
+        favor = {option for option in parser._option_string_actions
+                 if parser._option_string_actions[option].dest in {f.dest for f in FAVOR_FLAGS.values()}}
+        assert favor - spellings <= {"--seed"}, name  # convert's deprecated alias only
+    args = cli.build_parser("convert").parse_args(["convert", "src", "out", "--favor-seed", "3", "--projection", "iid"])
+    assert args.favor_seed == 3 and args.projection == "iid"
+
+
+def test_a_deprecated_flag_spelling_warns_once_and_still_works(capsys):
+    args = cli.build_parser("convert").parse_args(["convert", "src", "out", "--seed", "5"])
+    assert args.favor_seed == 5
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--seed is deprecated" in lines[0] and "use --favor-seed" in lines[0]
+    # Not given: no warning, the default.
+    assert cli.build_parser("convert").parse_args(["convert", "src", "out"]).favor_seed is None
+    assert capsys.readouterr().err == ""
+
+
+def test_the_favor_arguments_module_is_a_leaf():
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(cli.__file__).with_name("arguments.py").read_text())
+    imported = {(node.level, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    assert imported <= {(0, "__future__"), (0, "argparse"), (0, "sys"), (0, "dataclasses"),
+                        (2, "favor_settings"), (2, "feature_maps")}

@@ -57,7 +57,7 @@ from hf_performer.conversion import (
     fidelity_report,
     load_source,
 )
-from hf_performer.conversion import cli as convert_cli
+from hf_performer.cli import convert as convert_cli
 from hf_performer.feature_maps import FeatureMap
 from hf_performer.hub import TOKENIZER_FILES
 from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
@@ -622,7 +622,7 @@ def test_a_process_killed_between_the_renames_is_recovered(source_folder, tmp_pa
     write_folder(output, **{"old.txt": "previous output"})
     script = textwrap.dedent(f"""
         import os
-        from hf_performer.conversion import cli
+        from hf_performer.cli import _output as cli
         real_replace = os.replace
         def replace_then_die(source, target):
             real_replace(source, target)

@@ -337,7 +337,7 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
     its conversion report says the head is new and nothing in the folder records a training run."""
     from transformers import BertModel
 
-    from hf_performer.conversion.cli import main as convert_main
+    from hf_performer.cli.convert import main as convert_main
 
     vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
     (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")

@@ -31,7 +31,7 @@ from transformers.utils import logging
 from hf_performer import PerformerConfig, PerformerForSequenceClassification, hub
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion import REPORT_FILE_NAME
-from hf_performer.conversion import cli as convert_cli
+from hf_performer.cli import convert as convert_cli
 from hf_performer.hub import (
     CARD_TAGS,
     FolderValidationError,

@@ -46,28 +46,13 @@ ALLOWED_RUNTIME_IMPORTS = {
 
 # Modules allowed to import argparse: the command line and the recipes' argument module.
 ARGPARSE_HOMES = ("hf_performer.cli", "hf_performer.recipes.arguments")
-ALLOWED_ARGPARSE = {
-    "hf_performer.bench": "moves to cli/ in issue 14 step 2",
-    "hf_performer.hub": "moves to cli/ in issue 14 step 2",
-    "hf_performer.hub.card": "moves to cli/ in issue 14 step 2",
-    "hf_performer.hub.push": "moves to cli/ in issue 14 step 2",
-    "hf_performer.tasks.evaluation": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.cli": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.distill": "moves to cli/ in issue 14 step 2",
-    "hf_performer.conversion.quickstart": "moves to cli/ in issue 14 step 2",
-}
+ALLOWED_ARGPARSE: dict[str, str] = {}
 
 MAX_LINES = 800
 ALLOWED_LONG_MODULES: dict[str, str] = {}
 
 # Function-level imports that close a cycle, as (importing module, imported module).
-ALLOWED_LAZY_CYCLE_IMPORTS = {
-    ("hf_performer.recipes.arguments", "hf_performer.recipes.model"): "help texts quote the defaults of the modules",
-    ("hf_performer.recipes.arguments", "hf_performer.recipes.results"):
-        "help texts and the `results` verb's runners: the verb moves to cli/ in issue 14 step 2",
-    ("hf_performer.recipes.arguments", "hf_performer.recipes.report"):
-        "the `results` verb's runners: the verb moves to cli/ in issue 14 step 2",
-}
+ALLOWED_LAZY_CYCLE_IMPORTS: dict[tuple[str, str], str] = {}
 
 # Layers of subpackages (a root module of the same name counts: hub.py is the hub layer until hub/ exists), and the
 # layers each may import (besides the runtime and itself).
@@ -81,15 +66,11 @@ LAYER_IMPORTS = {
 }
 # Upward imports as (importing module, imported module).
 ALLOWED_UPWARD = {
-    ("hf_performer.conversion.cli", "hf_performer.hub"):
-        "writes the model card: the convert verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.distill", "hf_performer.hub"):
-        "writes the model card: the distill verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.quickstart", "hf_performer.bench"): "the quickstart verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.quickstart", "hf_performer.bench.attention"): "the quickstart verb moves to cli/ (step 2)",
-    ("hf_performer.conversion.quickstart", "hf_performer.bench.report"): "the quickstart verb moves to cli/ (step 2)",
+    ("hf_performer.recipes.arguments", "hf_performer.cli.arguments"):
+        "the favor flags are declared once, in cli/arguments.py (a leaf: argparse and the runtime only)",
     ("hf_performer.tasks.evaluation", "hf_performer.conversion.fidelity"):
-        "check_head_was_trained reads conversion_report.json: goes with the evaluate verb to cli/ (step 2)",
+        "check_head_was_trained refuses a converted folder whose new head was never trained: it reads the "
+        "conversion report, whose name its writer declares (lazy import)",
     ("hf_performer.hub.card", "hf_performer.recipes.results"):
         "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
     ("hf_performer.hub.results", "hf_performer.recipes.results"):

@@ -1,4 +1,5 @@
-"""Model cards and Hub upload for Performer model folders (``hf-performer card`` and ``hf-performer push``).
+"""Model cards and Hub upload for Performer model folders (the verbs ``hf-performer card`` / ``push``:
+:mod:`hf_performer.cli.card`, :mod:`hf_performer.cli.push`).
 
 A Performer model folder (written by ``hf-performer convert``, ``hf-performer distill`` or by ``save_pretrained``
 after fine-tuning) holds ``config.json`` (with ``auto_map`` and ``favor_settings``), the weights, the model code
@@ -10,24 +11,21 @@ attention transfer (``hf-performer distill``), ``attention_transfer.json``.
   :func:`recipe_results` (a fine-tuning recipe's ``metrics.json``).
 * :mod:`.describe`: what the card says about the feature map, its settings, citations, speed and attention transfer.
 * :mod:`.card`: :func:`build_model_card`, :func:`validate_model_card`, :func:`write_model_card`,
-  :func:`write_recipe_card` and the ``card`` verb.
-* :mod:`.push`: :func:`push_folder` and the ``push`` verb.
+  :func:`write_recipe_card`.
+* :mod:`.push`: :func:`push_folder`.
 """
 
 from __future__ import annotations
 
 # ruff: noqa: F401  (the names below are re-exported: `from hf_performer.hub import ...` keeps working)
-import argparse
 
 from .card import (
     CARD_FILE_NAME,
     CARD_TAGS,
     REQUIRED_CARD_TAGS,
     TEMPLATE_NAME,
-    add_card_parser,
     build_model_card,
     default_template_path,
-    run_card,
     validate_model_card,
     write_model_card,
     write_recipe_card,
@@ -59,7 +57,7 @@ from .folder import (
     upload_file_list,
     validate_folder,
 )
-from .push import PushError, PushResult, add_push_parser, push_folder, run_push
+from .push import PushError, PushResult, push_folder
 from .results import (
     LM_HUB_DATASET_IDS,
     load_metrics,
@@ -67,20 +65,6 @@ from .results import (
     normalize_results,
     recipe_results,
 )
-
-
-def add_parser(subparsers) -> None:
-    """Add the ``push`` and ``card`` subcommands to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
-    add_push_parser(subparsers)
-    add_card_parser(subparsers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run ``push`` / ``card`` alone (``python -m hf_performer.hub push FOLDER REPO_ID ...``)."""
-    parser = argparse.ArgumentParser(prog="hf-performer")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
 
 
 __all__ = [

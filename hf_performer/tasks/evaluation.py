@@ -1,4 +1,4 @@
-"""Evaluation: task metrics, perplexity, and the ``hf-performer evaluate`` command.
+"""Evaluation: task metrics and perplexity (the ``hf-performer evaluate`` verb: :mod:`hf_performer.cli.evaluate`).
 
 Task metrics
     :func:`compute_task_metrics` returns each task's GLUE metrics (CoLA: Matthews correlation; MRPC / QQP:
@@ -24,7 +24,6 @@ Perplexity (:func:`perplexity`), a fixed protocol
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .data import LM_DATASETS, DataError, TaskSpec, get_task
+from .data import LM_DATASETS, TaskSpec, get_task
 
 if TYPE_CHECKING:
     import torch
@@ -311,61 +310,8 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
 
 
 # --------------------------------------------------------------------------------------------
-# The ``hf-performer evaluate`` command
+# Evaluating a model folder
 # --------------------------------------------------------------------------------------------
-
-
-CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
-
-Classification (GLUE tasks, IMDB):
-  hf-performer evaluate MODEL --task sst2 --validation-file ../shared/data/glue/SST-2/dev.tsv --output metrics.json
-  (without --validation-file the Hub's validation split is loaded: needs Hub access)
-
-Perplexity (causal LMs):
-  hf-performer evaluate MODEL --task wikitext --text-file ../shared/data/wikitext-2-raw/wiki.test.raw \\
-      --context-length 1024 --stride 512
-  Windows of --context-length tokens start every --stride tokens; every token is scored once, with at least
-  context-length - stride tokens of left context after the first window; token-weighted.
-"""
-
-
-def add_parser(subparsers) -> argparse.ArgumentParser:
-    """Add the ``evaluate`` subcommand to ``subparsers``."""
-    parser = subparsers.add_parser(
-        "evaluate",
-        help="evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
-        description=CLI_DESCRIPTION,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("model", metavar="MODEL", help="model folder (or offline Hub name)")
-    parser.add_argument("--task", required=True,
-                        help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, or a causal-LM "
-                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity")
-    parser.add_argument("--validation-file", default=None,
-                        help="local evaluation file (TSV/CSV/JSON lines, .gz accepted) instead of the Hub split")
-    parser.add_argument("--max-eval-samples", type=int, default=None,
-                        help="evaluate a seeded random subset of N examples (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --max-eval-samples subset (default: 0)")
-    parser.add_argument("--max-length", type=int, default=128, help="classification: tokens per example (default: 128)")
-    parser.add_argument("--batch-size", type=int, default=32, help="examples (or windows) per batch (default: 32)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
-    parser.add_argument("--metrics-backend", choices=METRIC_BACKENDS, default="auto",
-                        help="evaluate (Hub), local (scikit-learn/scipy) or auto: evaluate when it loads (default)")
-    parser.add_argument("--text-file", default=None, help="perplexity: raw text file instead of the Hub dataset")
-    parser.add_argument("--split", default="test", help="perplexity: Hub split (default: test)")
-    parser.add_argument("--max-chars", type=int, default=None, help="perplexity: use the first N characters only")
-    parser.add_argument("--context-length", type=int, default=None,
-                        help="perplexity: tokens per window (default: the model's max positions, at most 1024)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="perplexity: tokens between window starts (default: context length / 2)")
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--trust-remote-code", action="store_true",
-                        help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
-    parser.add_argument("--output", default=None, help="write the metrics to this JSON file")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress bar (it is shown only when stderr is a terminal)")
-    parser.set_defaults(func=run_evaluate)
-    return parser
 
 
 def _load_tokenizer(path: str):
@@ -503,38 +449,9 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     }
 
 
-def run_evaluate(args: argparse.Namespace) -> int:
-    """Run ``hf-performer evaluate`` (see :func:`add_parser`). Returns the exit status."""
-    try:
-        if args.task.lower() in LM_DATASETS or args.text_file is not None:
-            record = evaluate_perplexity_model(
-                args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
-                args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress)
-        else:
-            record = evaluate_classification_model(
-                args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
-                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress)
-    except (DataError, EvaluationError) as error:
-        raise SystemExit(f"hf-performer evaluate: error: {error}") from None
-    for name, value in record["metrics"].items():
-        print(f"{name}: {value:.6g}")
-    if record.get("metrics_note"):
-        print(f"note: {record['metrics_note']}")
-    if args.output:
-        folder = os.path.dirname(os.path.abspath(args.output))
-        os.makedirs(folder, exist_ok=True)
-        with open(args.output, "w") as handle:
-            json.dump(record, handle, indent=2)
-        print(f"wrote {args.output}")
-    return 0
-
-
 __all__ = [
     "METRIC_BACKENDS",
     "EvaluationError",
-    "add_parser",
     "check_head_was_trained",
     "check_model_matches_task",
     "compute_task_metrics",
@@ -544,5 +461,4 @@ __all__ = [
     "perplexity",
     "perplexity_windows",
     "predict_classification",
-    "run_evaluate",
 ]

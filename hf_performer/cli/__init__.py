@@ -1,9 +1,10 @@
 """The ``hf-performer`` command line: one subcommand per task (``hf-performer --help``).
 
-Each subcommand lives next to the code it drives and exposes ``add_parser(subparsers)``, which adds
-its parser and sets ``func`` to the function that runs it. :data:`VERBS` names them with their one-line
-help, so that ``hf-performer --help`` imports neither torch nor transformers: only the module of the verb
-that runs is imported.
+Each verb is one thin module of this package (``hf_performer.cli.convert``, ...) exposing
+``add_parser(subparsers)``, which adds its parser and sets ``func`` to its run function, which calls the library
+(the libraries parse no arguments). The favor flags are declared once, in :mod:`.arguments`. :data:`VERBS` names
+the verbs with their one-line help, so that ``hf-performer --help`` imports neither torch nor transformers: only
+the module of the verb that runs is imported.
 
 Errors: a verb's exception (or ``SystemExit`` with a message) is printed as one line,
 ``hf-performer VERB: error: MESSAGE``, on stderr, with exit status 2 (130 when interrupted);
@@ -21,19 +22,27 @@ import traceback
 VERBS = (
     # (name, one-line help, module whose add_parser adds it)
     ("quickstart", "convert a pretrained model (default: the bundled MiniLM-L6) and show fidelity and speed",
-     "hf_performer.conversion.quickstart"),
-    ("convert", "convert a pretrained softmax model into a Performer (FAVOR+) model", "hf_performer.conversion.cli"),
+     "hf_performer.cli.quickstart"),
+    ("convert", "convert a pretrained softmax model into a Performer (FAVOR+) model", "hf_performer.cli.convert"),
     ("distill", "convert with a learned feature map (hedgehog, t2r) trained by attention transfer",
-     "hf_performer.conversion.distill"),
-    ("bench", "benchmarks of the attention kernels", "hf_performer.bench"),
+     "hf_performer.cli.distill"),
+    ("bench", "benchmarks of the attention kernels", "hf_performer.cli.bench"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
-     "hf_performer.tasks.evaluation"),
+     "hf_performer.cli.evaluate"),
     ("push", "upload a Performer model folder to the Hugging Face Hub (checked first; --dry-run lists files)",
-     "hf_performer.hub"),
-    ("card", "(re)write the README.md model card of a Performer model folder", "hf_performer.hub"),
+     "hf_performer.cli.push"),
+    ("card", "(re)write the README.md model card of a Performer model folder", "hf_performer.cli.card"),
     ("results", "recovery results: collect runs into JSON, plot the recovery curve, write the README table",
-     "hf_performer.recipes.arguments"),
+     "hf_performer.cli.results"),
 )
+
+def add_verb_parser(subparsers, name: str, description: str) -> argparse.ArgumentParser:
+    """Add verb ``name``'s parser to ``subparsers``: its one-line help from :data:`VERBS`, its ``description``
+    shown as written."""
+    help_text = next(text for verb, text, _ in VERBS if verb == name)
+    return subparsers.add_parser(name, help=help_text, description=description,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+
 
 DEBUG_HINT = "(run with --debug for the traceback)"
 

@@ -1,0 +1,133 @@
+"""The favor flags of every command line, declared once, from the one schema
+:data:`hf_performer.favor_settings.FAVOR_SETTINGS` (name, type, default, meaning).
+
+:func:`add_favor_arguments` adds the flags a parser needs, each with one spelling (:data:`FAVOR_FLAGS`); its
+``dest`` is the flag without dashes (``--favor-seed`` -> ``args.favor_seed``) and its default ``None`` (the
+schema's default applies) unless the verb gives one. :func:`add_deprecated_alias` keeps an old spelling working
+for one release: using it prints one warning line naming the new spelling. :func:`favor_settings_from_args`
+turns the parsed flags back into ``favor_settings`` keys.
+
+This module is a leaf: it imports only argparse and the runtime (``favor_settings``, ``feature_maps``), so that
+the ``hf-performer`` verbs and the recipes' parser (:mod:`hf_performer.recipes.arguments`, the one module below
+``cli`` allowed to import it) share it without importing each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+from ..favor_settings import FAVOR_SETTINGS
+from ..feature_maps import LEARNED_MAP_INITS, available_feature_maps
+
+
+@dataclass(frozen=True)
+class FavorFlag:
+    """The command-line flag of one ``favor_settings`` key: its ``setting`` name, its ``flag`` spelling and the
+    argparse keywords beyond ``help`` / ``default`` (``type``, ``choices``, ``nargs``, ``metavar``)."""
+
+    setting: str
+    flag: str
+    keywords: dict
+
+    @property
+    def dest(self) -> str:
+        """The attribute of the parsed arguments: the flag without its dashes."""
+        return self.flag[2:].replace("-", "_")
+
+
+FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
+    FavorFlag("feature_map", "--feature-map", {"choices": available_feature_maps()}),
+    FavorFlag("nb_features", "--nb-features", {"type": int}),
+    FavorFlag("seed", "--favor-seed", {"type": int}),
+    FavorFlag("orthogonal", "--projection", {"choices": ("orthogonal", "iid")}),
+    FavorFlag("row_norms", "--row-norms", {"choices": ("chi", "fixed")}),
+    FavorFlag("redraw_interval", "--redraw-interval", {"type": int}),
+    FavorFlag("chunk_size", "--chunk-size", {"type": int}),
+    FavorFlag("softmax_layers", "--keep-softmax-layers", {"type": int, "nargs": "+", "metavar": "LAYER"}),
+    FavorFlag("feature_map_options", "--feature-map-init", {"choices": LEARNED_MAP_INITS}),
+)}
+"""``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
+sets ``feature_map_options["init"]`` (learned maps)."""
+
+_SCHEMA = {setting.name: setting for setting in FAVOR_SETTINGS}
+
+
+def _schema_help(setting: str) -> str:
+    schema = _SCHEMA[setting]
+    default = "orthogonal" if setting == "orthogonal" and schema.default else schema.default
+    if setting == "feature_map_options":
+        return "initial projection of a learned map (default: the map's own)"
+    return f"{schema.meaning} (default: {default})"
+
+
+def add_favor_arguments(parser, settings, defaults: dict | None = None, helps: dict | None = None,
+                        help_prefix: str = "") -> dict[str, argparse.Action]:
+    """Add the flags of the ``favor_settings`` keys ``settings`` to ``parser`` (a parser or an argument group).
+
+    Args:
+        settings: keys of :data:`FAVOR_FLAGS`, in the order the flags are listed.
+        defaults: ``{setting: default}`` where the verb has its own (otherwise ``None``: the schema's applies;
+            ``softmax_layers``: ``[]``).
+        helps: ``{setting: help}`` where the verb says more than the schema's meaning.
+        help_prefix: put before every help text (the recipes: ``"conversion: "``).
+
+    Returns:
+        ``{setting: the argparse action}``.
+    """
+    defaults, helps = defaults or {}, helps or {}
+    actions = {}
+    for setting in settings:
+        flag = FAVOR_FLAGS[setting]
+        default = defaults.get(setting, [] if setting == "softmax_layers" else None)
+        text = helps.get(setting, _schema_help(setting))
+        actions[setting] = parser.add_argument(flag.flag, dest=flag.dest, default=default,
+                                               help=help_prefix + text, **flag.keywords)
+    return actions
+
+
+class _DeprecatedAlias(argparse.Action):
+    """Stores like the flag it aliases, after one warning line on stderr naming the new spelling."""
+
+    def __init__(self, option_strings, dest, new_flag: str, **keywords):
+        super().__init__(option_strings, dest, **keywords)
+        self.new_flag = new_flag
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the next release; "
+              f"use {self.new_flag}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_deprecated_alias(parser, old_flag: str, action: argparse.Action) -> None:
+    """Accept ``old_flag`` as a deprecated spelling of ``action``'s flag (same ``dest``, type and choices)."""
+    parser.add_argument(old_flag, dest=action.dest, action=_DeprecatedAlias, new_flag=action.option_strings[0],
+                        type=action.type, choices=action.choices, nargs=action.nargs, metavar=action.metavar,
+                        default=argparse.SUPPRESS,
+                        help=f"deprecated spelling of {action.option_strings[0]} (removed in the next release)")
+
+
+def favor_settings_from_args(args: argparse.Namespace, settings) -> dict:
+    """The keyword arguments of ``convert_to_performer`` for the flags of ``settings`` that were given (``None``
+    values left out, so that the library's defaults apply): ``orthogonal`` as a bool, ``feature_map_options`` as a
+    dict, ``softmax_layers`` as ``keep_softmax_layers``."""
+    values = {}
+    for setting in settings:
+        value = getattr(args, FAVOR_FLAGS[setting].dest)
+        if value is None:
+            continue
+        if setting == "orthogonal":
+            value = value == "orthogonal"
+        elif setting == "feature_map_options":
+            value = {"init": value}
+        values["keep_softmax_layers" if setting == "softmax_layers" else setting] = value
+    return values
+
+
+def comma_separated_ints(text: str) -> list[int]:
+    """argparse type of ``"512,1024,2048"`` -> ``[512, 1024, 2048]``."""
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from error

@@ -1,0 +1,155 @@
+"""``hf-performer bench attention | approximation | decode``: the parsers of the benchmarks of
+:mod:`hf_performer.bench` and the functions that run them (print the table, write NAME.json and NAME.png).
+
+``bench approximation --nb-features`` is a sweep (a comma-separated list), not the favor setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..bench import attention, decode, report
+from ..bench.decode import FULL_CONTEXT_LENGTHS, QUICK_CONTEXT_LENGTHS
+from ..bench.machine import machine_load_warning
+from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES
+from ..linear_attention import DEFAULT_CHUNK_SIZE
+from . import add_verb_parser
+from .arguments import add_favor_arguments, comma_separated_ints
+
+
+def _warn_if_loaded() -> None:
+    warning = machine_load_warning()
+    if warning:
+        print(warning, file=sys.stderr)
+
+
+def _print_and_write(result: dict, table: str, output_dir: Path | None, name: str, plot) -> int:
+    print(table)
+    for path in report.write_result(result, output_dir, name, plot):
+        print(f"wrote {path}")
+    return 0
+
+
+def run_speed(args) -> int:
+    """``hf-performer bench attention``: one attention layer's time and memory (:mod:`hf_performer.bench.attention`)."""
+    _warn_if_loaded()
+    result = attention.run_speed_benchmark(
+        lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
+        implementations=args.implementations, eager_max_length=args.eager_max_length, device=args.device,
+        dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
+    )
+    return _print_and_write(result, report.format_speed_table(result), args.output_dir, args.name, report.plot_speed)
+
+
+def run_approximation(args) -> int:
+    """``hf-performer bench approximation``: FAVOR+'s error against softmax vs the number of features."""
+    result = attention.run_approximation_benchmark(
+        head_dim=args.head_dim, nb_features=args.nb_features, seeds=args.seeds, length=args.length,
+        input_scale=args.input_scale,
+    )
+    return _print_and_write(result, report.format_approximation_table(result), args.output_dir, args.name,
+                            report.plot_approximation)
+
+
+def run_decode(args) -> int:
+    """``hf-performer bench decode``: per-token decode latency and cache memory (:mod:`hf_performer.bench.decode`)."""
+    _warn_if_loaded()
+    favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
+    result = decode.run_decode_benchmark(
+        context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
+        warmup=args.warmup, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+        vocab_size=args.vocab_size, favor_settings=favor_settings, device=args.device,
+        verify_context=args.verify_context,
+    )
+    return _print_and_write(result, report.format_decode_table(result), args.output_dir, args.name, report.plot_decode)
+
+
+def add_parser(subparsers) -> None:
+    """Add the ``bench`` subcommand (``attention``, ``approximation``, ``decode``) to ``subparsers``."""
+    bench = add_verb_parser(subparsers, "bench", "Benchmarks of the attention kernels (see benchmarks/README.md).")
+    kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+
+    speed = kinds.add_parser(
+        "attention", help="time and memory of one attention layer: FAVOR+ vs SDPA vs eager softmax",
+        description="Forward+backward time and peak memory of one attention call, FAVOR+ (bidirectional and "
+                    "causal) against scaled_dot_product_attention and eager softmax, in one run. The defaults "
+                    "are a small, quick setting; benchmarks/README.md gives the committed full run.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    speed.add_argument("--lengths", type=comma_separated_ints, default=[512, 1024, 2048],
+                       help="comma-separated sequence lengths")
+    speed.add_argument("--batch", type=int, default=1)
+    speed.add_argument("--heads", type=int, default=12)
+    speed.add_argument("--head-dim", type=int, default=64)
+    add_favor_arguments(speed, ("nb_features", "chunk_size"),
+                        defaults={"nb_features": 256, "chunk_size": DEFAULT_CHUNK_SIZE},
+                        helps={"nb_features": "features m per head", "chunk_size": "causal chunk size"})
+    speed.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
+    speed.add_argument("--implementations", nargs="+", choices=ATTENTION_IMPLEMENTATIONS,
+                       default=list(ATTENTION_IMPLEMENTATIONS))
+    speed.add_argument("--eager-max-length", type=int, default=4096,
+                       help="skip eager softmax above this length (it materialises [L, L] per head)")
+    speed.add_argument("--device", default="cpu")
+    speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    speed.add_argument("--repeats", type=int, default=3, help="timed calls per point (median), after a warm-up")
+    speed.add_argument("--forward-only", action="store_true", help="time the forward pass only")
+    speed.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
+    speed.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    speed.add_argument("--name", default="attention_speed", help="file stem of the outputs")
+    speed.set_defaults(func=run_speed)
+
+    approx = kinds.add_parser(
+        "approximation", help="MSE of FAVOR+ against softmax vs number of features, orthogonal vs iid",
+        description="Mean squared error of FAVOR+ attention against exact softmax attention as the number of "
+                    "random features grows, for orthogonal and iid projections, averaged over seeds.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    approx.add_argument("--head-dim", type=int, default=100)
+    approx.add_argument("--nb-features", type=comma_separated_ints, default=[10, 20, 50, 100, 150, 200, 300, 400])
+    approx.add_argument("--seeds", type=int, default=25)
+    approx.add_argument("--length", type=int, default=256)
+    approx.add_argument("--input-scale", type=float, default=0.3, help="q, k, v ~ scale * N(0, I)")
+    approx.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    approx.add_argument("--name", default="approximation")
+    approx.set_defaults(func=run_approximation)
+
+    _add_decode_parser(kinds)
+
+
+def _add_decode_parser(kinds) -> None:
+    """Add ``decode`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
+    full = ",".join(str(n) for n in FULL_CONTEXT_LENGTHS)
+    decode_parser = kinds.add_parser(
+        "decode", help="per-token generation latency and cache memory: FAVOR+ recurrent state vs softmax KV cache",
+        description=(
+            "Per-token decode latency (one new token per sequence through the whole model, median over steps) and "
+            "cache memory vs context length, for a random-weight GPT-2 small (12x12x768) with FAVOR+ and its "
+            "constant-size recurrent-state cache against the same weights with SDPA softmax and transformers' "
+            "DynamicCache, interleaved in one run. Caches of L tokens are built synthetically at the size a "
+            "prefill leaves (checked against a real prefill at --verify-context). The defaults are a quick "
+            f"setting; the full run is: --context-lengths {full} --repeats 10 --output-dir benchmarks/results"),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    decode_parser.add_argument("--context-lengths", type=comma_separated_ints,
+                               default=list(QUICK_CONTEXT_LENGTHS),
+                               help=f"comma-separated tokens already in the cache (full run: {full})")
+    decode_parser.add_argument("--batch", type=int, default=4, help="sequences decoded together")
+    decode_parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    decode_parser.add_argument("--repeats", type=int, default=3,
+                               help="timed decode steps per point (median); full run: 10")
+    decode_parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
+    add_favor_arguments(decode_parser, ("nb_features",),
+                        helps={"nb_features": "FAVOR+ features m per head (None: FAVOR_DEFAULTS)"})
+    decode_parser.add_argument("--n-layer", type=int, default=12)
+    decode_parser.add_argument("--n-head", type=int, default=12)
+    decode_parser.add_argument("--n-embd", type=int, default=768)
+    decode_parser.add_argument("--vocab-size", type=int, default=50257)
+    decode_parser.add_argument("--verify-context", type=int, default=64,
+                               help="context of the real-prefill vs synthetic-cache check (0: skip)")
+    decode_parser.add_argument("--device", default="cpu")
+    decode_parser.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    decode_parser.add_argument("--name", default="decode", help="file stem of the outputs")
+    decode_parser.set_defaults(func=run_decode)

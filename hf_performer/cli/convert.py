@@ -1,0 +1,128 @@
+"""``hf-performer convert``: convert a pretrained softmax model folder into a Performer model folder.
+
+The output folder holds the weights (safetensors), the config (with ``auto_map``), the model code (for
+``trust_remote_code=True``), the tokenizer (when the source has a usable one; otherwise the fidelity report
+runs on random token ids) and ``conversion_report.json`` (the fidelity report, also printed as a table).
+A learned absolute position table (BERT/RoBERTa 512, GPT-2 1024) is extended to 4096 positions unless
+``--keep-position-table`` or ``--max-position-embeddings N`` is given; rotary positions (Llama) need none.
+It is written to a temporary folder beside the output (following the umask) and moved into place only once
+complete, so a failure leaves nothing half-written, and what a killed run leaves is cleaned up or restored
+by the next one; an existing output folder is refused unless ``--overwrite`` is given, and an output that
+is, contains or lies inside SOURCE always is.
+
+The verb imports the conversion library at module level: its parser needs the model heads (``--task``) anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from ..conversion import ConversionError, convert_to_performer, fidelity_report, load_source
+from ..conversion.convert import DEFAULT_MAX_POSITION_EMBEDDINGS, TASKS, default_position_table_size
+from ..favor_settings import FAVOR_DEFAULTS
+from ..hub import write_model_card
+from . import add_verb_parser
+from ._output import check_output_folder, staged_folder
+from .arguments import add_deprecated_alias, add_favor_arguments, favor_settings_from_args
+
+CONVERT_SETTINGS = ("feature_map", "nb_features", "softmax_layers", "seed", "orthogonal", "row_norms",
+                    "redraw_interval", "chunk_size")
+"""The favor settings ``convert`` takes as flags (:data:`.arguments.FAVOR_FLAGS`)."""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``convert`` subcommand to ``subparsers`` (from ``ArgumentParser.add_subparsers``)."""
+    parser = add_verb_parser(subparsers, "convert", __doc__)
+    parser.add_argument("source", metavar="SOURCE", help="folder (or offline Hub name) of the pretrained model")
+    parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default=None,
+        help="model head to build (default: the task of the class the checkpoint was saved from, else base)",
+    )
+    add_favor_arguments(parser, CONVERT_SETTINGS[:3], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
+    add_position_table_arguments(parser)
+    favor_seed = add_favor_arguments(parser, CONVERT_SETTINGS[3:])["seed"]
+    add_deprecated_alias(parser, "--seed", favor_seed)
+    parser.add_argument(
+        "--text",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="sample text for the fidelity report (repeatable; default: built-in sentences)",
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
+    parser.set_defaults(func=run_convert)
+    return parser
+
+
+def add_position_table_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--max-position-embeddings N`` / ``--keep-position-table`` (convert and distill; see
+    :func:`position_table_size`)."""
+    positions = parser.add_mutually_exclusive_group()
+    positions.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        metavar="N",
+        help="extend the learned absolute position table to N positions (BERT/RoBERTa/DistilBERT/GPT-2; default: "
+        f"{DEFAULT_MAX_POSITION_EMBEDDINGS} for a shorter table; rotary models such as Llama have none)",
+    )
+    positions.add_argument(
+        "--keep-position-table",
+        action="store_true",
+        help="keep the source's learned absolute position table as it is (inputs longer than it are refused)",
+    )
+
+
+def position_table_size(args: argparse.Namespace, source) -> int | None:
+    """The position count to extend ``source``'s learned table to (``None``: leave it as it is), from the arguments
+    of :func:`add_position_table_arguments`."""
+    if args.max_position_embeddings is not None or args.keep_position_table:
+        return args.max_position_embeddings
+    return default_position_table_size(source)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """Run ``hf-performer convert`` (see :func:`add_parser`; ``quickstart`` runs it with ``args.command`` set to its
+    own name, which labels the errors). Returns the exit status."""
+    command = getattr(args, "command", None) or "convert"
+    output = check_output_folder(args.output, args.overwrite, command, source=args.source)
+
+    try:
+        source, tokenizer = load_source(args.source, args.task)
+        if args.text and tokenizer is None:
+            raise ConversionError(f"--text was given but {args.source} has no usable tokenizer to encode it")
+        max_position_embeddings = position_table_size(args, source)
+        performer = convert_to_performer(
+            source, task=args.task, max_position_embeddings=max_position_embeddings,
+            **favor_settings_from_args(args, CONVERT_SETTINGS),
+        )
+        report = fidelity_report(source, performer, tokenizer, texts=args.text)
+    except ConversionError as error:
+        raise SystemExit(f"hf-performer {command}: error: {error}") from None
+
+    with staged_folder(output) as staging:
+        performer.save_pretrained(staging)
+        if tokenizer is not None:
+            if max_position_embeddings is not None:
+                tokenizer.model_max_length = max_position_embeddings
+            tokenizer.save_pretrained(staging)
+        write_model_card(staging, report=report, model_name=os.path.basename(output))  # README.md model card
+        report.save(staging)
+
+    print(report.format_table())
+    print(f"\nwrote {output}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the convert verb alone, without the one-line error handling of :func:`hf_performer.cli.main`
+    (``convert_main([SOURCE, OUTPUT, ...])``)."""
+    parser = argparse.ArgumentParser(prog="hf-performer")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["convert", *(sys.argv[1:] if argv is None else argv)])
+    return args.func(args)
