@@ -41,18 +41,32 @@ def _started_by_console_script() -> bool:
     return script.removesuffix(".exe").removesuffix("-script.py") == "hf-performer"
 
 
-if _started_by_console_script():
-    def __getattr__(name: str):
-        if any(name in names for names in _PUBLIC_NAMES.values()):
-            import_runtime()
-            return globals()[name]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-else:
+# Product entry points of subpackages, imported on first use (the runtime never imports a subpackage).
+_LAZY_NAMES = {
+    "convert_to_performer": "hf_performer.conversion.convert",
+    "fidelity_report": "hf_performer.conversion.fidelity",
+    "transfer_attention": "hf_performer.conversion.attention_transfer",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_NAMES:
+        return getattr(importlib.import_module(_LAZY_NAMES[name]), name)
+    if any(name in names for names in _PUBLIC_NAMES.values()):  # the console script imports the runtime lazily
+        import_runtime()
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+if not _started_by_console_script():
     import_runtime()
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "convert_to_performer",
+    "fidelity_report",
+    "transfer_attention",
     "PerformerConfig",
     "PerformerConfigError",
     "PerformerForCausalLM",

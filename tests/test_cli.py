@@ -146,3 +146,25 @@ def test_the_favor_arguments_module_is_a_leaf():
     imported |= {(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert imported <= {(0, "__future__"), (0, "argparse"), (0, "sys"), (0, "dataclasses"),
                         (2, "favor_settings"), (2, "feature_maps")}
+
+
+def test_documented_entry_points_keep_working():
+    """Issue 14: the public names plus the conversion entry points (lazily), and the old recipes path (deprecated)."""
+    import importlib
+    import sys
+
+    import hf_performer
+    from hf_performer.conversion.attention_transfer import transfer_attention
+    from hf_performer.conversion.convert import convert_to_performer
+    from hf_performer.conversion.fidelity import fidelity_report
+    from hf_performer.hub import build_model_card  # noqa: F401 - a documented path
+    from hf_performer.recipes import train as recipes_train
+
+    assert hf_performer.convert_to_performer is convert_to_performer
+    assert hf_performer.fidelity_report is fidelity_report
+    assert hf_performer.transfer_attention is transfer_attention
+    assert all(hasattr(hf_performer, name) for name in hf_performer.__all__)
+    sys.modules.pop("hf_performer.training", None)
+    with pytest.warns(FutureWarning, match="hf_performer.recipes"):
+        training = importlib.import_module("hf_performer.training")
+    assert training.train is recipes_train.train and training.main is recipes_train.main
