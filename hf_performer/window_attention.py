@@ -103,7 +103,8 @@ def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_
     if offset >= length:
         query_max = torch.full_like(running_max, floor)
     else:
-        query_max = torch.cat([running_max.new_full((batch, heads, offset), floor), running_max[..., : length - offset]], -1)
+        before_any_key = running_max.new_full((batch, heads, offset), floor)
+        query_max = torch.cat([before_any_key, running_max[..., : length - offset]], -1)
     key_weights = phi_k * eligible[:, None, :, None]
     positions = torch.arange(length, device=phi_q.device)
     state = value_ones.new_zeros(batch, heads, phi_k.shape[-1], value_ones.shape[-1])
@@ -142,7 +143,8 @@ def _exact_block(query, key, value_ones, scores_scale, start, end, key_index, al
     """
     scores = torch.matmul(query[:, :, start:end], key[:, :, key_index].transpose(-1, -2)) * scores_scale
     scores = scores.masked_fill(~allowed, float("-inf"))
-    row_max = scores.detach().amax(dim=-1)
+    # Not detached: in learned mode c_i is part of the definition (gamma exp(s - c) against an unscaled tail).
+    row_max = scores.amax(dim=-1)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
 
     def weighted(rho):
