@@ -18,6 +18,7 @@ _PUBLIC_NAMES = {
     "feature_maps": ("FeatureMap", "Features", "available_feature_maps", "gaussian_orthogonal_random_matrix",
                      "make_feature_map", "register_feature_map"),
     "linear_attention": ("LinearAttentionError", "LinearAttentionState", "linear_attention"),
+    "window_attention": ("window_linear_attention",),
     "favor_settings": ("FAVOR_DEFAULTS", "resolve_favor_settings"),
     "cache": ("FavorCacheLayer", "make_favor_cache"),
     "favor_attention": ("FavorMaskError", "attach_feature_maps", "favor_attention_forward", "favor_attention_mask"),
@@ -92,4 +93,5 @@ __all__ = [
     "make_feature_map",
     "register_feature_map",
     "resolve_favor_settings",
+    "window_linear_attention",
 ]

@@ -98,3 +98,52 @@ def softmax_attention(
         future = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).triu(1)
         scores = scores.masked_fill(future, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v
+
+
+def reference_window_linear_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int = 0,
+    causal: bool = True,
+    softmax_weight: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    chunk_size: int = 128,
+) -> torch.Tensor:
+    """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64 (``chunk_size`` unused).
+
+    Same arguments as :func:`~.window_attention.window_linear_attention`. Builds the exact mask ``E``
+    and the tail mask ``T`` per (query, key) pair explicitly; ``c_i`` = max exact score (0 if none);
+    calibrated: ``W = exp(s - c) E + phi_q.phi_k exp(-c) T``; learned (``gamma``):
+    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1``. Returns ``[B, H, L, dv]``.
+    """
+    phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q = query.to(torch.float64)
+    k = key.to(torch.float64).repeat_interleave(q.shape[1] // key.shape[1], dim=1)
+    length = q.shape[2]
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    if causal:
+        exact = (j <= i) & ((j < sinks) | (j > i - window))
+        tail = (j <= i) & ~exact
+    else:
+        exact = (j < sinks) | (i < sinks) | ((i - j).abs() < window)
+        tail = ~exact
+    if key_padding_mask is not None:
+        keep = key_padding_mask.to(torch.bool)[:, None, None, :]
+        exact, tail = exact & keep, tail & keep
+    scores = scale * q @ k.transpose(-1, -2)
+    row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    exact_weights = torch.exp(scores - row_max) * exact
+    tail_weights = (phi_q @ phi_k.transpose(-1, -2)) * tail
+    if softmax_weight is None:
+        weights = exact_weights + tail_weights * torch.exp(-row_max)
+    else:
+        weights = softmax_weight.to(torch.float64)[None, :, None, None] * exact_weights + tail_weights
+    return (weights @ v) / weights.sum(-1, keepdim=True)
