@@ -246,13 +246,28 @@ class PerformerConfig(PreTrainedConfig):
         )
 
     @classmethod
+    def _split_extra_attributes(cls, config_dict: dict) -> tuple[dict, dict]:
+        """``config_dict`` without, and with only, the saved attributes the constructor does not take: ones set on
+        a config after it was built (``config.batch_norm_eps = 1e-5``), which ``save_pretrained`` writes at the top
+        level. FAVOR+ settings are never extra: they stay validated."""
+        source = config_dict.get("source_config")
+        source_keys = set(source) if isinstance(source, dict) else set()
+        accepted = set(FAVOR_DEFAULTS) | {f.name for f in fields(cls)} | set(_GENERIC_CONFIG_KWARGS) | source_keys
+        extra = {key: value for key, value in config_dict.items()
+                 if key not in accepted and not key.startswith("_") and key != "model_type"}
+        return {key: value for key, value in config_dict.items() if key not in extra}, extra
+
+    @classmethod
     def from_dict(cls, config_dict: dict, **kwargs):
         """``PreTrainedConfig.from_dict`` (what ``from_pretrained`` and ``AutoConfig`` call), except that a keyword
         argument that sets nothing (``nb_featurs=16``) raises :class:`PerformerConfigError` instead of being ignored.
         With ``return_unused_kwargs=True`` the leftovers are returned as usual (a model's ``from_pretrained`` hands
         them to the model)."""
         return_unused_kwargs = kwargs.pop("return_unused_kwargs", False)
+        config_dict, extra_attributes = cls._split_extra_attributes(config_dict)
         config, unused = super().from_dict(config_dict, return_unused_kwargs=True, **kwargs)
+        for key, value in extra_attributes.items():  # saved attributes set on an earlier config: kept, as stock
+            setattr(config, key, value)              # configs keep them (the keyword arguments stay strict)
         if return_unused_kwargs:
             return config, unused
         unknown = [key for key in unused if key not in _LOADING_KWARGS and not key.startswith("_")]

@@ -1237,9 +1237,17 @@ def _set_favor_setting(key, value):
     return breaker
 
 
-def _add_unknown_attribute(folder):
+def test_an_attribute_set_on_a_saved_config_is_accepted(folder):
+    """An attribute set on a config after it was built is saved at the top level and loads again (issue 16)."""
     config = json.loads((folder / "config.json").read_text())
-    config["bogus_attribute"] = 1
+    config["batch_norm_eps"] = 1e-5
+    (folder / "config.json").write_text(json.dumps(config))
+    validate_folder(folder)
+
+
+def _misspell_favor_setting(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["favor_settings"]["nb_featurs"] = 64
     (folder / "config.json").write_text(json.dumps(config))
 
 
@@ -1260,12 +1268,12 @@ def _drop_tensor(folder):
         (_set_favor_setting("nb_features", 32),
          "model.safetensors: performer.bert.encoder.layer.0.attention.self.favor_feature_map.projection has shape "
          "[16, 16], config.json builds [32, 16]"),
-        (_add_unknown_attribute, "config.json: does not load (PerformerConfig.from_pretrained): PerformerConfig got an "
-                                 "unknown argument 'bogus_attribute'"),
+        (_misspell_favor_setting, "config.json: does not load (PerformerConfig.from_pretrained): invalid FAVOR+ "
+                                  "settings"),
         (_drop_tensor, "model.safetensors: lacks 1 tensor(s) of PerformerForSequenceClassification: "
                        "performer.bert.encoder.layer.1.attention.self.query.weight"),
     ],
-    ids=["nb_features-string", "nb_features-mismatch", "unknown-attribute", "missing-tensor"],
+    ids=["nb_features-string", "nb_features-mismatch", "misspelt-favor-setting", "missing-tensor"],
 )
 def test_push_refuses_a_config_that_would_not_load_with_its_weights(folder, fake_hub, breaker, message):
     validate_folder(folder)

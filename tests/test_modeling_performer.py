@@ -585,3 +585,24 @@ def test_rotary_models_have_no_position_table_to_check():
     input_ids = torch.randint(3, VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert model(input_ids).logits.shape == (1, 12, VOCAB)
+
+
+def test_an_attribute_set_on_the_config_survives_save_and_load(tmp_path):
+    """Issue 16 (75 of transformers' common-test failures): an attribute set on a config (as transformers' test
+    utilities do, e.g. ``config.batch_norm_eps``) is saved and loads again, as with stock configs; favor settings
+    and keyword arguments stay strict."""
+    from transformers import AutoConfig, BertConfig
+
+    config = PerformerConfig(source_config=BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                                      intermediate_size=37), nb_features=16)
+    config.batch_norm_eps = 1e-5
+    config.layer_norm_eps = 1e-7  # an attribute of the source: set there, as before
+    config.save_pretrained(tmp_path)
+    for loaded in (PerformerConfig.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)):
+        assert loaded.batch_norm_eps == 1e-5 and loaded.layer_norm_eps == 1e-7 and loaded.nb_features == 16
+    reloaded = PerformerConfig.from_pretrained(tmp_path)
+    reloaded.save_pretrained(tmp_path / "again")
+    assert PerformerConfig.from_pretrained(tmp_path / "again").batch_norm_eps == 1e-5
+    PerformerModel(reloaded)  # the folder's config still builds a model
+    with pytest.raises(PerformerConfigError):
+        PerformerConfig.from_pretrained(tmp_path, nb_featurs=8)
