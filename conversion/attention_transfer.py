@@ -38,8 +38,8 @@ from hf_performer.favor_attention import (
     FEATURE_MAP_ATTRIBUTE,
     find_attention_modules,
     layer_index_of,
+    module_favor_settings,
 )
-from hf_performer.favor_settings import favor_settings_of
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 
@@ -240,7 +240,7 @@ def favor_transfer_attention_forward(
     allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     layer = layer_index_of(module)
-    if _ACTIVE and feature_map is not None and layer not in favor_settings_of(module)["softmax_layers"]:
+    if _ACTIVE and feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]:
         collector = _ACTIVE[-1]
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
             output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
@@ -292,7 +292,7 @@ def trainable_feature_maps(model: nn.Module) -> dict[int, FeatureMap]:
     maps = {}
     for _, module in find_attention_modules(model):
         feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
-        if feature_map is None or layer_index_of(module) in favor_settings_of(module)["softmax_layers"]:
+        if feature_map is None or layer_index_of(module) in module_favor_settings(module)["softmax_layers"]:
             continue
         if any(True for _ in feature_map.parameters()):
             maps[layer_index_of(module)] = feature_map
