@@ -361,6 +361,7 @@ def test_convert_flags_end_up_in_config_json(tmp_path, capsys):
     assert "window 5, sinks 2" in capsys.readouterr().out  # the fidelity table's settings line
     card = (output / "README.md").read_text()
     assert "sliding window of 5 tokens" in card and "| `window` | 5 |" in card
+    assert "Decoding (window layers)" in card and "Constant-memory decoding" not in card  # no such cache yet
     # Layer 1 is a window layer with gamma; layer 0 (override 0/0) is not.
     from safetensors import safe_open
 
