@@ -39,7 +39,7 @@ def attention_weights_requested(kwargs: dict) -> bool:
     return isinstance(collector, dict) and "attentions" in collector
 
 
-def _allowed_pairs(
+def allowed_attention_pairs(
     batch: int, q_len: int, k_len: int, causal: bool, key_padding_mask, segment_ids, device
 ) -> torch.Tensor | None:
     """``[B, 1, Lq, Lk]`` bool, ``True`` where query ``i`` may attend key ``j`` (queries are the last ``Lq`` of
@@ -92,7 +92,7 @@ def linear_attention_weights(
     q_features = feature_map.query_features(query.to(dtype) * scale)
     k_features = _repeat_features(feature_map.key_features(key.to(dtype) * scale), heads // key.shape[1])
     scores = torch.matmul(q_features.values, k_features.values.transpose(-1, -2))  # [B, H, Lq, Lk]
-    allowed = _allowed_pairs(batch, q_len, k_len, causal, key_padding_mask, segment_ids, query.device)
+    allowed = allowed_attention_pairs(batch, q_len, k_len, causal, key_padding_mask, segment_ids, query.device)
     if k_features.log_scale is not None:
         log_scale = k_features.log_scale[:, :, None, :].expand(batch, heads, q_len, k_len)
         if allowed is not None:
@@ -124,7 +124,7 @@ def softmax_attention_weights(
     key = _repeat_kv(key, query.shape[1] // key.shape[1])
     scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * scale
     if attention_mask is None and causal:
-        attention_mask = _allowed_pairs(query.shape[0], query.shape[2], key.shape[2], True, None, None, query.device)
+        attention_mask = allowed_attention_pairs(query.shape[0], query.shape[2], key.shape[2], True, None, None, query.device)
     if attention_mask is not None:
         if attention_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)

@@ -23,7 +23,13 @@ Behaviour of :func:`favor_attention_forward`:
   raises :class:`FavorMaskError`: it is never silently dropped;
 * attention dropout cannot be applied to linear attention (there is no attention matrix): a
   ``dropout > 0`` in training is ignored with a one-time warning;
-* ``output_attentions``: there are no attention weights; ``None`` is returned (one-time warning);
+* ``output_attentions`` (or transformers' output collector recording attentions): the ``[B, H, Lq, Lk]`` weights
+  the layer applies are formed on request only, in ``O(Lq Lk)`` (:mod:`.attention_weights`): for favor layers
+  the normalised ``phi(Q) phi(K)^T`` with the mask (``weights @ V`` is the output), for softmax layers the
+  softmax weights. Cached decoding from a recurrent state has no past keys: ``None`` with a one-time warning,
+  as transformers' sdpa does;
+* packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
+  state restarts at each sequence (:mod:`.packed_sequences`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given.
 
@@ -68,10 +74,17 @@ from transformers.masking_utils import (
 )
 from transformers.utils import logging
 
+from .attention_weights import (
+    allowed_attention_pairs,
+    attention_weights_requested,
+    linear_attention_weights,
+    softmax_attention_weights,
+)
 from .cache import FavorCacheLayer
 from .favor_settings import build_feature_map, favor_settings_of, is_int
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
+from .packed_sequences import packed_segment_ids, segment_ids_from_cu_seq_lens, split_segment_ids
 
 
 logger = logging.get_logger(__name__)
@@ -372,18 +385,25 @@ def favor_attention_mask(
 ) -> torch.Tensor | None:
     """Mask builder registered in ``AttentionMaskInterface`` for "favor": the 2-D key padding mask
     ``[batch_size, kv_length]`` (bool, ``True`` = token) of flash attention, or ``None`` without padding.
+    Packed sequences (causal attention within consecutive blocks: ``position_ids`` restarting inside a row) give
+    a 2-D int64 mask of segment ids instead (``0`` = padding, ``1, 2, ...`` = sequences; see
+    :mod:`.packed_sequences`).
 
     Raises:
-        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional (sliding
-            window, chunked, packed sequences, custom or/and mask functions).
+        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional / packed causal
+            (sliding window, custom or/and mask functions).
     """
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        segment_ids = packed_segment_ids(
+            mask_function, batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device")
+        )
+        if segment_ids is not None:
+            return segment_ids
         name = getattr(mask_function, "__qualname__", None) or repr(mask_function)
         raise FavorMaskError(
             f"favor (linear) attention can only express causal or bidirectional attention with key padding; the "
-            f"model asked for the mask pattern {name} (sliding-window, chunked, packed-sequence (position_ids "
-            "restarting inside a row) or custom or/and masks cannot be expressed). Use attn_implementation='sdpa' "
-            "for this model, or unpack the sequences and pass a 2-D attention_mask."
+            f"model asked for the mask pattern {name} (sliding-window or custom or/and masks cannot be expressed; "
+            "packed sequences and chunked attention can). Use attn_implementation='sdpa' for this model."
         )
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
@@ -495,7 +515,54 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 allow_is_bidirectional_skip=True,
                 device=query.device,
             )
+    if attention_weights_requested(kwargs):
+        # As transformers' eager attention, O(Lq Lk): the weights (after dropout) are applied and returned.
+        weights = softmax_attention_weights(query, key, attention_mask, causal=causal, scaling=scaling)
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        return _apply_weights(weights, value).transpose(1, 2).contiguous(), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _apply_weights(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``weights [B, H, Lq, Lk] @ value [B, Hkv, Lk, dv]`` -> ``[B, H, Lq, dv]`` (grouped heads repeated)."""
+    value = value.repeat_interleave(weights.shape[1] // value.shape[1], dim=1)
+    return torch.matmul(weights, value.to(weights.dtype)).to(value.dtype)
+
+
+def _packed_sequences(attention_mask, query: torch.Tensor, kwargs: dict):
+    """``(segment_ids [B, L] or None, attention_mask)``: packed sequences given by the favor mask builder's segment
+    ids, or by ``cu_seq_lens_q`` keyword arguments (one packed row, no mask); see :mod:`.packed_sequences`."""
+    segment_ids, attention_mask = split_segment_ids(attention_mask)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if segment_ids is None and attention_mask is None and isinstance(cu_seq_lens, torch.Tensor):
+        segment_ids = segment_ids_from_cu_seq_lens(cu_seq_lens, query.shape[0], query.shape[2])
+        if segment_ids is None:
+            raise FavorMaskError(
+                f"favor attention: cu_seq_lens_q {cu_seq_lens.tolist()} does not describe one packed row of "
+                f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
+            )
+    return segment_ids, attention_mask
+
+
+def _linear_attention_weights_if_requested(module, query, key, feature_map, cache_layer, causal, key_padding_mask,
+                                           segment_ids, scaling, kwargs):
+    """The weights applied by a favor layer when ``output_attentions`` is requested (O(Lq Lk)), else ``None``.
+
+    A decoding step from a :class:`FavorCacheLayer` state has no past keys: its weights cannot be formed, and, as
+    transformers' sdpa does for ``output_attentions``, ``None`` is returned with a one-time warning."""
+    if not attention_weights_requested(kwargs):
+        return None
+    if _is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > query.shape[2]:
+        logger.warning_once(
+            "favor attention: output_attentions during cached decoding: the recurrent state keeps no past keys, so "
+            "the weights of these steps cannot be formed and are returned as None (prefill and forward passes "
+            "without a cache return them)."
+        )
+        return None
+    return linear_attention_weights(
+        query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+        scaling=scaling,
+    )
 
 
 def favor_attention_forward(
@@ -507,7 +574,7 @@ def favor_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FAVOR+ / linear attention with transformers' attention-function contract.
 
     Args:
@@ -518,18 +585,23 @@ def favor_attention_forward(
             cache is a :class:`FavorCacheLayer`), or an equivalent 4-D mask (see the module docstring).
         scaling: softmax temperature to reproduce, ``exp(scaling * q.k)``; default ``d ** -0.5``.
         dropout: attention dropout probability (cannot apply to linear attention; warned once in training).
-        **kwargs: ``is_causal`` overrides ``module.is_causal``; others are ignored (``output_attentions``
-            gives ``None`` weights).
+        **kwargs: ``is_causal`` overrides ``module.is_causal``; ``output_attentions`` asks for the weights;
+            ``cu_seq_lens_q`` marks packed sequences; others are ignored.
 
     Returns:
-        ``(attn_output [B, Lq, H, d], None)``.
+        ``(attn_output [B, Lq, H, d], weights [B, H, Lq, Lk] or None)``: weights only when requested.
     """
     is_causal = kwargs.get("is_causal")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     settings = module_favor_settings(module)
     layer_idx = layer_index_of(module)
+    segment_ids, attention_mask = _packed_sequences(attention_mask, query, kwargs)
 
     if layer_idx in settings["softmax_layers"]:
+        if segment_ids is not None:  # causal within each packed sequence, as a 4-D mask for sdpa
+            attention_mask = allowed_attention_pairs(
+                query.shape[0], query.shape[2], key.shape[2], True, None, segment_ids, query.device
+            )
         return _softmax_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
         )
@@ -539,8 +611,6 @@ def favor_attention_forward(
             "favor attention: attention dropout (p>0) cannot be applied to linear attention, which never forms an "
             "attention matrix; it is ignored (other dropouts of the model still apply)."
         )
-    if kwargs.get("output_attentions"):
-        logger.warning_once("favor attention: linear attention has no attention weights; they are returned as None.")
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = _key_padding_mask(attention_mask, causal)
@@ -548,6 +618,13 @@ def favor_attention_forward(
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
     _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
+    if segment_ids is not None and (not causal or k_len != q_len or _is_favor_cache_layer(cache_layer)):
+        raise FavorMaskError(
+            f"favor attention (layer {layer_idx}): packed sequences are supported for causal attention without a "
+            f"cache (got causal={causal}, {q_len} queries, {k_len} keys, cache layer "
+            f"{type(cache_layer).__name__ if cache_layer is not None else None}); run packed batches with "
+            "use_cache=False"
+        )
 
     if _is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
@@ -593,9 +670,15 @@ def favor_attention_forward(
             )
         else:
             out = linear_attention(
-                query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask, **common
+                query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask,
+                segment_ids=segment_ids, **common,
             )
-    return out.transpose(1, 2).contiguous(), None
+    weights = _linear_attention_weights_if_requested(
+        module, query, key, feature_map, cache_layer, causal, key_padding_mask, segment_ids, scaling, kwargs
+    )
+    if weights is not None:  # the returned weights are the applied ones (equal outputs; gradients reach them)
+        out = _apply_weights(weights, value)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, favor_attention_forward)

@@ -46,19 +46,20 @@ def test_packed_causal_attention_matches_the_float64_reference_and_each_sequence
             torch.testing.assert_close(out[row : row + 1, :, start:end], alone, rtol=1e-12, atol=1e-12)
 
 
-def test_packed_attention_gradients_and_padding():
+def test_packed_attention_gradients_and_padding_match_the_reference():
     q, k, v = (t.requires_grad_() for t in _qkv(dtype=torch.float64, length=9, batch=1))
     segments = torch.tensor([[1, 1, 1, 1, 2, 2, 2, 2, 2]])
     padding = torch.ones(1, 9, dtype=torch.bool)
     padding[0, 2] = False
     fm = _map("favor+").double()
-    torch.autograd.gradcheck(
-        lambda q, k, v: linear_attention(q, k, v, fm, causal=True, segment_ids=segments, key_padding_mask=padding),
-        (q, k, v),
-    )
-    out = linear_attention(q, k, v, fm, causal=True, segment_ids=segments, key_padding_mask=padding)
+    weights = torch.randn(1, 4, 9, 8, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    out = linear_attention(q, k, v, fm, causal=True, segment_ids=segments, key_padding_mask=padding, chunk_size=2)
     ref = reference_linear_attention(q, k, v, fm, causal=True, segment_ids=segments, key_padding_mask=padding)
     torch.testing.assert_close(out, ref, rtol=1e-9, atol=1e-9)
+    grads = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    ref_grads = torch.autograd.grad((ref * weights).sum(), (q, k, v))
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, rtol=1e-8, atol=1e-9)
 
 
 def test_packed_attention_redraws_once_per_call():

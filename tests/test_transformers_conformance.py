@@ -1,0 +1,177 @@
+"""Performer models behave like in-tree transformers models (issue 16): output_attentions, set_attn_implementation,
+_init_weights / meta-device loading, assisted generation, packed sequences, retain_grad.
+
+transformers' own common tests are not in the pip package and no checkout is on this machine: these tests cover the
+same behaviours on tiny BERT / GPT-2 / Llama sources.
+"""
+
+import functools
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, DataCollatorWithFlattening
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import logging
+
+from hf_performer import (
+    FavorCacheLayer,
+    PerformerConfig,
+    PerformerForCausalLM,
+    PerformerForMaskedLM,
+    PerformerForSequenceClassification,
+    PerformerModel,
+    favor_attention_forward,
+)
+from conftest import TINY_VOCAB, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+
+logging.set_verbosity_error()
+
+gpt2_config = functools.partial(tiny_gpt2_config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+llama_config = functools.partial(tiny_llama_config, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+SOURCES = {"bert": tiny_bert_config, "gpt2": gpt2_config, "llama": llama_config}
+CAUSAL = ["gpt2", "llama"]
+
+
+def build(model_class, source, seed=0, **settings):
+    torch.manual_seed(seed)
+    config = PerformerConfig(source_config=SOURCES[source](), nb_features=16, **settings)
+    return model_class(config).eval()
+
+
+def token_ids(batch=2, length=9, seed=0):
+    return torch.randint(3, TINY_VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def model_cases():
+    for source in SOURCES:
+        head = PerformerForCausalLM if source in CAUSAL else PerformerForMaskedLM
+        yield pytest.param(head, source, id=f"{source}-{head.__name__}")
+        yield pytest.param(PerformerModel, source, id=f"{source}-PerformerModel")
+    yield pytest.param(PerformerForSequenceClassification, "bert", id="bert-PerformerForSequenceClassification")
+
+
+# ---------------------------------------------------------------------------------- output_attentions
+
+
+@pytest.mark.parametrize("model_class, source", list(model_cases()))
+def test_output_attentions_gives_one_weight_matrix_per_layer(model_class, source):
+    model = build(model_class, source)
+    input_ids = token_ids()
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, -3:] = 0
+    outputs = model(input_ids, attention_mask=attention_mask, output_attentions=True)
+    heads = model.config.source_config.num_attention_heads
+    assert len(outputs.attentions) == model.config.source_config.num_hidden_layers
+    for weights in outputs.attentions:
+        assert weights.shape == (2, heads, 9, 9)
+        assert bool((weights[1, :, :6, -3:] == 0).all())  # padded keys get no weight
+        torch.testing.assert_close(weights[:, :, :6].sum(-1), torch.ones(2, heads, 6))
+        if source in CAUSAL:
+            assert bool((weights.triu(1) == 0).all())
+    assert model(input_ids, attention_mask=attention_mask).attentions is None  # only on request
+
+
+@pytest.mark.parametrize("source", CAUSAL + ["bert"])
+def test_attention_weights_times_values_is_the_layer_output(source, monkeypatch):
+    # Hybrid: layer 1 stays on softmax attention and returns the softmax weights it applies.
+    model = build(PerformerModel, source, softmax_layers=[1])
+    recorded = []
+
+    def recording_attention(module, query, key, value, attention_mask, **kwargs):
+        out, weights = favor_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        recorded.append((value, out, weights))
+        return out, weights
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, "favor", recording_attention)
+    input_ids = token_ids()
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, -2:] = 0
+    model(input_ids, attention_mask=attention_mask, output_attentions=True)
+    assert len(recorded) == 2
+    for value, out, weights in recorded:
+        value = value.repeat_interleave(weights.shape[1] // value.shape[1], dim=1)
+        applied = (weights @ value).transpose(1, 2)
+        torch.testing.assert_close(applied[1], out[1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(applied[0, :7], out[0, :7], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_output_attentions_while_decoding_from_a_recurrent_state_gives_none(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=1, length=5)
+    prefill = model(prompt, use_cache=True, output_attentions=True)
+    assert isinstance(prefill.past_key_values.layers[0], FavorCacheLayer)
+    assert [w.shape for w in prefill.attentions] == [(1, model.config.source_config.num_attention_heads, 5, 5)] * 2
+    step = model(prompt[:, :1], past_key_values=prefill.past_key_values, use_cache=True, output_attentions=True)
+    assert step.attentions == ()  # the past keys are gone: None per layer, as transformers' sdpa
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_retain_grad_on_hidden_states_and_attentions(source):
+    # transformers' test_retain_grad_hidden_states_attentions
+    model = build(PerformerForCausalLM, source).train()
+    outputs = model(token_ids(), output_hidden_states=True, output_attentions=True)
+    hidden_states, attentions = outputs.hidden_states[0], outputs.attentions[0]
+    hidden_states.retain_grad()
+    attentions.retain_grad()
+    outputs.logits.flatten()[0].backward(retain_graph=True)
+    assert hidden_states.grad is not None and attentions.grad is not None
+
+
+# ---------------------------------------------------------------------------------- packed sequences
+
+
+def _packed_batch(lengths=(4, 6, 3), seed=0):
+    """A padding-free packed row made by DataCollatorWithFlattening, and the sequences it holds."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = [torch.randint(3, TINY_VOCAB, (n,), generator=generator).tolist() for n in lengths]
+    batch = DataCollatorWithFlattening(return_flash_attn_kwargs=True)([{"input_ids": s} for s in sequences])
+    return batch, sequences
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+@pytest.mark.parametrize("softmax_layers", [[], [1]], ids=["linear", "hybrid"])
+@pytest.mark.parametrize("marker", ["position_ids", "cu_seq_lens"])
+def test_packed_sequences_equal_each_sequence_alone(source, softmax_layers, marker):
+    model = build(PerformerForCausalLM, source, softmax_layers=softmax_layers)
+    batch, sequences = _packed_batch()
+    if marker == "position_ids":
+        kwargs = dict(position_ids=batch["position_ids"])
+    else:  # flash-attention style boundaries only (positions then count from 0 over the row: GPT-2 absolute
+        # positions would differ from the sequences alone, so compare with the packed positions given too)
+        kwargs = {k: batch[k] for k in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")}
+        kwargs["position_ids"] = batch["position_ids"]
+        kwargs["attention_mask"] = torch.ones_like(batch["input_ids"])  # no packed mask: only cu_seq_lens mark it
+    packed = model(batch["input_ids"], use_cache=False, **kwargs).logits
+    alone = torch.cat([model(torch.tensor([s]), use_cache=False).logits for s in sequences], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source):
+    model = build(PerformerForCausalLM, source)  # eval: no dropout, so both runs are deterministic; same backward
+    batch, sequences = _packed_batch()
+    packed_loss = model(
+        batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], use_cache=False
+    ).loss
+    packed_loss.backward()
+    packed_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    # The collator masks each sequence's first label: the packed loss is the mean over all predicted tokens.
+    count = sum(len(s) - 1 for s in sequences)
+    alone_loss = sum(
+        model(torch.tensor([s]), labels=torch.tensor([s])).loss * (len(s) - 1) for s in sequences
+    ) / count
+    alone_loss.backward()
+    torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-5, atol=1e-6)
+    for packed_grad, parameter in zip(packed_grads, model.parameters()):
+        torch.testing.assert_close(packed_grad, parameter.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_sequences_with_a_cache_follow_transformers():
+    # With a cache transformers does not look for packing (create_causal_mask): as for stock sdpa models, the row is
+    # one sequence; cu_seq_lens with a recurrent cache is refused (a state cannot be split by sequence).
+    model = build(PerformerForCausalLM, "llama")
+    batch, _ = _packed_batch()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"], use_cache=True)
