@@ -49,7 +49,7 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .favor_attention import attach_feature_maps, find_attention_modules
+from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps, find_attention_modules
 
 
 # Arguments checked against the source model's forward signature before a call; anything else given as a
@@ -102,7 +102,8 @@ class PerformerPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     # The wrapper has no attention of its own: these let `set_attn_implementation("sdpa")` switch the wrapped model
-    # to exact softmax attention (same weights) and `set_attn_implementation("favor")` switch it back.
+    # to exact softmax attention (same weights) and `set_attn_implementation("favor")` switch it back. "favor" is the
+    # default implementation of these classes (see _check_and_adjust_attn_implementation).
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
@@ -113,10 +114,12 @@ class PerformerPreTrainedModel(PreTrainedModel):
         if kwargs:  # what `from_pretrained(folder, nb_featurs=16)` leaves after the config took its own arguments
             raise PerformerConfigError(config._unknown_argument_message(f"{type(self).__name__}", next(iter(kwargs))))
         super().__init__(config)
+        requested_implementation = config._attn_implementation  # "favor" unless e.g. attn_implementation="sdpa"
         source_config = config.prepare_source_config()
         source_class = self.source_model_class(source_config)
         source_model = source_class(source_config)
-        attach_feature_maps(source_model)
+        attach_feature_maps(source_model)  # feature maps exist whatever runs now: switching back to favor keeps them
+        source_config._attn_implementation_internal = requested_implementation
         self._source_attribute = self._source_model_attribute(source_class)
         self.add_module(self._source_attribute, source_model)
         # Decoders (GPT-2, Llama, BERT with is_decoder) get position ids counted from the attention mask.
@@ -154,6 +157,15 @@ class PerformerPreTrainedModel(PreTrainedModel):
     def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
         return self.base_model_prefix
 
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """As for stock models, with "favor" (linear attention) the default instead of "sdpa": ``from_pretrained``
+        / ``_from_config`` without ``attn_implementation`` run favor, ``attn_implementation="sdpa"`` or ``"eager"``
+        run exact softmax attention with the same weights (the teacher)."""
+        if attn_implementation is None or attn_implementation == ATTN_IMPLEMENTATION:
+            return ATTN_IMPLEMENTATION
+        return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, allow_all_kernels)
 
     @property
     def source_model(self) -> PreTrainedModel:

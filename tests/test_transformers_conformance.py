@@ -32,9 +32,9 @@ SOURCES = {"bert": tiny_bert_config, "gpt2": gpt2_config, "llama": llama_config}
 CAUSAL = ["gpt2", "llama"]
 
 
-def build(model_class, source, seed=0, **settings):
+def build(model_class, source, seed=0, source_overrides=None, **settings):
     torch.manual_seed(seed)
-    config = PerformerConfig(source_config=SOURCES[source](), nb_features=16, **settings)
+    config = PerformerConfig(source_config=SOURCES[source](**(source_overrides or {})), nb_features=16, **settings)
     return model_class(config).eval()
 
 
@@ -175,3 +175,62 @@ def test_packed_sequences_with_a_cache_follow_transformers():
     batch, _ = _packed_batch()
     with pytest.raises(ValueError, match="use_cache=False"):
         model(batch["input_ids"], cu_seq_lens_q=batch["cu_seq_lens_q"], use_cache=True)
+
+
+# ---------------------------------------------------------------------------------- set_attn_implementation
+
+
+def _stock_twin(model):
+    """The stock transformers model of the source architecture with the Performer model's weights, on sdpa."""
+    source = model.source_model
+    stock = type(source)._from_config(type(source.config)(**source.config.to_dict()), attn_implementation="sdpa")
+    missing, unexpected = stock.load_state_dict(source.state_dict(), strict=False)
+    assert not missing and all("favor_feature_map" in key for key in unexpected)
+    return stock.eval()
+
+
+@pytest.mark.parametrize("model_class, source", list(model_cases()))
+def test_set_attn_implementation_switches_between_softmax_and_favor(model_class, source):
+    model = build(model_class, source, source_overrides=dict(initializer_range=0.3))  # softmax far from uniform
+    input_ids = token_ids()
+    assert model.config._attn_implementation == "favor" == model.source_model.config._attn_implementation
+    favor_output = model(input_ids)[0]
+    teacher_output = _stock_twin(model)(input_ids)[0]
+    assert (favor_output - teacher_output).abs().max() > 1e-3
+    projections = [b.clone() for n, b in model.named_buffers() if n.endswith("projection")]
+    for implementation in ("sdpa", "eager"):
+        model.set_attn_implementation(implementation)
+        assert model.config._attn_implementation == implementation == model.source_model.config._attn_implementation
+        torch.testing.assert_close(model(input_ids)[0], teacher_output, rtol=1e-5, atol=1e-5)
+    model.set_attn_implementation("favor")  # the feature maps survived: same projections, same output as before
+    after = [b for n, b in model.named_buffers() if n.endswith("projection")]
+    assert len(after) == len(projections) == 2 and all(torch.equal(a, b) for a, b in zip(projections, after))
+    torch.testing.assert_close(model(input_ids)[0], favor_output, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("source", ["bert", "llama"])
+def test_config_setter_switches_the_wrapped_model(source):
+    model = build(PerformerModel, source)
+    input_ids = token_ids()
+    favor_output = model(input_ids)[0]
+    model.config._attn_implementation = "sdpa"
+    assert model.source_model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(model(input_ids)[0], _stock_twin(model)(input_ids)[0], rtol=1e-5, atol=1e-5)
+    model.config._attn_implementation = "favor"
+    torch.testing.assert_close(model(input_ids)[0], favor_output, rtol=0, atol=0)
+
+
+def test_from_pretrained_with_attn_implementation_gives_the_teacher(tmp_path):
+    model = build(PerformerForCausalLM, "llama")
+    model.save_pretrained(tmp_path)
+    input_ids = token_ids()
+    loaded = PerformerForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation == "favor"
+    torch.testing.assert_close(loaded(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+    teacher = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert teacher.source_model.config._attn_implementation == "sdpa"
+    torch.testing.assert_close(teacher(input_ids).logits, _stock_twin(model)(input_ids).logits, rtol=1e-5, atol=1e-5)
+    teacher.set_attn_implementation("favor")
+    torch.testing.assert_close(teacher(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="not supported"):
+        model.set_attn_implementation("favour")
