@@ -48,6 +48,8 @@ from transformers.models.auto.modeling_auto import (
     MODEL_MAPPING,
 )
 
+from transformers import initialization as init
+
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
 from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps, find_attention_modules
 
@@ -156,6 +158,21 @@ class PerformerPreTrainedModel(PreTrainedModel):
 
     def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
         return self.base_model_prefix
+
+    def initialize_weights(self) -> None:
+        """transformers' initialisation (the source model's own ``_init_weights`` for its modules), then the
+        feature maps' parameters and buffers (projections, learned maps) set to their deterministic initial values
+        (seed + layer, :meth:`~.feature_maps.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
+        function, tensors loaded from a checkpoint (``_is_hf_initialized``) are left alone: a model materialised
+        from the meta device gets the saved values where the checkpoint has them and valid fresh ones elsewhere."""
+        super().initialize_weights()
+        for module in self.modules():
+            initial_tensors = getattr(module, "initial_tensors", None)
+            if not callable(initial_tensors) or not hasattr(module, "nb_features"):
+                continue
+            for name, value in initial_tensors().items():
+                tensor = getattr(module, name)
+                init.copy_(tensor, value.to(device=tensor.device, dtype=tensor.dtype))
 
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False

@@ -34,7 +34,8 @@ CAUSAL = ["gpt2", "llama"]
 
 def build(model_class, source, seed=0, source_overrides=None, **settings):
     torch.manual_seed(seed)
-    config = PerformerConfig(source_config=SOURCES[source](**(source_overrides or {})), nb_features=16, **settings)
+    settings = {"nb_features": 16, **settings}
+    config = PerformerConfig(source_config=SOURCES[source](**(source_overrides or {})), **settings)
     return model_class(config).eval()
 
 
@@ -168,6 +169,34 @@ def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source):
         torch.testing.assert_close(packed_grad, parameter.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_mask_builder_turns_packed_and_chunked_patterns_into_segment_ids():
+    from transformers.masking_utils import (
+        causal_mask_function,
+        chunked_causal_mask_function,
+        find_packed_sequence_indices,
+        packed_sequence_compatibility_function,
+        sliding_window_causal_mask_function,
+    )
+
+    from hf_performer import FavorMaskError, favor_attention_mask
+
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
+    packed = packed_sequence_compatibility_function(
+        causal_mask_function, position_ids, find_packed_sequence_indices(position_ids)
+    )
+    segment_ids = favor_attention_mask(2, 7, 7, mask_function=packed)
+    assert segment_ids.tolist() == [[1, 1, 1, 2, 2, 2, 2], [1] * 7]
+    chunked = favor_attention_mask(1, 7, 7, mask_function=chunked_causal_mask_function(3, torch.tensor([0])))
+    assert chunked.tolist() == [[1, 1, 1, 2, 2, 2, 3]]
+    padding = torch.tensor([[0, 1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    chunked = favor_attention_mask(
+        1, 7, 7, mask_function=chunked_causal_mask_function(3, torch.tensor([0])), attention_mask=padding
+    )
+    assert chunked.tolist() == [[0, 1, 1, 2, 2, 2, 3]]
+    with pytest.raises(FavorMaskError, match="sliding-window"):
+        favor_attention_mask(1, 7, 7, mask_function=sliding_window_causal_mask_function(3))
+
+
 def test_packed_sequences_with_a_cache_follow_transformers():
     # With a cache transformers does not look for packing (create_causal_mask): as for stock sdpa models, the row is
     # one sequence; cu_seq_lens with a recurrent cache is refused (a state cannot be split by sequence).
@@ -234,3 +263,60 @@ def test_from_pretrained_with_attn_implementation_gives_the_teacher(tmp_path):
     torch.testing.assert_close(teacher(input_ids).logits, model(input_ids).logits, rtol=0, atol=0)
     with pytest.raises(ValueError, match="not supported"):
         model.set_attn_implementation("favour")
+
+
+# ---------------------------------------------------------------------------------- _init_weights / meta device
+
+FEATURE_MAP_SETTINGS = {"favor+": dict(nb_features=16), "hedgehog": dict(feature_map="hedgehog", nb_features=16)}
+
+
+def _feature_map_tensors(model):
+    return {name: tensor.clone() for name, tensor in model.state_dict().items() if "favor_feature_map" in name}
+
+
+@pytest.mark.parametrize("feature_map", list(FEATURE_MAP_SETTINGS))
+def test_meta_device_model_materialised_gets_the_default_feature_maps(feature_map):
+    config = PerformerConfig(source_config=llama_config(), **FEATURE_MAP_SETTINGS[feature_map])
+    expected = _feature_map_tensors(PerformerForCausalLM(config))
+    with torch.device("meta"):
+        model = PerformerForCausalLM(config)
+    model.to_empty(device="cpu")  # uninitialised memory everywhere
+    model.initialize_weights()
+    actual = _feature_map_tensors(model)
+    assert actual.keys() == expected.keys() and len(actual) >= 6
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), name
+
+
+@pytest.mark.parametrize("feature_map", list(FEATURE_MAP_SETTINGS))
+@pytest.mark.parametrize("load_kwargs", [{}, {"device_map": "cpu"}, {"low_cpu_mem_usage": True}],
+                         ids=["default", "device_map", "low_cpu_mem_usage"])
+def test_from_pretrained_gives_the_saved_feature_maps(tmp_path, feature_map, load_kwargs):
+    model = build(PerformerForCausalLM, "llama", **FEATURE_MAP_SETTINGS[feature_map])
+    with torch.no_grad():  # saved values that differ from the defaults: a redrawn projection, trained parameters
+        for module in model.modules():
+            if hasattr(module, "redraw_projection"):
+                module.redraw_projection()
+            elif hasattr(module, "query_weight"):
+                module.query_weight.add_(0.5)
+                module.key_bias.add_(0.25)
+    saved = _feature_map_tensors(model)
+    model.save_pretrained(tmp_path)
+    loaded = _feature_map_tensors(PerformerForCausalLM.from_pretrained(tmp_path, **load_kwargs))
+    assert loaded.keys() == saved.keys()
+    for name, tensor in saved.items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def test_checkpoint_without_feature_maps_loads_the_default_ones(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = build(PerformerForCausalLM, "gpt2")
+    defaults = _feature_map_tensors(model)
+    model.save_pretrained(tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if "favor_feature_map" not in k}, tmp_path / "model.safetensors",
+              metadata={"format": "pt"})
+    loaded = PerformerForCausalLM.from_pretrained(tmp_path)
+    for name, tensor in _feature_map_tensors(loaded).items():
+        assert torch.equal(tensor, defaults[name]), name
