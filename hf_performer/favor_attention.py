@@ -529,6 +529,23 @@ def _apply_weights(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.matmul(weights, value.to(weights.dtype)).to(value.dtype)
 
 
+def _record_for_rollback(cache_layer, query_heads: int, key, value, feature_map, key_padding_mask, common: dict):
+    """Let a recording :class:`FavorCacheLayer` undo this call's tokens (assisted decoding): it keeps the state
+    before the call, the new keys / values, and a function folding kept tokens into that state with this layer's
+    features (placeholder queries: only the state is used)."""
+
+    def fold(start_state, keys, values, mask):
+        placeholder = keys.new_zeros(keys.shape[0], query_heads, keys.shape[2], keys.shape[3])
+        with _no_redraw(feature_map, active=True):
+            _, state = linear_attention(
+                placeholder, keys, values, feature_map, causal=True, key_padding_mask=mask, initial_state=start_state,
+                return_state=True, **common,
+            )
+        return state
+
+    cache_layer.record_call(cache_layer.state, key, value, key_padding_mask, fold)
+
+
 def _packed_sequences(attention_mask, query: torch.Tensor, kwargs: dict):
     """``(segment_ids [B, L] or None, attention_mask)``: packed sequences given by the favor mask builder's segment
     ids, or by ``cu_seq_lens_q`` keyword arguments (one packed row, no mask); see :mod:`.packed_sequences`."""
@@ -645,6 +662,8 @@ def favor_attention_forward(
                 query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
                 initial_state=cache_layer.state, return_state=True, **common,
             )
+        if getattr(cache_layer, "record_past", False):
+            _record_for_rollback(cache_layer, query.shape[1], key, value, feature_map, key_padding_mask, common)
         cache_layer.set_state(state)
     else:
         if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:

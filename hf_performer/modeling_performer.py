@@ -51,7 +51,15 @@ from transformers.models.auto.modeling_auto import (
 from transformers import initialization as init
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps, find_attention_modules
+from .favor_attention import (
+    ATTN_IMPLEMENTATION,
+    _install_favor_cache_layer,
+    _self_attention_cache,
+    attach_feature_maps,
+    find_attention_modules,
+    layer_index_of,
+    uses_favor,
+)
 
 
 # Arguments checked against the source model's forward signature before a call; anything else given as a
@@ -503,9 +511,51 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             kwargs,
         )
 
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refusing up front (one-line ``ValueError``) the assisted-decoding
+        combinations a recurrent favor cache cannot serve: a linear-attention *assistant* model (its cache would
+        have to undo tokens of earlier calls, which is not recorded), and ``output_attentions`` with an assistant
+        or prompt lookup (the weights of the verified tokens need the past keys, which the state does not keep).
+        Assisted decoding and prompt lookup themselves work: the cache rolls back rejected candidates."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        assistant = kwargs.get("assistant_model")
+        lookup = kwargs.get("prompt_lookup_num_tokens", getattr(generation_config, "prompt_lookup_num_tokens", None))
+        if (assistant is not None or lookup) and _runs_causal_favor(self):
+            if assistant is not None and _runs_causal_favor(assistant):
+                raise ValueError(
+                    f"generate(assistant_model={type(assistant).__name__}): a linear-attention (favor) assistant cannot "
+                    "roll its recurrent cache back to the tokens the main model accepted; use a softmax assistant "
+                    "(e.g. the source model, or this one with set_attn_implementation('sdpa')) or "
+                    "prompt_lookup_num_tokens"
+                )
+            if kwargs.get("output_attentions", getattr(generation_config, "output_attentions", False)):
+                raise ValueError(
+                    "generate(output_attentions=True) with assisted decoding / prompt lookup: the attention weights of "
+                    "verified tokens need the past keys, which a recurrent favor cache does not keep; drop "
+                    "output_attentions, or generate without an assistant"
+                )
+        return super().generate(*args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' cache preparation, with the favor layers' :class:`~.cache.FavorCacheLayer` put in the new
+        cache right away (instead of at the first forward), so that ``activate_past_recording()``, which assisted
+        decoding calls before its first forward, reaches them."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = _self_attention_cache(model_kwargs.get("past_key_values"))
+        if cache is not None:
+            for _, module in find_attention_modules(self):
+                if getattr(module, "is_causal", False) and uses_favor(module):
+                    _install_favor_cache_layer(cache, layer_index_of(module))
+        return result
+
     def prepare_inputs_for_generation(self, *args, **kwargs):
         """The source model's own preparation of generation inputs."""
         return self.source_model.prepare_inputs_for_generation(*args, **kwargs)
+
+
+def _runs_causal_favor(model: torch.nn.Module) -> bool:
+    """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
+    return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
 
 
 PERFORMER_CLASSES_BY_TASK: dict[str, type[PerformerPreTrainedModel]] = {

@@ -320,3 +320,79 @@ def test_checkpoint_without_feature_maps_loads_the_default_ones(tmp_path):
     loaded = PerformerForCausalLM.from_pretrained(tmp_path)
     for name, tensor in _feature_map_tensors(loaded).items():
         assert torch.equal(tensor, defaults[name]), name
+
+
+# ---------------------------------------------------------------------------------- assisted decoding, beam search
+
+
+def _stock_assistant(source, seed):
+    """A softmax model of the source architecture with other weights: it proposes candidates the main model rejects."""
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(SOURCES[source](), attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+@pytest.mark.parametrize("helper", ["assistant_model", "prompt_lookup"])
+def test_assisted_generation_equals_greedy_and_rolls_the_cache_back(source, helper, monkeypatch):
+    model = build(PerformerForCausalLM, source)
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    crops = []
+    original_crop = FavorCacheLayer.crop
+    monkeypatch.setattr(FavorCacheLayer, "crop", lambda self, n: (crops.append(n), original_crop(self, n))[1])
+    if helper == "assistant_model":
+        kwargs = dict(assistant_model=_stock_assistant(source, seed=1))
+    else:
+        kwargs = dict(prompt_lookup_num_tokens=3)
+    greedy = model.generate(prompt, max_new_tokens=8, do_sample=False)
+    assisted = model.generate(prompt, max_new_tokens=8, do_sample=False, **kwargs)
+    assert torch.equal(assisted, greedy)
+    assert any(n < 0 for n in crops)  # candidates were rejected and undone
+
+
+def test_crop_rebuilds_the_state_without_the_removed_tokens():
+    model = build(PerformerForCausalLM, "llama")
+    tokens = token_ids(batch=2, length=9)
+    prefill = model(tokens[:, :5], use_cache=True)
+    cache = prefill.past_key_values
+    cache.activate_past_recording()
+    model(tokens[:, 5:9], past_key_values=cache, use_cache=True)  # 4 candidates ...
+    cache.crop(-3)  # ... 3 rejected
+    assert cache.get_seq_length() == 6
+    next_logits = model(tokens[:, 6:7], past_key_values=cache, use_cache=True).logits
+    expected = model(tokens[:, :7], use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(next_logits, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="recorded since the last crop \\(1;"):
+        cache.crop(-2)  # the crop consumed the record: only the token decoded since can be undone
+
+
+def test_crop_without_recording_is_a_clear_error():
+    model = build(PerformerForCausalLM, "gpt2")
+    cache = model(token_ids(batch=1, length=4), use_cache=True).past_key_values
+    cache.crop(0)  # nothing to undo: fine
+    with pytest.raises(RuntimeError, match="activate_past_recording"):
+        cache.crop(-1)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(assistant_model="favor"), "favor\\) assistant"),
+        (dict(prompt_lookup_num_tokens=2, output_attentions=True, return_dict_in_generate=True), "output_attentions"),
+    ],
+)
+def test_assisted_generation_that_cannot_work_is_refused_up_front(kwargs, message):
+    model = build(PerformerForCausalLM, "gpt2")
+    if kwargs.get("assistant_model") == "favor":
+        kwargs["assistant_model"] = build(PerformerForCausalLM, "gpt2", seed=1)
+    with pytest.raises(ValueError, match=message):
+        model.generate(token_ids(batch=1, length=5), max_new_tokens=3, do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_beam_search_reorders_the_recurrent_cache(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=2, length=5)
+    beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, return_dict_in_generate=True)
+    no_cache = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False)
+    assert isinstance(beams.past_key_values.layers[0], FavorCacheLayer)
+    assert torch.equal(beams.sequences, no_cache)
