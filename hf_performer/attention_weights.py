@@ -131,3 +131,69 @@ def softmax_attention_weights(
         else:
             scores = scores + attention_mask.float()
     return torch.softmax(scores, dim=-1).to(query.dtype)
+
+
+def window_attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    window: int,
+    sinks: int = 0,
+    causal: bool = True,
+    softmax_weight: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    eps: float = 1e-12,
+) -> torch.Tensor:
+    """The combined weights of sink + sliding-window softmax with a linear tail, ``[B, H, L, L]`` in
+    ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
+    ``weights @ V`` is its output.
+
+    Exact keys ``E`` (sinks, the window; every key for bidirectional sink queries) weigh ``exp(s_ij - c_i)``
+    (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times ``exp(-c_i)`` in
+    calibrated mode), ``c_i`` the largest exact score of row ``i`` (0 if none); rows are normalised with one
+    shared denominator. Computed in log space with one stabiliser per row (float32, float64 for float64 inputs).
+    """
+    batch, heads, length, head_dim = query.shape
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    dtype = compute_dtype_for(query)
+    groups = heads // key.shape[1]
+    q, k = query.to(dtype), _repeat_kv(key.to(dtype), groups)
+    root = scaling**0.5
+    q_features = feature_map.query_features(q * root)
+    k_features = _repeat_features(feature_map.key_features(key.to(dtype) * root), groups)
+    i = torch.arange(length, device=query.device)[:, None]
+    j = torch.arange(length, device=query.device)[None, :]
+    if causal:
+        exact = (j <= i) & ((j < sinks) | (j > i - window))
+        tail = (j <= i) & ~exact
+    else:
+        exact = (j < sinks) | (i < sinks) | ((i - j).abs() < window)
+        tail = ~exact
+    keep = torch.ones(batch, length, dtype=torch.bool, device=query.device)
+    if key_padding_mask is not None:
+        keep = key_padding_mask.to(torch.bool)
+    exact, tail = exact[None, None] & keep[:, None, None, :], tail[None, None] & keep[:, None, None, :]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
+    row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()
+    exact_log = scores - row_max
+    zeros = q.new_zeros(batch, heads, length)
+    log_q = zeros if q_features.log_scale is None else q_features.log_scale
+    log_k = zeros if k_features.log_scale is None else k_features.log_scale
+    tail_log = log_q[..., :, None] + log_k[..., None, :]
+    if softmax_weight is None:
+        tail_log = tail_log - row_max
+    else:
+        exact_log = exact_log + torch.log(softmax_weight.to(dtype))[None, :, None, None]
+    stabilizer = torch.maximum(
+        exact_log.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True),
+        tail_log.masked_fill(~tail, float("-inf")).amax(-1, keepdim=True),
+    )
+    stabilizer = torch.where(torch.isfinite(stabilizer), stabilizer, torch.zeros_like(stabilizer)).detach()
+    tail_values = torch.matmul(q_features.values, k_features.values.transpose(-1, -2))
+    weights = torch.exp((exact_log - stabilizer).masked_fill(~exact, float("-inf"))) + tail_values * torch.exp(
+        (tail_log - stabilizer).masked_fill(~tail, float("-inf"))
+    )
+    return (weights / _safe_denominator(weights.sum(-1, keepdim=True), eps)).to(query.dtype)

@@ -8,8 +8,8 @@ Importing this module registers:
 * ``AttentionMaskInterface.register("favor", favor_attention_mask)``: without it transformers builds *no*
   mask for an unknown implementation and padding would be silently ignored. The mask is the 2-D key
   padding mask ``[batch, kv_length]`` (``True`` = token) of flash attention, or ``None`` when nothing
-  is padded; patterns linear attention cannot express (sliding windows, chunked attention, packed
-  sequences, custom ``or``/``and`` mask functions) raise an error.
+  is padded; patterns linear attention cannot express (sliding windows, custom ``or``/``and`` mask
+  functions) raise an error; packed sequences become segment ids (:mod:`.packed_sequences`).
 
 Behaviour of :func:`favor_attention_forward`:
 

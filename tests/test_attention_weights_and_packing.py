@@ -132,3 +132,29 @@ def test_softmax_weights_match_the_float64_reference():
         softmax_attention(q, k, v, causal=True, scaling=0.5),
         rtol=1e-5, atol=1e-6,
     )
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("learned", [False, True], ids=["calibrated", "learned"])
+def test_window_weights_times_values_is_the_window_kernel_output(causal, learned):
+    from hf_performer import window_linear_attention
+    from hf_performer.attention_weights import window_attention_weights
+    from hf_performer.reference import reference_window_linear_attention
+
+    q, k, v = _qkv(length=12)
+    fm = _map("favor+")
+    padding = torch.ones(2, 12, dtype=torch.bool)
+    padding[1, -3:] = False
+    gamma = torch.tensor([0.2, 0.5, 0.7, 0.9]) if learned else None
+    kwargs = dict(window=3, sinks=2, causal=causal, softmax_weight=gamma, key_padding_mask=padding, scaling=0.4)
+    weights = window_attention_weights(q, k, fm, **kwargs)
+    assert weights.shape == (2, 4, 12, 12) and bool((weights[1, :, :, -3:] == 0).all())
+    applied = weights @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(applied, window_linear_attention(q, k, v, fm, chunk_size=5, **kwargs), rtol=1e-4,
+                               atol=1e-5)
+    weights64 = window_attention_weights(q.double(), k.double(), fm.double(), **kwargs)
+    torch.testing.assert_close(
+        weights64 @ v.double().repeat_interleave(2, dim=1),
+        reference_window_linear_attention(q.double(), k.double(), v.double(), fm, **kwargs),
+        rtol=1e-9, atol=1e-10,
+    )
