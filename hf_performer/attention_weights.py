@@ -19,10 +19,13 @@ This module imports only ``torch``, ``transformers`` and relative siblings: it i
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
 from .feature_maps import FeatureMap, compute_dtype_for
 from .linear_attention import _finite_min, _repeat_features, _repeat_kv, _safe_denominator, same_segment_mask
 
+
+logger = logging.get_logger(__name__)
 
 try:  # transformers >= 5: attentions are captured by hooks while this collector is active
     from transformers.utils.output_capturing import _active_collector
@@ -103,6 +106,44 @@ def linear_attention_weights(
         scores = scores.masked_fill(~allowed, 0.0)
     denominator = _safe_denominator(scores.sum(-1, keepdim=True), eps)
     return (scores / denominator).to(query.dtype)
+
+
+def apply_attention_weights(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``weights [B, H, Lq, Lk] @ value [B, Hkv, Lk, dv]`` -> ``[B, H, Lq, dv]`` (grouped heads repeated)."""
+    value = value.repeat_interleave(weights.shape[1] // value.shape[1], dim=1)
+    return torch.matmul(weights, value.to(weights.dtype)).to(value.dtype)
+
+
+def requested_linear_attention_weights(
+    kwargs: dict,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    causal: bool,
+    key_padding_mask: torch.Tensor | None,
+    segment_ids: torch.Tensor | None,
+    scaling: float | None,
+    decoding_from_state: bool,
+) -> torch.Tensor | None:
+    """:func:`linear_attention_weights` when the forward asked for attention weights (``kwargs`` of the attention
+    function), else ``None``.
+
+    A decoding step from a recurrent state (``decoding_from_state``) has no past keys: its weights cannot be formed
+    and, as transformers' sdpa does for ``output_attentions``, ``None`` is returned with a one-time warning."""
+    if not attention_weights_requested(kwargs):
+        return None
+    if decoding_from_state:
+        logger.warning_once(
+            "favor attention: output_attentions during cached decoding: the recurrent state keeps no past keys, so "
+            "the weights of these steps cannot be formed and are returned as None (prefill and forward passes "
+            "without a cache return them)."
+        )
+        return None
+    return linear_attention_weights(
+        query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+        scaling=scaling,
+    )
 
 
 def softmax_attention_weights(

@@ -76,8 +76,9 @@ from transformers.utils import logging
 
 from .attention_weights import (
     allowed_attention_pairs,
+    apply_attention_weights,
     attention_weights_requested,
-    linear_attention_weights,
+    requested_linear_attention_weights,
     softmax_attention_weights,
 )
 from .cache import FavorCacheLayer
@@ -323,6 +324,22 @@ def _install_favor_cache_layer(cache: Cache, layer_idx: int) -> None:
         layers.append(FavorCacheLayer())
 
 
+def runs_causal_favor(model: nn.Module) -> bool:
+    """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
+    return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
+
+
+def install_favor_cache_layers(cache, model: nn.Module) -> None:
+    """Put a :class:`FavorCacheLayer` in ``cache`` (a new one, or the self-attention part of an encoder-decoder
+    cache) for every causal favor attention module of ``model``, in place of its empty default layer."""
+    cache = _self_attention_cache(cache)
+    if cache is None:
+        return
+    for _, module in find_attention_modules(model):
+        if getattr(module, "is_causal", False) and uses_favor(module):
+            _install_favor_cache_layer(cache, layer_index_of(module))
+
+
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = _self_attention_cache(_past_key_values_from_call(module, args, kwargs))
     setattr(module, CACHE_ATTRIBUTE, cache)
@@ -519,14 +536,8 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
         # As transformers' eager attention, O(Lq Lk): the weights (after dropout) are applied and returned.
         weights = softmax_attention_weights(query, key, attention_mask, causal=causal, scaling=scaling)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
-        return _apply_weights(weights, value).transpose(1, 2).contiguous(), weights
+        return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-
-
-def _apply_weights(weights: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``weights [B, H, Lq, Lk] @ value [B, Hkv, Lk, dv]`` -> ``[B, H, Lq, dv]`` (grouped heads repeated)."""
-    value = value.repeat_interleave(weights.shape[1] // value.shape[1], dim=1)
-    return torch.matmul(weights, value.to(weights.dtype)).to(value.dtype)
 
 
 def _record_for_rollback(cache_layer, query_heads: int, key, value, feature_map, key_padding_mask, common: dict):
@@ -559,27 +570,6 @@ def _packed_sequences(attention_mask, query: torch.Tensor, kwargs: dict):
                 f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
             )
     return segment_ids, attention_mask
-
-
-def _linear_attention_weights_if_requested(module, query, key, feature_map, cache_layer, causal, key_padding_mask,
-                                           segment_ids, scaling, kwargs):
-    """The weights applied by a favor layer when ``output_attentions`` is requested (O(Lq Lk)), else ``None``.
-
-    A decoding step from a :class:`FavorCacheLayer` state has no past keys: its weights cannot be formed, and, as
-    transformers' sdpa does for ``output_attentions``, ``None`` is returned with a one-time warning."""
-    if not attention_weights_requested(kwargs):
-        return None
-    if _is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > query.shape[2]:
-        logger.warning_once(
-            "favor attention: output_attentions during cached decoding: the recurrent state keeps no past keys, so "
-            "the weights of these steps cannot be formed and are returned as None (prefill and forward passes "
-            "without a cache return them)."
-        )
-        return None
-    return linear_attention_weights(
-        query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
-        scaling=scaling,
-    )
 
 
 def favor_attention_forward(
@@ -692,11 +682,12 @@ def favor_attention_forward(
                 query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask,
                 segment_ids=segment_ids, **common,
             )
-    weights = _linear_attention_weights_if_requested(
-        module, query, key, feature_map, cache_layer, causal, key_padding_mask, segment_ids, scaling, kwargs
+    weights = requested_linear_attention_weights(
+        kwargs, query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+        scaling=scaling, decoding_from_state=_is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > q_len,
     )
     if weights is not None:  # the returned weights are the applied ones (equal outputs; gradients reach them)
-        out = _apply_weights(weights, value)
+        out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
 
 

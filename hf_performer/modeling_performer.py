@@ -53,12 +53,10 @@ from transformers import initialization as init
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
 from .favor_attention import (
     ATTN_IMPLEMENTATION,
-    _install_favor_cache_layer,
-    _self_attention_cache,
     attach_feature_maps,
     find_attention_modules,
-    layer_index_of,
-    uses_favor,
+    install_favor_cache_layers,
+    runs_causal_favor,
 )
 
 
@@ -520,8 +518,8 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         generation_config = kwargs.get("generation_config") or self.generation_config
         assistant = kwargs.get("assistant_model")
         lookup = kwargs.get("prompt_lookup_num_tokens", getattr(generation_config, "prompt_lookup_num_tokens", None))
-        if (assistant is not None or lookup) and _runs_causal_favor(self):
-            if assistant is not None and _runs_causal_favor(assistant):
+        if (assistant is not None or lookup) and runs_causal_favor(self):
+            if assistant is not None and runs_causal_favor(assistant):
                 raise ValueError(
                     f"generate(assistant_model={type(assistant).__name__}): a linear-attention (favor) assistant cannot "
                     "roll its recurrent cache back to the tokens the main model accepted; use a softmax assistant "
@@ -541,21 +539,12 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         cache right away (instead of at the first forward), so that ``activate_past_recording()``, which assisted
         decoding calls before its first forward, reaches them."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = _self_attention_cache(model_kwargs.get("past_key_values"))
-        if cache is not None:
-            for _, module in find_attention_modules(self):
-                if getattr(module, "is_causal", False) and uses_favor(module):
-                    _install_favor_cache_layer(cache, layer_index_of(module))
+        install_favor_cache_layers(model_kwargs.get("past_key_values"), self)
         return result
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
         """The source model's own preparation of generation inputs."""
         return self.source_model.prepare_inputs_for_generation(*args, **kwargs)
-
-
-def _runs_causal_favor(model: torch.nn.Module) -> bool:
-    """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
-    return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
 
 
 PERFORMER_CLASSES_BY_TASK: dict[str, type[PerformerPreTrainedModel]] = {
