@@ -16,7 +16,13 @@ layer that holds this state instead of keys and values:
 * the favor attention function (``favor_attention.py``) runs the causal kernel from ``state`` and
   stores the new state with :meth:`FavorCacheLayer.set_state`;
 * ``reorder_cache`` / ``batch_select_indices`` / ``batch_repeat_interleave`` select rows of the state
-  (beam search, contrastive search).
+  (beam search, contrastive search);
+* rollback (assisted / speculative decoding, prompt lookup): after ``activate_past_recording()`` (which
+  ``generate()`` calls before assisted decoding, as for transformers' own linear-attention layers) the layer
+  keeps, until the next ``crop``, the state before the recorded calls and their keys and values (only the
+  candidate tokens, a few per step); ``crop(-n)`` rebuilds the state without the last ``n`` tokens from them
+  (exact: the same kernel over the kept tokens). Without recording, a state cannot be rolled back and ``crop``
+  of a positive count raises.
 
 A layer that received tokens the attention function never folded into its state (the model does not
 run favor attention on it, or the attention module cannot see the cache) raises at the next
@@ -35,6 +41,9 @@ models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
@@ -56,8 +65,8 @@ class FavorCacheLayer(CacheLayerMixin):
     _layer_type = "favor"
     is_sliding = False
     is_compileable = False
-    # A recurrent state cannot be rolled back to an earlier token.
-    is_croppable = False
+    # Croppable while recording (activate_past_recording): the tokens of the calls since the last crop can be undone.
+    is_croppable = True
 
     def __init__(self, **kwargs):
         super().__init__()
@@ -66,6 +75,8 @@ class FavorCacheLayer(CacheLayerMixin):
         self.pending_tokens = 0
         self.dtype = None
         self.device = None
+        self.record_past = False
+        self._record: _RollbackRecord | None = None
 
     def __repr__(self):
         return f"{self.__class__.__name__}(seen_tokens={self.seen_tokens})"
@@ -111,11 +122,29 @@ class FavorCacheLayer(CacheLayerMixin):
     def _map_state(self, fn) -> None:
         if self.state is not None:
             self.state = LinearAttentionState(*(fn(t) for t in self.state))
+        if self._record is not None:
+            self._record = self._record.map_rows(fn)
+
+    def activate_past_recording(self) -> None:
+        """Keep what is needed to undo the tokens of the next calls (until ``crop``), as transformers' protocol for
+        caches with fixed-size states; ``generate()`` calls it before assisted decoding."""
+        self.record_past = True
+
+    def record_call(self, start_state, keys, values, key_padding_mask, fold) -> None:
+        """Called by the attention function before :meth:`set_state` when ``record_past``: remember the state
+        before the call and the call's keys / values ``[B, Hkv, n, d]`` and key padding mask ``[B, n]`` (or
+        ``None``). ``fold(start_state, keys, values, key_padding_mask)`` returns the state after those tokens."""
+        if self._record is None:
+            self._record = _RollbackRecord(start_state, keys, values, key_padding_mask, fold)
+        else:
+            self._record = self._record.extended(keys, values, key_padding_mask, fold)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Select batch rows of the state (beam search)."""
         if self.state is not None:
             self.state = self.state.reorder(beam_idx)
+        if self._record is not None:
+            self._record = self._record.map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._map_state(lambda t: t[indices, ...])
@@ -127,13 +156,43 @@ class FavorCacheLayer(CacheLayerMixin):
         self.state = None
         self.seen_tokens = 0
         self.pending_tokens = 0
+        self._record = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove != 0:
+        """Remove the last ``-tokens_to_remove`` tokens (a count ``<= 0``, as for transformers' linear-attention
+        layers) by rebuilding the state from the recorded calls, then forget the record (``crop(0)`` only forgets).
+
+        Raises:
+            RuntimeError: a positive count, or more tokens than were recorded since the last crop (recording off:
+                none).
+        """
+        if tokens_to_remove > 0:
             raise RuntimeError(
-                "FavorCacheLayer holds a recurrent state: tokens cannot be removed from it (no crop, so no assisted "
-                "or speculative decoding that rolls the cache back)."
+                f"FavorCacheLayer.crop({tokens_to_remove}): pass a negative count of tokens to remove (a recurrent "
+                "state has no key positions to cut at)"
             )
+        record, self._record = self._record, None
+        remove = -tokens_to_remove
+        if remove == 0:
+            return
+        recorded = 0 if record is None else record.keys.shape[-2]
+        if remove > recorded:
+            raise RuntimeError(
+                f"FavorCacheLayer: cannot remove {remove} token(s): a recurrent state can only undo the tokens recorded "
+                f"since the last crop ({recorded}; recording is {'on' if self.record_past else 'off'}: "
+                "activate_past_recording() turns it on). Assisted decoding needs this for the main model; a "
+                "linear-attention assistant model cannot roll back: use a softmax assistant, prompt lookup, or "
+                "window layers (issue 15)."
+            )
+        keep = recorded - remove
+        if keep == 0:
+            self.state = record.start_state
+        else:
+            mask = None if record.key_padding_mask is None else record.key_padding_mask[:, :keep]
+            self.state = record.fold(
+                record.start_state, record.keys[..., :keep, :], record.values[..., :keep, :], mask
+            )
+        self.seen_tokens -= remove
 
     def offload(self):
         self._map_state(lambda t: t.to("cpu", non_blocking=True))
@@ -145,6 +204,35 @@ class FavorCacheLayer(CacheLayerMixin):
     def state_nbytes(self) -> int:
         """Bytes held by the state (independent of the number of tokens seen)."""
         return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+
+
+class _RollbackRecord(NamedTuple):
+    """What :meth:`FavorCacheLayer.crop` needs to undo recorded tokens: the state before them (``None`` = empty),
+    their keys / values ``[B, Hkv, n, d]``, key padding mask ``[B, n]`` or ``None``, and the function that folds
+    tokens into a state (given by the attention function: it has the feature map and the scaling)."""
+
+    start_state: LinearAttentionState | None
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_padding_mask: torch.Tensor | None
+    fold: Callable
+
+    def extended(self, keys, values, key_padding_mask, fold) -> "_RollbackRecord":
+        if self.key_padding_mask is None and key_padding_mask is None:
+            mask = None
+        else:
+            ones = lambda t: torch.ones(t.shape[0], t.shape[-2], dtype=torch.bool, device=t.device)  # noqa: E731
+            old = ones(self.keys) if self.key_padding_mask is None else self.key_padding_mask
+            new = ones(keys) if key_padding_mask is None else key_padding_mask
+            mask = torch.cat([old, new.to(old.device)], dim=-1)
+        return _RollbackRecord(
+            self.start_state, torch.cat([self.keys, keys], dim=-2), torch.cat([self.values, values], dim=-2), mask, fold
+        )
+
+    def map_rows(self, fn) -> "_RollbackRecord":
+        start = None if self.start_state is None else LinearAttentionState(*(fn(t) for t in self.start_state))
+        mask = None if self.key_padding_mask is None else fn(self.key_padding_mask)
+        return _RollbackRecord(start, fn(self.keys), fn(self.values), mask, self.fold)
 
 
 def make_favor_cache(config_or_model) -> DynamicCache:

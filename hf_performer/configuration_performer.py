@@ -391,6 +391,19 @@ class PerformerConfig(PreTrainedConfig):
             return getattr(source, name)
         raise AttributeError(f"{type(self).__name__} (and its source_config) has no attribute {name!r}")
 
+    @property
+    def _attn_implementation(self):
+        return self._attn_implementation_internal
+
+    @_attn_implementation.setter
+    def _attn_implementation(self, value):
+        """The config setter, as on stock configs; a name given here also switches the wrapped model's attention
+        (``config._attn_implementation = "sdpa"`` on a Performer model runs exact softmax, ``"favor"`` linear)."""
+        PreTrainedConfig._attn_implementation.fset(self, value)
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig) and isinstance(value, str):
+            source._attn_implementation = value
+
     def __setattr__(self, key, value):
         source = self.__dict__.get("source_config")
         if (

@@ -8,8 +8,8 @@ Importing this module registers:
 * ``AttentionMaskInterface.register("favor", favor_attention_mask)``: without it transformers builds *no*
   mask for an unknown implementation and padding would be silently ignored. The mask is the 2-D key
   padding mask ``[batch, kv_length]`` (``True`` = token) of flash attention, or ``None`` when nothing
-  is padded; patterns linear attention cannot express (sliding windows, chunked attention, packed
-  sequences, custom ``or``/``and`` mask functions) raise an error.
+  is padded; patterns linear attention cannot express (sliding windows, custom ``or``/``and`` mask
+  functions) raise an error; packed sequences become segment ids (:mod:`.packed_sequences`).
 
 Behaviour of :func:`favor_attention_forward`:
 
@@ -23,7 +23,13 @@ Behaviour of :func:`favor_attention_forward`:
   raises :class:`FavorMaskError`: it is never silently dropped;
 * attention dropout cannot be applied to linear attention (there is no attention matrix): a
   ``dropout > 0`` in training is ignored with a one-time warning;
-* ``output_attentions``: there are no attention weights; ``None`` is returned (one-time warning);
+* ``output_attentions`` (or transformers' output collector recording attentions): the ``[B, H, Lq, Lk]`` weights
+  the layer applies are formed on request only, in ``O(Lq Lk)`` (:mod:`.attention_weights`): for favor layers
+  the normalised ``phi(Q) phi(K)^T`` with the mask (``weights @ V`` is the output), for softmax layers the
+  softmax weights. Cached decoding from a recurrent state has no past keys: ``None`` with a one-time warning,
+  as transformers' sdpa does;
+* packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
+  state restarts at each sequence (:mod:`.packed_sequences`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given;
 * "window layers" (``favor_settings`` ``window`` or ``sinks`` > 0 for the layer, :func:`~.favor_settings.layer_window`)
@@ -73,10 +79,19 @@ from transformers.masking_utils import (
 )
 from transformers.utils import logging
 
+from .attention_weights import (
+    allowed_attention_pairs,
+    apply_attention_weights,
+    attention_weights_requested,
+    requested_linear_attention_weights,
+    softmax_attention_weights,
+    window_attention_weights,
+)
 from .cache import FavorCacheLayer
 from .favor_settings import build_feature_map, favor_settings_of, is_int, layer_window, softmax_weight_mode
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
+from .packed_sequences import packed_segment_ids, segment_ids_from_cu_seq_lens, split_segment_ids
 from .window_attention import SoftmaxWeight, window_linear_attention
 
 
@@ -344,6 +359,22 @@ def _install_favor_cache_layer(cache: Cache, layer_idx: int) -> None:
         layers.append(FavorCacheLayer())
 
 
+def runs_causal_favor(model: nn.Module) -> bool:
+    """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
+    return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
+
+
+def install_favor_cache_layers(cache, model: nn.Module) -> None:
+    """Put a :class:`FavorCacheLayer` in ``cache`` (a new one, or the self-attention part of an encoder-decoder
+    cache) for every causal favor attention module of ``model``, in place of its empty default layer."""
+    cache = _self_attention_cache(cache)
+    if cache is None:
+        return
+    for _, module in find_attention_modules(model):
+        if getattr(module, "is_causal", False) and uses_favor(module):
+            _install_favor_cache_layer(cache, layer_index_of(module))
+
+
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = _self_attention_cache(_past_key_values_from_call(module, args, kwargs))
     setattr(module, CACHE_ATTRIBUTE, cache)
@@ -409,18 +440,25 @@ def favor_attention_mask(
 ) -> torch.Tensor | None:
     """Mask builder registered in ``AttentionMaskInterface`` for "favor": the 2-D key padding mask
     ``[batch_size, kv_length]`` (bool, ``True`` = token) of flash attention, or ``None`` without padding.
+    Packed sequences (causal attention within consecutive blocks: ``position_ids`` restarting inside a row) give
+    a 2-D int64 mask of segment ids instead (``0`` = padding, ``1, 2, ...`` = sequences; see
+    :mod:`.packed_sequences`).
 
     Raises:
-        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional (sliding
-            window, chunked, packed sequences, custom or/and mask functions).
+        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional / packed causal
+            (sliding window, custom or/and mask functions).
     """
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
+        segment_ids = packed_segment_ids(
+            mask_function, batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device")
+        )
+        if segment_ids is not None:
+            return segment_ids
         name = getattr(mask_function, "__qualname__", None) or repr(mask_function)
         raise FavorMaskError(
             f"favor (linear) attention can only express causal or bidirectional attention with key padding; the "
-            f"model asked for the mask pattern {name} (sliding-window, chunked, packed-sequence (position_ids "
-            "restarting inside a row) or custom or/and masks cannot be expressed). Use attn_implementation='sdpa' "
-            "for this model, or unpack the sequences and pass a 2-D attention_mask."
+            f"model asked for the mask pattern {name} (sliding-window or custom or/and masks cannot be expressed; "
+            "packed sequences and chunked attention can). Use attn_implementation='sdpa' for this model."
         )
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
@@ -532,7 +570,44 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 allow_is_bidirectional_skip=True,
                 device=query.device,
             )
+    if attention_weights_requested(kwargs):
+        # As transformers' eager attention, O(Lq Lk): the weights (after dropout) are applied and returned.
+        weights = softmax_attention_weights(query, key, attention_mask, causal=causal, scaling=scaling)
+        weights = nn.functional.dropout(weights, p=dropout, training=module.training)
+        return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _record_for_rollback(cache_layer, query_heads: int, key, value, feature_map, key_padding_mask, common: dict):
+    """Let a recording :class:`FavorCacheLayer` undo this call's tokens (assisted decoding): it keeps the state
+    before the call, the new keys / values, and a function folding kept tokens into that state with this layer's
+    features (placeholder queries: only the state is used)."""
+
+    def fold(start_state, keys, values, mask):
+        placeholder = keys.new_zeros(keys.shape[0], query_heads, keys.shape[2], keys.shape[3])
+        with _no_redraw(feature_map, active=True):
+            _, state = linear_attention(
+                placeholder, keys, values, feature_map, causal=True, key_padding_mask=mask, initial_state=start_state,
+                return_state=True, **common,
+            )
+        return state
+
+    cache_layer.record_call(cache_layer.state, key, value, key_padding_mask, fold)
+
+
+def _packed_sequences(attention_mask, query: torch.Tensor, kwargs: dict):
+    """``(segment_ids [B, L] or None, attention_mask)``: packed sequences given by the favor mask builder's segment
+    ids, or by ``cu_seq_lens_q`` keyword arguments (one packed row, no mask); see :mod:`.packed_sequences`."""
+    segment_ids, attention_mask = split_segment_ids(attention_mask)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if segment_ids is None and attention_mask is None and isinstance(cu_seq_lens, torch.Tensor):
+        segment_ids = segment_ids_from_cu_seq_lens(cu_seq_lens, query.shape[0], query.shape[2])
+        if segment_ids is None:
+            raise FavorMaskError(
+                f"favor attention: cu_seq_lens_q {cu_seq_lens.tolist()} does not describe one packed row of "
+                f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
+            )
+    return segment_ids, attention_mask
 
 
 def favor_attention_forward(
@@ -544,7 +619,7 @@ def favor_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """FAVOR+ / linear attention with transformers' attention-function contract.
 
     Args:
@@ -555,18 +630,23 @@ def favor_attention_forward(
             cache is a :class:`FavorCacheLayer`), or an equivalent 4-D mask (see the module docstring).
         scaling: softmax temperature to reproduce, ``exp(scaling * q.k)``; default ``d ** -0.5``.
         dropout: attention dropout probability (cannot apply to linear attention; warned once in training).
-        **kwargs: ``is_causal`` overrides ``module.is_causal``; others are ignored (``output_attentions``
-            gives ``None`` weights).
+        **kwargs: ``is_causal`` overrides ``module.is_causal``; ``output_attentions`` asks for the weights;
+            ``cu_seq_lens_q`` marks packed sequences; others are ignored.
 
     Returns:
-        ``(attn_output [B, Lq, H, d], None)``.
+        ``(attn_output [B, Lq, H, d], weights [B, H, Lq, Lk] or None)``: weights only when requested.
     """
     is_causal = kwargs.get("is_causal")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     settings = module_favor_settings(module)
     layer_idx = layer_index_of(module)
+    segment_ids, attention_mask = _packed_sequences(attention_mask, query, kwargs)
 
     if layer_idx in settings["softmax_layers"]:
+        if segment_ids is not None:  # causal within each packed sequence, as a 4-D mask for sdpa
+            attention_mask = allowed_attention_pairs(
+                query.shape[0], query.shape[2], key.shape[2], True, None, segment_ids, query.device
+            )
         return _softmax_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
         )
@@ -576,8 +656,6 @@ def favor_attention_forward(
             "favor attention: attention dropout (p>0) cannot be applied to linear attention, which never forms an "
             "attention matrix; it is ignored (other dropouts of the model still apply)."
         )
-    if kwargs.get("output_attentions"):
-        logger.warning_once("favor attention: linear attention has no attention weights; they are returned as None.")
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = _key_padding_mask(attention_mask, causal)
@@ -585,11 +663,23 @@ def favor_attention_forward(
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
     _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
+    if segment_ids is not None and (not causal or k_len != q_len or _is_favor_cache_layer(cache_layer)):
+        raise FavorMaskError(
+            f"favor attention (layer {layer_idx}): packed sequences are supported for causal attention without a "
+            f"cache (got causal={causal}, {q_len} queries, {k_len} keys, cache layer "
+            f"{type(cache_layer).__name__ if cache_layer is not None else None}); run packed batches with "
+            "use_cache=False"
+        )
 
     if is_window_layer(settings, layer_idx):
-        out = _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer,
-                                        settings, layer_idx, common)
-    elif _is_favor_cache_layer(cache_layer):
+        if segment_ids is not None:
+            raise FavorMaskError(
+                f"favor attention (layer {layer_idx}): packed sequences are not supported by window layers yet; pad "
+                "the sequences into separate rows instead"
+            )
+        return _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal,
+                                         cache_layer, settings, layer_idx, common, kwargs)
+    if _is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
         if k_len != q_len:
             raise LinearAttentionError(
@@ -608,6 +698,8 @@ def favor_attention_forward(
                 query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
                 initial_state=cache_layer.state, return_state=True, **common,
             )
+        if getattr(cache_layer, "record_past", False):
+            _record_for_rollback(cache_layer, query.shape[1], key, value, feature_map, key_padding_mask, common)
         cache_layer.set_state(state)
     else:
         if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -633,14 +725,44 @@ def favor_attention_forward(
             )
         else:
             out = linear_attention(
-                query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask, **common
+                query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask,
+                segment_ids=segment_ids, **common,
             )
-    return out.transpose(1, 2).contiguous(), None
+    weights = requested_linear_attention_weights(
+        kwargs, query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
+        scaling=scaling, decoding_from_state=_is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > q_len,
+    )
+    if weights is not None:  # the returned weights are the applied ones (equal outputs; gradients reach them)
+        out = apply_attention_weights(weights, value)
+    return out.transpose(1, 2).contiguous(), weights
 
 
 def _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer, settings,
-                              layer_idx, common) -> torch.Tensor:
-    """Sink + window attention of a window layer: ``[B, H, Lq, d]`` (see :func:`favor_attention_forward`)."""
+                              layer_idx, common, kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Sink + window attention of a window layer: ``(out [B, Lq, H, d], weights [B, H, Lq, Lk] or None)`` (see
+    :func:`favor_attention_forward`)."""
+    out = _window_attention_output(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer,
+                                   settings, layer_idx, common)
+    weights = None
+    if attention_weights_requested(kwargs):
+        window, sinks = layer_window(settings, layer_idx)
+        if query.shape[2] != key.shape[2] or not settings["linear_tail"]:
+            raise LinearAttentionError(
+                f"favor attention (layer {layer_idx}): output_attentions of a window layer is available for a full "
+                "forward pass with a linear tail (no cached decoding step, linear_tail=True)"
+            )
+        weights = window_attention_weights(
+            query, key, feature_map, window=window, sinks=sinks, causal=causal,
+            softmax_weight=_softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device),
+            key_padding_mask=key_padding_mask, scaling=common["scaling"],
+        )
+        out = apply_attention_weights(weights, value)
+    return out.transpose(1, 2).contiguous(), weights
+
+
+def _window_attention_output(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer, settings,
+                             layer_idx, common) -> torch.Tensor:
+    """The window operator's output ``[B, H, Lq, d]`` for :func:`_window_attention_forward`."""
     window, sinks = layer_window(settings, layer_idx)
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None

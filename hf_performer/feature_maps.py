@@ -98,6 +98,12 @@ class FeatureMap(nn.Module):
     def maybe_redraw(self) -> None:
         """Hook called once per attention call; random maps redraw their projection here."""
 
+    def initial_tensors(self) -> dict[str, torch.Tensor]:
+        """The values a fresh map of these settings starts from, by parameter / buffer name (on the CPU,
+        deterministic for a seed). ``_init_weights`` copies them into tensors a checkpoint did not provide, so a
+        model built on the meta device and then materialised gets the same values as one built directly."""
+        return {}
+
     def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
         """Optional: the gradient with respect to ``x`` of ``sum(grad_values * values)``.
 
@@ -215,6 +221,10 @@ class RandomFeatureMap(FeatureMap):
         self.register_buffer("redraws", torch.zeros((), dtype=torch.long))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))
         self.register_buffer("projection", self.draw_projection(0))
+
+    def initial_tensors(self) -> dict[str, torch.Tensor]:
+        return {"projection": self.draw_projection(0), "redraws": torch.zeros((), dtype=torch.long),
+                "calls": torch.zeros((), dtype=torch.long)}
 
     @property
     def nb_projection_rows(self) -> int:
@@ -420,6 +430,15 @@ class LearnedFeatureMap(FeatureMap):
             # Key head g starts from the projection of the query heads it serves, so the untrained map is symmetric.
             self.key_weight = nn.Parameter(self._initial_weight(num_key_value_heads, seed))
             self.key_bias = nn.Parameter(torch.zeros(num_key_value_heads, projection_size))
+
+    def initial_tensors(self) -> dict[str, torch.Tensor]:
+        groups = self.num_heads // self.num_key_value_heads
+        key_weight = self._initial_weight(self.num_key_value_heads, self.seed)
+        initial = {"query_weight": key_weight.repeat_interleave(groups, 0),
+                   "query_bias": torch.zeros(self.num_heads, self.projection_size)}
+        if not self.tie_qk:
+            initial.update(key_weight=key_weight, key_bias=torch.zeros(self.num_key_value_heads, self.projection_size))
+        return initial
 
     @classmethod
     def default_nb_features(cls, head_dim: int) -> int:

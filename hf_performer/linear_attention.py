@@ -63,6 +63,22 @@ class LinearAttentionError(ValueError):
     """Raised for inputs the kernels do not accept (shapes, masks, options)."""
 
 
+def same_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, L, L]`` bool, ``True`` where positions ``i`` and ``j`` of a row belong to the same packed sequence
+    (equal ids in ``segment_ids`` ``[B, L]``)."""
+    return segment_ids[:, :, None] == segment_ids[:, None, :]
+
+
+def segment_bounds(segment_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row of ``segment_ids`` ``[B, L]``, the ``(start, end)`` of each run of equal ids (a packed sequence)."""
+    length = segment_ids.shape[1]
+    changes = (segment_ids[:, 1:] != segment_ids[:, :-1]).nonzero().tolist()
+    bounds = [[0] for _ in range(segment_ids.shape[0])]
+    for row, position in changes:
+        bounds[row].append(position + 1)
+    return [list(zip(starts, starts[1:] + [length])) for starts in bounds]
+
+
 def _check_inputs(query, key, value, feature_map, causal, key_padding_mask, initial_state):
     for name, tensor in (("query", query), ("key", key), ("value", value)):
         if tensor.dim() != 4:
@@ -593,6 +609,7 @@ def linear_attention(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
     recompute_features: bool = False,
+    segment_ids: torch.Tensor | None = None,
 ):
     """Linear attention ``phi(Q) phi(K)^T V`` normalised per query, in O(L) time and memory.
 
@@ -613,6 +630,9 @@ def linear_attention(
         recompute_features: bidirectional FAVOR+ only; recompute ``phi(Q)``, ``phi(K)`` in the backward
             instead of keeping them (``2 L m`` floats per head less activation memory, the feature
             map's work done twice).
+        segment_ids: causal only; ``[B, L]`` ids of packed sequences (padding-free batches, e.g. from
+            ``DataCollatorWithFlattening``): a token attends only to earlier tokens with the same id, i.e. the
+            state restarts wherever the id changes. Each run of equal ids is one sequence.
 
     Returns:
         ``[B, H, Lq, dv]`` in ``value.dtype``, and the :class:`LinearAttentionState` if
@@ -629,6 +649,11 @@ def linear_attention(
             f"(favor+); got causal={causal}, feature map {feature_map.name!r}"
         )
     mask = _as_bool_mask(key_padding_mask)
+    if segment_ids is not None:
+        return _packed_linear_attention(
+            query, key, value, feature_map, segment_ids, causal=causal, key_padding_mask=mask, scaling=scaling,
+            initial_state=initial_state, return_state=return_state, chunk_size=chunk_size, eps=eps,
+        )
     head_dim = query.shape[-1]
     scale = (head_dim**-0.5 if scaling is None else float(scaling)) ** 0.5
     groups = query.shape[1] // key.shape[1]
@@ -667,3 +692,40 @@ def linear_attention(
             state = None
     out = out.to(out_dtype)
     return (out, state) if return_state else out
+
+
+def _packed_linear_attention(query, key, value, feature_map, segment_ids, *, causal, key_padding_mask, scaling,
+                             initial_state, return_state, chunk_size, eps):
+    """:func:`linear_attention` of packed sequences: the causal kernel run on each run of equal ``segment_ids``
+    (the feature map redrawn at most once for the whole call). Unpacked inputs never come here."""
+    batch, length = query.shape[0], query.shape[2]
+    if not causal or initial_state is not None or return_state:
+        raise LinearAttentionError(
+            "segment_ids (packed sequences) is supported for causal attention without initial_state / return_state; "
+            f"got causal={causal}, initial_state={'set' if initial_state is not None else None}, "
+            f"return_state={return_state}"
+        )
+    if segment_ids.dim() != 2 or tuple(segment_ids.shape) != (batch, length) or segment_ids.is_floating_point():
+        raise LinearAttentionError(
+            f"segment_ids must be an integer tensor of shape [batch, length] = {[batch, length]}; got "
+            f"{segment_ids.dtype} {tuple(segment_ids.shape)}"
+        )
+    feature_map.maybe_redraw()
+    was_training = feature_map.training
+    feature_map.train(False)  # one redraw per call, not one per sequence
+    try:
+        rows = []
+        for row, bounds in enumerate(segment_bounds(segment_ids)):
+            pieces = [
+                linear_attention(
+                    query[row : row + 1, :, start:end], key[row : row + 1, :, start:end],
+                    value[row : row + 1, :, start:end], feature_map, causal=True,
+                    key_padding_mask=None if key_padding_mask is None else key_padding_mask[row : row + 1, start:end],
+                    scaling=scaling, chunk_size=chunk_size, eps=eps,
+                )
+                for start, end in bounds
+            ]
+            rows.append(torch.cat(pieces, dim=2))
+    finally:
+        feature_map.train(was_training)
+    return torch.cat(rows, dim=0)

@@ -48,8 +48,16 @@ from transformers.models.auto.modeling_auto import (
     MODEL_MAPPING,
 )
 
+from transformers import initialization as init
+
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .favor_attention import attach_feature_maps, find_attention_modules
+from .favor_attention import (
+    ATTN_IMPLEMENTATION,
+    attach_feature_maps,
+    find_attention_modules,
+    install_favor_cache_layers,
+    runs_causal_favor,
+)
 
 
 # Arguments checked against the source model's forward signature before a call; anything else given as a
@@ -102,7 +110,8 @@ class PerformerPreTrainedModel(PreTrainedModel):
     main_input_name = "input_ids"
     supports_gradient_checkpointing = True
     # The wrapper has no attention of its own: these let `set_attn_implementation("sdpa")` switch the wrapped model
-    # to exact softmax attention (same weights) and `set_attn_implementation("favor")` switch it back.
+    # to exact softmax attention (same weights) and `set_attn_implementation("favor")` switch it back. "favor" is the
+    # default implementation of these classes (see _check_and_adjust_attn_implementation).
     _supports_sdpa = True
     _supports_flex_attn = True
     _supports_attention_backend = True
@@ -113,10 +122,12 @@ class PerformerPreTrainedModel(PreTrainedModel):
         if kwargs:  # what `from_pretrained(folder, nb_featurs=16)` leaves after the config took its own arguments
             raise PerformerConfigError(config._unknown_argument_message(f"{type(self).__name__}", next(iter(kwargs))))
         super().__init__(config)
+        requested_implementation = config._attn_implementation  # "favor" unless e.g. attn_implementation="sdpa"
         source_config = config.prepare_source_config()
         source_class = self.source_model_class(source_config)
         source_model = source_class(source_config)
-        attach_feature_maps(source_model)
+        attach_feature_maps(source_model)  # feature maps exist whatever runs now: switching back to favor keeps them
+        source_config._attn_implementation_internal = requested_implementation
         self._source_attribute = self._source_model_attribute(source_class)
         self.add_module(self._source_attribute, source_model)
         # Decoders (GPT-2, Llama, BERT with is_decoder) get position ids counted from the attention mask.
@@ -154,6 +165,30 @@ class PerformerPreTrainedModel(PreTrainedModel):
     def _source_model_attribute(self, source_class: type[PreTrainedModel]) -> str:
         return self.base_model_prefix
 
+    def initialize_weights(self) -> None:
+        """transformers' initialisation (the source model's own ``_init_weights`` for its modules), then the
+        feature maps' parameters and buffers (projections, learned maps) set to their deterministic initial values
+        (seed + layer, :meth:`~.feature_maps.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
+        function, tensors loaded from a checkpoint (``_is_hf_initialized``) are left alone: a model materialised
+        from the meta device gets the saved values where the checkpoint has them and valid fresh ones elsewhere."""
+        super().initialize_weights()
+        for module in self.modules():
+            initial_tensors = getattr(module, "initial_tensors", None)
+            if not callable(initial_tensors) or not hasattr(module, "nb_features"):
+                continue
+            for name, value in initial_tensors().items():
+                tensor = getattr(module, name)
+                init.copy_(tensor, value.to(device=tensor.device, dtype=tensor.dtype))
+
+    def _check_and_adjust_attn_implementation(
+        self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
+    ) -> str:
+        """As for stock models, with "favor" (linear attention) the default instead of "sdpa": ``from_pretrained``
+        / ``_from_config`` without ``attn_implementation`` run favor, ``attn_implementation="sdpa"`` or ``"eager"``
+        run exact softmax attention with the same weights (the teacher)."""
+        if attn_implementation is None or attn_implementation == ATTN_IMPLEMENTATION:
+            return ATTN_IMPLEMENTATION
+        return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, allow_all_kernels)
 
     @property
     def source_model(self) -> PreTrainedModel:
@@ -473,6 +508,39 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             ),
             kwargs,
         )
+
+    def generate(self, *args, **kwargs):
+        """``GenerationMixin.generate``, refusing up front (one-line ``ValueError``) the assisted-decoding
+        combinations a recurrent favor cache cannot serve: a linear-attention *assistant* model (its cache would
+        have to undo tokens of earlier calls, which is not recorded), and ``output_attentions`` with an assistant
+        or prompt lookup (the weights of the verified tokens need the past keys, which the state does not keep).
+        Assisted decoding and prompt lookup themselves work: the cache rolls back rejected candidates."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        assistant = kwargs.get("assistant_model")
+        lookup = kwargs.get("prompt_lookup_num_tokens", getattr(generation_config, "prompt_lookup_num_tokens", None))
+        if (assistant is not None or lookup) and runs_causal_favor(self):
+            if assistant is not None and runs_causal_favor(assistant):
+                raise ValueError(
+                    f"generate(assistant_model={type(assistant).__name__}): a linear-attention (favor) assistant cannot "
+                    "roll its recurrent cache back to the tokens the main model accepted; use a softmax assistant "
+                    "(e.g. the source model, or this one with set_attn_implementation('sdpa')) or "
+                    "prompt_lookup_num_tokens"
+                )
+            if kwargs.get("output_attentions", getattr(generation_config, "output_attentions", False)):
+                raise ValueError(
+                    "generate(output_attentions=True) with assisted decoding / prompt lookup: the attention weights of "
+                    "verified tokens need the past keys, which a recurrent favor cache does not keep; drop "
+                    "output_attentions, or generate without an assistant"
+                )
+        return super().generate(*args, **kwargs)
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
+        """transformers' cache preparation, with the favor layers' :class:`~.cache.FavorCacheLayer` put in the new
+        cache right away (instead of at the first forward), so that ``activate_past_recording()``, which assisted
+        decoding calls before its first forward, reaches them."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        install_favor_cache_layers(model_kwargs.get("past_key_values"), self)
+        return result
 
     def prepare_inputs_for_generation(self, *args, **kwargs):
         """The source model's own preparation of generation inputs."""

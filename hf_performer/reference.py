@@ -35,19 +35,46 @@ def reference_linear_attention(
     causal: bool = False,
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``A = phi(Q) phi(K)^T`` ``[B, H, Lq, Lk]`` with masked entries zeroed, ``out = A V / A 1``.
 
     Same arguments as :func:`~.linear_attention.linear_attention`; returns float64 ``[B, H, Lq, dv]``.
     Does not redraw the feature map's projection.
     """
-    phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
+    scores = reference_linear_attention_scores(
+        query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, scaling=scaling,
+        segment_ids=segment_ids,
+    )
+    v = value.to(torch.float64).repeat_interleave(query.shape[1] // value.shape[1], dim=1)
+    return (scores @ v) / scores.sum(-1, keepdim=True)
+
+
+def reference_linear_attention_scores(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    feature_map: FeatureMap,
+    *,
+    causal: bool = False,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Un-normalised ``phi(Q) phi(K)^T`` ``[B, H, Lq, Lk]`` in float64, masked entries (padding, future keys,
+    keys of another packed sequence: different ``segment_ids`` ``[B, L]``) zeroed; queries are the last ``Lq``
+    positions. Divided by its row sums it is the reference of
+    :func:`~.attention_weights.linear_attention_weights`."""
+    phi_q, phi_k, _ = _prepare(query, key, key, feature_map, scaling)
     scores = phi_q @ phi_k.transpose(-1, -2)
+    q_len, k_len = scores.shape[-2:]
     if key_padding_mask is not None:
         scores = scores * key_padding_mask.to(torch.bool)[:, None, None, :]
     if causal:
-        scores = scores.tril()
-    return (scores @ v) / scores.sum(-1, keepdim=True)
+        scores = scores.tril(k_len - q_len)
+    if segment_ids is not None:
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        scores = scores * same[:, None, -q_len:, :]
+    return scores
 
 
 def reference_recurrent_linear_attention(

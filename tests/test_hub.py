@@ -52,8 +52,9 @@ TOKEN = "hf_fake_token_for_tests_0123456789"
 REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
-CODE_FILES = ["cache.py", "configuration_performer.py", "favor_attention.py", "favor_settings.py", "feature_maps.py",
-              "linear_attention.py", "modeling_performer.py", "window_attention.py"]
+CODE_FILES = ["attention_weights.py", "cache.py", "configuration_performer.py", "favor_attention.py", "favor_settings.py",
+              "feature_maps.py", "linear_attention.py", "modeling_performer.py", "packed_sequences.py",
+              "window_attention.py"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -604,7 +605,7 @@ def _remove(*names):
         (_remove("configuration_performer.py"), "configuration_performer.py: missing (needed by config.json auto_map['AutoConfig'])"),
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
         (_remove("favor_attention.py"), "favor_attention.py: missing (needed by modeling_performer.py "
-                                        "(from .favor_attention import attach_feature_maps, find_attention_modules))"),
+                                        "(from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps"),
         (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_settings.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),
