@@ -22,6 +22,11 @@ A layer that received tokens the attention function never folded into its state 
 run favor attention on it, or the attention module cannot see the cache) raises at the next
 ``update`` instead of silently attending to the new tokens only.
 
+Window layers (exact softmax over sinks and a sliding window, a linear tail; ``window_attention.py``) use
+:class:`WindowCacheLayer` instead: it holds a :class:`~.window_attention.WindowAttentionState` (the sinks'
+keys/values, a buffer of the last ``window + max_rollback`` keys/values, the float32 tail sums), of constant
+size too, and can be cropped by up to ``max_rollback`` tokens (assisted / speculative decoding).
+
 The class sets ``_layer_type = "favor"``, which registers it in transformers'
 ``DYNAMIC_LAYER_TYPE_MAPPING`` (so ``Cache(layers=[FavorCacheLayer(), ...])`` and
 ``DYNAMIC_LAYER_TYPE_MAPPING["favor"]`` work). Note that transformers 5.23 validates
@@ -41,6 +46,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from .favor_settings import resolve_favor_settings
 from .linear_attention import LinearAttentionState
+from .window_attention import WindowAttentionState, window_linear_attention
 
 
 class FavorCacheLayer(CacheLayerMixin):
@@ -82,7 +88,7 @@ class FavorCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.pending_tokens:
             raise RuntimeError(
-                f"FavorCacheLayer: the previous {self.pending_tokens} token(s) given to this cache layer were never "
+                f"{type(self).__name__}: the previous {self.pending_tokens} token(s) given to this cache layer were never "
                 "folded into its recurrent state by the favor attention function, so continuing would silently drop "
                 "them. Use this cache only with attn_implementation='favor' on a model prepared with "
                 "hf_performer.attach_feature_maps(model) (it lets attention modules see the cache), and do not use "
@@ -145,6 +151,93 @@ class FavorCacheLayer(CacheLayerMixin):
     def state_nbytes(self) -> int:
         """Bytes held by the state (independent of the number of tokens seen)."""
         return 0 if self.state is None else sum(t.numel() * t.element_size() for t in self.state)
+
+
+class WindowCacheLayer(FavorCacheLayer):
+    """Cache layer of one causal window layer (sinks + sliding window exact, linear tail): constant size, croppable.
+
+    ``update`` counts tokens exactly as :class:`FavorCacheLayer` does; the attention function then calls
+    :meth:`attend`, which runs :func:`~.window_attention.window_linear_attention` from :attr:`state` and stores
+    the new state.
+
+    Args:
+        max_rollback: tokens :meth:`crop` can always remove (assisted / speculative decoding); ``None`` = the
+            layer's window. The state keeps the last ``window + max_rollback`` keys and values.
+
+    Attributes:
+        state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before).
+    """
+
+    _layer_type = "favor_window"
+    # Only the buffer is truncated: exact within max_rollback tokens.
+    is_croppable = True
+
+    def __init__(self, max_rollback: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if max_rollback is not None and (isinstance(max_rollback, bool) or not isinstance(max_rollback, int)
+                                         or max_rollback < 0):
+            raise ValueError(f"max_rollback must be None (the window) or an int >= 0; got {max_rollback!r}")
+        self.max_rollback = max_rollback
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, feature_map, *, window: int,
+               key_padding_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Window attention of the new tokens given everything this layer has seen; stores the new state.
+
+        Args:
+            query: ``[B, H, q, d]``; key, value: ``[B, Hkv, q, d]``, the tokens of the last :meth:`update`.
+            feature_map: the layer's map (must not redraw between calls).
+            window: the layer's window; ``kwargs`` go to :func:`~.window_attention.window_linear_attention`
+                (``sinks``, ``softmax_weight``, ``scaling``, ``chunk_size``).
+            key_padding_mask: ``[B, q]`` for the new tokens (``True`` = token), or ``None``.
+
+        Returns:
+            ``[B, H, q, dv]``.
+        """
+        if key.shape[-2] != self.pending_tokens:
+            raise RuntimeError(
+                f"WindowCacheLayer.attend: expected the {self.pending_tokens} token(s) of the last update, got "
+                f"{key.shape[-2]}"
+            )
+        out, state = window_linear_attention(
+            query, key, value, feature_map, window=window, key_padding_mask=key_padding_mask,
+            initial_state=self.state, return_state=True, max_rollback=self.max_rollback, **kwargs,
+        )
+        self.set_state(state)
+        return out
+
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = self.state.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Select batch rows of the state (beam search)."""
+        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; 0 is a
+        no-op). Exact up to ``max_rollback`` tokens after any forward; beyond what the buffer holds, an error."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"WindowCacheLayer.crop takes a negative int, the number of last tokens to remove (as DynamicLayer); "
+                f"got {tokens_to_remove!r}"
+            )
+        if tokens_to_remove == 0:
+            return
+        if self.pending_tokens:
+            raise RuntimeError("WindowCacheLayer.crop: the last update was never attended to; crop after the forward")
+        tokens = -tokens_to_remove
+        if self.state is None or tokens > self.state.rollback_capacity():
+            capacity = 0 if self.state is None else self.state.rollback_capacity()
+            raise ValueError(
+                f"WindowCacheLayer: cannot remove the last {tokens} tokens, at most {capacity} can be removed exactly "
+                f"(max_rollback={self.max_rollback}, None = the window); build the cache with a larger max_rollback"
+            )
+        self.state = self.state.rollback(tokens)
+        self.seen_tokens -= tokens
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the state (bounded by sinks + window + max_rollback, not by the number of tokens seen)."""
+        return 0 if self.state is None else self.state.nbytes()
 
 
 def make_favor_cache(config_or_model) -> DynamicCache:
