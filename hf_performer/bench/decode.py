@@ -483,27 +483,34 @@ def run_decode_benchmark(
             del favor_cache, softmax_cache
             gc.collect()
 
+    result_settings = dict(
+        context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
+        model=dict(architecture="GPT2LMHeadModel (random weights)", n_layer=n_layer, n_head=n_head,
+                   n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
+                   parameters=sum(p.numel() for p in model.parameters())),
+        favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
+        implementations={
+            "favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
+            "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)",
+        },
+        measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
+                  "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; per "
+                  "length, after `warmup` steps of each, the favor, softmax and shortest-context favor streams "
+                  "take one step in turn for `repeats` rounds; paired ratios are medians over rounds of the "
+                  "ratio of two streams' step times in the same round; cache_bytes = nbytes of the cache tensors "
+                  "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
+        seed=seed,
+    )
+    return decode_result(result_settings, device_, load_start, verification, records)
+
+
+def decode_result(settings: dict, device: torch.device, load_start, verification, records: list[dict]) -> dict:
+    """The JSON-able result of a decode benchmark: settings, machine (and its load at start and end),
+    verification, records and :func:`.report.summarize_decode` summary."""
     result = {
         "benchmark": "decode",
-        "settings": dict(
-            context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
-            model=dict(architecture="GPT2LMHeadModel (random weights)", n_layer=n_layer, n_head=n_head,
-                       n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
-                       parameters=sum(p.numel() for p in model.parameters())),
-            favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
-            implementations={
-                "favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
-                "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)",
-            },
-            measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
-                      "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; per "
-                      "length, after `warmup` steps of each, the favor, softmax and shortest-context favor streams "
-                      "take one step in turn for `repeats` rounds; paired ratios are medians over rounds of the "
-                      "ratio of two streams' step times in the same round; cache_bytes = nbytes of the cache tensors "
-                      "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
-            seed=seed,
-        ),
-        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
+        "settings": settings,
+        "machine": {**machine_info(device), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
         "verification": verification,
         "records": records,
     }

@@ -27,9 +27,8 @@ from pathlib import Path
 
 import torch
 
-from .decode import describe_cache, measure_context, use_implementation
-from .machine import load_average, machine_info
-from .report import summarize_decode
+from .decode import decode_result, describe_cache, measure_context, use_implementation
+from .machine import load_average
 
 DEFAULT_CONTEXT_LENGTHS = (512, 16384)
 PREFILL_CHUNK = 1024
@@ -193,33 +192,26 @@ def run_converted_decode_benchmark(
             records.extend(length_records)
             del softmax_cache
 
-    settings = resolve_favor_settings(getattr(config, "favor_settings", None) or model.config.favor_settings)
-    result = {
-        "benchmark": "decode",
-        "settings": dict(
-            context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
-            prefill_chunk=prefill_chunk,
-            model=dict(folder=Path(model_path).name, architecture=type(model).__name__,
-                       source_architecture=(getattr(config, "architectures", None) or ["?"])[0],
-                       num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
-                       num_key_value_heads=getattr(config, "num_key_value_heads", None),
-                       parameters=sum(p.numel() for p in model.parameters()), window_layers=window_layers),
-            favor_settings=settings,
-            favor_label="window layers (sinks + window exact, linear tail; WindowCacheLayer)",
-            implementations={
-                "favor": "attn_implementation='favor', window layers + make_favor_cache (WindowCacheLayer: sinks, "
-                         "a buffer of window + max_rollback keys/values, the float32 tail state)",
-                "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step), same weights",
-            },
-            measured=("median seconds of one decode step (B new tokens) through the full model incl. cache update, "
-                      "LM head and greedy argmax; favor contexts from a real chunked prefill through the cache "
-                      "(cache_build_seconds: the prefill from the previous length), softmax contexts synthetic; "
-                      "interleaving, paired ratios, cache_bytes and peak memory as in `bench decode`"),
-            seed=seed,
-        ),
-        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
-        "verification": verification,
-        "records": records,
-    }
-    result["summary"] = summarize_decode(result)
-    return result
+    favor_settings = resolve_favor_settings(getattr(config, "favor_settings", None) or model.config.favor_settings)
+    settings = dict(
+        context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
+        prefill_chunk=prefill_chunk,
+        model=dict(folder=Path(model_path).name, architecture=type(model).__name__,
+                   source_architecture=(getattr(config, "architectures", None) or ["?"])[0],
+                   num_hidden_layers=config.num_hidden_layers, num_attention_heads=config.num_attention_heads,
+                   num_key_value_heads=getattr(config, "num_key_value_heads", None),
+                   parameters=sum(p.numel() for p in model.parameters()), window_layers=window_layers),
+        favor_settings=favor_settings,
+        favor_label="window layers (sinks + window exact, linear tail; WindowCacheLayer)",
+        implementations={
+            "favor": "attn_implementation='favor', window layers + make_favor_cache (WindowCacheLayer: sinks, "
+                     "a buffer of window + max_rollback keys/values, the float32 tail state)",
+            "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step), same weights",
+        },
+        measured=("median seconds of one decode step (B new tokens) through the full model incl. cache update, "
+                  "LM head and greedy argmax; favor contexts from a real chunked prefill through the cache "
+                  "(cache_build_seconds: the prefill from the previous length), softmax contexts synthetic; "
+                  "interleaving, paired ratios, cache_bytes and peak memory as in `bench decode`"),
+        seed=seed,
+    )
+    return decode_result(settings, device_, load_start, verification, records)
