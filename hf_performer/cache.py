@@ -162,7 +162,9 @@ class WindowCacheLayer(FavorCacheLayer):
 
     Args:
         max_rollback: tokens :meth:`crop` can always remove (assisted / speculative decoding); ``None`` = the
-            layer's window. The state keeps the last ``window + max_rollback`` keys and values.
+            layer's window. The state keeps the last ``window + max_rollback`` keys and values. After
+            :meth:`activate_past_recording` (which ``generate(assistant_model=...)`` calls) the tokens of the last
+            forward are kept croppable on top of that, however many.
 
     Attributes:
         state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before).
@@ -178,6 +180,13 @@ class WindowCacheLayer(FavorCacheLayer):
                                          or max_rollback < 0):
             raise ValueError(f"max_rollback must be None (the window) or an int >= 0; got {max_rollback!r}")
         self.max_rollback = max_rollback
+        # Set by Cache.activate_past_recording() (assisted generation): the tokens of each forward also stay
+        # unfolded until the next one, so that any number of rejected draft tokens can be cropped.
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Keep every token of the last forward croppable, however many (transformers' assisted generation)."""
+        self.record_past = True
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, feature_map, *, window: int,
                key_padding_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -198,9 +207,12 @@ class WindowCacheLayer(FavorCacheLayer):
                 f"WindowCacheLayer.attend: expected the {self.pending_tokens} token(s) of the last update, got "
                 f"{key.shape[-2]}"
             )
+        max_rollback = window if self.max_rollback is None else self.max_rollback
+        if self.record_past:
+            max_rollback += key.shape[-2]
         out, state = window_linear_attention(
             query, key, value, feature_map, window=window, key_padding_mask=key_padding_mask,
-            initial_state=self.state, return_state=True, max_rollback=self.max_rollback, **kwargs,
+            initial_state=self.state, return_state=True, max_rollback=max_rollback, **kwargs,
         )
         self.set_state(state)
         return out

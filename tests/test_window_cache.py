@@ -136,3 +136,21 @@ def test_reset_and_a_forgotten_attend_raise_or_restart():
     layer.update(k[:, :, 7:8], v[:, :, 7:8])  # the attention function never ran for this token
     with pytest.raises(RuntimeError, match="WindowCacheLayer: the previous 1 token"):
         layer.update(k[:, :, 8:9], v[:, :, 8:9])
+
+
+def test_past_recording_makes_a_whole_forward_croppable():
+    # generate(assistant_model=...) calls cache.activate_past_recording(), then verifies any number of drafts in
+    # one forward and crops the rejected ones: more than max_rollback must be croppable then.
+    q, k, v = _qkv(seed=7)
+    fm = _feature_map()
+    layer = WindowCacheLayer(max_rollback=1)
+    _decode(layer, q, k, v, fm, [12])
+    layer.activate_past_recording()
+    _forward(layer, *[30 * t for t in _qkv(length=7, seed=8)], fm)  # 7 drafts, all rejected
+    layer.crop(-7)
+    out = _decode(layer, q, k, v, fm, [1, 5, 1, 5], start=12)
+    expected = reference_window_linear_attention(q, k, v, fm, **SETTINGS)[:, :, 12:]
+    torch.testing.assert_close(out, expected, rtol=1e-8, atol=1e-8)
+    layer.record_past = False  # generate() turns it off at the end: the buffer shrinks back at the next forward
+    _forward(layer, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm)
+    assert layer.state.buffer_key.shape[2] == SETTINGS["window"] + 1
