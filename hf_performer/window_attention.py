@@ -41,22 +41,55 @@ This module imports only ``torch`` and its siblings ``feature_maps`` and ``linea
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
+from torch import nn
 
-from .feature_maps import FeatureMap, compute_dtype_for
+from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention import (
     DEFAULT_CHUNK_SIZE,
     LinearAttentionState,
     _as_bool_mask,
     _check_inputs,
     _no_autocast,
-    _repeat_features,
     _repeat_kv,
     _safe_denominator,
     _with_ones_column,
 )
+
+
+SOFTMAX_WEIGHT_INIT = 0.1
+"""gamma at initialisation (LoLCATs: sigmoid(w) with w = logit(0.1) = -2.1972)."""
+
+
+class SoftmaxWeight(nn.Module):
+    """The learned weight gamma of the exact (sink + window) terms against the linear tail, one per head.
+
+    ``logit`` ``[num_heads]`` starts at ``logit(0.1) = -2.1972`` (deterministic); ``forward()`` returns
+    ``sigmoid(logit)`` ``[num_heads]``, the ``softmax_weight`` argument of :func:`window_linear_attention`.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"SoftmaxWeight needs num_heads as an int >= 1, got {num_heads!r}")
+        self.logit = nn.Parameter(torch.full((num_heads,), self.initial_logit()))
+
+    @staticmethod
+    def initial_logit() -> float:
+        return math.log(SOFTMAX_WEIGHT_INIT / (1.0 - SOFTMAX_WEIGHT_INIT))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.logit.fill_(self.initial_logit())
+
+    def forward(self) -> torch.Tensor:
+        return torch.sigmoid(self.logit)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.logit.shape[0]}"
 
 
 class WindowAttentionState(NamedTuple):
@@ -191,7 +224,8 @@ def _check_state_arguments(query, key, value, feature_map, window, sinks, causal
             f"initial_state was built with window={initial_state.window}, sinks={initial_state.sinks}; got "
             f"window={window}, sinks={sinks}"
         )
-    expected = (query.shape[0], key.shape[1], key.shape[3], value.shape[3], feature_map.nb_features)
+    features = 0 if feature_map is None else feature_map.nb_features
+    expected = (query.shape[0], key.shape[1], key.shape[3], value.shape[3], features)
     found = (initial_state.buffer_key.shape[0], initial_state.buffer_key.shape[1], initial_state.buffer_key.shape[3],
              initial_state.buffer_value.shape[3], initial_state.buffer_features.shape[3])
     if expected != found:
@@ -328,7 +362,7 @@ def window_linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     window: int,
     sinks: int = 0,
@@ -348,7 +382,8 @@ def window_linear_attention(
         query: ``[B, H, L, d]``.
         key: ``[B, Hkv, L, d]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, L, dv]``.
-        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``.
+        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
+            window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
         sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0`` when decoding
             with a state, since the first calls may be shorter than ``sinks``).
@@ -372,6 +407,8 @@ def window_linear_attention(
     stateful = initial_state is not None or return_state
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
+    if feature_map is None and window == 0 and sinks == 0:
+        raise ValueError("window attention without a feature map (no linear tail) needs window > 0 or sinks > 0")
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
                                               max_rollback)
@@ -387,7 +424,11 @@ def window_linear_attention(
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
         root = scaling**0.5
         query = query.to(dtype)
-        q_features, k_features = feature_map(query * root, key.to(dtype) * root)
+        if feature_map is None:  # no linear tail: zero-width features keep the state's layout
+            q_features = Features(query.new_zeros(query.shape[:-1] + (0,)), None)
+            k_features = Features(query.new_zeros(key.shape[:-1] + (0,)), None)
+        else:
+            q_features, k_features = feature_map(query * root, key.to(dtype) * root)
         new_keep = torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None else mask
         local_key, local_value, keep, key_values, key_log_scale, stored_sinks = _local_sequence(
             key, value, new_keep, k_features, initial_state
@@ -409,8 +450,10 @@ def window_linear_attention(
             tail = initial_state.tail
             tail_init = (torch.cat([tail.kv, tail.k_sum[..., None]], -1).to(dtype), tail.stabilizer.to(dtype))
 
-        tails = [_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size, tail_init)]
-        if not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
+        tails = []  # (tail sums, their log-scale) per direction; none without a feature map
+        if feature_map is not None:
+            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size, tail_init))
+        if tails and not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
             right, right_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_k, value_ones)),
                                             eligible.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))
