@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
-from .favor_settings import resolve_favor_settings
+from .favor_settings import is_window_layer, resolve_favor_settings
 from .linear_attention import LinearAttentionState
 from .window_attention import WindowAttentionState, window_linear_attention
 
@@ -252,13 +252,22 @@ class WindowCacheLayer(FavorCacheLayer):
         return 0 if self.state is None else self.state.nbytes()
 
 
-def make_favor_cache(config_or_model) -> DynamicCache:
-    """A :class:`~transformers.DynamicCache` whose favor (linear-attention) layers are :class:`FavorCacheLayer`.
+def cache_layer_class(settings: dict, layer_idx: int):
+    """The constant-size cache layer class of favor layer ``layer_idx`` (resolved ``settings``):
+    :class:`WindowCacheLayer` for window layers (window or sinks > 0), else :class:`FavorCacheLayer`."""
+    return WindowCacheLayer if is_window_layer(settings, layer_idx) else FavorCacheLayer
+
+
+def make_favor_cache(config_or_model, max_rollback: int | None = None) -> DynamicCache:
+    """A :class:`~transformers.DynamicCache` whose favor layers have constant-size cache layers.
 
     Args:
         config_or_model: a transformers model or its config. The layers listed in
             ``config.favor_settings["softmax_layers"]`` keep transformers' own cache layer (full keys and values);
-            every other layer stores a constant-size recurrent state.
+            window layers (``window`` or ``sinks`` > 0) get a :class:`WindowCacheLayer`, every other layer a
+            :class:`FavorCacheLayer` (recurrent state).
+        max_rollback: of the window layers: how many last tokens ``crop`` can always remove (``None``: the
+            layer's window); ``generate(assistant_model=...)`` needs none (it records the drafts' forward).
 
     Use it as ``model.generate(..., past_key_values=make_favor_cache(model))`` or in a manual decoding loop.
     The model must run ``attn_implementation="favor"`` and have been prepared with
@@ -271,5 +280,7 @@ def make_favor_cache(config_or_model) -> DynamicCache:
     cache = DynamicCache(config=text_config)
     for layer_idx in range(len(cache.layers)):
         if layer_idx not in settings["softmax_layers"]:
-            cache.layers[layer_idx] = FavorCacheLayer()
+            layer_class = cache_layer_class(settings, layer_idx)
+            cache.layers[layer_idx] = (WindowCacheLayer(max_rollback) if layer_class is WindowCacheLayer
+                                       else FavorCacheLayer())
     return cache

@@ -73,8 +73,15 @@ from transformers.masking_utils import (
 )
 from transformers.utils import logging
 
-from .cache import FavorCacheLayer
-from .favor_settings import build_feature_map, favor_settings_of, is_int, layer_window, softmax_weight_mode
+from .cache import FavorCacheLayer, WindowCacheLayer, cache_layer_class
+from .favor_settings import (
+    build_feature_map,
+    favor_settings_of,
+    is_int,
+    is_window_layer,
+    layer_window,
+    softmax_weight_mode,
+)
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
 from .window_attention import SoftmaxWeight, window_linear_attention
@@ -202,11 +209,6 @@ def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMa
     return feature_map
 
 
-def is_window_layer(settings: dict, layer_idx: int) -> bool:
-    """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
-    return any(value > 0 for value in layer_window(settings, layer_idx))
-
-
 def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
                         device: torch.device) -> torch.Tensor | None:
     """gamma ``[H]`` of a learned-mode window layer (its :class:`SoftmaxWeight` created on first use, float32, with
@@ -331,17 +333,18 @@ def _self_attention_cache(cache) -> Cache | None:
     return cache if isinstance(cache, Cache) else None
 
 
-def _install_favor_cache_layer(cache: Cache, layer_idx: int) -> None:
-    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a :class:`FavorCacheLayer`."""
+def _install_favor_cache_layer(cache: Cache, layer_idx: int, layer_class=FavorCacheLayer) -> None:
+    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a ``layer_class()``
+    (:class:`FavorCacheLayer`, or :class:`WindowCacheLayer` for window layers)."""
     layers = cache.layers
     if layer_idx < len(layers):
         layer = layers[layer_idx]
         if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-            layers[layer_idx] = FavorCacheLayer()
+            layers[layer_idx] = layer_class()
     elif cache.layer_class_to_replicate is DynamicLayer:  # DynamicCache() without config: layers added lazily
         while len(layers) < layer_idx:
             layers.append(cache.layer_class_to_replicate())
-        layers.append(FavorCacheLayer())
+        layers.append(layer_class())
 
 
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
@@ -349,9 +352,7 @@ def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     setattr(module, CACHE_ATTRIBUTE, cache)
     if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
         layer_idx = layer_index_of(module)
-        # Window layers keep the default (full key/value) layer until they have a cache layer of their own.
-        if not is_window_layer(module_favor_settings(module), layer_idx):
-            _install_favor_cache_layer(cache, layer_idx)
+        _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
     return None
 
 
@@ -390,6 +391,28 @@ def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
 def _is_favor_cache_layer(layer) -> bool:
     # By layer type rather than isinstance: a copy of this package loaded as remote code defines its own class.
     return getattr(type(layer), "_layer_type", None) == FavorCacheLayer._layer_type
+
+
+def _is_window_cache_layer(layer) -> bool:
+    return getattr(type(layer), "_layer_type", None) == WindowCacheLayer._layer_type
+
+
+def _new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx: int, q_len: int, k_len: int):
+    """The ``[B, k_len]`` padding mask of the new tokens, from the mask of every token a constant-size cache layer
+    has seen (``update`` has counted the new ones): ``key``/``value`` are the new tokens only."""
+    if k_len != q_len:
+        raise LinearAttentionError(
+            f"favor cache layer {layer_idx}: expected as many new keys as queries, got {k_len} and {q_len}"
+        )
+    if key_padding_mask is None:
+        return None
+    if key_padding_mask.shape[-1] != cache_layer.get_seq_length():
+        raise FavorMaskError(
+            f"favor cache layer {layer_idx}: the 2-D attention mask covers {key_padding_mask.shape[-1]} "
+            f"tokens but the cache has seen {cache_layer.get_seq_length()} (past + new); pass the mask of "
+            "all tokens so far"
+        )
+    return key_padding_mask[:, -k_len:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -496,10 +519,11 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
     cache_layer = _cache_layer_of(module, layer_index_of(module))
     _reject_fixed_size_cache(cache_layer, layer_index_of(module))
-    if _is_favor_cache_layer(cache_layer):
+    if _is_favor_cache_layer(cache_layer) or _is_window_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
-            "layer is a FavorCacheLayer, which keeps no keys/values; build the cache with make_favor_cache(model)"
+            f"layer is a {type(cache_layer).__name__}, which does not keep every key/value; build the cache with "
+            "make_favor_cache(model)"
         )
     if attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         # The 2-D padding mask of the favor mask builder: build what the model would have given sdpa.
@@ -589,20 +613,14 @@ def favor_attention_forward(
     if is_window_layer(settings, layer_idx):
         out = _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer,
                                         settings, layer_idx, common)
+    elif _is_window_cache_layer(cache_layer):
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): a WindowCacheLayer on a layer without window or sinks; build the "
+            "cache with make_favor_cache(model)"
+        )
     elif _is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
-        if k_len != q_len:
-            raise LinearAttentionError(
-                f"favor cache layer {layer_idx}: expected as many new keys as queries, got {k_len} and {q_len}"
-            )
-        if key_padding_mask is not None:
-            if key_padding_mask.shape[-1] != cache_layer.get_seq_length():
-                raise FavorMaskError(
-                    f"favor cache layer {layer_idx}: the 2-D attention mask covers {key_padding_mask.shape[-1]} "
-                    f"tokens but the cache has seen {cache_layer.get_seq_length()} (past + new); pass the mask of "
-                    "all tokens so far"
-                )
-            key_padding_mask = key_padding_mask[:, -k_len:]
+        key_padding_mask = _new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with _no_redraw(feature_map, active=cache_layer.state is not None):
             out, state = linear_attention(
                 query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
@@ -645,9 +663,18 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
     q_len, k_len = query.shape[2], key.shape[2]
-    if cache_layer is not None and _is_favor_cache_layer(cache_layer):
-        # ---- Recurrent window cache: not implemented yet (issue 15, decode part) ----
-        raise LinearAttentionError(f"favor attention (layer {layer_idx}): window layers do not support caching yet")
+    if _is_favor_cache_layer(cache_layer):
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): window layer with a FavorCacheLayer (the cache of plain linear "
+            "layers); build the cache with make_favor_cache(model)"
+        )
+    if _is_window_cache_layer(cache_layer):
+        # Constant-size path: `key`/`value` are the new tokens; sinks, recent keys and the tail sums are in the state.
+        key_padding_mask = _new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
+        with _no_redraw(feature_map, active=cache_layer.state is not None):
+            return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks, softmax_weight=gamma,
+                                      key_padding_mask=key_padding_mask, **common)
+    sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
         raise FavorMaskError(
             f"favor window attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} "

@@ -25,11 +25,11 @@ MODES = {
 def _config(name, **overrides):
     # A large init scale gives peaked, input-dependent logits, so that greedy paths really depend on the attention.
     if name == "llama":
-        return LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=37, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3,
-                           **overrides)
-    return GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3,
-                      **overrides)
+        return LlamaConfig(**{**dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=37, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3),
+                              **overrides})
+    return GPT2Config(**{**dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, pad_token_id=0,
+                                initializer_range=0.3), **overrides})
 
 
 def build(name, mode="calibrated", seed=0, **settings):
@@ -89,8 +89,9 @@ def test_assisted_generation_gives_the_greedy_tokens(name, mode, monkeypatch):
     original_crop = WindowCacheLayer.crop
     monkeypatch.setattr(WindowCacheLayer, "crop", lambda self, n: (crops.append(n), original_crop(self, n))[1])
     greedy = _generate(model, input_ids, max_new_tokens=12)
-    assisted = _generate(model, input_ids, max_new_tokens=12, assistant_model=assistant, num_assistant_tokens=3,
-                         num_assistant_tokens_schedule="constant")
+    # The default schedule drafts 20 tokens, more than window + max_rollback = 6: the verifying forward is kept
+    # croppable (activate_past_recording) whatever its length.
+    assisted = _generate(model, input_ids, max_new_tokens=12, assistant_model=assistant)
     assert torch.equal(assisted.sequences, greedy.sequences)
     assert any(n < 0 for n in crops)  # rejected drafts were rolled back
 
@@ -134,3 +135,12 @@ def test_make_favor_cache_picks_the_layer_kind_per_layer():
     plain = build("gpt2", window=0, sinks=0)
     assert [type(layer) for layer in make_favor_cache(plain).layers] == [FavorCacheLayer, FavorCacheLayer]
     assert all(layer.max_rollback == 8 for layer in make_favor_cache(model, max_rollback=8).layers[1:])
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_prompt_shorter_than_the_sinks_generates(use_cache):
+    model = build("llama", sinks=4)
+    input_ids = tokens(batch=1, length=1, seed=4)
+    result = _generate(model, input_ids, max_new_tokens=6, use_cache=use_cache)
+    reference = _generate(model, input_ids, max_new_tokens=6, use_cache=not use_cache)
+    assert result.sequences.shape == (1, 7) and torch.equal(result.sequences, reference.sequences)
