@@ -42,7 +42,8 @@ with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
 hands the layer's ``past_key_values`` to the attention function and, for causal favor layers, replaces an
-*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (the layer
+*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer`
+for window layers: sinks, recent keys and the tail state, croppable for assisted generation) (the layer
 ``generate()`` and the models create by default). Prefill and token-by-token decoding then carry the
 recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys
 and values (e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the
