@@ -163,6 +163,14 @@ def run_converted_decode_benchmark(
         raise ValueError(
             f"bench decode --model: {Path(model_path).name} has no window layers; convert it with "
             "hf-performer convert SRC OUT --window W --sinks S")
+    from ..favor_settings import layer_window
+
+    favor_settings = resolve_favor_settings(getattr(config, "favor_settings", None) or model.config.favor_settings)
+    # The buffer (window + max_rollback = 2 window keys) fills up first; from then on the cache size is constant.
+    full_state = max(sum(layer_window(favor_settings, i)) + layer_window(favor_settings, i)[0] for i in window_layers)
+    if context_lengths[0] < full_state:
+        raise ValueError(f"bench decode --model: context lengths must be >= sinks + 2 x window = {full_state} (the "
+                         f"window cache is still filling up below that); got {context_lengths[0]}")
     generator = torch.Generator().manual_seed(seed)
     token_stream = torch.randint(config.vocab_size, (batch, context_lengths[-1]), generator=generator).to(device_)
     records = []
@@ -192,7 +200,6 @@ def run_converted_decode_benchmark(
             records.extend(length_records)
             del softmax_cache
 
-    favor_settings = resolve_favor_settings(getattr(config, "favor_settings", None) or model.config.favor_settings)
     settings = dict(
         context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
         prefill_chunk=prefill_chunk,

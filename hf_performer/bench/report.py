@@ -251,7 +251,11 @@ def format_decode_table(result: dict) -> str:
     lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
                  f"({speed['paired']:.2f}x paired) (target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
     verification = result.get("verification")
-    if verification:
+    if verification and "chunked_vs_one_forward_max_abs_logit_difference" in verification:  # bench decode --model
+        lines.append(f"verification at context {verification['context']}: chunked prefill through the window cache vs "
+                     f"one forward without cache, max |logit difference| "
+                     f"{verification['chunked_vs_one_forward_max_abs_logit_difference']:.2e}")
+    elif verification:
         lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
                      "structure): step time synthetic/real " + ", ".join(
                          f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}"
