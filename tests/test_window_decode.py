@@ -181,3 +181,13 @@ def test_a_state_from_other_settings_is_refused():
         with pytest.raises(ValueError) as error:
             window_linear_attention(inputs["query"], inputs["key"], inputs["value"], fm, initial_state=state, **kwargs)
         assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_no_tail_state_decodes_like_one_pass():
+    # linear_tail=False (feature_map=None): sinks + window exact softmax only, also through the state.
+    q, k, v = _qkv(seed=9)
+    mask = _padding()
+    out, state = _run(q, k, v, None, [9] + [1] * 22, mask, window=4, sinks=2, chunk_size=5)
+    expected = window_linear_attention(q, k, v, None, window=4, sinks=2, key_padding_mask=mask, chunk_size=5)
+    _assert_close_on_tokens(out, expected, mask, rtol=1e-8, atol=1e-8)
+    assert state.folded > 0 and state.buffer_features.shape[-1] == 0
