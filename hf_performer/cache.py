@@ -28,6 +28,11 @@ A layer that received tokens the attention function never folded into its state 
 run favor attention on it, or the attention module cannot see the cache) raises at the next
 ``update`` instead of silently attending to the new tokens only.
 
+Window layers (exact softmax over sinks and a sliding window, a linear tail; ``window_attention.py``) use
+:class:`WindowCacheLayer` instead: it holds a :class:`~.window_attention.WindowAttentionState` (the sinks'
+keys/values, a buffer of the last ``window + max_rollback`` keys/values, the float32 tail sums), of constant
+size too, and can be cropped by up to ``max_rollback`` tokens (assisted / speculative decoding).
+
 The class sets ``_layer_type = "favor"``, which registers it in transformers'
 ``DYNAMIC_LAYER_TYPE_MAPPING`` (so ``Cache(layers=[FavorCacheLayer(), ...])`` and
 ``DYNAMIC_LAYER_TYPE_MAPPING["favor"]`` work). Note that transformers 5.23 validates
@@ -48,8 +53,9 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
-from .favor_settings import resolve_favor_settings
-from .linear_attention import LinearAttentionState
+from .favor_settings import is_window_layer, resolve_favor_settings
+from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState
+from .window_attention import window_linear_attention
 
 
 class FavorCacheLayer(CacheLayerMixin):
@@ -93,7 +99,7 @@ class FavorCacheLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.pending_tokens:
             raise RuntimeError(
-                f"FavorCacheLayer: the previous {self.pending_tokens} token(s) given to this cache layer were never "
+                f"{type(self).__name__}: the previous {self.pending_tokens} token(s) given to this cache layer were never "
                 "folded into its recurrent state by the favor attention function, so continuing would silently drop "
                 "them. Use this cache only with attn_implementation='favor' on a model prepared with "
                 "hf_performer.attach_feature_maps(model) (it lets attention modules see the cache), and do not use "
@@ -235,13 +241,121 @@ class _RollbackRecord(NamedTuple):
         return _RollbackRecord(start, fn(self.keys), fn(self.values), mask, self.fold)
 
 
-def make_favor_cache(config_or_model) -> DynamicCache:
-    """A :class:`~transformers.DynamicCache` whose favor (linear-attention) layers are :class:`FavorCacheLayer`.
+class WindowCacheLayer(FavorCacheLayer):
+    """Cache layer of one causal window layer (sinks + sliding window exact, linear tail): constant size, croppable.
+
+    ``update`` counts tokens exactly as :class:`FavorCacheLayer` does; the attention function then calls
+    :meth:`attend`, which runs :func:`~.window_attention.window_linear_attention` from :attr:`state` and stores
+    the new state.
+
+    Args:
+        max_rollback: tokens :meth:`crop` can always remove (assisted / speculative decoding); ``None`` = the
+            layer's window. The state keeps the last ``window + max_rollback`` keys and values. After
+            :meth:`activate_past_recording` (which ``generate(assistant_model=...)`` calls) the tokens of the last
+            forward are kept croppable on top of that, however many.
+
+    Attributes:
+        state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before).
+    """
+
+    _layer_type = "favor_window"
+    # Only the buffer is truncated: exact within max_rollback tokens.
+    is_croppable = True
+
+    def __init__(self, max_rollback: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if max_rollback is not None and (isinstance(max_rollback, bool) or not isinstance(max_rollback, int)
+                                         or max_rollback < 0):
+            raise ValueError(f"max_rollback must be None (the window) or an int >= 0; got {max_rollback!r}")
+        self.max_rollback = max_rollback
+        # Set by Cache.activate_past_recording() (assisted generation): the tokens of each forward also stay
+        # unfolded until the next one, so that any number of rejected draft tokens can be cropped.
+        self.record_past = False
+
+    def activate_past_recording(self) -> None:
+        """Keep every token of the last forward croppable, however many (transformers' assisted generation)."""
+        self.record_past = True
+
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, feature_map, *, window: int,
+               key_padding_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
+        """Window attention of the new tokens given everything this layer has seen; stores the new state.
+
+        Args:
+            query: ``[B, H, q, d]``; key, value: ``[B, Hkv, q, d]``, the tokens of the last :meth:`update`.
+            feature_map: the layer's map (must not redraw between calls).
+            window: the layer's window; ``kwargs`` go to :func:`~.window_attention.window_linear_attention`
+                (``sinks``, ``softmax_weight``, ``scaling``, ``chunk_size``).
+            key_padding_mask: ``[B, q]`` for the new tokens (``True`` = token), or ``None``.
+
+        Returns:
+            ``[B, H, q, dv]``.
+        """
+        if key.shape[-2] != self.pending_tokens:
+            raise RuntimeError(
+                f"WindowCacheLayer.attend: expected the {self.pending_tokens} token(s) of the last update, got "
+                f"{key.shape[-2]}"
+            )
+        max_rollback = window if self.max_rollback is None else self.max_rollback
+        if self.record_past:
+            max_rollback += key.shape[-2]
+        out, state = window_linear_attention(
+            query, key, value, feature_map, window=window, key_padding_mask=key_padding_mask,
+            initial_state=self.state, return_state=True, max_rollback=max_rollback, **kwargs,
+        )
+        self.set_state(state)
+        return out
+
+    def _map_state(self, fn) -> None:
+        if self.state is not None:
+            self.state = self.state.map_batch(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Select batch rows of the state (beam search)."""
+        self._map_state(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; 0 is a
+        no-op). Exact up to ``max_rollback`` tokens after any forward; beyond what the buffer holds, an error."""
+        if isinstance(tokens_to_remove, bool) or not isinstance(tokens_to_remove, int) or tokens_to_remove > 0:
+            raise ValueError(
+                f"WindowCacheLayer.crop takes a negative int, the number of last tokens to remove (as DynamicLayer); "
+                f"got {tokens_to_remove!r}"
+            )
+        if tokens_to_remove == 0:
+            return
+        if self.pending_tokens:
+            raise RuntimeError("WindowCacheLayer.crop: the last update was never attended to; crop after the forward")
+        tokens = -tokens_to_remove
+        if self.state is None or tokens > self.state.rollback_capacity():
+            capacity = 0 if self.state is None else self.state.rollback_capacity()
+            raise ValueError(
+                f"WindowCacheLayer: cannot remove the last {tokens} tokens, at most {capacity} can be removed exactly "
+                f"(max_rollback={self.max_rollback}, None = the window); build the cache with a larger max_rollback"
+            )
+        self.state = self.state.rollback(tokens)
+        self.seen_tokens -= tokens
+
+    def state_nbytes(self) -> int:
+        """Bytes held by the state (bounded by sinks + window + max_rollback, not by the number of tokens seen)."""
+        return 0 if self.state is None else self.state.nbytes()
+
+
+def cache_layer_class(settings: dict, layer_idx: int):
+    """The constant-size cache layer class of favor layer ``layer_idx`` (resolved ``settings``):
+    :class:`WindowCacheLayer` for window layers (window or sinks > 0), else :class:`FavorCacheLayer`."""
+    return WindowCacheLayer if is_window_layer(settings, layer_idx) else FavorCacheLayer
+
+
+def make_favor_cache(config_or_model, max_rollback: int | None = None) -> DynamicCache:
+    """A :class:`~transformers.DynamicCache` whose favor layers have constant-size cache layers.
 
     Args:
         config_or_model: a transformers model or its config. The layers listed in
             ``config.favor_settings["softmax_layers"]`` keep transformers' own cache layer (full keys and values);
-            every other layer stores a constant-size recurrent state.
+            window layers (``window`` or ``sinks`` > 0) get a :class:`WindowCacheLayer`, every other layer a
+            :class:`FavorCacheLayer` (recurrent state).
+        max_rollback: of the window layers: how many last tokens ``crop`` can always remove (``None``: the
+            layer's window); ``generate(assistant_model=...)`` needs none (it records the drafts' forward).
 
     Use it as ``model.generate(..., past_key_values=make_favor_cache(model))`` or in a manual decoding loop.
     The model must run ``attn_implementation="favor"`` and have been prepared with
@@ -254,5 +368,34 @@ def make_favor_cache(config_or_model) -> DynamicCache:
     cache = DynamicCache(config=text_config)
     for layer_idx in range(len(cache.layers)):
         if layer_idx not in settings["softmax_layers"]:
-            cache.layers[layer_idx] = FavorCacheLayer()
+            layer_class = cache_layer_class(settings, layer_idx)
+            cache.layers[layer_idx] = (WindowCacheLayer(max_rollback) if layer_class is WindowCacheLayer
+                                       else FavorCacheLayer())
     return cache
+
+
+def is_favor_cache_layer(layer) -> bool:
+    # By layer type rather than isinstance: a copy of this package loaded as remote code defines its own class.
+    return getattr(type(layer), "_layer_type", None) == FavorCacheLayer._layer_type
+
+
+def is_window_cache_layer(layer) -> bool:
+    return getattr(type(layer), "_layer_type", None) == WindowCacheLayer._layer_type
+
+
+def new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx: int, q_len: int, k_len: int):
+    """The ``[B, k_len]`` padding mask of the new tokens, from the mask of every token a constant-size cache layer
+    has seen (``update`` has counted the new ones): ``key``/``value`` are the new tokens only."""
+    if k_len != q_len:
+        raise LinearAttentionError(
+            f"favor cache layer {layer_idx}: expected as many new keys as queries, got {k_len} and {q_len}"
+        )
+    if key_padding_mask is None:
+        return None
+    if key_padding_mask.shape[-1] != cache_layer.get_seq_length():
+        raise FavorMaskError(
+            f"favor cache layer {layer_idx}: the 2-D attention mask covers {key_padding_mask.shape[-1]} "
+            f"tokens but the cache has seen {cache_layer.get_seq_length()} (past + new); pass the mask of "
+            "all tokens so far"
+        )
+    return key_padding_mask[:, -k_len:]

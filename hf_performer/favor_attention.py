@@ -48,7 +48,8 @@ with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
 hands the layer's ``past_key_values`` to the attention function and, for causal favor layers, replaces an
-*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (the layer
+*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer`
+for window layers: sinks, recent keys and the tail state, croppable for assisted generation) (the layer
 ``generate()`` and the models create by default). Prefill and token-by-token decoding then carry the
 recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys
 and values (e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the
@@ -87,11 +88,24 @@ from .attention_weights import (
     softmax_attention_weights,
     window_attention_weights,
 )
-from .cache import FavorCacheLayer
-from .favor_settings import build_feature_map, favor_settings_of, is_int, layer_window, softmax_weight_mode
+from .cache import (
+    FavorCacheLayer,
+    cache_layer_class,
+    is_favor_cache_layer,
+    is_window_cache_layer,
+    new_tokens_padding_mask,
+)
+from .favor_settings import (
+    build_feature_map,
+    favor_settings_of,
+    is_int,
+    is_window_layer,
+    layer_window,
+    softmax_weight_mode,
+)
 from .feature_maps import FeatureMap
-from .linear_attention import LinearAttentionError, linear_attention
-from .packed_sequences import packed_segment_ids, segment_ids_from_cu_seq_lens, split_segment_ids
+from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
+from .packed_sequences import packed_segment_ids, packed_sequences_of
 from .window_attention import SoftmaxWeight, window_linear_attention
 
 
@@ -103,10 +117,6 @@ SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
 """Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
 (state-dict key ``...favor_softmax_weight.logit``)."""
 SETTINGS_ATTRIBUTE = "_favor_settings"
-
-class FavorMaskError(LinearAttentionError):
-    """An attention mask that linear attention cannot express (raised instead of ignoring it)."""
-
 
 # --------------------------------------------------------------------------------------------
 # Attention modules: recognition, layer index, head dim
@@ -215,11 +225,6 @@ def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMa
     feature_map.train(module.training)
     module.add_module(FEATURE_MAP_ATTRIBUTE, feature_map)
     return feature_map
-
-
-def is_window_layer(settings: dict, layer_idx: int) -> bool:
-    """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
-    return any(value > 0 for value in layer_window(settings, layer_idx))
 
 
 def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
@@ -346,17 +351,18 @@ def _self_attention_cache(cache) -> Cache | None:
     return cache if isinstance(cache, Cache) else None
 
 
-def _install_favor_cache_layer(cache: Cache, layer_idx: int) -> None:
-    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a :class:`FavorCacheLayer`."""
+def _install_favor_cache_layer(cache: Cache, layer_idx: int, layer_class=FavorCacheLayer) -> None:
+    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a ``layer_class()``
+    (:class:`FavorCacheLayer`, or :class:`WindowCacheLayer` for window layers)."""
     layers = cache.layers
     if layer_idx < len(layers):
         layer = layers[layer_idx]
         if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-            layers[layer_idx] = FavorCacheLayer()
+            layers[layer_idx] = layer_class()
     elif cache.layer_class_to_replicate is DynamicLayer:  # DynamicCache() without config: layers added lazily
         while len(layers) < layer_idx:
             layers.append(cache.layer_class_to_replicate())
-        layers.append(FavorCacheLayer())
+        layers.append(layer_class())
 
 
 def runs_causal_favor(model: nn.Module) -> bool:
@@ -380,9 +386,7 @@ def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     setattr(module, CACHE_ATTRIBUTE, cache)
     if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
         layer_idx = layer_index_of(module)
-        # Window layers keep the default (full key/value) layer until they have a cache layer of their own.
-        if not is_window_layer(module_favor_settings(module), layer_idx):
-            _install_favor_cache_layer(cache, layer_idx)
+        _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
     return None
 
 
@@ -410,7 +414,7 @@ def _cache_layer_of(module: nn.Module, layer_idx: int):
 
 def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
     """Static / sliding cache layers hold a key buffer whose slots are not the tokens seen: refuse them."""
-    if layer is not None and not _is_favor_cache_layer(layer) and layer.get_max_length() != -1:
+    if layer is not None and not is_favor_cache_layer(layer) and layer.get_max_length() != -1:
         raise LinearAttentionError(
             f"favor attention (layer {layer_idx}): cache layer {type(layer).__name__} has a fixed size "
             f"({layer.get_max_length()} slots); static and sliding-window caches are not supported. Use the default "
@@ -418,9 +422,6 @@ def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
         )
 
 
-def _is_favor_cache_layer(layer) -> bool:
-    # By layer type rather than isinstance: a copy of this package loaded as remote code defines its own class.
-    return getattr(type(layer), "_layer_type", None) == FavorCacheLayer._layer_type
 
 
 # --------------------------------------------------------------------------------------------
@@ -534,10 +535,11 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
     cache_layer = _cache_layer_of(module, layer_index_of(module))
     _reject_fixed_size_cache(cache_layer, layer_index_of(module))
-    if _is_favor_cache_layer(cache_layer):
+    if is_favor_cache_layer(cache_layer) or is_window_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
-            "layer is a FavorCacheLayer, which keeps no keys/values; build the cache with make_favor_cache(model)"
+            f"layer is a {type(cache_layer).__name__}, which does not keep every key/value; build the cache with "
+            "make_favor_cache(model)"
         )
     if attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         # The 2-D padding mask of the favor mask builder: build what the model would have given sdpa.
@@ -595,21 +597,6 @@ def _record_for_rollback(cache_layer, query_heads: int, key, value, feature_map,
     cache_layer.record_call(cache_layer.state, key, value, key_padding_mask, fold)
 
 
-def _packed_sequences(attention_mask, query: torch.Tensor, kwargs: dict):
-    """``(segment_ids [B, L] or None, attention_mask)``: packed sequences given by the favor mask builder's segment
-    ids, or by ``cu_seq_lens_q`` keyword arguments (one packed row, no mask); see :mod:`.packed_sequences`."""
-    segment_ids, attention_mask = split_segment_ids(attention_mask)
-    cu_seq_lens = kwargs.get("cu_seq_lens_q")
-    if segment_ids is None and attention_mask is None and isinstance(cu_seq_lens, torch.Tensor):
-        segment_ids = segment_ids_from_cu_seq_lens(cu_seq_lens, query.shape[0], query.shape[2])
-        if segment_ids is None:
-            raise FavorMaskError(
-                f"favor attention: cu_seq_lens_q {cu_seq_lens.tolist()} does not describe one packed row of "
-                f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
-            )
-    return segment_ids, attention_mask
-
-
 def favor_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -640,7 +627,7 @@ def favor_attention_forward(
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     settings = module_favor_settings(module)
     layer_idx = layer_index_of(module)
-    segment_ids, attention_mask = _packed_sequences(attention_mask, query, kwargs)
+    segment_ids, attention_mask = packed_sequences_of(attention_mask, query, kwargs)
 
     if layer_idx in settings["softmax_layers"]:
         if segment_ids is not None:  # causal within each packed sequence, as a 4-D mask for sdpa
@@ -663,7 +650,7 @@ def favor_attention_forward(
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
     _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
-    if segment_ids is not None and (not causal or k_len != q_len or _is_favor_cache_layer(cache_layer)):
+    if segment_ids is not None and (not causal or k_len != q_len or is_favor_cache_layer(cache_layer)):
         raise FavorMaskError(
             f"favor attention (layer {layer_idx}): packed sequences are supported for causal attention without a "
             f"cache (got causal={causal}, {q_len} queries, {k_len} keys, cache layer "
@@ -679,20 +666,14 @@ def favor_attention_forward(
             )
         return _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal,
                                          cache_layer, settings, layer_idx, common, kwargs)
-    if _is_favor_cache_layer(cache_layer):
+    if is_window_cache_layer(cache_layer):
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): a WindowCacheLayer on a layer without window or sinks; build the "
+            "cache with make_favor_cache(model)"
+        )
+    if is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
-        if k_len != q_len:
-            raise LinearAttentionError(
-                f"favor cache layer {layer_idx}: expected as many new keys as queries, got {k_len} and {q_len}"
-            )
-        if key_padding_mask is not None:
-            if key_padding_mask.shape[-1] != cache_layer.get_seq_length():
-                raise FavorMaskError(
-                    f"favor cache layer {layer_idx}: the 2-D attention mask covers {key_padding_mask.shape[-1]} "
-                    f"tokens but the cache has seen {cache_layer.get_seq_length()} (past + new); pass the mask of "
-                    "all tokens so far"
-                )
-            key_padding_mask = key_padding_mask[:, -k_len:]
+        key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with _no_redraw(feature_map, active=cache_layer.state is not None):
             out, state = linear_attention(
                 query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
@@ -730,7 +711,7 @@ def favor_attention_forward(
             )
     weights = requested_linear_attention_weights(
         kwargs, query, key, feature_map, causal=causal, key_padding_mask=key_padding_mask, segment_ids=segment_ids,
-        scaling=scaling, decoding_from_state=_is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > q_len,
+        scaling=scaling, decoding_from_state=is_favor_cache_layer(cache_layer) and cache_layer.get_seq_length() > q_len,
     )
     if weights is not None:  # the returned weights are the applied ones (equal outputs; gradients reach them)
         out = apply_attention_weights(weights, value)
@@ -744,8 +725,15 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
     out = _window_attention_output(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer,
                                    settings, layer_idx, common)
     weights = None
-    if attention_weights_requested(kwargs):
+    if attention_weights_requested(kwargs) and is_window_cache_layer(cache_layer) and \
+            cache_layer.get_seq_length() > query.shape[2]:
+        logger.warning_once(
+            "favor attention: output_attentions during cached decoding of a window layer: the keys folded into the "
+            "linear state are gone, so the weights of these steps are returned as None."
+        )
+    elif attention_weights_requested(kwargs):
         window, sinks = layer_window(settings, layer_idx)
+        sinks = min(sinks, key.shape[2])
         if query.shape[2] != key.shape[2] or not settings["linear_tail"]:
             raise LinearAttentionError(
                 f"favor attention (layer {layer_idx}): output_attentions of a window layer is available for a full "
@@ -767,9 +755,18 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
     q_len, k_len = query.shape[2], key.shape[2]
-    if cache_layer is not None and _is_favor_cache_layer(cache_layer):
-        # ---- Recurrent window cache: not implemented yet (issue 15, decode part) ----
-        raise LinearAttentionError(f"favor attention (layer {layer_idx}): window layers do not support caching yet")
+    if is_favor_cache_layer(cache_layer):
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): window layer with a FavorCacheLayer (the cache of plain linear "
+            "layers); build the cache with make_favor_cache(model)"
+        )
+    if is_window_cache_layer(cache_layer):
+        # Constant-size path: `key`/`value` are the new tokens; sinks, recent keys and the tail sums are in the state.
+        key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
+        with _no_redraw(feature_map, active=cache_layer.state is not None):
+            return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks, softmax_weight=gamma,
+                                      key_padding_mask=key_padding_mask, **common)
+    sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
         raise FavorMaskError(
             f"favor window attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} "

@@ -314,6 +314,11 @@ def layer_window(settings: dict, layer_idx: int) -> tuple[int, int]:
     return override.get("window", settings.get("window", 0)), override.get("sinks", settings.get("sinks", 0))
 
 
+def is_window_layer(settings: dict, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
+    return any(value > 0 for value in layer_window(settings, layer_idx))
+
+
 def softmax_weight_mode(settings: dict) -> str:
     """``"calibrated"`` or ``"learned"``: ``settings["softmax_weight"]`` with ``"auto"`` resolved (``"learned"`` for
     learned feature maps, ``"calibrated"`` otherwise)."""

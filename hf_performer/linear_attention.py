@@ -63,6 +63,10 @@ class LinearAttentionError(ValueError):
     """Raised for inputs the kernels do not accept (shapes, masks, options)."""
 
 
+class FavorMaskError(LinearAttentionError):
+    """An attention mask that linear attention cannot express (raised instead of ignoring it)."""
+
+
 def same_segment_mask(segment_ids: torch.Tensor) -> torch.Tensor:
     """``[B, L, L]`` bool, ``True`` where positions ``i`` and ``j`` of a row belong to the same packed sequence
     (equal ids in ``segment_ids`` ``[B, L]``)."""

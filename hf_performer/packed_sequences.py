@@ -12,7 +12,7 @@ The favor mask builder hands packed rows to the attention function as a 2-D *int
 padding and ``1, 2, ...`` for the tokens of the first, second, ... sequence of the row. A 0/1 key padding mask is the
 special case of one sequence, so every 2-D mask keeps its meaning (:func:`split_segment_ids`).
 
-This module imports only ``torch`` and ``transformers``: it is copied next to saved models for ``trust_remote_code``.
+This module imports only ``torch`` and its sibling ``linear_attention``: it is copied next to saved models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from .linear_attention import FavorMaskError
 
 
 def packed_segment_ids(
@@ -93,3 +95,18 @@ def split_segment_ids(attention_mask) -> tuple[torch.Tensor | None, torch.Tensor
             return None, attention_mask  # not segment ids: left to the mask checks, which raise
         return attention_mask, attention_mask != 0
     return None, attention_mask
+
+
+def packed_sequences_of(attention_mask, query: torch.Tensor, kwargs: dict):
+    """``(segment_ids [B, L] or None, attention_mask)``: packed sequences given by the favor mask builder's segment
+    ids, or by ``cu_seq_lens_q`` keyword arguments (one packed row, no mask); see :mod:`.packed_sequences`."""
+    segment_ids, attention_mask = split_segment_ids(attention_mask)
+    cu_seq_lens = kwargs.get("cu_seq_lens_q")
+    if segment_ids is None and attention_mask is None and isinstance(cu_seq_lens, torch.Tensor):
+        segment_ids = segment_ids_from_cu_seq_lens(cu_seq_lens, query.shape[0], query.shape[2])
+        if segment_ids is None:
+            raise FavorMaskError(
+                f"favor attention: cu_seq_lens_q {cu_seq_lens.tolist()} does not describe one packed row of "
+                f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
+            )
+    return segment_ids, attention_mask

@@ -42,17 +42,18 @@ This module imports only ``torch`` and its siblings ``feature_maps`` and ``linea
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .feature_maps import FeatureMap, compute_dtype_for
+from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention import (
     DEFAULT_CHUNK_SIZE,
+    LinearAttentionState,
     _as_bool_mask,
     _check_inputs,
     _no_autocast,
-    _repeat_features,
     _repeat_kv,
     _safe_denominator,
     _with_ones_column,
@@ -91,12 +92,103 @@ class SoftmaxWeight(nn.Module):
         return f"num_heads={self.logit.shape[0]}"
 
 
-def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size):
+class WindowAttentionState(NamedTuple):
+    """State of causal window attention after ``seen`` tokens: what decoding needs, of constant size.
+
+    Positions ``[0, seen)`` are split into the sinks ``[0, min(sinks, seen))`` (exact keys, kept), the tail
+    ``[sinks, buffer_start)`` (folded into float32 sums) and the buffer ``[buffer_start, seen)`` (the most
+    recent keys, kept exactly). A token is folded only once it is older than ``window + max_rollback``
+    tokens, so the buffer holds at most ``window + max_rollback`` tokens; buffer tokens beyond a query's
+    window enter its tail computed from the buffer, exactly. Dropping the last ``r`` tokens
+    (:meth:`rollback`, ``r <= max_rollback``) then only truncates the buffer.
+
+    Attributes:
+        sink_key: ``[B, Hkv, s, d]`` and ``sink_value`` ``[B, Hkv, s, dv]`` (input dtype), ``s = min(sinks, seen)``.
+        sink_keep: ``[B, s]`` bool, ``False`` for padding.
+        buffer_key: ``[B, Hkv, b, d]``, ``buffer_value`` ``[B, Hkv, b, dv]``, ``buffer_keep`` ``[B, b]``.
+        buffer_features: ``[B, Hkv, b, m]`` the buffer keys' feature values (compute dtype).
+        buffer_log_scale: ``[B, Hkv, b]`` their log-scales (zeros for maps without one).
+        tail: :class:`~.linear_attention.LinearAttentionState` (``[B, H, m, dv]``, ``[B, H, m]``, ``[B, H]``)
+            over the folded tokens, relative to its stabiliser.
+        seen: number of tokens seen (padding included).
+        window, sinks, max_rollback: the settings the state was built with.
+    """
+
+    sink_key: torch.Tensor
+    sink_value: torch.Tensor
+    sink_keep: torch.Tensor
+    buffer_key: torch.Tensor
+    buffer_value: torch.Tensor
+    buffer_keep: torch.Tensor
+    buffer_features: torch.Tensor
+    buffer_log_scale: torch.Tensor
+    tail: LinearAttentionState
+    seen: int
+    window: int
+    sinks: int
+    max_rollback: int
+
+    @property
+    def buffer_start(self) -> int:
+        """Position of the first buffer token (the first token not folded, not a sink)."""
+        return self.seen - self.buffer_key.shape[2]
+
+    @property
+    def folded(self) -> int:
+        """Number of tokens folded into the tail sums."""
+        return self.buffer_start - self.sink_key.shape[2]
+
+    def rollback_capacity(self) -> int:
+        """How many of the last tokens :meth:`rollback` can drop exactly (``>= max_rollback`` after any call).
+
+        After dropping ``r`` tokens the next query sits at ``seen - r``: every folded token must still be in its
+        tail, ``buffer_start - 1 <= seen - r - window``, and exist, ``buffer_start <= seen - r``.
+        """
+        if self.folded == 0:
+            return self.seen
+        return self.seen - self.buffer_start - max(self.window - 1, 0)
+
+    def rollback(self, tokens: int) -> "WindowAttentionState":
+        """The state without the last ``tokens`` tokens (assisted / speculative decoding)."""
+        capacity = self.rollback_capacity()
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= capacity:
+            raise ValueError(
+                f"window attention state: can drop between 0 and {capacity} of its last tokens exactly (window "
+                f"{self.window}, max_rollback {self.max_rollback}, {self.seen} seen); got {tokens!r}"
+            )
+        if tokens == 0:
+            return self
+        seen = self.seen - tokens
+        sinks, buffer = min(self.sink_key.shape[2], seen), max(seen - self.buffer_start, 0)
+        return self._replace(
+            sink_key=self.sink_key[:, :, :sinks], sink_value=self.sink_value[:, :, :sinks],
+            sink_keep=self.sink_keep[:, :sinks], buffer_key=self.buffer_key[:, :, :buffer],
+            buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
+            buffer_features=self.buffer_features[:, :, :buffer], buffer_log_scale=self.buffer_log_scale[:, :, :buffer],
+            seen=seen,
+        )
+
+    def map_batch(self, fn) -> "WindowAttentionState":
+        """Apply ``fn`` to every tensor (all have the batch first): select / repeat / move rows."""
+        tensors = {name: fn(getattr(self, name)) for name in _STATE_TENSORS}
+        return self._replace(tail=LinearAttentionState(*(fn(t) for t in self.tail)), **tensors)
+
+    def nbytes(self) -> int:
+        """Bytes held by the tensors (bounded by ``window + max_rollback`` and ``sinks``, not by ``seen``)."""
+        tensors = [getattr(self, name) for name in _STATE_TENSORS] + list(self.tail)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+_STATE_TENSORS = WindowAttentionState._fields[:8]  # the sink and buffer tensors (batch first)
+
+
+def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful=False):
     length = key.shape[2]
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0 (0 = no window keys); got {window!r}")
-    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0 or sinks > length:
-        raise ValueError(f"sinks must be an int in [0, sequence length = {length}]; got {sinks!r}")
+    if isinstance(sinks, bool) or not isinstance(sinks, int) or sinks < 0 or (sinks > length and not stateful):
+        accepted = ">= 0" if stateful else f"in [0, sequence length = {length}]"
+        raise ValueError(f"sinks must be an int {accepted}; got {sinks!r}")
     if not causal and query.shape[2] != length:
         raise ValueError(
             f"window attention needs as many queries as keys; got {query.shape[2]} queries, {length} keys"
@@ -115,68 +207,120 @@ def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, c
             raise ValueError("softmax_weight must be None (calibrated) or hold values in (0, 1); got a value <= 0")
 
 
-def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_size):
+def _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state, max_rollback):
+    """Validate the decoding arguments; returns the ``max_rollback`` to use."""
+    if not causal:
+        raise ValueError("initial_state / return_state need causal=True (a bidirectional layer has no decoding state)")
+    if initial_state is not None and not all(hasattr(initial_state, name) for name in WindowAttentionState._fields):
+        raise ValueError(f"initial_state must be a WindowAttentionState; got {type(initial_state).__name__}")
+    if max_rollback is None:
+        max_rollback = window if initial_state is None else initial_state.max_rollback
+    if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
+        raise ValueError(f"max_rollback must be an int >= 0 (default: window); got {max_rollback!r}")
+    if initial_state is None:
+        return max_rollback
+    if (initial_state.window, initial_state.sinks) != (window, sinks):
+        raise ValueError(
+            f"initial_state was built with window={initial_state.window}, sinks={initial_state.sinks}; got "
+            f"window={window}, sinks={sinks}"
+        )
+    features = 0 if feature_map is None else feature_map.nb_features
+    expected = (query.shape[0], key.shape[1], key.shape[3], value.shape[3], features)
+    found = (initial_state.buffer_key.shape[0], initial_state.buffer_key.shape[1], initial_state.buffer_key.shape[3],
+             initial_state.buffer_value.shape[3], initial_state.buffer_features.shape[3])
+    if expected != found:
+        raise ValueError(
+            f"initial_state holds (batch, kv heads, head_dim, value dim, features) = {found}; the inputs have {expected}"
+        )
+    return max_rollback
+
+
+def _running_key_max(log_scale_k, eligible, start_max):
+    """Key log-scales ``[B, H, L]`` with non-eligible keys at ``-inf``, and their running maximum (detached,
+    at least ``start_max`` ``[B, H]``, the stabiliser of the keys before the sequence)."""
+    floor = torch.finfo(log_scale_k.dtype).min
+    masked_log_scale = log_scale_k.masked_fill(~eligible[:, None, :], float("-inf"))
+    running_max = torch.maximum(masked_log_scale.detach().cummax(dim=-1).values, start_max[..., None])
+    return masked_log_scale, running_max.clamp_min(floor)
+
+
+def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, start, end, new_max):
+    """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys ``[start, end)``,
+    relative to ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
+    rescale = (masked_log_scale[..., start:end] - new_max[..., None]).exp()  # [B, H, n]
+    added = torch.matmul((key_weights[:, :, start:end] * rescale[..., None]).transpose(-1, -2),
+                         value_ones[:, :, start:end])
+    return state * (state_max - new_max).exp()[..., None, None] + added
+
+
+def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_size, initial=None):
     """Per query ``i`` the linear tail over the eligible keys ``j <= i - offset``, stabilised.
 
     Args:
-        phi_q: query feature values ``[B, H, L, m]`` (their log-scale is applied by the caller).
+        phi_q: feature values ``[B, H, Lq, m]`` of the queries at the last ``Lq`` of the ``L`` key positions
+            (their log-scale is applied by the caller).
         phi_k: key feature values ``[B, H, L, m]``.
         log_scale_k: key log-scales ``[B, H, L]`` (zeros for maps without one).
         value_ones: ``[B, H, L, dv + 1]`` (values and a column of ones).
         eligible: ``[B, L]`` bool, keys that may enter the tail (unpadded, not sinks).
         offset: ``>= 0``; query ``i`` uses keys ``j <= i - offset``.
+        initial: ``None`` or ``(state [B, H, m, dv + 1], stabiliser [B, H])``, sums over keys before the
+            sequence that are in every query's tail.
 
     Returns:
-        ``tail`` ``[B, H, L, dv + 1]`` = ``sum_j phi_q_i.phi_k_j exp(lk_j - K_i) [v_j, 1]`` and ``K``
-        ``[B, H, L]``, the detached maximum of ``lk_j`` over those keys (``finfo.min`` if none).
+        ``tail`` ``[B, H, Lq, dv + 1]`` = ``sum_j phi_q_i.phi_k_j exp(lk_j - K_i) [v_j, 1]`` and ``K``
+        ``[B, H, Lq]``, the detached maximum of ``lk_j`` over those keys (``finfo.min`` if none).
     """
-    batch, heads, length, _ = phi_q.shape
-    floor = torch.finfo(phi_q.dtype).min
-    masked_log_scale = log_scale_k.masked_fill(~eligible[:, None, :], float("-inf"))
-    running_max = masked_log_scale.detach().cummax(dim=-1).values.clamp_min(floor)  # [B, H, L]
-    # K_i = running_max[i - offset], floor before any key.
-    if offset >= length:
-        query_max = torch.full_like(running_max, floor)
+    batch, heads, length, features = phi_k.shape
+    query_start = length - phi_q.shape[2]
+    if initial is None:
+        state = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
+        state_max = value_ones.new_full((batch, heads), torch.finfo(phi_k.dtype).min)
     else:
-        before_any_key = running_max.new_full((batch, heads, offset), floor)
-        query_max = torch.cat([before_any_key, running_max[..., : length - offset]], -1)
-    key_weights = phi_k * eligible[:, None, :, None]
+        state, state_max = initial
+    masked_log_scale, running_max = _running_key_max(log_scale_k, eligible, state_max)
     positions = torch.arange(length, device=phi_q.device)
-    state = value_ones.new_zeros(batch, heads, phi_k.shape[-1], value_ones.shape[-1])
-    state_max = running_max.new_full((batch, heads), floor)
+    # K_i = running_max[i - offset], the initial stabiliser before any key of the sequence.
+    last_key = positions[query_start:] - offset
+    query_max = torch.where(last_key >= 0, running_max[..., last_key.clamp_min(0)], state_max[..., None])
+    key_weights = phi_k * eligible[:, None, :, None]
     state_end = 0  # the state holds the keys [0, state_end)
     tails = []
-    for start in range(0, length, chunk_size):
+    for start in range(query_start, length, chunk_size):
         end = min(start + chunk_size, length)
-        boundary = min(max(start - offset + 1, 0), length)  # first key the state does not hold
+        rows = slice(start - query_start, end - query_start)
+        # First key the state does not hold. Continuing a state, the first block takes the recent keys as
+        # a tile (one decoded token: O(L m), not O(L m dv)).
+        boundary = state_end if 0 < query_start == start else min(max(start - offset + 1, 0), length)
         if boundary > state_end:  # fold keys [state_end, boundary) into the state
             new_max = running_max[..., boundary - 1]
-            rescale = (masked_log_scale[..., state_end:boundary] - new_max[..., None]).exp()  # [B, H, n]
-            added = torch.matmul((key_weights[:, :, state_end:boundary] * rescale[..., None]).transpose(-1, -2),
-                                 value_ones[:, :, state_end:boundary])
-            state = state * (state_max - new_max).exp()[..., None, None] + added
+            state = _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, state_end, boundary,
+                               new_max)
             state_max, state_end = new_max, boundary
-        k_max = query_max[:, :, start:end]  # [B, H, C]
-        out = torch.matmul(phi_q[:, :, start:end], state) * (state_max[..., None] - k_max).exp()[..., None]
-        tile_end = min(max(end - offset, 0), length)  # keys [boundary, tile_end) are needed by some query
-        if tile_end > boundary:
-            keys = positions[boundary:tile_end]
+        k_max = query_max[:, :, rows]  # [B, H, C]
+        out = torch.matmul(phi_q[:, :, rows], state) * (state_max[..., None] - k_max).exp()[..., None]
+        tile_end = min(max(end - offset, 0), length)  # keys [state_end, tile_end) are needed by some query
+        if tile_end > state_end:
+            keys = positions[state_end:tile_end]
             allowed = keys[None, :] <= positions[start:end, None] - offset  # [C, n]
-            decay = (masked_log_scale[:, :, None, boundary:tile_end] - k_max[..., None]).exp()  # [B, H, C, n]
+            decay = (masked_log_scale[:, :, None, state_end:tile_end] - k_max[..., None]).exp()  # [B, H, C, n]
             decay = decay.masked_fill(~allowed, 0.0)
-            tile = torch.matmul(phi_q[:, :, start:end], key_weights[:, :, boundary:tile_end].transpose(-1, -2))
-            out = out + torch.matmul(tile * decay, value_ones[:, :, boundary:tile_end])
+            tile = torch.matmul(phi_q[:, :, rows], key_weights[:, :, state_end:tile_end].transpose(-1, -2))
+            out = out + torch.matmul(tile * decay, value_ones[:, :, state_end:tile_end])
         tails.append(out)
     return torch.cat(tails, dim=2), query_max
 
 
-def _exact_block(query, key, value_ones, scores_scale, start, end, key_index, allowed, softmax_weight):
-    """Scores of queries ``[start, end)`` against the keys ``key_index`` and the masked tile.
+def _exact_block(query_block, key, value_ones, scores_scale, key_index, allowed, softmax_weight):
+    """Scores of the queries ``query_block`` ``[B, H, C, d]`` against the keys ``key_index`` and the masked tile.
 
     Returns the row maximum ``c`` ``[B, H, C]`` (0 for rows without keys) and a closure that, given
     the row offset ``rho`` ``[B, H, C]``, returns ``sum_j gamma exp(s_ij - c_i - rho_i) [v_j, 1]``.
     """
-    scores = torch.matmul(query[:, :, start:end], key[:, :, key_index].transpose(-1, -2)) * scores_scale
+    if key_index.numel() == 0:  # no exact key for these queries (window 0, no sinks)
+        row_max = query_block.new_zeros(query_block.shape[:-1])
+        return row_max, lambda rho: value_ones.new_zeros(row_max.shape + value_ones.shape[-1:])
+    scores = torch.matmul(query_block, key[:, :, key_index].transpose(-1, -2)) * scores_scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     # Not detached: in learned mode c_i is part of the definition (gamma exp(s - c) against an unscaled tail).
     row_max = scores.amax(dim=-1)
@@ -191,6 +335,29 @@ def _exact_block(query, key, value_ones, scores_scale, start, end, key_index, al
     return row_max, weighted
 
 
+def _local_sequence(key, value, keep, k_features, initial_state):
+    """The keys the new queries can see exactly or through the buffer: ``[sinks, buffer, new]`` (or the new
+    tokens alone). Returns keys, values (input dtype), keep ``[B, L']``, key feature values ``[B, Hkv, L', m]``,
+    log-scales ``[B, Hkv, L']`` and the number of stored sink tokens put in front."""
+    values, log_scale = k_features.values, k_features.log_scale
+    log_scale = values.new_zeros(values.shape[:-1]) if log_scale is None else log_scale
+    if initial_state is None:
+        return key, value, keep, values, log_scale, 0
+    state = initial_state
+    stored_sinks = state.sink_key.shape[2]
+    sink_shape = values.shape[:2] + (stored_sinks,)
+    return (
+        torch.cat([state.sink_key.to(key.dtype), state.buffer_key.to(key.dtype), key], dim=2),
+        torch.cat([state.sink_value.to(value.dtype), state.buffer_value.to(value.dtype), value], dim=2),
+        torch.cat([state.sink_keep, state.buffer_keep, keep], dim=1),
+        # Sinks never enter a tail: zero placeholder features.
+        torch.cat([values.new_zeros(sink_shape + (values.shape[-1],)), state.buffer_features.to(values.dtype), values],
+                  dim=2),
+        torch.cat([values.new_zeros(sink_shape), state.buffer_log_scale.to(values.dtype), log_scale], dim=2),
+        stored_sinks,
+    )
+
+
 def window_linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -203,9 +370,12 @@ def window_linear_attention(
     softmax_weight: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
+    initial_state: WindowAttentionState | None = None,
+    return_state: bool = False,
+    max_rollback: int | None = None,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
-) -> torch.Tensor:
+):
     """Sink + sliding-window exact softmax with a linear tail, one shared normaliser (module docstring).
 
     Args:
@@ -215,83 +385,151 @@ def window_linear_attention(
         feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
             window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
-        sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``).
+        sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0`` when decoding
+            with a state, since the first calls may be shorter than ``sinks``).
         causal: causal (default) or bidirectional.
         softmax_weight: ``None`` (calibrated mode) or ``gamma`` ``[H]`` in (0, 1) (learned mode).
-        key_padding_mask: ``[B, L]``, ``True``/1 = token.
+        key_padding_mask: ``[B, L]``, ``True``/1 = token (the new tokens only when ``initial_state`` is given).
         scaling: score scale, default ``d ** -0.5``.
+        initial_state: causal only; the :class:`WindowAttentionState` after the preceding tokens (returned by an
+            earlier call with ``return_state=True``): the inputs are then the next ``L`` tokens, and the outputs
+            equal the last ``L`` outputs of one pass over all tokens. Its feature map must not redraw in between.
+        return_state: causal only; also return the :class:`WindowAttentionState` after the last token.
+        max_rollback: tokens the returned state can drop exactly (:meth:`WindowAttentionState.rollback`);
+            default ``window`` (or the initial state's). The state keeps ``window + max_rollback`` recent keys.
         chunk_size: query block size.
         eps: smallest magnitude of a denominator.
 
     Returns:
-        ``[B, H, L, dv]`` in ``value.dtype``.
+        ``[B, H, L, dv]`` in ``value.dtype``, and the new state if ``return_state``. Decoding one token costs
+        ``O((sinks + window + max_rollback) (d + m) + m d)`` per head, whatever the number of tokens seen.
     """
+    stateful = initial_state is not None or return_state
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
-    _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size)
+    _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
     if feature_map is None and window == 0 and sinks == 0:
         raise ValueError("window attention without a feature map (no linear tail) needs window > 0 or sinks > 0")
+    if stateful:
+        max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
+                                              max_rollback)
     mask = _as_bool_mask(key_padding_mask)
-    batch, heads, length, head_dim = query.shape
+    batch, heads, q_len, head_dim = query.shape
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
     groups = heads // key.shape[1]
     out_dtype = value.dtype
     dtype = compute_dtype_for(query)
     device = query.device
+    seen = 0 if initial_state is None else initial_state.seen
     with _no_autocast(device.type):
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
-        if feature_map is not None:  # None: no linear tail
-            root = scaling**0.5
-            q_features, k_features = feature_map(query * root, key * root)
-            k_features = _repeat_features(k_features, groups)
-        key, value_ones = _repeat_kv(key, groups), _with_ones_column(_repeat_kv(value, groups))
-        keep = torch.ones(batch, length, dtype=torch.bool, device=device) if mask is None else mask
+        root = scaling**0.5
+        query = query.to(dtype)
+        if feature_map is None:  # no linear tail: zero-width features keep the state's layout
+            q_features = Features(query.new_zeros(query.shape[:-1] + (0,)), None)
+            k_features = Features(query.new_zeros(key.shape[:-1] + (0,)), None)
+        else:
+            q_features, k_features = feature_map(query * root, key.to(dtype) * root)
+        new_keep = torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None else mask
+        local_key, local_value, keep, key_values, key_log_scale, stored_sinks = _local_sequence(
+            key, value, new_keep, k_features, initial_state
+        )
+        length = local_key.shape[2]
+        query_start = length - q_len
+        # Local order: the sink tokens (positions < sinks), then consecutive positions.
+        sink_count = min(sinks, seen + q_len)
+        phi_k, log_k = _repeat_kv(key_values, groups), _repeat_kv(key_log_scale, groups)
+        key_all = _repeat_kv(local_key.to(dtype), groups)
+        value_ones = _with_ones_column(_repeat_kv(local_value.to(dtype), groups))
         value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
         positions = torch.arange(length, device=device)
-        eligible = keep & (positions >= sinks)[None, :]
+        eligible = keep & (positions >= sink_count)[None, :]
+        phi_q = q_features.values
+        log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
+        tail_init = None
+        if initial_state is not None:
+            tail = initial_state.tail
+            tail_init = (torch.cat([tail.kv, tail.k_sum[..., None]], -1).to(dtype), tail.stabilizer.to(dtype))
+
         tails = []  # (tail sums, their log-scale) per direction; none without a feature map
         if feature_map is not None:
-            phi_q, phi_k = q_features.values, k_features.values
-            zeros = phi_q.new_zeros(batch, heads, length)
-            log_q = zeros if q_features.log_scale is None else q_features.log_scale
-            log_k = zeros if k_features.log_scale is None else k_features.log_scale
-            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size))
+            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size, tail_init))
         if tails and not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
             right, right_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_k, value_ones)),
                                             eligible.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))
 
         outputs = []
-        sink_index = positions[:sinks]
-        for start in range(0, length, chunk_size):
+        sink_index = positions[:sink_count]
+        for start in range(query_start, length, chunk_size):
             end = min(start + chunk_size, length)
             rows = positions[start:end, None]
+            block = slice(start - query_start, end - query_start)
             if causal:
-                band = positions[max(sinks, start - window + 1):end]
+                band = positions[max(sink_count, start - window + 1):end]
             else:
-                band = positions[max(sinks, start - window + 1):min(length, end + window - 1)]
+                band = positions[max(sink_count, start - window + 1):min(length, end + window - 1)]
             key_index = torch.cat([sink_index, band])
             cols = key_index[None, :]
-            exact = (cols < sinks) | ((rows - cols).abs() < window)
+            exact = (cols < sink_count) | ((rows - cols).abs() < window)
             if causal:
                 exact = exact & (cols <= rows)
             allowed = exact[None, None] & keep[:, None, None, key_index]
-            row_max, weighted = _exact_block(query, key, value_ones, scaling, start, end, key_index, allowed, gamma)
+            row_max, weighted = _exact_block(query[:, :, block], key_all, value_ones, scaling, key_index, allowed,
+                                             gamma)
             # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
             log_factors = []
             for _, tail_max in tails:
-                u = log_q[:, :, start:end] + tail_max[:, :, start:end]
+                u = log_q[:, :, block] + tail_max[:, :, block]
                 log_factors.append(u - row_max if gamma is None else u)
             rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
             total = weighted(rho)
             for (tail, _), u in zip(tails, log_factors):
-                total = total + tail[:, :, start:end] * (u - rho).exp()[..., None]
+                total = total + tail[:, :, block] * (u - rho).exp()[..., None]
             outputs.append(total)
         total = torch.cat(outputs, dim=2)
         out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
         if not causal and sinks > 0:  # sink queries: exact softmax over every key
-            scores = torch.matmul(query[:, :, :sinks], key.transpose(-1, -2)) * scaling
+            scores = torch.matmul(query[:, :, :sinks], key_all.transpose(-1, -2)) * scaling
             scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
             sink_out = torch.matmul(torch.softmax(scores, dim=-1), value_ones[..., :-1])
             out = torch.cat([sink_out, out[:, :, sinks:]], dim=2)
-    return out.to(out_dtype)
+        if not return_state:
+            return out.to(out_dtype)
+        state = _next_state(
+            local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible, tail_init,
+            seen=seen + q_len, first=seen - (0 if initial_state is None else initial_state.buffer_key.shape[2]),
+            stored_sinks=stored_sinks, sink_count=sink_count, window=window, sinks=sinks, max_rollback=max_rollback,
+        )
+    return out.to(out_dtype), state
+
+
+def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible,
+                tail_init, *, seen, first, stored_sinks, sink_count, window, sinks, max_rollback):
+    """The :class:`WindowAttentionState` after the local sequence ``[stored sinks, positions first..seen-1]``:
+    keeps the sinks and the last ``window + max_rollback`` tokens, folds the older ones into the tail sums."""
+    length = local_key.shape[2]
+    batch, heads, _, features = phi_k.shape
+    shift = first - stored_sinks  # local index of position p >= first: p - shift
+    fold_start = max(first, sinks) - shift
+    fold_end = min(max(sinks, seen - window - max_rollback, first), seen) - shift
+    if tail_init is None:
+        kv = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
+        stabilizer = value_ones.new_full((batch, heads), torch.finfo(value_ones.dtype).min)
+    else:
+        kv, stabilizer = tail_init
+    if fold_end > fold_start:
+        masked_log_scale, running_max = _running_key_max(log_k, eligible, stabilizer)
+        new_max = running_max[..., fold_end - 1]
+        key_weights = phi_k[:, :, :fold_end] * eligible[:, None, :fold_end, None]
+        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale, value_ones, fold_start, fold_end, new_max)
+        stabilizer = new_max
+    buffer = slice(max(fold_end, sink_count), length)
+    # Copies, so that the state does not keep the whole input sequence alive through views.
+    return WindowAttentionState(
+        sink_key=local_key[:, :, :sink_count].clone(), sink_value=local_value[:, :, :sink_count].clone(),
+        sink_keep=keep[:, :sink_count].clone(), buffer_key=local_key[:, :, buffer].clone(),
+        buffer_value=local_value[:, :, buffer].clone(), buffer_keep=keep[:, buffer].clone(),
+        buffer_features=key_values[:, :, buffer].clone(), buffer_log_scale=key_log_scale[:, :, buffer].clone(),
+        tail=LinearAttentionState(kv[..., :-1].clone(), kv[..., -1].clone(), stabilizer),
+        seen=seen, window=window, sinks=sinks, max_rollback=max_rollback,
+    )

@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, DataCollatorWithFlattening
+from transformers import AutoModelForCausalLM, DataCollatorWithFlattening
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import logging
 

@@ -18,9 +18,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 from hf_performer import (
     FAVOR_DEFAULTS,
+    FavorCacheLayer,
     PerformerConfig,
     PerformerForCausalLM,
     SoftmaxWeight,
+    WindowCacheLayer,
     convert_to_performer,
     layer_window,
     make_favor_cache,
@@ -170,8 +172,9 @@ def test_layer_windows_reach_only_their_layer(name):
 
     with torch.no_grad(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(favor_attention, "window_linear_attention", recording)
-        hidden_plain = plain(input_ids=ids, output_hidden_states=True).hidden_states
-        hidden_hybrid = hybrid(input_ids=ids, output_hidden_states=True).hidden_states
+        # Without a cache: with one, a window layer runs the operator through its WindowCacheLayer (cache.py).
+        hidden_plain = plain(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+        hidden_hybrid = hybrid(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
     assert calls == [(3, 1)]
     assert torch.equal(hidden_plain[1], hidden_hybrid[1])
     assert not torch.allclose(hidden_plain[2], hidden_hybrid[2])
@@ -520,5 +523,11 @@ def test_generation_without_cache_and_with_the_default_cache_agree(name):
 def test_a_favor_cache_layer_on_a_window_layer_is_refused_in_one_line():
     performer = convert_to_performer(_source("llama"), window=3, sinks=1)
     ids = _ids(batch=1, length=5)
-    with pytest.raises(LinearAttentionError, match="window layers do not support caching yet"):
-        performer(input_ids=ids, past_key_values=make_favor_cache(performer), use_cache=True)
+    cache = make_favor_cache(performer)
+    assert all(isinstance(layer, WindowCacheLayer) for layer in cache.layers)
+    performer(input_ids=ids, past_key_values=cache, use_cache=True)  # the window layers' own cache layer works
+    wrong = make_favor_cache(performer)
+    wrong.layers[0] = FavorCacheLayer()
+    with pytest.raises(LinearAttentionError, match="window layer with a FavorCacheLayer") as error:
+        performer(input_ids=ids, past_key_values=wrong, use_cache=True)
+    assert "\n" not in str(error.value)

@@ -213,13 +213,26 @@ def cache_nbytes(cache) -> int:
     return total
 
 
+def _describe_state(state) -> dict:
+    """Shape/dtype of every tensor of a state (nested named tuples flattened: ``tail.kv``), and its int fields."""
+    described = {}
+    for name, item in state._asdict().items():
+        if isinstance(item, torch.Tensor):
+            described[name] = (list(item.shape), str(item.dtype))
+        elif hasattr(item, "_asdict"):
+            described.update({f"{name}.{key}": value for key, value in _describe_state(item).items()})
+        else:
+            described[name] = item
+    return described
+
+
 def describe_cache(cache) -> list[dict]:
     """Per layer: type, token count, and shape/dtype of every tensor held."""
     layers = []
     for layer in cache.layers:
         tensors = {}
         if getattr(layer, "state", None) is not None:
-            tensors = {name: (list(t.shape), str(t.dtype)) for name, t in layer.state._asdict().items()}
+            tensors = _describe_state(layer.state)
         for name in ("keys", "values"):
             tensor = getattr(layer, name, None)
             if isinstance(tensor, torch.Tensor):
@@ -261,6 +274,7 @@ class DecodeStream:
                  device: torch.device):
         self.model, self.implementation, self.cache = model, implementation, cache
         self.batch, self.position, self.device = batch, context, device
+        self.context = context  # the context it started from
         self.input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
         self.logits = None
 
@@ -301,6 +315,60 @@ def _timing_fields(seconds: list[float], warmup_seconds: list[float], batch: int
 def _median_ratio(numerators: list[float], denominators: list[float]) -> float:
     """Median over rounds of the ratio of two streams' step times measured side by side."""
     return statistics.median(a / b for a, b in zip(numerators, denominators))
+
+
+def measure_context(model, favor_cache, softmax_cache, context: int, batch: int, warmup: int, repeats: int,
+                    generator: torch.Generator, device: torch.device, reference, check_favor, build_seconds: dict):
+    """The favor and softmax records of one context length (module docstring: warm-up, interleaved rounds with
+    the shortest-context favor stream ``reference``, cache bytes, peak memory growth).
+
+    ``check_favor(end_context)`` asserts the favor cache took its constant-size path; ``build_seconds`` per
+    implementation is recorded as ``cache_build_seconds``. Returns the two records and the reference stream (the
+    favor stream of this length when ``reference`` is ``None``).
+    """
+    favor = DecodeStream(model, "favor", favor_cache, batch, context, generator, device)
+    softmax = DecodeStream(model, "softmax", softmax_cache, batch, context, generator, device)
+    reference = reference or favor
+    cache_bytes = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
+    warm, peaks = {}, {}
+    for stream in (favor, softmax):
+        with PeakMemoryGrowth(device) as peak:
+            warm[stream.implementation] = stream.steps(warmup)
+        peaks[stream.implementation] = peak.growth
+    streams = [favor, softmax] + ([reference] if reference is not favor else [])
+    reference_start = reference.position
+    timings = _interleaved_steps(streams, repeats)
+
+    end_context = context + warmup + repeats
+    check_favor(end_context)
+    cache_bytes_after = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
+    if cache_bytes_after["favor"] != cache_bytes["favor"]:
+        raise AssertionError("favor cache memory changed while decoding")
+    if softmax_cache.get_seq_length() != end_context:
+        raise AssertionError("softmax cache does not hold context + decoded tokens")
+    common = dict(context=context, timed_contexts=[context + warmup, end_context - 1])
+    favor_seconds, softmax_seconds = timings[0], timings[1]
+    reference_seconds = timings[2] if len(timings) > 2 else favor_seconds
+    records = [
+        dict(
+            implementation="favor", **_timing_fields(favor_seconds, warm["favor"], batch), **common,
+            cache_bytes=cache_bytes["favor"], cache_bytes_after=cache_bytes_after["favor"],
+            peak_memory_growth_bytes=peaks["favor"],
+            cache_build_seconds=build_seconds["favor"],  # extending the states from the previous length
+            logits_shape=list(favor.logits.shape),
+            reference=dict(context=reference.context, timed_contexts=[reference_start, reference.position - 1],
+                           seconds_per_token=statistics.median(reference_seconds)),
+            paired_ratio_to_shortest=_median_ratio(favor_seconds, reference_seconds),
+        ),
+        dict(
+            implementation="softmax", **_timing_fields(softmax_seconds, warm["softmax"], batch), **common,
+            cache_bytes=cache_bytes["softmax"], cache_bytes_after=cache_bytes_after["softmax"],
+            peak_memory_growth_bytes=peaks["softmax"],
+            cache_build_seconds=build_seconds["softmax"], logits_shape=list(softmax.logits.shape),
+            paired_ratio_to_favor=_median_ratio(softmax_seconds, favor_seconds),
+        ),
+    ]
+    return records, reference
 
 
 def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, seed: int = 0,
@@ -406,70 +474,43 @@ def run_decode_benchmark(
             start = time.perf_counter()
             softmax_cache = synthetic_softmax_cache(model, batch, context, generator)
             softmax_build = time.perf_counter() - start
-            favor = DecodeStream(model, "favor", favor_cache, batch, context, generator, device_)
-            softmax = DecodeStream(model, "softmax", softmax_cache, batch, context, generator, device_)
-            reference = reference or favor
-            cache_bytes = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
-            warm, peaks = {}, {}
-            for stream in (favor, softmax):
-                with PeakMemoryGrowth(device_) as peak:
-                    warm[stream.implementation] = stream.steps(warmup)
-                peaks[stream.implementation] = peak.growth
-            streams = [favor, softmax] + ([reference] if reference is not favor else [])
-            reference_start = reference.position
-            timings = _interleaved_steps(streams, repeats)
-
-            end_context = context + warmup + repeats
-            _check_favor_cache(favor_cache, end_context, state_shapes, states_before)
-            cache_bytes_after = {"favor": cache_nbytes(favor_cache), "softmax": cache_nbytes(softmax_cache)}
-            if cache_bytes_after["favor"] != cache_bytes["favor"]:
-                raise AssertionError("favor cache memory changed while decoding")
-            if softmax_cache.get_seq_length() != end_context:
-                raise AssertionError("softmax cache does not hold context + decoded tokens")
-            common = dict(context=context, timed_contexts=[context + warmup, end_context - 1])
-            favor_seconds, softmax_seconds = timings[0], timings[1]
-            reference_seconds = timings[2] if len(timings) > 2 else favor_seconds
-            records.append(dict(
-                implementation="favor", **_timing_fields(favor_seconds, warm["favor"], batch), **common,
-                cache_bytes=cache_bytes["favor"], cache_bytes_after=cache_bytes_after["favor"],
-                peak_memory_growth_bytes=peaks["favor"],
-                cache_build_seconds=favor_build,  # extending the states from the previous length
-                logits_shape=list(favor.logits.shape),
-                reference=dict(context=context_lengths[0], timed_contexts=[reference_start, reference.position - 1],
-                               seconds_per_token=statistics.median(reference_seconds)),
-                paired_ratio_to_shortest=_median_ratio(favor_seconds, reference_seconds),
-            ))
-            records.append(dict(
-                implementation="softmax", **_timing_fields(softmax_seconds, warm["softmax"], batch), **common,
-                cache_bytes=cache_bytes["softmax"], cache_bytes_after=cache_bytes_after["softmax"],
-                peak_memory_growth_bytes=peaks["softmax"],
-                cache_build_seconds=softmax_build, logits_shape=list(softmax.logits.shape),
-                paired_ratio_to_favor=_median_ratio(softmax_seconds, favor_seconds),
-            ))
-            del favor, softmax, favor_cache, softmax_cache, streams
+            favor_records, reference = measure_context(
+                model, favor_cache, softmax_cache, context, batch, warmup, repeats, generator, device_, reference,
+                check_favor=lambda end: _check_favor_cache(favor_cache, end, state_shapes, states_before),
+                build_seconds={"favor": favor_build, "softmax": softmax_build},
+            )
+            records.extend(favor_records)
+            del favor_cache, softmax_cache
             gc.collect()
 
+    result_settings = dict(
+        context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
+        model=dict(architecture="GPT2LMHeadModel (random weights)", n_layer=n_layer, n_head=n_head,
+                   n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
+                   parameters=sum(p.numel() for p in model.parameters())),
+        favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
+        implementations={
+            "favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
+            "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)",
+        },
+        measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
+                  "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; per "
+                  "length, after `warmup` steps of each, the favor, softmax and shortest-context favor streams "
+                  "take one step in turn for `repeats` rounds; paired ratios are medians over rounds of the "
+                  "ratio of two streams' step times in the same round; cache_bytes = nbytes of the cache tensors "
+                  "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
+        seed=seed,
+    )
+    return decode_result(result_settings, device_, load_start, verification, records)
+
+
+def decode_result(settings: dict, device: torch.device, load_start, verification, records: list[dict]) -> dict:
+    """The JSON-able result of a decode benchmark: settings, machine (and its load at start and end),
+    verification, records and :func:`.report.summarize_decode` summary."""
     result = {
         "benchmark": "decode",
-        "settings": dict(
-            context_lengths=context_lengths, batch=batch, dtype=dtype, repeats=repeats, warmup=warmup,
-            model=dict(architecture="GPT2LMHeadModel (random weights)", n_layer=n_layer, n_head=n_head,
-                       n_embd=n_embd, head_dim=head_dim, vocab_size=vocab_size, n_positions=n_positions,
-                       parameters=sum(p.numel() for p in model.parameters())),
-            favor_settings=settings, favor_state_shapes_per_layer=[list(s) for s in state_shapes],
-            implementations={
-                "favor": "attn_implementation='favor' + make_favor_cache (FavorCacheLayer: recurrent state)",
-                "softmax": "attn_implementation='sdpa' + DynamicCache (keys/values, torch.cat per step)",
-            },
-            measured=("median seconds of one decode step (B new tokens, one per sequence) through the full model "
-                      "incl. cache update, LM head and greedy argmax, from a synthetic cache of `context` tokens; per "
-                      "length, after `warmup` steps of each, the favor, softmax and shortest-context favor streams "
-                      "take one step in turn for `repeats` rounds; paired ratios are medians over rounds of the "
-                      "ratio of two streams' step times in the same round; cache_bytes = nbytes of the cache tensors "
-                      "before the first step; peak_memory_growth_bytes = peak memory growth during the warm-up steps"),
-            seed=seed,
-        ),
-        "machine": {**machine_info(device_), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
+        "settings": settings,
+        "machine": {**machine_info(device), "load_average_1_5_15min": {"start": load_start, "end": load_average()}},
         "verification": verification,
         "records": records,
     }

@@ -251,7 +251,11 @@ def format_decode_table(result: dict) -> str:
     lines.append(f"softmax / favor latency at {speed['context']}: {speed['value']:.2f}x "
                  f"({speed['paired']:.2f}x paired) (target >= {speed['target']}: {'met' if speed['met'] else 'NOT met'})")
     verification = result.get("verification")
-    if verification:
+    if verification and "chunked_vs_one_forward_max_abs_logit_difference" in verification:  # bench decode --model
+        lines.append(f"verification at context {verification['context']}: chunked prefill through the window cache vs "
+                     f"one forward without cache, max |logit difference| "
+                     f"{verification['chunked_vs_one_forward_max_abs_logit_difference']:.2e}")
+    elif verification:
         lines.append(f"verification at context {verification['context']} (real prefill vs synthetic cache, same "
                      "structure): step time synthetic/real " + ", ".join(
                          f"{impl} {verification[impl]['synthetic_over_real_time']:.2f}"
@@ -267,7 +271,8 @@ def plot_decode(result: dict, path: Path) -> None:
     plt = _pyplot()
     records = result["records"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    styles = {"favor": ("-o", "tab:blue", "FAVOR+ (recurrent state)"),
+    favor_label = result["settings"].get("favor_label", "FAVOR+ (recurrent state)")
+    styles = {"favor": ("-o", "tab:blue", favor_label),
               "softmax": ("-s", "tab:red", "softmax SDPA + KV cache")}
     for implementation in DECODE_IMPLEMENTATIONS:
         points = sorted((r["context"], r) for r in records if r["implementation"] == implementation)
@@ -279,15 +284,21 @@ def plot_decode(result: dict, path: Path) -> None:
     if reference:
         axes[0].plot([n for n, _ in reference], [ref["seconds_per_token"] * 1e3 for _, ref in reference], ":",
                      color="tab:blue", alpha=0.7,
-                     label=f"FAVOR+ at context {reference[0][1]['context']}, stepped in the same rounds")
+                     label=f"{favor_label.split(' (')[0]} at context {reference[0][1]['context']}, stepped in the "
+                           "same rounds")
     s, m = result["settings"], result["settings"]["model"]
     _log_log_axes(axes, "context length (tokens in the cache)",
                   [f"ms per decode step (batch {s['batch']})", "cache memory (MiB)"])
     axes[0].set_title("per-token decode latency (median)", fontsize=10)
     axes[1].set_title("cache size", fontsize=10)
-    fig.suptitle(f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}, batch {s['batch']}, "
-                 f"{s['dtype']}, m={s['favor_settings']['nb_features']}\n{result['machine']['device_name']}, "
-                 f"{result['machine']['torch_threads']} threads", fontsize=9)
+    if "folder" in m:  # a converted model (bench decode --model)
+        f = s["favor_settings"]
+        geometry = (f"{m['folder']} ({m['source_architecture']}, {m['num_hidden_layers']} layers), "
+                    f"window {f.get('window')}, sinks {f.get('sinks')}, map {f['feature_map']}")
+    else:
+        geometry = f"GPT-2 geometry L={m['n_layer']} H={m['n_head']} d_model={m['n_embd']}"
+    fig.suptitle(f"{geometry}, batch {s['batch']}, {s['dtype']}, m={s['favor_settings']['nb_features']}\n"
+                 f"{result['machine']['device_name']}, {result['machine']['torch_threads']} threads", fontsize=9)
     _save(plt, fig, path)
 
 

@@ -57,6 +57,16 @@ def run_approximation(args) -> int:
 def run_decode(args) -> int:
     """``hf-performer bench decode``: per-token decode latency and cache memory (:mod:`hf_performer.bench.decode`)."""
     _warn_if_loaded()
+    if args.model is not None:
+        from ..bench.decode_converted import run_converted_decode_benchmark
+
+        result = run_converted_decode_benchmark(
+            args.model, context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype,
+            repeats=args.repeats, warmup=args.warmup, prefill_chunk=args.prefill_chunk, device=args.device,
+            verify_context=args.verify_context,
+        )
+        return _print_and_write(result, report.format_decode_table(result), args.output_dir, args.name,
+                                report.plot_decode)
     favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
     result = decode.run_decode_benchmark(
         context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
@@ -130,7 +140,10 @@ def _add_decode_parser(kinds) -> None:
             "constant-size recurrent-state cache against the same weights with SDPA softmax and transformers' "
             "DynamicCache, interleaved in one run. Caches of L tokens are built synthetically at the size a "
             "prefill leaves (checked against a real prefill at --verify-context). The defaults are a quick "
-            f"setting; the full run is: --context-lengths {full} --repeats 10 --output-dir benchmarks/results"),
+            f"setting; the full run is: --context-lengths {full} --repeats 10 --output-dir benchmarks/results. "
+            "With --model FOLDER (a causal LM converted with --window/--sinks), the model is that folder instead: "
+            "its window layers (WindowCacheLayer) against the same weights with softmax; their contexts come from a "
+            "real prefill in chunks of --prefill-chunk tokens through the cache"),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     decode_parser.add_argument("--context-lengths", type=comma_separated_ints,
@@ -143,6 +156,11 @@ def _add_decode_parser(kinds) -> None:
     decode_parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
     add_favor_arguments(decode_parser, ("nb_features",),
                         helps={"nb_features": "FAVOR+ features m per head (None: FAVOR_DEFAULTS)"})
+    decode_parser.add_argument("--model", default=None, metavar="FOLDER",
+                               help="a converted causal LM with window layers (hf-performer convert --window W "
+                                    "--sinks S) instead of the random GPT-2; the --n-* flags are then unused")
+    decode_parser.add_argument("--prefill-chunk", type=int, default=1024,
+                               help="with --model: tokens per forward of the chunked prefill through the cache")
     decode_parser.add_argument("--n-layer", type=int, default=12)
     decode_parser.add_argument("--n-head", type=int, default=12)
     decode_parser.add_argument("--n-embd", type=int, default=768)

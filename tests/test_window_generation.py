@@ -1,0 +1,146 @@
+"""Generation with window layers (exact softmax over sinks + a sliding window, a linear tail): converted tiny
+Llama (GQA, RoPE) and GPT-2, both modes. generate() with the WindowCacheLayer equals generate(use_cache=False),
+with left padding; assisted generation and prompt lookup (which roll the cache back) give plain greedy's tokens;
+beam search; the cache's size does not grow with the context."""
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import DynamicLayer
+from transformers.utils import logging
+
+from hf_performer import FavorCacheLayer, WindowCacheLayer, attach_feature_maps, make_favor_cache
+
+logging.set_verbosity_error()
+
+VOCAB = 99
+# window 3 + max_rollback 3 = a buffer of 6: prompts of 9+ tokens fold tokens into the tail while generating.
+WINDOW = {"window": 3, "sinks": 2}
+MODES = {
+    "calibrated": {"feature_map": "favor+", "nb_features": 32, "softmax_weight": "calibrated"},
+    "learned": {"feature_map": "hedgehog", "softmax_weight": "learned"},
+}
+
+
+def _config(name, **overrides):
+    # A large init scale gives peaked, input-dependent logits, so that greedy paths really depend on the attention.
+    if name == "llama":
+        return LlamaConfig(**{**dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     intermediate_size=37, vocab_size=VOCAB, pad_token_id=0, initializer_range=0.3),
+                              **overrides})
+    return GPT2Config(**{**dict(n_embd=32, n_layer=2, n_head=4, vocab_size=VOCAB, pad_token_id=0,
+                                initializer_range=0.3), **overrides})
+
+
+def build(name, mode="calibrated", seed=0, **settings):
+    config = _config(name)
+    config.favor_settings = {**WINDOW, **MODES[mode], "chunk_size": 4, **settings}
+    torch.manual_seed(seed)
+    model_cls = LlamaForCausalLM if name == "llama" else GPT2LMHeadModel
+    model = model_cls._from_config(config, attn_implementation="favor").eval()
+    attach_feature_maps(model)
+    if mode == "learned":  # move gamma away from its initial value: both terms matter
+        for module in model.modules():
+            if hasattr(module, "favor_softmax_weight"):
+                with torch.no_grad():
+                    for parameter in module.favor_softmax_weight.parameters():
+                        parameter.uniform_(-1.0, 1.0)
+    return model
+
+
+def tokens(batch=2, length=12, seed=1):
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, input_ids, **kwargs):
+    kwargs = {"max_new_tokens": 8, "output_scores": True, **kwargs}
+    with torch.no_grad():
+        return model.generate(input_ids, do_sample=False, return_dict_in_generate=True, **kwargs)
+
+
+def _window_layers(cache):
+    return [layer for layer in cache.layers if isinstance(layer, WindowCacheLayer)]
+
+
+CASES = [(name, mode) for name in ("llama", "gpt2") for mode in MODES]
+
+
+@pytest.mark.parametrize("name, mode", CASES)
+def test_greedy_generate_with_left_padding_equals_no_cache(name, mode):
+    model = build(name, mode)
+    input_ids = tokens(length=10)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    cached = _generate(model, input_ids, attention_mask=attention_mask)
+    uncached = _generate(model, input_ids, attention_mask=attention_mask, use_cache=False)
+    layers = _window_layers(cached.past_key_values)
+    assert len(layers) == 2 and all(layer.state.folded > 0 for layer in layers)  # the tail was used
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name, mode", CASES)
+def test_assisted_generation_gives_the_greedy_tokens(name, mode, monkeypatch):
+    model = build(name, mode)
+    assistant = LlamaForCausalLM(_config("llama", num_hidden_layers=1)).eval()  # same vocabulary, softmax
+    input_ids = tokens(batch=1, length=9, seed=2)
+    crops = []
+    original_crop = WindowCacheLayer.crop
+    monkeypatch.setattr(WindowCacheLayer, "crop", lambda self, n: (crops.append(n), original_crop(self, n))[1])
+    greedy = _generate(model, input_ids, max_new_tokens=12)
+    # The default schedule drafts 20 tokens, more than window + max_rollback = 6: the verifying forward is kept
+    # croppable (activate_past_recording) whatever its length.
+    assisted = _generate(model, input_ids, max_new_tokens=12, assistant_model=assistant)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    assert any(n < 0 for n in crops)  # rejected drafts were rolled back
+
+
+@pytest.mark.parametrize("name, mode", CASES[:2])
+def test_prompt_lookup_gives_the_greedy_tokens(name, mode):
+    model = build(name, mode)
+    pattern = tokens(batch=1, length=4, seed=3)
+    input_ids = torch.cat([pattern, pattern, pattern[:, :2], pattern], dim=1)  # n-grams to look up
+    greedy = _generate(model, input_ids, max_new_tokens=10)
+    lookup = _generate(model, input_ids, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    assert torch.equal(lookup.sequences, greedy.sequences)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_beam_search_matches_no_cache(name):
+    model = build(name)
+    input_ids = tokens(length=9)
+    beam_kwargs = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 6, "output_scores": False}
+    cached = _generate(model, input_ids, **beam_kwargs)
+    uncached = _generate(model, input_ids, use_cache=False, **beam_kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
+    torch.testing.assert_close(cached.sequences_scores, uncached.sequences_scores, atol=1e-4, rtol=1e-4)
+    assert all(layer.state.sink_key.shape[0] == 4 for layer in _window_layers(cached.past_key_values))
+
+
+def test_cache_bytes_do_not_grow_with_the_context():
+    model = build("llama")
+    sizes = []
+    for length in (12, 40):
+        result = _generate(model, tokens(length=length), max_new_tokens=3, output_scores=False)
+        layers = _window_layers(result.past_key_values)
+        assert [layer.get_seq_length() for layer in layers] == [length + 2] * 2
+        sizes.append(sum(layer.state_nbytes() for layer in layers))
+    assert sizes[0] == sizes[1] > 0
+
+
+def test_make_favor_cache_picks_the_layer_kind_per_layer():
+    model = build("llama", softmax_layers=[0])
+    assert [type(layer) for layer in make_favor_cache(model).layers] == [DynamicLayer, WindowCacheLayer]
+    plain = build("gpt2", window=0, sinks=0)
+    assert [type(layer) for layer in make_favor_cache(plain).layers] == [FavorCacheLayer, FavorCacheLayer]
+    assert all(layer.max_rollback == 8 for layer in make_favor_cache(model, max_rollback=8).layers[1:])
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_a_prompt_shorter_than_the_sinks_generates(use_cache):
+    model = build("llama", sinks=4)
+    input_ids = tokens(batch=1, length=1, seed=4)
+    result = _generate(model, input_ids, max_new_tokens=6, use_cache=use_cache)
+    reference = _generate(model, input_ids, max_new_tokens=6, use_cache=not use_cache)
+    assert result.sequences.shape == (1, 7) and torch.equal(result.sequences, reference.sequences)
