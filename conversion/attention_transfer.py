@@ -42,6 +42,7 @@ from hf_performer.favor_attention import (
 )
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
+from hf_performer.window_attention import window_linear_attention
 
 
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
@@ -187,6 +188,57 @@ def layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.T
     student_output = torch.matmul(student_scores, repeated_value) / row_sums.unsqueeze(-1)
     squared = (student_output - teacher_output).square().mean(-1)
     return teacher_output, kl[rows].sum(), squared[rows].sum(), int(rows.sum())
+
+
+def sdpa_teacher_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, causal: bool,
+                        key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact softmax attention output by ``scaled_dot_product_attention``, float32 ``[B, H, L, dv]``, no gradient.
+
+    ``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, d]``; ``key_padding_mask`` ``[B, L]`` (``True`` =
+    token). Without padding no ``[L, L]`` mask is built (``is_causal``); query rows without any allowed key are 0.
+    """
+    with torch.no_grad():
+        query, key, value = query.float(), key.float(), value.float()
+        mask = None
+        if key_padding_mask is not None and not bool(key_padding_mask.all()):
+            length = query.shape[2]
+            mask = key_padding_mask.bool()[:, None, None, :]
+            if causal:
+                mask = mask & torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])
+        return torch.nan_to_num(output, nan=0.0)
+
+
+def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 feature_map: FeatureMap, *, window: int, sinks: int,
+                                 softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
+                                 key_padding_mask: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
+    softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
+    layer's map and ``softmax_weight`` (gamma ``[H]``, or ``None`` for the calibrated mode); neither side forms an
+    ``[L, L]`` tensor when nothing is padded.
+
+    Args:
+        query: ``[B, H, L, d]``; key, value: ``[B, Hkv, L, d]`` (detached here: only the map and gamma learn).
+        key_padding_mask: ``[B, L]`` (``True`` = token) or ``None``; padded query rows are not counted.
+
+    Returns:
+        ``(teacher output [B, H, L, dv] float32, 0 (no weights loss), squared-error sum, rows)``: the squared error
+        of the outputs averaged over value channels and summed over the counted rows, as :func:`transfer_losses`.
+    """
+    query, key, value = query.detach(), key.detach(), value.detach()
+    teacher = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_mask)
+    student = window_linear_attention(query.float(), key.float(), value.float(), feature_map, window=window,
+                                      sinks=sinks, causal=causal, softmax_weight=softmax_weight,
+                                      key_padding_mask=key_padding_mask, scaling=scaling)
+    squared = (student.float() - teacher).square().mean(-1)  # [B, H, L]
+    if key_padding_mask is None:
+        return teacher, torch.zeros((), device=query.device), squared.sum(), squared.numel()
+    rows = key_padding_mask.bool()[:, None, :].expand(squared.shape)
+    return teacher, torch.zeros((), device=query.device), squared[rows].sum(), int(rows.sum())
 
 
 # --------------------------------------------------------------------------------------------
