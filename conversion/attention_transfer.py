@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -360,6 +361,8 @@ class AttentionTransferResult:
     learning_rate: float
     layers: list[int]
     history: list[dict] = field(default_factory=list)
+    stop_reason: str | None = None
+    output_loss_factor: float = 1.0
     layer_losses_before: dict[int, dict] = field(default_factory=dict)
     layer_losses_after: dict[int, dict] = field(default_factory=dict)
 
@@ -367,14 +370,14 @@ class AttentionTransferResult:
         return asdict(self)
 
 
-def _combine(layers: dict[int, LayerTransferLoss], loss: str) -> torch.Tensor:
+def _combine(layers: dict[int, LayerTransferLoss], loss: str, output_loss_factor: float = 1.0) -> torch.Tensor:
     total = 0.0
     for entry in layers.values():
         rows = max(entry.rows, 1)
         if loss in ("weights", "both"):
             total = total + entry.kl / rows
         if loss in ("output", "both"):
-            total = total + entry.squared_error / rows
+            total = total + output_loss_factor * entry.squared_error / rows
     return total
 
 
@@ -408,6 +411,8 @@ def transfer_attention(
     loss: str = "both",
     evaluation_batches: list[dict] | None = None,
     progress: bool = True,
+    output_loss_factor: float = 1.0,
+    deadline: float | None = None,
 ) -> AttentionTransferResult:
     """Train the learned feature maps of ``model`` to mimic its own softmax attention.
 
@@ -423,6 +428,9 @@ def transfer_attention(
         evaluation_batches: batches on which each layer's losses are measured before and after (default: ``batches``
             up to 8).
         progress: show a progress bar.
+        output_loss_factor: the output loss is multiplied by it (LoLCATs: 1000).
+        deadline: a ``time.time()`` after which no further step starts (``result.stop_reason`` says so; the
+            history holds the steps done).
 
     Returns:
         An :class:`AttentionTransferResult`.
@@ -450,17 +458,20 @@ def transfer_attention(
         p.requires_grad_(id(p) in trainable)
 
     result = AttentionTransferResult(steps=steps, loss=loss, learning_rate=learning_rate,
-                                     layers=sorted(feature_maps))
+                                     layers=sorted(feature_maps), output_loss_factor=output_loss_factor)
     try:
         result.layer_losses_before = measure_transfer_losses(model, evaluation_batches)
         optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
         bar = _progress(steps, progress)
         with teacher_forcing(model):
             for step in range(steps):
+                if deadline is not None and time.time() >= deadline:
+                    result.stop_reason = f"time limit reached after {step} of {steps} steps"
+                    break
                 batch = batches[step % len(batches)]
                 with collect_transfer_losses() as layers:
                     _run_backbone(model, batch)
-                total = _combine(layers, loss)
+                total = _combine(layers, loss, output_loss_factor)
                 optimizer.zero_grad(set_to_none=True)
                 total.backward()
                 optimizer.step()

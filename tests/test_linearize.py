@@ -65,3 +65,94 @@ def test_window_transfer_loss_decreases_when_the_maps_and_gamma_train():
         losses.append(float(loss))
     assert losses[-1] < 0.9 * losses[0], losses
     assert logit.grad is not None
+
+
+# --------------------------------------------------------------------------------------------
+# The command on tiny models
+# --------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conftest import tiny_gpt2_config, tiny_llama_config  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
+         "attention tokens sequence linear memory rain weekend letters box . ,").split()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(["<unk>", "<eos>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+def _text(words: int, seed: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(WORDS), (words,), generator=generator).tolist()
+    return " ".join(WORDS[i] for i in picks)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """``{"llama": folder, "gpt2": folder}``, train and eval text files (a few hundred characters each)."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("linearize")
+    tokenizer = _tokenizer()
+    folders = {}
+    torch.manual_seed(0)
+    for name, model in (("llama", LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer)))),
+                        ("gpt2", GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=128)))):
+        folder = root / name
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        folders[name] = str(folder)
+    (root / "train.txt").write_text(_text(160, 1))
+    (root / "eval.txt").write_text(_text(80, 2))
+    folders["train"], folders["eval"] = str(root / "train.txt"), str(root / "eval.txt")
+    return folders
+
+
+def _argv(models, source, output, *extra):
+    return ["linearize", models[source], str(output), "--train-file", models["train"], "--eval-file", models["eval"],
+            "--eval-context", "16", "--block-size", "16", "--batch-size", "2", "--lora-steps", "2",
+            "--eval-batch-size", "2", "--no-progress", *extra]
+
+
+def _hybrid_flags(steps=3):
+    return ["--window", "4", "--sinks", "1", "--transfer-steps", str(steps), "--transfer-length", "16",
+            "--transfer-batch-size", "2"]
+
+
+def _run(argv, stop_after=None):
+    from hf_performer.cli import build_parser
+    from hf_performer.cli.linearize import run_linearize_command
+
+    args = build_parser("linearize").parse_args(argv)
+    return run_linearize_command(args, stop_after=stop_after)
+
+
+def test_baseline_softmax_runs_the_same_lora_stage_and_evaluation(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    output = tmp_path / "baseline"
+    assert _run(_argv(tiny_models, "llama", output, "--baseline", "softmax")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "baseline-softmax"
+    assert [record["stages"][s]["status"] for s in ("convert", "transfer", "lora", "evaluate")] == \
+        ["skipped", "skipped", "done", "done"]
+    assert record["stages"]["lora"]["details"]["steps_done"] == 2
+    assert record["tokens_seen"] == 2 * 2 * 16
+    assert record["perplexity"] > 1 and record["perplexity_protocol"]["context_length"] == 16
+    assert [p["stage"] for p in record["curve"]] == ["lora", "lora", "evaluate"]
+    assert "/" not in json.dumps(record["settings"]["train_files"]) and str(tmp_path) not in json.dumps(record)
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert model.config.model_type == "llama"
+    assert (output / "README.md").is_file() and not (output / "checkpoints").exists()
+    assert not os.path.exists(tmp_path / ".baseline.linearize")
