@@ -156,3 +156,81 @@ def test_baseline_softmax_runs_the_same_lora_stage_and_evaluation(tiny_models, t
     assert model.config.model_type == "llama"
     assert (output / "README.md").is_file() and not (output / "checkpoints").exists()
     assert not os.path.exists(tmp_path / ".baseline.linearize")
+
+
+@pytest.mark.slow
+def test_resume_skips_finished_stages_and_continues_lora_from_its_checkpoint(tiny_models, tmp_path, monkeypatch,
+                                                                               capsys):
+    from hf_performer.recipes import linearize
+
+    output = tmp_path / "resumed"
+    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--checkpointing-steps", "1")
+    argv[argv.index("--lora-steps") + 1] = "3"
+    original = linearize._LossLog.__call__
+
+    def interrupt_at_step_3(self, model, batch, outputs, step):
+        original(self, model, batch, outputs, step)
+        if step == 2:  # the third step's batch: checkpoints of steps 1 and 2 exist
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(linearize._LossLog, "__call__", interrupt_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _run(argv)
+    assert not output.exists()
+    staged = json.loads((tmp_path / ".resumed.linearize" / "run.json").read_text())
+    assert set(staged["stages"]) == {"convert", "transfer"}
+    monkeypatch.setattr(linearize._LossLog, "__call__", original)
+    capsys.readouterr()
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert "stage convert already finished" in out and "stage transfer already finished" in out
+    record = json.loads((output / "linearize.json").read_text())
+    lora = record["stages"]["lora"]["details"]
+    assert lora["resumed_from"].endswith("step_2") and lora["steps_done"] == 3
+    assert [point["step"] for point in lora["curve"]] == [1, 2, 3]
+
+
+def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, tmp_path, capsys):
+    output = tmp_path / "between"
+    argv = _argv(tiny_models, "gpt2", output, "--baseline", "softmax")
+    assert _run(argv, stop_after="lora") == 0
+    assert not output.exists()
+    other = list(argv)
+    other[other.index("--lora-steps") + 1] = "5"
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(other)
+    assert "lora_steps 2 (now 5)" in str(failure.value) and "--overwrite" in str(failure.value)
+    capsys.readouterr()
+    assert _run(argv) == 0
+    assert "stage lora already finished" in capsys.readouterr().out
+    assert json.loads((output / "linearize.json").read_text())["perplexity"] > 1
+    with pytest.raises(SystemExit) as failure:  # a finished OUTPUT is refused without --overwrite
+        cli_main(argv)
+    assert "already exists" in str(failure.value)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--window", "-1"], "--window must be an int >= 0"),
+    (["--baseline", "softmax", "--window", "8"], "--baseline softmax trains the softmax model"),
+    (["--train-file", "/nonexistent/train.txt"], "no such file: /nonexistent/train.txt"),
+    (["--eval-context", "0"], "--eval-context must be an int >= 1"),
+])
+def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message):
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(_argv(tiny_models, "llama", tmp_path / "out", *extra))
+    line = str(failure.value)
+    assert message in line and "\n" not in line and line.startswith("hf-performer linearize: error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_time_limit_stops_the_lora_stage_with_a_recorded_reason(tiny_models, tmp_path):
+    output = tmp_path / "timed"
+    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--time-limit", "0.0001")
+    argv[argv.index("--lora-steps") + 1] = "50"
+    assert _run(argv) == 0
+    lora = json.loads((output / "linearize.json").read_text())["stages"]["lora"]
+    assert lora["details"]["steps_done"] < 50 and "--time-limit" in lora["reason"]
