@@ -170,6 +170,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
                           help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
                                "(needs `pip install tensorboard`)")
+    training.add_argument("--no-progress", action="store_true", help="no training progress bar")
     training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
     parser.set_defaults(kind=kind)

@@ -313,8 +313,9 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
     tokenizer.save_pretrained(target)
     tokens_per_step = settings.transfer_length * settings.transfer_batch_size
     done = len(result.history)
-    curve = [{"step": point["step"], "tokens_seen": point["step"] * tokens_per_step,
-              "loss": point["loss_per_layer"]} for point in result.history]
+    curve = [{"step": point["step"], "tokens_seen": point["step"] * tokens_per_step, "loss": point["loss_per_layer"],
+              "step_time_s": round(point["time_s"] - previous["time_s"], 3)}
+             for previous, point in zip([{"time_s": 0.0}, *result.history], result.history)]
     return StageRecord(
         "transfer", "done", reason=result.stop_reason, wall_time_s=round(time.perf_counter() - started, 2),
         tokens_seen=done * tokens_per_step,
@@ -334,19 +335,36 @@ class _LossLog:
     def __call__(self, model, batch, outputs, step):
         if self.is_main_process:
             with open(self.path, "a") as handle:
-                handle.write(json.dumps({"step": step + 1, "loss": float(outputs.loss.detach())}) + "\n")
+                handle.write(json.dumps({"step": step + 1, "loss": float(outputs.loss.detach()),
+                                         "time": time.time(), "pid": os.getpid()}) + "\n")
         return None
 
+    def entries(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def keep_steps_up_to(self, step: int) -> None:
+        """Drop the entries of steps after ``step`` (a resumed run redoes them)."""
+        kept = [entry for entry in self.entries() if entry["step"] <= step]
+        with open(self.path, "w") as handle:
+            handle.writelines(json.dumps(entry) + "\n" for entry in kept)
+
     def steps(self) -> list[dict]:
-        """``[{"step", "loss"}]``, one per optimizer step (micro-batches averaged; a step redone after a resume
-        counts once, as last run)."""
-        by_step: dict[int, list[float]] = {}
-        if os.path.isfile(self.path):
-            with open(self.path) as handle:
-                entries = [json.loads(line) for line in handle if line.strip()]
-            for entry in entries:
-                by_step.setdefault(entry["step"], []).append(entry["loss"])
-        return [{"step": step, "loss": sum(losses) / len(losses)} for step, losses in sorted(by_step.items())]
+        """``[{"step", "loss", "step_time_s"}]``, one per optimizer step (micro-batches averaged; no time for the
+        first step of a run)."""
+        by_step: dict[int, list[dict]] = {}
+        for entry in self.entries():
+            by_step.setdefault(entry["step"], []).append(entry)
+        points, previous = [], None
+        for step, entries in sorted(by_step.items()):
+            point = {"step": step, "loss": sum(e["loss"] for e in entries) / len(entries)}
+            if previous is not None and previous["step"] == step - 1 and previous["pid"] == entries[-1]["pid"]:
+                point["step_time_s"] = round(entries[-1]["time"] - previous["time"], 3)
+            points.append(point)
+            previous = {"step": step, **entries[-1]}
+        return points
 
 
 def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:
@@ -387,10 +405,16 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     if deadline is not None:
         argv += ["--time-limit", f"{max(deadline - time.time(), 1.0) / 60:.4f}"]
     argv += ["--resume-from-checkpoint", "latest"] if resume else ["--overwrite"]
+    argv += [] if settings.progress else ["--no-progress"]
     args = build_parser("causal-lm").parse_args(argv)
     log = _LossLog(os.path.join(folder, "loss_log.jsonl"), PartialState().is_main_process)
     if not resume and os.path.isfile(log.path):
         os.remove(log.path)
+    elif resume:
+        from .train import TRAINING_STATE_FILE, find_checkpoint
+
+        with open(os.path.join(find_checkpoint(folder, "latest"), TRAINING_STATE_FILE)) as handle:
+            log.keep_steps_up_to(json.load(handle)["completed_steps"])
     os.makedirs(folder, exist_ok=True)
     metrics = train(args, loss_hooks=[log])
     tokens_per_step = settings.block_size * settings.batch_size * settings.gradient_accumulation_steps * \

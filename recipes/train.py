@@ -83,7 +83,7 @@ new run's)."""
 RESUMABLE_CHANGES = (
     "output_dir", "resume_from_checkpoint", "overwrite", "eval_steps", "logging_steps", "checkpointing_steps",
     "report_to", "num_workers", "per_device_eval_batch_size", "no_save_model", "metrics_backend", "validation_file",
-    "max_eval_samples", "max_eval_chars", "context_length", "stride", "time_limit",
+    "max_eval_samples", "max_eval_chars", "context_length", "stride", "time_limit", "no_progress",
 )
 """Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
 number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
@@ -611,7 +611,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         return result
 
     progress = tqdm(total=max_train_steps, initial=completed_steps, desc="training",
-                    disable=not accelerator.is_local_main_process)
+                    disable=not accelerator.is_local_main_process or getattr(args, "no_progress", False))
     running_loss, running_count, last_train_loss, first_losses = 0.0, 0, None, []
     stopped_at = time_limit_reason = None
     time_limit_s = getattr(args, "time_limit", None) and args.time_limit * 60

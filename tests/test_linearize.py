@@ -234,3 +234,116 @@ def test_time_limit_stops_the_lora_stage_with_a_recorded_reason(tiny_models, tmp
     assert _run(argv) == 0
     lora = json.loads((output / "linearize.json").read_text())["stages"]["lora"]
     assert lora["details"]["steps_done"] < 50 and "--time-limit" in lora["reason"]
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid (window + sinks + learned tail): needs the window attention kind of favor settings
+# --------------------------------------------------------------------------------------------
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def _is_map_or_gamma(name):
+    from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
+
+    return f".{FEATURE_MAP_ATTRIBUTE}." in name or f".{SOFTMAX_WEIGHT_ATTRIBUTE}." in name
+
+
+def test_transfer_trains_only_maps_and_gamma_and_lora_leaves_them_unchanged(tiny_models, tmp_path):
+    output = tmp_path / "hybrid"
+    argv = _argv(tiny_models, "llama", output, *_hybrid_flags(steps=6), "--transfer-learning-rate", "3e-2")
+    assert _run(argv, stop_after="lora") == 0
+    area = tmp_path / ".hybrid.linearize"
+    state = json.loads((area / "run.json").read_text())
+    settings = state["stages"]["convert"]["details"]["favor_settings"]
+    assert (settings["window"], settings["sinks"], settings["feature_map"]) == (4, 1, "hedgehog")
+    assert settings["feature_map_options"] == {"init": "identity", "tie_qk": False}
+    converted, transferred, tuned = (_weights(area / name) for name in ("converted", "transferred", "lora"))
+    assert converted.keys() == transferred.keys() == tuned.keys()
+    maps = [name for name in converted if _is_map_or_gamma(name)]
+    assert any("softmax_weight" in name for name in maps) and any("feature_map" in name for name in maps)
+    for name in converted:  # transfer: the maps and gamma change, nothing else
+        same = torch.equal(converted[name], transferred[name])
+        assert same != (name in maps), name
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for name in converted:  # LoRA (merged): the attention projections change, maps, gamma and the rest do not
+        same = torch.equal(transferred[name], tuned[name])
+        assert same != (any(p in name for p in projections) and name.endswith("weight")), name
+    transfer = state["stages"]["transfer"]
+    losses = [point["loss"] for point in transfer["details"]["curve"]]
+    assert transfer["details"]["steps_done"] == 6 and losses[-1] < losses[0]
+    assert transfer["tokens_seen"] == 6 * 2 * 16
+
+
+def test_transfer_loss_is_zero_when_the_window_covers_the_sequence_in_a_model(tiny_models):
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.conversion.attention_transfer import collect_transfer_losses, teacher_forcing
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity",
+                                 "tie_qk": False}, window=16, sinks=1)
+    ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), teacher_forcing(model), collect_transfer_losses(compute_student=False) as layers:
+        model.base_model(input_ids=ids)
+    assert sorted(layers) == [0, 1]
+    assert all(float(entry.squared_error) / entry.rows < 1e-10 for entry in layers.values())
+
+
+def _logits_in_subprocess(folder, ids, block_source, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "load.py"
+    script.write_text(block_source + f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    torch.save(model(torch.tensor({ids.tolist()!r})).logits, {str(tmp_path / 'logits.pt')!r})
+""")
+    subprocess.run([sys.executable, str(script)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return torch.load(tmp_path / "logits.pt")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_end_to_end_folder_reloads_with_trust_remote_code(tiny_models, tmp_path, architecture,
+                                                         block_hf_performer_source):
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.tasks.data import load_lm_text, tokenize_lm_text
+    from hf_performer.tasks.evaluation import perplexity
+
+    output = tmp_path / architecture
+    assert _run(_argv(tiny_models, architecture, output, *_hybrid_flags())) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "hybrid" and all(stage["status"] == "done" for stage in record["stages"].values())
+    assert record["tokens_seen"] == 3 * 2 * 16 + 2 * 2 * 16
+    assert [p["stage"] for p in record["curve"]] == ["transfer"] * 3 + ["lora"] * 2 + ["evaluate"]
+    config = json.loads((output / "config.json").read_text())
+    assert config["favor_settings"]["window"] == 4 and "auto_map" in config
+    assert (output / "README.md").is_file() and (output / "tokenizer_config.json").is_file()
+    assert str(tmp_path) not in (output / "linearize.json").read_text()
+    model = AutoModelForCausalLM.from_pretrained(output).eval()
+    tokenizer = _tokenizer()
+    ids = tokenize_lm_text(load_lm_text(tiny_models["eval"]), tokenizer)
+    again = perplexity(model, ids, 16, 8, 2)  # the saved folder is the evaluated model
+    assert again["perplexity"] == pytest.approx(record["perplexity"], rel=1e-5)
+    sample = torch.tensor([ids[:20]])
+    with torch.no_grad():
+        logits = model(sample).logits
+    remote = _logits_in_subprocess(output, sample, block_hf_performer_source, tmp_path)
+    torch.testing.assert_close(remote, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_no_tail_ablation_skips_the_transfer(tiny_models, tmp_path):
+    output = tmp_path / "window-only"
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(), "--no-tail")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "window-only"
+    assert record["stages"]["transfer"]["status"] == "skipped" and "--no-tail" in record["stages"]["transfer"]["reason"]
+    assert json.loads((output / "config.json").read_text())["favor_settings"]["linear_tail"] is False
+    assert record["stages"]["lora"]["status"] == "done" and record["perplexity"] > 1
