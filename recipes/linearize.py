@@ -379,8 +379,9 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     started = time.perf_counter()
     folder = area.file("lora")
     model = _model_folder(settings, area, state, "lora")
+    processes = PartialState()
     train_text = area.file("train.txt")
-    if not os.path.isfile(train_text):
+    if processes.is_main_process and not os.path.isfile(train_text):
         with open(train_text + ".tmp", "w", encoding="utf-8") as handle:
             handle.write(read_training_text(settings.train_files, settings.max_train_chars))
         os.replace(train_text + ".tmp", train_text)
@@ -407,8 +408,10 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     argv += ["--resume-from-checkpoint", "latest"] if resume else ["--overwrite"]
     argv += [] if settings.progress else ["--no-progress"]
     args = build_parser("causal-lm").parse_args(argv)
-    log = _LossLog(os.path.join(folder, "loss_log.jsonl"), PartialState().is_main_process)
-    if not resume and os.path.isfile(log.path):
+    log = _LossLog(os.path.join(folder, "loss_log.jsonl"), processes.is_main_process)
+    if not processes.is_main_process:
+        pass
+    elif not resume and os.path.isfile(log.path):
         os.remove(log.path)
     elif resume:
         from .train import TRAINING_STATE_FILE, find_checkpoint
@@ -416,12 +419,14 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
         with open(os.path.join(find_checkpoint(folder, "latest"), TRAINING_STATE_FILE)) as handle:
             log.keep_steps_up_to(json.load(handle)["completed_steps"])
     os.makedirs(folder, exist_ok=True)
+    processes.wait_for_everyone()
     metrics = train(args, loss_hooks=[log])
     tokens_per_step = settings.block_size * settings.batch_size * settings.gradient_accumulation_steps * \
         metrics["num_processes"]
     done = metrics["completed_steps"]
     curve = [{**point, "tokens_seen": point["step"] * tokens_per_step} for point in log.steps() if point["step"] <= done]
-    shutil.rmtree(checkpoints, ignore_errors=True)  # the merged model is saved; checkpoints are large
+    if processes.is_main_process:
+        shutil.rmtree(checkpoints, ignore_errors=True)  # the merged model is saved; checkpoints are large
     return StageRecord(
         "lora", "done", reason=metrics.get("time_limit_reason"), wall_time_s=round(time.perf_counter() - started, 2),
         tokens_seen=done * tokens_per_step,
@@ -479,10 +484,14 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
     Returns:
         The content of :data:`LINEARIZE_FILE`, or ``None`` when stopped by ``stop_after``.
     """
+    from accelerate import PartialState
+
     settings.check()
     if stop_after is not None and stop_after not in STAGES:
         raise RecipeError(f"stop_after must be one of {STAGES}, got {stop_after!r}")
-    area, state = open_staging_area(staging_path, settings)
+    processes = PartialState()  # under accelerate launch / torchrun: only the LoRA stage runs in every process
+    with processes.main_process_first():
+        area, state = open_staging_area(staging_path, settings)
     started_wall = time.time()
     deadline = _deadline(settings, started_wall)
     runners = {
@@ -492,15 +501,19 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
         "evaluate": lambda: stage_evaluate(settings, area, state),
     }
     for name in STAGES:
+        if name == "lora" and processes.num_processes > 1:
+            processes.wait_for_everyone()
+            state.update(area.read())  # the stages the main process ran
         if name in state["stages"]:
-            print(f"linearize: stage {name} already finished ({state['stages'][name]['status']}): skipped")
-        else:
+            processes.print(f"linearize: stage {name} already finished ({state['stages'][name]['status']}): skipped")
+        elif processes.is_main_process or name == "lora":
             record = runners[name]()
-            state["stages"][name] = asdict(record)
-            area.write(state)
-            print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
-        if name == stop_after:
-            return None
+            if processes.is_main_process:
+                state["stages"][name] = asdict(record)
+                area.write(state)
+                print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
+        if name == stop_after or (name == "lora" and not processes.is_main_process):
+            return None  # the recipe ended the process group: the main process evaluates and writes alone
     return _write_final(settings, area, state, command)
 
 

@@ -663,7 +663,10 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
                 _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve, flags,
                                  selection)
-            if time_limit_s and time.perf_counter() - started > time_limit_s and completed_steps < max_train_steps:
+            over_time = bool(time_limit_s) and time.perf_counter() - started > time_limit_s
+            if time_limit_s and accelerator.num_processes > 1:  # the same decision on every rank
+                over_time = bool(accelerator.reduce(torch.tensor(float(over_time), device=accelerator.device), "max"))
+            if over_time and completed_steps < max_train_steps:
                 time_limit_reason = f"--time-limit {args.time_limit:g} min reached after {completed_steps} steps"
             if completed_steps >= max_train_steps or stopped_at is not None or time_limit_reason:
                 break

@@ -153,6 +153,10 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     except (RecipeError, DataError) as error:
         raise SystemExit(f"hf-performer linearize: error: {error}") from None
     if record is None:
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:
+            return 0
         print(f"linearize: stopped after stage {stop_after}; rerun the same command to continue")
         return 0
     with staged_folder(output) as folder:
