@@ -257,11 +257,17 @@ class LayerTransferLoss:
 
 
 class _Collector:
-    def __init__(self, compute_student: bool):
+    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None):
         self.compute_student = compute_student
+        self.backward = backward
         self.layers: dict[int, LayerTransferLoss] = {}
 
     def add(self, layer: int, kl, squared_error, rows: int) -> None:
+        if self.backward is not None and torch.is_tensor(squared_error) and squared_error.requires_grad:
+            # Teacher forcing: a layer's loss depends only on its own map (its inputs are detached), so its backward
+            # can run at once: the same gradients as one backward of the sum, with one layer's graph alive at a time.
+            _layer_objective(kl, squared_error, rows, *self.backward).backward()
+            kl, squared_error = torch.as_tensor(kl).detach(), squared_error.detach()
         entry = self.layers.setdefault(layer, LayerTransferLoss())
         entry.kl = entry.kl + kl
         entry.squared_error = entry.squared_error + squared_error
@@ -310,10 +316,12 @@ AttentionMaskInterface.register(TRANSFER_ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def collect_transfer_losses(compute_student: bool = True) -> Iterator[dict[int, LayerTransferLoss]]:
+def collect_transfer_losses(compute_student: bool = True, backward: tuple[str, float] | None = None,
+                            ) -> Iterator[dict[int, LayerTransferLoss]]:
     """Within the block, forwards of a model switched to ``"favor_transfer"`` record each layer's losses into the
-    yielded dict ``{layer index: LayerTransferLoss}``."""
-    collector = _Collector(compute_student)
+    yielded dict ``{layer index: LayerTransferLoss}``. With ``backward=(loss, output_loss_factor)`` each layer's
+    objective is back-propagated as soon as it is computed (gradients accumulate; the recorded losses are detached)."""
+    collector = _Collector(compute_student, backward)
     _ACTIVE.append(collector)
     try:
         yield collector.layers
@@ -370,15 +378,19 @@ class AttentionTransferResult:
         return asdict(self)
 
 
-def _combine(layers: dict[int, LayerTransferLoss], loss: str, output_loss_factor: float = 1.0) -> torch.Tensor:
+def _layer_objective(kl, squared_error, rows: int, loss: str, output_loss_factor: float = 1.0):
+    rows = max(rows, 1)
     total = 0.0
-    for entry in layers.values():
-        rows = max(entry.rows, 1)
-        if loss in ("weights", "both"):
-            total = total + entry.kl / rows
-        if loss in ("output", "both"):
-            total = total + output_loss_factor * entry.squared_error / rows
+    if loss in ("weights", "both"):
+        total = total + kl / rows
+    if loss in ("output", "both"):
+        total = total + output_loss_factor * squared_error / rows
     return total
+
+
+def _combine(layers: dict[int, LayerTransferLoss], loss: str, output_loss_factor: float = 1.0) -> torch.Tensor:
+    return sum((_layer_objective(entry.kl, entry.squared_error, entry.rows, loss, output_loss_factor)
+                for entry in layers.values()), 0.0)
 
 
 def _run_backbone(model: nn.Module, batch: dict) -> None:
@@ -470,11 +482,10 @@ def transfer_attention(
                     result.stop_reason = f"time limit reached after {step} of {steps} steps"
                     break
                 batch = batches[step % len(batches)]
-                with collect_transfer_losses() as layers:
-                    _run_backbone(model, batch)
-                total = _combine(layers, loss, output_loss_factor)
                 optimizer.zero_grad(set_to_none=True)
-                total.backward()
+                with collect_transfer_losses(backward=(loss, output_loss_factor)) as layers:
+                    _run_backbone(model, batch)  # each layer's backward runs inside (see _Collector.add)
+                total = _combine(layers, loss, output_loss_factor)
                 optimizer.step()
                 value = float(total.detach()) / len(layers)
                 result.history.append({"step": step + 1, "loss_per_layer": value,

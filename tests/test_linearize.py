@@ -347,3 +347,29 @@ def test_no_tail_ablation_skips_the_transfer(tiny_models, tmp_path):
     assert record["stages"]["transfer"]["status"] == "skipped" and "--no-tail" in record["stages"]["transfer"]["reason"]
     assert json.loads((output / "config.json").read_text())["favor_settings"]["linear_tail"] is False
     assert record["stages"]["lora"]["status"] == "done" and record["perplexity"] > 1
+
+
+def test_layerwise_backward_gives_the_gradients_of_the_summed_loss(tiny_models):
+    """Teacher forcing makes each layer's loss depend on its own map only: back-propagating each layer at once (one
+    layer's graph alive at a time) gives the gradients of one backward of the sum."""
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.conversion.attention_transfer import _combine, collect_transfer_losses, teacher_forcing
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity",
+                                 "tie_qk": False})
+    ids = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(0))
+    parameters = [p for name, p in model.named_parameters() if "favor_feature_map" in name]
+    gradients = []
+    for backward in (None, ("both", 1000.0)):
+        model.zero_grad(set_to_none=True)
+        with teacher_forcing(model), collect_transfer_losses(backward=backward) as layers:
+            model.base_model(input_ids=ids)
+        total = _combine(layers, "both", 1000.0)
+        if backward is None:
+            total.backward()
+        else:
+            assert not total.requires_grad
+        gradients.append([p.grad.clone() for p in parameters])
+    for summed, layerwise in zip(*gradients):
+        torch.testing.assert_close(layerwise, summed, rtol=1e-5, atol=1e-8)
