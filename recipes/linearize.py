@@ -99,6 +99,16 @@ class LinearizeSettings:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
+        from ..favor_settings import feature_map_kind
+        from ..feature_maps import available_feature_maps
+
+        if self.feature_map not in available_feature_maps():
+            raise RecipeError(f"--feature-map {self.feature_map!r} is not known; accepted: {available_feature_maps()}")
+        if not self.baseline and self.linear_tail and self.transfer_steps and \
+                feature_map_kind(self.feature_map) != "learned":
+            learned = [name for name in available_feature_maps() if feature_map_kind(name) == "learned"]
+            raise RecipeError(f"--feature-map {self.feature_map} has nothing to learn in the transfer stage; use a "
+                              f"learned map ({', '.join(learned)}) or --transfer-steps 0")
         if self.time_limit is not None and self.time_limit <= 0:
             raise RecipeError(f"--time-limit must be > 0 minutes, got {self.time_limit}")
         if not self.train_files:
@@ -257,7 +267,7 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
         model = convert_to_performer(
             source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
             seed=settings.seed, feature_map_options=dict(FEATURE_MAP_OPTIONS), window=settings.window,
-            sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="learned",
+            sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
         )
     except (ConversionError, ValueError, TypeError) as error:
         raise RecipeError(str(error)) from None
@@ -471,7 +481,7 @@ def stage_evaluate(settings: LinearizeSettings, area: StagingArea, state: dict) 
 
 
 def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after: str | None = None,
-                  command: str | None = None) -> dict | None:
+                  command: str | None = None, model_name: str | None = None) -> dict | None:
     """Run (or continue) every unfinished stage in the staging area, then write ``staging_path/final``: the model
     folder, its tokenizer, its card and :data:`LINEARIZE_FILE`.
 
@@ -480,6 +490,7 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
         staging_path: the staging area (see :func:`open_staging_area`).
         stop_after: stop once this stage is finished (an interruption between stages, for tests).
         command: the command line to record (no absolute paths).
+        model_name: the title of the model card (default: the source's name and the run's kind).
 
     Returns:
         The content of :data:`LINEARIZE_FILE`, or ``None`` when stopped by ``stop_after``.
@@ -514,10 +525,11 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
                 print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
         if name == stop_after or (name == "lora" and not processes.is_main_process):
             return None  # the recipe ended the process group: the main process evaluates and writes alone
-    return _write_final(settings, area, state, command)
+    return _write_final(settings, area, state, command, model_name)
 
 
-def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, command: str | None) -> dict:
+def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, command: str | None,
+                 model_name: str | None) -> dict:
     from ..hub import write_model_card
     from .results import portable_name
 
@@ -537,7 +549,8 @@ def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, co
     with open(os.path.join(final, "config.json")) as handle:
         is_performer = "favor_settings" in json.load(handle)
     if is_performer:
-        write_model_card(final, model_name=None, fine_tuned=state["stages"]["lora"]["status"] == "done")
+        name = model_name or f"{portable_name(settings.source)}-{record['kind']}"
+        write_model_card(final, model_name=name, fine_tuned=state["stages"]["lora"]["status"] == "done")
     else:
         perplexity = record["perplexity"]
         with open(os.path.join(final, "README.md"), "w") as handle:

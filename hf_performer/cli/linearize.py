@@ -149,7 +149,8 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     command = " ".join(portable_name(a) if os.path.isabs(a) or os.path.exists(a) else a for a in sys.argv[1:])
     try:
         record = run_linearize(settings, staging, stop_after=stop_after,
-                               command=f"hf-performer {command}" if sys.argv[1:2] == ["linearize"] else None)
+                               command=f"hf-performer {command}" if sys.argv[1:2] == ["linearize"] else None,
+                               model_name=os.path.basename(output))
     except (RecipeError, DataError) as error:
         raise SystemExit(f"hf-performer linearize: error: {error}") from None
     if record is None:
