@@ -373,3 +373,48 @@ def test_layerwise_backward_gives_the_gradients_of_the_summed_loss(tiny_models):
         gradients.append([p.grad.clone() for p in parameters])
     for summed, layerwise in zip(*gradients):
         torch.testing.assert_close(layerwise, summed, rtol=1e-5, atol=1e-8)
+
+
+def test_training_text_reads_files_in_order_with_json_lines_and_a_character_budget(tmp_path):
+    import gzip
+
+    from hf_performer.recipes.linearize import read_training_text, transfer_batches
+    from hf_performer.recipes.arguments import RecipeError
+
+    (tmp_path / "a.txt").write_text("first file text")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as handle:
+        handle.write(json.dumps({"text": "review one", "label": 1}) + "\n" + json.dumps({"text": "review two"}) + "\n")
+    files = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")]
+    assert read_training_text(files) == "first file text\n\nreview one\n\nreview two"
+    assert read_training_text(files, max_chars=20) == "first file text\n\nrev"
+    batches = transfer_batches(list(range(100)), 10, 4, seed=0)
+    assert len(batches) == 2 and batches[0]["input_ids"].shape == (4, 10)
+    rows = sorted(row[0].item() for batch in batches for row in batch["input_ids"])
+    assert len(set(rows)) == 8 and all(first % 10 == 0 for first in rows)  # whole packed blocks, no repeats
+    with pytest.raises(RecipeError, match="fewer than one transfer batch"):
+        transfer_batches(list(range(30)), 10, 4, seed=0)
+
+
+def test_apply_lora_refuses_a_trainable_parameter_other_than_the_adapters(tiny_models, monkeypatch):
+    import peft
+
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.recipes.arguments import RecipeError, build_parser
+    from hf_performer.recipes.model import apply_lora
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog")
+    args = build_parser("causal-lm").parse_args(["--model", "m", "--output-dir", "o", "--lora"])
+    wrapped = apply_lora(model, args)  # peft freezes the maps: accepted
+    assert all("lora_" in name for name, p in wrapped.named_parameters() if p.requires_grad)
+    real = peft.get_peft_model
+
+    def leaves_a_map_trainable(*arguments, **keywords):
+        result = real(*arguments, **keywords)
+        next(p for name, p in result.named_parameters() if "favor_feature_map" in name).requires_grad_(True)
+        return result
+
+    monkeypatch.setattr(peft, "get_peft_model", leaves_a_map_trainable)
+    model = convert_to_performer(source, feature_map="hedgehog")
+    with pytest.raises(RecipeError, match="favor_feature_map"):
+        apply_lora(model, args)
