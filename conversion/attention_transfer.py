@@ -475,7 +475,7 @@ def transfer_attention(
         result.layer_losses_before = measure_transfer_losses(model, evaluation_batches)
         optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
         bar = _progress(steps, progress)
-        loop_started = time.perf_counter()
+        loop_started, cpu_started = time.perf_counter(), time.process_time()
         with teacher_forcing(model):
             for step in range(steps):
                 if deadline is not None and time.time() >= deadline:
@@ -489,7 +489,8 @@ def transfer_attention(
                 optimizer.step()
                 value = float(total.detach()) / len(layers)
                 result.history.append({"step": step + 1, "loss_per_layer": value,
-                                       "time_s": round(time.perf_counter() - loop_started, 3)})
+                                       "time_s": round(time.perf_counter() - loop_started, 3),
+                                       "cpu_s": round(time.process_time() - cpu_started, 3)})
                 bar.set_postfix(loss=f"{value:.4f}")
                 bar.update(1)
         bar.close()

@@ -324,8 +324,9 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
     tokens_per_step = settings.transfer_length * settings.transfer_batch_size
     done = len(result.history)
     curve = [{"step": point["step"], "tokens_seen": point["step"] * tokens_per_step, "loss": point["loss_per_layer"],
-              "step_time_s": round(point["time_s"] - previous["time_s"], 3)}
-             for previous, point in zip([{"time_s": 0.0}, *result.history], result.history)]
+              "step_time_s": round(point["time_s"] - previous["time_s"], 3),
+              "step_cpu_s": round(point["cpu_s"] - previous["cpu_s"], 3)}
+             for previous, point in zip([{"time_s": 0.0, "cpu_s": 0.0}, *result.history], result.history)]
     return StageRecord(
         "transfer", "done", reason=result.stop_reason, wall_time_s=round(time.perf_counter() - started, 2),
         tokens_seen=done * tokens_per_step,
@@ -346,7 +347,8 @@ class _LossLog:
         if self.is_main_process:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps({"step": step + 1, "loss": float(outputs.loss.detach()),
-                                         "time": time.time(), "pid": os.getpid()}) + "\n")
+                                         "time": time.time(), "cpu": time.process_time(), "pid": os.getpid()})
+                             + "\n")
         return None
 
     def entries(self) -> list[dict]:
@@ -362,8 +364,8 @@ class _LossLog:
             handle.writelines(json.dumps(entry) + "\n" for entry in kept)
 
     def steps(self) -> list[dict]:
-        """``[{"step", "loss", "step_time_s"}]``, one per optimizer step (micro-batches averaged; no time for the
-        first step of a run)."""
+        """``[{"step", "loss", "step_time_s", "step_cpu_s"}]``, one per optimizer step (micro-batches averaged; the
+        wall and process CPU time since the previous step, none for the first step of a run)."""
         by_step: dict[int, list[dict]] = {}
         for entry in self.entries():
             by_step.setdefault(entry["step"], []).append(entry)
@@ -372,6 +374,7 @@ class _LossLog:
             point = {"step": step, "loss": sum(e["loss"] for e in entries) / len(entries)}
             if previous is not None and previous["step"] == step - 1 and previous["pid"] == entries[-1]["pid"]:
                 point["step_time_s"] = round(entries[-1]["time"] - previous["time"], 3)
+                point["step_cpu_s"] = round(entries[-1]["cpu"] - previous["cpu"], 3)
             points.append(point)
             previous = {"step": step, **entries[-1]}
         return points
