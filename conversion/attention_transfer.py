@@ -37,10 +37,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hf_performer.favor_attention import (
     ATTN_IMPLEMENTATION,
     FEATURE_MAP_ATTRIBUTE,
+    SOFTMAX_WEIGHT_ATTRIBUTE,
     find_attention_modules,
     layer_index_of,
     module_favor_settings,
 )
+from hf_performer.favor_settings import layer_window
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 from hf_performer.window_attention import window_linear_attention
@@ -242,6 +244,28 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     return teacher, torch.zeros((), device=query.device), squared[rows].sum(), int(rows.sum())
 
 
+def window_of_layer(module: nn.Module) -> tuple[int, int, nn.Module | None] | None:
+    """``(window, sinks, softmax-weight module or None)`` of a window-hybrid favor layer, ``None`` for a plain linear
+    layer (no window and no sinks)."""
+    settings = module_favor_settings(module)
+    window, sinks = layer_window(settings, layer_index_of(module))
+    if not window and not sinks:
+        return None
+    return window, sinks, getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None)
+
+
+def key_padding_of(attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor | None:
+    """The ``[B, Lk]`` key padding mask (``True`` = token) of the mask transformers gives an attention function
+    (``None``, 2-D, or a 4-D boolean / additive mask): a key is a token when some query may attend to it."""
+    if attention_mask is None:
+        return None
+    allowed = attention_mask if attention_mask.dtype == torch.bool else \
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    if allowed.dim() == 2:
+        return allowed[:, -key_length:]
+    return allowed[:, 0, :, -key_length:].any(-2)
+
+
 # --------------------------------------------------------------------------------------------
 # The attention function used during transfer
 # --------------------------------------------------------------------------------------------
@@ -296,15 +320,26 @@ def favor_transfer_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
-    allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     layer = layer_index_of(module)
+    window = window_of_layer(module)
     if _ACTIVE and feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]:
         collector = _ACTIVE[-1]
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
-            output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
+            if window is None:
+                allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+                output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
+            else:
+                padding = key_padding_of(attention_mask, key.shape[2])
+                gamma = window[2]() if window[2] is not None else None
+                output, *losses = window_layer_transfer_losses(
+                    query, key, value, feature_map, window=window[0], sinks=window[1], softmax_weight=gamma,
+                    scaling=scaling, causal=causal, key_padding_mask=padding)
         collector.add(layer, *losses)
+    elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
+        output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
     else:
+        allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
         with torch.no_grad():
             teacher = softmax_attention_weights(query, key, scaling, allowed)
             output = torch.matmul(teacher, _repeat_heads(value, query.shape[1] // value.shape[1]).float())
@@ -464,6 +499,12 @@ def transfer_attention(
         )
     evaluation_batches = evaluation_batches if evaluation_batches is not None else batches[:8]
     parameters = [p for feature_map in feature_maps.values() for p in feature_map.parameters()]
+    for _, module in find_attention_modules(model):
+        window = window_of_layer(module) if layer_index_of(module) in feature_maps else None
+        if window is not None and loss == "weights":
+            raise AttentionTransferError("window-hybrid layers train on their attention outputs: use loss='output'")
+        if window is not None and window[2] is not None:
+            parameters.extend(window[2].parameters())  # gamma, learned with the maps
     trainable = {id(p) for p in parameters}
     saved_flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved_flags:
