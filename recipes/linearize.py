@@ -406,7 +406,7 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
         "--model", model, "--attention", "softmax" if settings.baseline else "favor", "--lora",
         "--lora-r", str(settings.lora_r), "--lora-alpha", str(settings.lora_alpha),
         "--train-file", train_text, "--validation-file", settings.eval_file or train_text,
-        "--max-eval-chars", str(LORA_CHECK_CHARS), "--block-size", str(settings.block_size),
+        "--max-eval-chars", str(min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)), "--block-size", str(settings.block_size),
         "--context-length", str(min(settings.eval_context, settings.block_size)),
         "--per-device-train-batch-size", str(settings.batch_size),
         "--per-device-eval-batch-size", str(settings.eval_batch_size),
