@@ -28,6 +28,7 @@ import sys
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
+from .arguments import add_favor_arguments
 
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
@@ -58,13 +59,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--eval-batch-size", type=int, default=2, help="windows per forward pass (default: 2)")
 
     hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
-    hybrid.add_argument("--feature-map", default=None,
-                        help="learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)")
-    hybrid.add_argument("--nb-features", type=int, default=None,
-                        help="features per head (default: the map's own, 2 x head_dim for hedgehog)")
-    hybrid.add_argument("--window", type=int, default=None,
-                        help="exact-softmax keys per query: the last N tokens (default: 64)")
-    hybrid.add_argument("--sinks", type=int, default=None, help="first tokens always exact (default: 4)")
+    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks"), helps={
+        "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
+        "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
+        "window": "exact-softmax keys per query: the last W tokens (default: 64)",
+        "sinks": "first tokens always attended exactly (default: 4)",
+    })
     hybrid.add_argument("--no-tail", action="store_true", default=None,
                         help="the ablation: sinks + window exact softmax only, no linear tail (no transfer stage)")
     hybrid.add_argument("--transfer-steps", type=int, default=None, help="optimizer steps, 0 = skip (default: 200)")
