@@ -451,7 +451,7 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
                  "lora_target_modules": metrics["args"].get("lora_target_modules"), "merged": True,
                  "train_loss_first": metrics["train_loss_first"], "train_loss_last": metrics["train_loss_last"],
                  "check_perplexity": {**metrics["final"], "note": f"the recipe's own closing evaluation, first "
-                                      f"{LORA_CHECK_CHARS} characters only; the result is the evaluate stage's"},
+                                      f"{min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)} characters only; the result is the evaluate stage's"},
                  "num_processes": metrics["num_processes"], "curve": curve},
     )
 
