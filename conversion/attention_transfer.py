@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 
@@ -36,12 +37,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from hf_performer.favor_attention import (
     ATTN_IMPLEMENTATION,
     FEATURE_MAP_ATTRIBUTE,
+    SOFTMAX_WEIGHT_ATTRIBUTE,
     find_attention_modules,
     layer_index_of,
     module_favor_settings,
 )
+from hf_performer.favor_settings import layer_window
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
+from hf_performer.window_attention import window_linear_attention
 
 
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
@@ -189,6 +193,79 @@ def layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.T
     return teacher_output, kl[rows].sum(), squared[rows].sum(), int(rows.sum())
 
 
+def sdpa_teacher_output(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, causal: bool,
+                        key_padding_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact softmax attention output by ``scaled_dot_product_attention``, float32 ``[B, H, L, dv]``, no gradient.
+
+    ``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, d]``; ``key_padding_mask`` ``[B, L]`` (``True`` =
+    token). Without padding no ``[L, L]`` mask is built (``is_causal``); query rows without any allowed key are 0.
+    """
+    with torch.no_grad():
+        query, key, value = query.float(), key.float(), value.float()
+        mask = None
+        if key_padding_mask is not None and not bool(key_padding_mask.all()):
+            length = query.shape[2]
+            mask = key_padding_mask.bool()[:, None, None, :]
+            if causal:
+                mask = mask & torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, is_causal=causal and mask is None, scale=scaling,
+            enable_gqa=key.shape[1] != query.shape[1])
+        return torch.nan_to_num(output, nan=0.0)
+
+
+def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                 feature_map: FeatureMap, *, window: int, sinks: int,
+                                 softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
+                                 key_padding_mask: torch.Tensor | None = None,
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
+    softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
+    layer's map and ``softmax_weight`` (gamma ``[H]``, or ``None`` for the calibrated mode); neither side forms an
+    ``[L, L]`` tensor when nothing is padded.
+
+    Args:
+        query: ``[B, H, L, d]``; key, value: ``[B, Hkv, L, d]`` (detached here: only the map and gamma learn).
+        key_padding_mask: ``[B, L]`` (``True`` = token) or ``None``; padded query rows are not counted.
+
+    Returns:
+        ``(teacher output [B, H, L, dv] float32, 0 (no weights loss), squared-error sum, rows)``: the squared error
+        of the outputs averaged over value channels and summed over the counted rows, as :func:`transfer_losses`.
+    """
+    query, key, value = query.detach(), key.detach(), value.detach()
+    teacher = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_mask)
+    student = window_linear_attention(query.float(), key.float(), value.float(), feature_map, window=window,
+                                      sinks=sinks, causal=causal, softmax_weight=softmax_weight,
+                                      key_padding_mask=key_padding_mask, scaling=scaling)
+    squared = (student.float() - teacher).square().mean(-1)  # [B, H, L]
+    if key_padding_mask is None:
+        return teacher, torch.zeros((), device=query.device), squared.sum(), squared.numel()
+    rows = key_padding_mask.bool()[:, None, :].expand(squared.shape)
+    return teacher, torch.zeros((), device=query.device), squared[rows].sum(), int(rows.sum())
+
+
+def window_of_layer(module: nn.Module) -> tuple[int, int, nn.Module | None] | None:
+    """``(window, sinks, softmax-weight module or None)`` of a window-hybrid favor layer, ``None`` for a plain linear
+    layer (no window and no sinks)."""
+    settings = module_favor_settings(module)
+    window, sinks = layer_window(settings, layer_index_of(module))
+    if not window and not sinks:
+        return None
+    return window, sinks, getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None)
+
+
+def key_padding_of(attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor | None:
+    """The ``[B, Lk]`` key padding mask (``True`` = token) of the mask transformers gives an attention function
+    (``None``, 2-D, or a 4-D boolean / additive mask): a key is a token when some query may attend to it."""
+    if attention_mask is None:
+        return None
+    allowed = attention_mask if attention_mask.dtype == torch.bool else \
+        attention_mask > torch.finfo(attention_mask.dtype).min / 2
+    if allowed.dim() == 2:
+        return allowed[:, -key_length:]
+    return allowed[:, 0, :, -key_length:].any(-2)
+
+
 # --------------------------------------------------------------------------------------------
 # The attention function used during transfer
 # --------------------------------------------------------------------------------------------
@@ -204,11 +281,17 @@ class LayerTransferLoss:
 
 
 class _Collector:
-    def __init__(self, compute_student: bool):
+    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None):
         self.compute_student = compute_student
+        self.backward = backward
         self.layers: dict[int, LayerTransferLoss] = {}
 
     def add(self, layer: int, kl, squared_error, rows: int) -> None:
+        if self.backward is not None and torch.is_tensor(squared_error) and squared_error.requires_grad:
+            # Teacher forcing: a layer's loss depends only on its own map (its inputs are detached), so its backward
+            # can run at once: the same gradients as one backward of the sum, with one layer's graph alive at a time.
+            _layer_objective(kl, squared_error, rows, *self.backward).backward()
+            kl, squared_error = torch.as_tensor(kl).detach(), squared_error.detach()
         entry = self.layers.setdefault(layer, LayerTransferLoss())
         entry.kl = entry.kl + kl
         entry.squared_error = entry.squared_error + squared_error
@@ -237,15 +320,26 @@ def favor_transfer_attention_forward(
     scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", False) if causal is None else causal
-    allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     layer = layer_index_of(module)
+    window = window_of_layer(module)
     if _ACTIVE and feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]:
         collector = _ACTIVE[-1]
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
-            output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
+            if window is None:
+                allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
+                output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
+            else:
+                padding = key_padding_of(attention_mask, key.shape[2])
+                gamma = window[2]() if window[2] is not None else None
+                output, *losses = window_layer_transfer_losses(
+                    query, key, value, feature_map, window=window[0], sinks=window[1], softmax_weight=gamma,
+                    scaling=scaling, causal=causal, key_padding_mask=padding)
         collector.add(layer, *losses)
+    elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
+        output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
     else:
+        allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
         with torch.no_grad():
             teacher = softmax_attention_weights(query, key, scaling, allowed)
             output = torch.matmul(teacher, _repeat_heads(value, query.shape[1] // value.shape[1]).float())
@@ -257,10 +351,12 @@ AttentionMaskInterface.register(TRANSFER_ATTN_IMPLEMENTATION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def collect_transfer_losses(compute_student: bool = True) -> Iterator[dict[int, LayerTransferLoss]]:
+def collect_transfer_losses(compute_student: bool = True, backward: tuple[str, float] | None = None,
+                            ) -> Iterator[dict[int, LayerTransferLoss]]:
     """Within the block, forwards of a model switched to ``"favor_transfer"`` record each layer's losses into the
-    yielded dict ``{layer index: LayerTransferLoss}``."""
-    collector = _Collector(compute_student)
+    yielded dict ``{layer index: LayerTransferLoss}``. With ``backward=(loss, output_loss_factor)`` each layer's
+    objective is back-propagated as soon as it is computed (gradients accumulate; the recorded losses are detached)."""
+    collector = _Collector(compute_student, backward)
     _ACTIVE.append(collector)
     try:
         yield collector.layers
@@ -308,6 +404,8 @@ class AttentionTransferResult:
     learning_rate: float
     layers: list[int]
     history: list[dict] = field(default_factory=list)
+    stop_reason: str | None = None
+    output_loss_factor: float = 1.0
     layer_losses_before: dict[int, dict] = field(default_factory=dict)
     layer_losses_after: dict[int, dict] = field(default_factory=dict)
 
@@ -315,15 +413,19 @@ class AttentionTransferResult:
         return asdict(self)
 
 
-def _combine(layers: dict[int, LayerTransferLoss], loss: str) -> torch.Tensor:
+def _layer_objective(kl, squared_error, rows: int, loss: str, output_loss_factor: float = 1.0):
+    rows = max(rows, 1)
     total = 0.0
-    for entry in layers.values():
-        rows = max(entry.rows, 1)
-        if loss in ("weights", "both"):
-            total = total + entry.kl / rows
-        if loss in ("output", "both"):
-            total = total + entry.squared_error / rows
+    if loss in ("weights", "both"):
+        total = total + kl / rows
+    if loss in ("output", "both"):
+        total = total + output_loss_factor * squared_error / rows
     return total
+
+
+def _combine(layers: dict[int, LayerTransferLoss], loss: str, output_loss_factor: float = 1.0) -> torch.Tensor:
+    return sum((_layer_objective(entry.kl, entry.squared_error, entry.rows, loss, output_loss_factor)
+                for entry in layers.values()), 0.0)
 
 
 def _run_backbone(model: nn.Module, batch: dict) -> None:
@@ -356,6 +458,8 @@ def transfer_attention(
     loss: str = "both",
     evaluation_batches: list[dict] | None = None,
     progress: bool = True,
+    output_loss_factor: float = 1.0,
+    deadline: float | None = None,
 ) -> AttentionTransferResult:
     """Train the learned feature maps of ``model`` to mimic its own softmax attention.
 
@@ -371,6 +475,9 @@ def transfer_attention(
         evaluation_batches: batches on which each layer's losses are measured before and after (default: ``batches``
             up to 8).
         progress: show a progress bar.
+        output_loss_factor: the output loss is multiplied by it (LoLCATs: 1000).
+        deadline: a ``time.time()`` after which no further step starts (``result.stop_reason`` says so; the
+            history holds the steps done).
 
     Returns:
         An :class:`AttentionTransferResult`.
@@ -392,28 +499,39 @@ def transfer_attention(
         )
     evaluation_batches = evaluation_batches if evaluation_batches is not None else batches[:8]
     parameters = [p for feature_map in feature_maps.values() for p in feature_map.parameters()]
+    for _, module in find_attention_modules(model):
+        window = window_of_layer(module) if layer_index_of(module) in feature_maps else None
+        if window is not None and loss == "weights":
+            raise AttentionTransferError("window-hybrid layers train on their attention outputs: use loss='output'")
+        if window is not None and window[2] is not None:
+            parameters.extend(window[2].parameters())  # gamma, learned with the maps
     trainable = {id(p) for p in parameters}
     saved_flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved_flags:
         p.requires_grad_(id(p) in trainable)
 
     result = AttentionTransferResult(steps=steps, loss=loss, learning_rate=learning_rate,
-                                     layers=sorted(feature_maps))
+                                     layers=sorted(feature_maps), output_loss_factor=output_loss_factor)
     try:
         result.layer_losses_before = measure_transfer_losses(model, evaluation_batches)
         optimizer = torch.optim.AdamW(parameters, lr=learning_rate, weight_decay=0.0)
         bar = _progress(steps, progress)
+        loop_started, cpu_started = time.perf_counter(), time.process_time()
         with teacher_forcing(model):
             for step in range(steps):
+                if deadline is not None and time.time() >= deadline:
+                    result.stop_reason = f"time limit reached after {step} of {steps} steps"
+                    break
                 batch = batches[step % len(batches)]
-                with collect_transfer_losses() as layers:
-                    _run_backbone(model, batch)
-                total = _combine(layers, loss)
                 optimizer.zero_grad(set_to_none=True)
-                total.backward()
+                with collect_transfer_losses(backward=(loss, output_loss_factor)) as layers:
+                    _run_backbone(model, batch)  # each layer's backward runs inside (see _Collector.add)
+                total = _combine(layers, loss, output_loss_factor)
                 optimizer.step()
                 value = float(total.detach()) / len(layers)
-                result.history.append({"step": step + 1, "loss_per_layer": value})
+                result.history.append({"step": step + 1, "loss_per_layer": value,
+                                       "time_s": round(time.perf_counter() - loop_started, 3),
+                                       "cpu_s": round(time.process_time() - cpu_started, 3)})
                 bar.set_postfix(loss=f"{value:.4f}")
                 bar.update(1)
         bar.close()

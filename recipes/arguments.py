@@ -135,6 +135,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     training.add_argument("--num-train-epochs", type=float, default=3.0, help="default: 3")
     training.add_argument("--max-train-steps", type=int, default=None,
                           help="optimizer steps in all (overrides --num-train-epochs)")
+    training.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
+                          help="stop training after MINUTES of wall time (the run is then evaluated and saved as "
+                               "usual; metrics.json records the steps done and why it stopped)")
     training.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (0: none)")
     training.add_argument("--mixed-precision", choices=("no", "fp16", "bf16"), default=None,
                           help="mixed precision through Accelerate (default: the accelerate config's, else no)")
@@ -167,6 +170,7 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     training.add_argument("--report-to", choices=("none", "tensorboard"), default="none",
                           help="none (default, as transformers' Trainer) or TensorBoard logs in OUTPUT_DIR/runs "
                                "(needs `pip install tensorboard`)")
+    training.add_argument("--no-progress", action="store_true", help="no training progress bar")
     training.add_argument("--num-workers", type=int, default=0, help="dataloader workers (default: 0)")
     training.add_argument("--no-save-model", action="store_true", help="do not save the final model folder")
     parser.set_defaults(kind=kind)

@@ -129,4 +129,10 @@ def apply_lora(model, args):
     lora_config = LoraConfig(task_type=task_type, r=args.lora_r, lora_alpha=args.lora_alpha,
                              lora_dropout=args.lora_dropout, target_modules=targets,
                              fan_in_fan_out=model_type == "gpt2")
-    return get_peft_model(model, lora_config)
+    model = get_peft_model(model, lora_config)
+    # peft trains the adapters and, for classification, its copy of the new head (modules_to_save) only
+    others = [name for name, p in model.named_parameters()
+              if p.requires_grad and "lora_" not in name and "modules_to_save" not in name]
+    if others:  # feature maps and softmax weights (trained by attention transfer) must stay as they are
+        raise RecipeError(f"LoRA left parameters other than the adapters trainable: {others[:4]}")
+    return model

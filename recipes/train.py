@@ -83,7 +83,7 @@ new run's)."""
 RESUMABLE_CHANGES = (
     "output_dir", "resume_from_checkpoint", "overwrite", "eval_steps", "logging_steps", "checkpointing_steps",
     "report_to", "num_workers", "per_device_eval_batch_size", "no_save_model", "metrics_backend", "validation_file",
-    "max_eval_samples", "max_eval_chars", "context_length", "stride",
+    "max_eval_samples", "max_eval_chars", "context_length", "stride", "time_limit", "no_progress",
 )
 """Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
 number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
@@ -611,9 +611,10 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         return result
 
     progress = tqdm(total=max_train_steps, initial=completed_steps, desc="training",
-                    disable=not accelerator.is_local_main_process)
+                    disable=not accelerator.is_local_main_process or getattr(args, "no_progress", False))
     running_loss, running_count, last_train_loss, first_losses = 0.0, 0, None, []
-    stopped_at = None
+    stopped_at = time_limit_reason = None
+    time_limit_s = getattr(args, "time_limit", None) and args.time_limit * 60
     model.train()
     epoch = start_epoch
     for epoch in range(start_epoch, num_epochs):
@@ -662,9 +663,16 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             if args.checkpointing_steps and completed_steps % args.checkpointing_steps == 0:
                 _save_checkpoint(accelerator, args.output_dir, completed_steps, epoch, batches_in_epoch, curve, flags,
                                  selection)
-            if completed_steps >= max_train_steps or stopped_at is not None:
+            over_time = bool(time_limit_s) and time.perf_counter() - started > time_limit_s
+            if time_limit_s and accelerator.num_processes > 1:  # the same decision on every rank
+                over_time = bool(accelerator.reduce(torch.tensor(float(over_time), device=accelerator.device), "max"))
+            if over_time and completed_steps < max_train_steps:
+                time_limit_reason = f"--time-limit {args.time_limit:g} min reached after {completed_steps} steps"
+            if completed_steps >= max_train_steps or stopped_at is not None or time_limit_reason:
                 break
         skip_batches = 0
+        if time_limit_reason:
+            break
 
     progress.close()
     if stopped_at is None:
@@ -685,6 +693,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         "main_metric": spec.main_metric if spec is not None else "perplexity",
         "final": final,
         "completed_steps": completed_steps,
+        "time_limit_reason": time_limit_reason,
         "kept_step": kept_point["step"],
         "kept_reason": kept_reason,
         "early_stopping": early_stopping,

@@ -26,6 +26,8 @@ VERBS = (
     ("convert", "convert a pretrained softmax model into a Performer (FAVOR+) model", "hf_performer.cli.convert"),
     ("distill", "convert with a learned feature map (hedgehog, t2r) trained by attention transfer",
      "hf_performer.cli.distill"),
+    ("linearize", "train a causal LM into sink + window softmax with a learned linear tail (convert, transfer, LoRA, "
+     "evaluate)", "hf_performer.cli.linearize"),
     ("bench", "benchmarks of the attention kernels", "hf_performer.cli.bench"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
      "hf_performer.cli.evaluate"),

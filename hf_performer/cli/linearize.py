@@ -1,0 +1,172 @@
+"""``hf-performer linearize``: turn a causal LM into a sink + sliding-window softmax model with a learned linear tail,
+trained as LoLCATs: convert -> attention transfer of the tail -> LoRA -> evaluation, in one resumable run.
+
+    hf-performer linearize SOURCE OUTPUT --train-file wiki.valid.raw --eval-file wiki.test.raw
+    hf-performer linearize SOURCE OUTPUT-softmax --baseline softmax --train-file ... --eval-file ...   # same LoRA budget
+    hf-performer linearize SOURCE OUTPUT-window --no-tail --train-file ... --eval-file ...             # the ablation
+
+Stages (recipes/README.md, "Linearize a causal LM"):
+  convert   window settings (--window, --sinks), a learned map (hedgehog) from the identity, separate q / k maps
+  transfer  only the maps and gamma train: 1000 x MSE of each layer's attention output against exact softmax, every
+            layer fed the teacher's hidden states (--transfer-*); skipped with --no-tail / --baseline
+  lora      PEFT LoRA on the attention projections (maps and gamma frozen) on packed --block-size blocks, merged
+  evaluate  perplexity on --eval-file: windows of --eval-context tokens every --eval-context / 2
+
+OUTPUT gets the model folder (loads with trust_remote_code=True), its tokenizer, README.md and linearize.json (every
+stage's settings, tokens, wall time, losses, the perplexity, a curve against tokens seen). Stages are recorded in the
+staging area .OUTPUT.linearize beside OUTPUT: rerunning the same command after an interruption continues from the
+last finished stage (and the LoRA stage from its last checkpoint); --overwrite starts over. The LoRA stage runs the
+recipes' Accelerate loop: `accelerate launch -m hf_performer.cli linearize ...` works as for the recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+
+from . import add_verb_parser
+from ._output import check_output_folder, staged_folder
+from .arguments import add_favor_arguments
+
+STAGING_SUFFIX = ".linearize"
+"""The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
+
+CONVERSION_FLAGS = ("feature_map", "nb_features", "window", "sinks", "no_tail", "transfer_steps", "transfer_length",
+                    "transfer_batch_size", "transfer_learning_rate")
+"""Flags that --baseline softmax (no conversion, no transfer) refuses."""
+
+DEFAULTS = {"feature_map": "hedgehog", "window": 64, "sinks": 4, "transfer_steps": 200, "transfer_length": 1024,
+            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``linearize`` subcommand to ``subparsers``."""
+    parser = add_verb_parser(subparsers, "linearize", __doc__)
+    parser.add_argument("source", metavar="SOURCE", help="folder (or offline Hub name) of the softmax causal LM")
+    parser.add_argument("output", metavar="OUTPUT", help="folder to write the linearized model to")
+    data = parser.add_argument_group("data")
+    data.add_argument("--train-file", action="append", required=True, metavar="FILE",
+                      help="training text (raw text, or JSON lines with a 'text' field; .gz ok); repeat for several "
+                           "files, read in order; never the evaluation split")
+    data.add_argument("--max-train-chars", type=int, default=None, metavar="N",
+                      help="use the first N characters of the training text (default: all)")
+    data.add_argument("--eval-file", default=None, metavar="FILE", help="evaluation text (default: no evaluation)")
+    data.add_argument("--eval-context", type=int, default=1024, help="perplexity window in tokens (default: 1024)")
+    data.add_argument("--max-eval-chars", type=int, default=200_000,
+                      help="evaluate on the first N characters of --eval-file (default: 200000)")
+    data.add_argument("--eval-batch-size", type=int, default=2, help="windows per forward pass (default: 2)")
+
+    hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
+    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks"), helps={
+        "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
+        "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
+        "window": "exact-softmax keys per query: the last W tokens (default: 64)",
+        "sinks": "first tokens always attended exactly (default: 4)",
+    })
+    hybrid.add_argument("--no-tail", action="store_true", default=None,
+                        help="the ablation: sinks + window exact softmax only, no linear tail (no transfer stage)")
+    hybrid.add_argument("--transfer-steps", type=int, default=None, help="optimizer steps, 0 = skip (default: 200)")
+    hybrid.add_argument("--transfer-length", type=int, default=None, help="tokens per sequence (default: 1024)")
+    hybrid.add_argument("--transfer-batch-size", type=int, default=None, help="sequences per step (default: 8)")
+    hybrid.add_argument("--transfer-learning-rate", type=float, default=None, help="AdamW, constant (default: 1e-2)")
+
+    lora = parser.add_argument_group("LoRA fine-tuning (the recipes' loop)")
+    lora.add_argument("--lora-steps", type=int, default=200, help="optimizer steps, 0 = skip (default: 200)")
+    lora.add_argument("--block-size", type=int, default=1024, help="tokens per training block (default: 1024)")
+    lora.add_argument("--batch-size", type=int, default=8, help="blocks per micro-batch (default: 8)")
+    lora.add_argument("--gradient-accumulation-steps", type=int, default=1, help="default: 1")
+    lora.add_argument("--learning-rate", type=float, default=1e-4,
+                      help="peak learning rate, linear decay after 6%% warmup (default: 1e-4)")
+    lora.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
+    lora.add_argument("--lora-alpha", type=int, default=16, help="LoRA alpha (default: 16)")
+    lora.add_argument("--lora-target-modules", nargs="+", default=None,
+                      help="modules to adapt (default: the attention projections, Llama: q_proj k_proj v_proj o_proj)")
+    lora.add_argument("--checkpointing-steps", type=int, default=None,
+                      help="LoRA checkpoint every N steps, for resuming (default: a quarter of --lora-steps)")
+
+    run = parser.add_argument_group("run")
+    run.add_argument("--baseline", choices=("softmax",), default=None,
+                     help="the fair baseline: no conversion or transfer, the same LoRA stage and evaluation on the "
+                          "softmax model")
+    run.add_argument("--seed", type=int, default=0, help="seed of the conversion, data order and training (default: 0)")
+    run.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
+                     help="stop the training stages after MINUTES in all (the record says the steps done and why)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="start over: replace OUTPUT and discard an interrupted run's staging area")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(func=run_linearize_command)
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace):
+    """:class:`~hf_performer.recipes.linearize.LinearizeSettings` of the parsed flags (one-line errors for flags that
+    do not fit together)."""
+    from ..recipes.linearize import LinearizeSettings
+
+    if args.baseline:
+        given = [name for name in CONVERSION_FLAGS if getattr(args, name) is not None]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise SystemExit(f"hf-performer linearize: error: --baseline softmax trains the softmax model without "
+                             f"conversion or transfer; it takes no {flags}")
+    values = {name: getattr(args, name) if getattr(args, name) is not None else DEFAULTS[name] for name in DEFAULTS}
+    return LinearizeSettings(
+        source=args.source, train_files=list(args.train_file), max_train_chars=args.max_train_chars,
+        nb_features=args.nb_features, linear_tail=not args.no_tail, lora_steps=args.lora_steps,
+        block_size=args.block_size, batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
+        eval_file=args.eval_file, eval_context=args.eval_context, max_eval_chars=args.max_eval_chars,
+        eval_batch_size=args.eval_batch_size, baseline=args.baseline, seed=args.seed, time_limit=args.time_limit,
+        progress=not args.no_progress, checkpoint_every=args.checkpointing_steps, **values,
+    )
+
+
+def staging_area_of(output: str) -> str:
+    """The staging area of OUTPUT: ``.NAME.linearize`` in the same folder."""
+    parent, name = os.path.split(os.path.abspath(output))
+    return os.path.join(parent, f".{name}{STAGING_SUFFIX}")
+
+
+def run_linearize_command(args: argparse.Namespace, stop_after: str | None = None) -> int:
+    """Run ``hf-performer linearize`` (see :func:`add_parser`). Returns the exit status."""
+    from ..recipes.arguments import RecipeError
+    from ..recipes.linearize import LINEARIZE_FILE, run_linearize
+    from ..recipes.results import portable_name
+    from ..tasks.data import DataError
+
+    settings = settings_from_args(args)
+    try:
+        settings.check()
+    except RecipeError as error:
+        raise SystemExit(f"hf-performer linearize: error: {error}") from None
+    output = check_output_folder(args.output, args.overwrite, "linearize", source=args.source)
+    staging = staging_area_of(output)
+    if args.overwrite and os.path.isdir(staging):
+        shutil.rmtree(staging)
+    command = " ".join(portable_name(a) if os.path.isabs(a) or os.path.exists(a) else a for a in sys.argv[1:])
+    try:
+        record = run_linearize(settings, staging, stop_after=stop_after,
+                               command=f"hf-performer {command}" if sys.argv[1:2] == ["linearize"] else None,
+                               model_name=os.path.basename(output))
+    except (RecipeError, DataError) as error:
+        raise SystemExit(f"hf-performer linearize: error: {error}") from None
+    if record is None:
+        from accelerate import PartialState
+
+        if not PartialState().is_main_process:
+            return 0
+        print(f"linearize: stopped after stage {stop_after}; rerun the same command to continue")
+        return 0
+    with staged_folder(output) as folder:
+        final = os.path.join(staging, "final")
+        for name in os.listdir(final):
+            os.replace(os.path.join(final, name), os.path.join(folder, name))
+    shutil.rmtree(staging)
+    ppl = record["perplexity"]
+    print(f"linearize: wrote {output} ({LINEARIZE_FILE}: perplexity "
+          f"{'not evaluated' if ppl is None else f'{ppl:.3f}'}, {record['tokens_seen']} training tokens, "
+          f"{record['wall_time_s']:.1f} s)")
+    return 0

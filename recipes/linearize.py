@@ -1,0 +1,612 @@
+"""Linearize a causal LM in one run (the library side of ``hf-performer linearize``; the verb is
+:mod:`hf_performer.cli.linearize`): sink + sliding-window softmax with a learned linear tail, trained as LoLCATs.
+
+Stages, each recorded in the staging area when it finishes (:data:`STAGES`), so an interrupted run continues from
+the last finished stage (and the LoRA stage from its last checkpoint):
+
+1. ``convert``: the softmax model becomes a Performer model with window settings (``window``, ``sinks``,
+   ``linear_tail``) and a learned map (hedgehog by default) started at the identity, separate query / key maps
+   (``feature_map_options = {"init": "identity", "tie_qk": False}``), gamma learned;
+2. ``transfer``: attention transfer of the tail (:func:`~hf_performer.conversion.attention_transfer.transfer_attention`
+   with the window-output loss, x1000): only the maps and gamma train, every layer is fed the teacher's hidden
+   states; packed ``transfer_length``-token sequences of the training text;
+3. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
+   resume) with PEFT LoRA on the attention projections (maps and gamma frozen, asserted by
+   :func:`~hf_performer.recipes.model.apply_lora`) on packed ``block_size``-token blocks, then merged;
+4. ``evaluate``: perplexity of the merged model with the protocol of :mod:`hf_performer.tasks.evaluation`
+   (windows of ``eval_context`` tokens every ``eval_context // 2``).
+
+``baseline="softmax"`` skips 1 and 2 and runs the same LoRA stage and evaluation on the softmax model (identical
+data, steps and seed). ``linear_tail=False`` (the ablation: sinks + window only) skips the transfer: there is no tail
+to transfer into. Zero steps skip a stage. :func:`run_linearize` leaves the finished model folder with its card and
+:data:`LINEARIZE_FILE` in ``staging_area/final``; the caller moves it into place.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+
+from .arguments import RecipeError
+
+LINEARIZE_FILE = "linearize.json"
+"""The record of a linearize run in its output folder: settings, every stage, the final perplexity, the curve."""
+RUN_FILE = "run.json"
+"""The staging area's record: the run's settings and the finished stages (what a resumed run reads)."""
+STAGES = ("convert", "transfer", "lora", "evaluate")
+OUTPUT_LOSS_FACTOR = 1000.0
+"""The attention-transfer loss is ``OUTPUT_LOSS_FACTOR x`` the mean squared error of the outputs (LoLCATs)."""
+FEATURE_MAP_OPTIONS = {"init": "identity", "tie_qk": False}
+"""Learned maps start at the identity, with separate query and key maps (Hedgehog / LoLCATs)."""
+LORA_CHECK_CHARS = 16_000
+"""The LoRA stage's own closing evaluation (the recipe's) reads only this many characters; the reported perplexity is
+the ``evaluate`` stage's, on the merged model."""
+_FINAL_EXCLUDED = ("checkpoints", "adapter", "runs", "metrics.json", "eval_curve.json", "README.md", "loss_log.jsonl")
+_IN_TIME_ONLY = ("progress", "time_limit", "eval_batch_size")
+"""Settings a resumed run may change (they do not change what is trained)."""
+
+
+@dataclass
+class LinearizeSettings:
+    """Everything a linearize run depends on (recorded in :data:`LINEARIZE_FILE`, compared on resume)."""
+
+    source: str
+    train_files: list[str]
+    max_train_chars: int | None = None
+    feature_map: str = "hedgehog"
+    nb_features: int | None = None
+    window: int = 64
+    sinks: int = 4
+    linear_tail: bool = True
+    transfer_steps: int = 200
+    transfer_length: int = 1024
+    transfer_batch_size: int = 8
+    transfer_learning_rate: float = 1e-2
+    lora_steps: int = 200
+    block_size: int = 1024
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-4
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_target_modules: list[str] | None = None
+    eval_file: str | None = None
+    eval_context: int = 1024
+    max_eval_chars: int | None = 200_000
+    eval_batch_size: int = 2
+    baseline: str | None = None
+    seed: int = 0
+    time_limit: float | None = None
+    progress: bool = True
+    checkpoint_every: int | None = None
+
+    def check(self) -> None:
+        """Raise :class:`RecipeError` (one line: what is wrong, what is accepted) on bad values or missing files."""
+        if self.baseline not in (None, "softmax"):
+            raise RecipeError(f"--baseline {self.baseline!r} is not known; accepted: softmax")
+        for name in ("window", "sinks", "transfer_steps", "lora_steps"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)}")
+        for name in ("transfer_length", "transfer_batch_size", "block_size", "batch_size", "eval_context",
+                     "eval_batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha"):
+            if getattr(self, name) < 1:
+                raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)}")
+        if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
+            raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
+        if self.window == 0 and self.sinks == 0 and not self.linear_tail:
+            raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
+        from ..favor_settings import feature_map_kind
+        from ..feature_maps import available_feature_maps
+
+        if self.feature_map not in available_feature_maps():
+            raise RecipeError(f"--feature-map {self.feature_map!r} is not known; accepted: {available_feature_maps()}")
+        if not self.baseline and self.linear_tail and self.transfer_steps and \
+                feature_map_kind(self.feature_map) != "learned":
+            learned = [name for name in available_feature_maps() if feature_map_kind(name) == "learned"]
+            raise RecipeError(f"--feature-map {self.feature_map} has nothing to learn in the transfer stage; use a "
+                              f"learned map ({', '.join(learned)}) or --transfer-steps 0")
+        if self.time_limit is not None and self.time_limit <= 0:
+            raise RecipeError(f"--time-limit must be > 0 minutes, got {self.time_limit}")
+        if not self.train_files:
+            raise RecipeError("at least one --train-file is needed")
+        for path in [*self.train_files, *([self.eval_file] if self.eval_file else [])]:
+            if not os.path.isfile(path):
+                raise RecipeError(f"no such file: {path} (--train-file / --eval-file take text files: raw text, or "
+                                  "JSON lines with a 'text' field, .gz accepted)")
+
+    def identity(self) -> dict:
+        """The settings that decide what is trained (a resumed run must have the same)."""
+        return {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+
+
+@dataclass
+class StageRecord:
+    """One stage's record in :data:`LINEARIZE_FILE`."""
+
+    name: str
+    status: str  # "done" or "skipped"
+    reason: str | None = None
+    wall_time_s: float = 0.0
+    tokens_seen: int = 0
+    details: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------
+# Text
+# --------------------------------------------------------------------------------------------
+
+
+def read_training_text(files: list[str], max_chars: int | None = None) -> str:
+    """The training text: the files in order (JSON lines: their ``text`` fields), joined by blank lines, cut to the
+    first ``max_chars`` characters."""
+    from ..tasks.data import load_lm_text, read_records
+
+    parts, remaining = [], max_chars
+    for path in files:
+        if remaining is not None and remaining <= 0:
+            break
+        name = path[:-3] if path.endswith(".gz") else path
+        if name.endswith((".jsonl", ".json")):
+            rows = read_records(path)
+            if not rows or "text" not in rows[0]:
+                raise RecipeError(f"{path}: JSON lines need a 'text' field")
+            text = "\n\n".join(str(row["text"]) for row in rows)
+            text = text if remaining is None else text[:remaining]
+        else:
+            text = load_lm_text(path, max_chars=remaining)
+        parts.append(text)
+        remaining = None if remaining is None else remaining - len(text) - 2
+    return "\n\n".join(parts)
+
+
+def transfer_batches(token_ids: list[int], length: int, batch_size: int, seed: int) -> list[dict]:
+    """Packed ``[batch_size, length]`` batches (``input_ids``, ``attention_mask``) of consecutive blocks of the token
+    stream, in a seeded order; the remainder is dropped."""
+    import numpy as np
+    import torch
+
+    blocks = len(token_ids) // length
+    if blocks < batch_size:
+        raise RecipeError(f"the training text has {len(token_ids)} tokens, fewer than one transfer batch of "
+                          f"{batch_size} x {length}; give more text or lower --transfer-length / --transfer-batch-size")
+    ids = torch.tensor(token_ids[:blocks * length]).view(blocks, length)
+    order = torch.from_numpy(np.random.default_rng(seed).permutation(blocks))
+    batches = []
+    for start in range(0, blocks - batch_size + 1, batch_size):
+        chunk = ids[order[start:start + batch_size]]
+        batches.append({"input_ids": chunk, "attention_mask": torch.ones_like(chunk)})
+    return batches
+
+
+# --------------------------------------------------------------------------------------------
+# The staging area
+# --------------------------------------------------------------------------------------------
+
+
+class StagingArea:
+    """The folder of a run's stages (``converted/``, ``transferred/``, ``lora/``, ``final/``, :data:`RUN_FILE`)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def file(self, *names: str) -> str:
+        return os.path.join(self.path, *names)
+
+    def read(self) -> dict | None:
+        try:
+            with open(self.file(RUN_FILE)) as handle:
+                return json.load(handle)
+        except FileNotFoundError:
+            return None
+
+    def write(self, state: dict) -> None:
+        """Write :data:`RUN_FILE` atomically (a killed run never leaves it half-written)."""
+        temporary = self.file(RUN_FILE + ".tmp")
+        with open(temporary, "w") as handle:
+            json.dump(state, handle, indent=2)
+        os.replace(temporary, self.file(RUN_FILE))
+
+
+def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingArea, dict]:
+    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings.
+
+    Raises:
+        RecipeError: the folder holds a run with other settings (naming them), or is not a staging area.
+    """
+    area = StagingArea(path)
+    state = area.read()
+    if state is None:
+        if os.path.isdir(path) and os.listdir(path):
+            raise RecipeError(f"{path} exists but is not a linearize staging area; remove it or pass --overwrite")
+        os.makedirs(path, exist_ok=True)
+        state = {"settings": settings.identity(), "stages": {}}
+        area.write(state)
+        return area, state
+    recorded, current = state["settings"], settings.identity()
+    differing = [f"{key} {recorded.get(key)!r} (now {current.get(key)!r})" for key in sorted(set(recorded) | set(current))
+                 if json.dumps(recorded.get(key)) != json.dumps(current.get(key))]
+    if differing:
+        raise RecipeError(f"an interrupted run with other settings is staged in {path}: {', '.join(differing)}; "
+                          "rerun with its settings to continue it, or pass --overwrite to start over")
+    return area, state
+
+
+# --------------------------------------------------------------------------------------------
+# Stages
+# --------------------------------------------------------------------------------------------
+
+
+def _deadline(settings: LinearizeSettings, started: float) -> float | None:
+    return None if settings.time_limit is None else started + settings.time_limit * 60
+
+
+def _load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord:
+    """Convert the source into a window-hybrid Performer saved in ``converted/``."""
+    from ..conversion import ConversionError, convert_to_performer, load_source
+
+    if settings.baseline:
+        return StageRecord("convert", "skipped", "--baseline softmax: the softmax model is trained as it is")
+    started = time.perf_counter()
+    try:
+        source, tokenizer = load_source(settings.source, "causal-lm")
+        if tokenizer is None:
+            raise RecipeError(f"{settings.source} has no usable tokenizer to encode the training text")
+        model = convert_to_performer(
+            source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
+            seed=settings.seed, feature_map_options=dict(FEATURE_MAP_OPTIONS), window=settings.window,
+            sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+        )
+    except (ConversionError, ValueError, TypeError) as error:
+        raise RecipeError(str(error)) from None
+    folder = area.file("converted")
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return StageRecord("convert", "done", wall_time_s=round(time.perf_counter() - started, 2),
+                       details={"favor_settings": dict(model.config.favor_settings)})
+
+
+def _model_folder(settings: LinearizeSettings, area: StagingArea, state: dict, before: str) -> str:
+    """The folder of the model the stage ``before`` starts from: the last stage that wrote one."""
+    order = {"transfer": ("converted",), "lora": ("transferred", "converted"),
+             "evaluate": ("lora", "transferred", "converted")}[before]
+    for name in order:
+        stage = {"converted": "convert", "transferred": "transfer", "lora": "lora"}[name]
+        if state["stages"].get(stage, {}).get("status") == "done":
+            return area.file(name)
+    return settings.source
+
+
+def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:
+    """Attention transfer of the tail (maps and gamma only) on packed sequences; saved in ``transferred/``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion.attention_transfer import transfer_attention
+    from ..tasks.data import tokenize_lm_text
+
+    if settings.baseline:
+        return StageRecord("transfer", "skipped", "--baseline softmax: no conversion, nothing to transfer")
+    if not settings.linear_tail:
+        return StageRecord("transfer", "skipped", "--no-tail: sinks + window exact softmax only, no linear tail to "
+                                                  "transfer into (gamma cancels without a tail)")
+    if settings.transfer_steps == 0:
+        return StageRecord("transfer", "skipped", "--transfer-steps 0")
+    started = time.perf_counter()
+    folder = _model_folder(settings, area, state, "transfer")
+    tokenizer = _load_tokenizer(folder)
+    text = read_training_text(settings.train_files, settings.max_train_chars)
+    batches = transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length,
+                               settings.transfer_batch_size, settings.seed)
+    torch.manual_seed(settings.seed)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    result = transfer_attention(model, batches, steps=settings.transfer_steps,
+                                learning_rate=settings.transfer_learning_rate, loss="output",
+                                output_loss_factor=OUTPUT_LOSS_FACTOR, evaluation_batches=[],
+                                progress=settings.progress, deadline=deadline)
+    target = area.file("transferred")
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    tokens_per_step = settings.transfer_length * settings.transfer_batch_size
+    done = len(result.history)
+    curve = [{"step": point["step"], "tokens_seen": point["step"] * tokens_per_step, "loss": point["loss_per_layer"],
+              "step_time_s": round(point["time_s"] - previous["time_s"], 3),
+              "step_cpu_s": round(point["cpu_s"] - previous["cpu_s"], 3)}
+             for previous, point in zip([{"time_s": 0.0, "cpu_s": 0.0}, *result.history], result.history)]
+    return StageRecord(
+        "transfer", "done", reason=result.stop_reason, wall_time_s=round(time.perf_counter() - started, 2),
+        tokens_seen=done * tokens_per_step,
+        details={"steps_requested": settings.transfer_steps, "steps_done": done, "sequences": len(batches) *
+                 settings.transfer_batch_size, "loss": f"mean over layers of {OUTPUT_LOSS_FACTOR:g} x MSE of the "
+                 "per-head attention outputs (before o_proj), teacher forcing", "layers": result.layers,
+                 "trained": "feature maps and softmax weights (gamma) only", "curve": curve},
+    )
+
+
+class _LossLog:
+    """A recipe loss hook that appends each micro-batch's loss to ``loss_log.jsonl`` (kept across a resume)."""
+
+    def __init__(self, path: str, is_main_process: bool):
+        self.path, self.is_main_process = path, is_main_process
+
+    def __call__(self, model, batch, outputs, step):
+        if self.is_main_process:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps({"step": step + 1, "loss": float(outputs.loss.detach()),
+                                         "time": time.time(), "cpu": time.process_time(), "pid": os.getpid()})
+                             + "\n")
+        return None
+
+    def entries(self) -> list[dict]:
+        if not os.path.isfile(self.path):
+            return []
+        with open(self.path) as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+
+    def keep_steps_up_to(self, step: int) -> None:
+        """Drop the entries of steps after ``step`` (a resumed run redoes them)."""
+        kept = [entry for entry in self.entries() if entry["step"] <= step]
+        with open(self.path, "w") as handle:
+            handle.writelines(json.dumps(entry) + "\n" for entry in kept)
+
+    def steps(self) -> list[dict]:
+        """``[{"step", "loss", "step_time_s", "step_cpu_s"}]``, one per optimizer step (micro-batches averaged; the
+        wall and process CPU time since the previous step, none for the first step of a run)."""
+        by_step: dict[int, list[dict]] = {}
+        for entry in self.entries():
+            by_step.setdefault(entry["step"], []).append(entry)
+        points, previous = [], None
+        for step, entries in sorted(by_step.items()):
+            point = {"step": step, "loss": sum(e["loss"] for e in entries) / len(entries)}
+            if previous is not None and previous["step"] == step - 1 and previous["pid"] == entries[-1]["pid"]:
+                point["step_time_s"] = round(entries[-1]["time"] - previous["time"], 3)
+                point["step_cpu_s"] = round(entries[-1]["cpu"] - previous["cpu"], 3)
+            points.append(point)
+            previous = {"step": step, **entries[-1]}
+        return points
+
+
+def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:
+    """The recipe's LoRA fine-tuning (merged at the end) in ``lora/``, resumed from its last checkpoint."""
+    from accelerate import PartialState
+
+    from .arguments import build_parser
+    from .train import train
+
+    if settings.lora_steps == 0:
+        return StageRecord("lora", "skipped", "--lora-steps 0")
+    started = time.perf_counter()
+    folder = area.file("lora")
+    model = _model_folder(settings, area, state, "lora")
+    processes = PartialState()
+    train_text = area.file("train.txt")
+    if processes.is_main_process and not os.path.isfile(train_text):
+        with open(train_text + ".tmp", "w", encoding="utf-8") as handle:
+            handle.write(read_training_text(settings.train_files, settings.max_train_chars))
+        os.replace(train_text + ".tmp", train_text)
+    checkpoints = os.path.join(folder, "checkpoints")
+    resume = os.path.isdir(checkpoints) and any(name.startswith("step_") and not name.endswith(".partial")
+                                                 for name in os.listdir(checkpoints))
+    every = settings.checkpoint_every or max(1, settings.lora_steps // 4)
+    argv = [
+        "--model", model, "--attention", "softmax" if settings.baseline else "favor", "--lora",
+        "--lora-r", str(settings.lora_r), "--lora-alpha", str(settings.lora_alpha),
+        "--train-file", train_text, "--validation-file", settings.eval_file or train_text,
+        "--max-eval-chars", str(min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)), "--block-size", str(settings.block_size),
+        "--context-length", str(min(settings.eval_context, settings.block_size)),
+        "--per-device-train-batch-size", str(settings.batch_size),
+        "--per-device-eval-batch-size", str(settings.eval_batch_size),
+        "--gradient-accumulation-steps", str(settings.gradient_accumulation_steps),
+        "--learning-rate", str(settings.learning_rate), "--max-train-steps", str(settings.lora_steps),
+        "--seed", str(settings.seed), "--output-dir", folder, "--checkpointing-steps", str(every),
+    ]
+    if settings.lora_target_modules:
+        argv += ["--lora-target-modules", *settings.lora_target_modules]
+    if deadline is not None:
+        argv += ["--time-limit", f"{max(deadline - time.time(), 1.0) / 60:.4f}"]
+    argv += ["--resume-from-checkpoint", "latest"] if resume else ["--overwrite"]
+    argv += [] if settings.progress else ["--no-progress"]
+    args = build_parser("causal-lm").parse_args(argv)
+    log = _LossLog(os.path.join(folder, "loss_log.jsonl"), processes.is_main_process)
+    if not processes.is_main_process:
+        pass
+    elif not resume and os.path.isfile(log.path):
+        os.remove(log.path)
+    elif resume:
+        from .train import TRAINING_STATE_FILE, find_checkpoint
+
+        with open(os.path.join(find_checkpoint(folder, "latest"), TRAINING_STATE_FILE)) as handle:
+            log.keep_steps_up_to(json.load(handle)["completed_steps"])
+    os.makedirs(folder, exist_ok=True)
+    processes.wait_for_everyone()
+    metrics = train(args, loss_hooks=[log])
+    tokens_per_step = settings.block_size * settings.batch_size * settings.gradient_accumulation_steps * \
+        metrics["num_processes"]
+    done = metrics["completed_steps"]
+    curve = [{**point, "tokens_seen": point["step"] * tokens_per_step} for point in log.steps() if point["step"] <= done]
+    if processes.is_main_process:
+        shutil.rmtree(checkpoints, ignore_errors=True)  # the merged model is saved; checkpoints are large
+    return StageRecord(
+        "lora", "done", reason=metrics.get("time_limit_reason"), wall_time_s=round(time.perf_counter() - started, 2),
+        tokens_seen=done * tokens_per_step,
+        details={"steps_requested": settings.lora_steps, "steps_done": done, "resumed_from": metrics["resumed_from"],
+                 "train_blocks": metrics["train_examples"], "trainable_parameters": metrics["trainable_parameters"],
+                 "total_parameters": metrics["total_parameters"], "learning_rate": settings.learning_rate,
+                 "schedule": {k: metrics["args"][k] for k in ("lr_scheduler", "warmup_ratio", "weight_decay",
+                                                              "lora_dropout", "max_grad_norm")},
+                 "lora_target_modules": metrics["args"].get("lora_target_modules"), "merged": True,
+                 "train_loss_first": metrics["train_loss_first"], "train_loss_last": metrics["train_loss_last"],
+                 "check_perplexity": {**metrics["final"], "note": f"the recipe's own closing evaluation, first "
+                                      f"{min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)} characters only; the result is the evaluate stage's"},
+                 "num_processes": metrics["num_processes"], "curve": curve},
+    )
+
+
+def stage_evaluate(settings: LinearizeSettings, area: StagingArea, state: dict) -> StageRecord:
+    """Perplexity of the final (merged) model on the evaluation text, protocol of :mod:`~hf_performer.tasks.evaluation`."""
+    from transformers import AutoModelForCausalLM
+
+    from ..tasks.data import load_lm_text, tokenize_lm_text
+    from ..tasks.evaluation import perplexity
+
+    if not settings.eval_file:
+        return StageRecord("evaluate", "skipped", "no --eval-file")
+    started = time.perf_counter()
+    folder = _model_folder(settings, area, state, "evaluate")
+    tokenizer = _load_tokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenize_lm_text(load_lm_text(settings.eval_file, max_chars=settings.max_eval_chars), tokenizer)
+    stride = max(settings.eval_context // 2, 1)
+    result = perplexity(model, ids, settings.eval_context, stride, settings.eval_batch_size,
+                        show_progress=settings.progress)
+    return StageRecord("evaluate", "done", wall_time_s=round(time.perf_counter() - started, 2),
+                       details={**result, "eval_file": os.path.basename(settings.eval_file),
+                                "max_eval_chars": settings.max_eval_chars})
+
+
+# --------------------------------------------------------------------------------------------
+# The run
+# --------------------------------------------------------------------------------------------
+
+
+def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after: str | None = None,
+                  command: str | None = None, model_name: str | None = None) -> dict | None:
+    """Run (or continue) every unfinished stage in the staging area, then write ``staging_path/final``: the model
+    folder, its tokenizer, its card and :data:`LINEARIZE_FILE`.
+
+    Args:
+        settings: the run (checked first: :meth:`LinearizeSettings.check`).
+        staging_path: the staging area (see :func:`open_staging_area`).
+        stop_after: stop once this stage is finished (an interruption between stages, for tests).
+        command: the command line to record (no absolute paths).
+        model_name: the title of the model card (default: the source's name and the run's kind).
+
+    Returns:
+        The content of :data:`LINEARIZE_FILE`, or ``None`` when stopped by ``stop_after``.
+    """
+    from accelerate import PartialState
+
+    settings.check()
+    if stop_after is not None and stop_after not in STAGES:
+        raise RecipeError(f"stop_after must be one of {STAGES}, got {stop_after!r}")
+    processes = PartialState()  # under accelerate launch / torchrun: only the LoRA stage runs in every process
+    with processes.main_process_first():
+        area, state = open_staging_area(staging_path, settings)
+    started_wall = time.time()
+    deadline = _deadline(settings, started_wall)
+    runners = {
+        "convert": lambda: stage_convert(settings, area),
+        "transfer": lambda: stage_transfer(settings, area, state, deadline),
+        "lora": lambda: stage_lora(settings, area, state, deadline),
+        "evaluate": lambda: stage_evaluate(settings, area, state),
+    }
+    for name in STAGES:
+        if name == "lora" and processes.num_processes > 1:
+            processes.wait_for_everyone()
+            state.update(area.read())  # the stages the main process ran
+        if name in state["stages"]:
+            processes.print(f"linearize: stage {name} already finished ({state['stages'][name]['status']}): skipped")
+        elif processes.is_main_process or name == "lora":
+            record = runners[name]()
+            if processes.is_main_process:
+                state["stages"][name] = asdict(record)
+                area.write(state)
+                print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
+        if name == stop_after or (name == "lora" and not processes.is_main_process):
+            return None  # the recipe ended the process group: the main process evaluates and writes alone
+    return _write_final(settings, area, state, command, model_name)
+
+
+def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, command: str | None,
+                 model_name: str | None) -> dict:
+    from ..hub import write_model_card
+    from .results import portable_name
+
+    final = area.file("final")
+    shutil.rmtree(final, ignore_errors=True)
+    model_folder = _model_folder(settings, area, state, "evaluate")
+    if model_folder == settings.source:  # baseline without LoRA: the source as it is
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(model_folder).save_pretrained(final)
+        _load_tokenizer(model_folder).save_pretrained(final)
+    else:
+        shutil.copytree(model_folder, final, ignore=lambda _, names: [n for n in names if n in _FINAL_EXCLUDED])
+    record = linearize_record(settings, state, command)
+    with open(os.path.join(final, LINEARIZE_FILE), "w") as handle:
+        json.dump(record, handle, indent=2)
+    with open(os.path.join(final, "config.json")) as handle:
+        is_performer = "favor_settings" in json.load(handle)
+    if is_performer:
+        name = model_name or f"{portable_name(settings.source)}-{record['kind']}"
+        write_model_card(final, model_name=name, fine_tuned=state["stages"]["lora"]["status"] == "done")
+    else:
+        perplexity = record["perplexity"]
+        with open(os.path.join(final, "README.md"), "w") as handle:
+            handle.write(f"# {portable_name(settings.source)}: softmax baseline of `hf-performer linearize`\n\n"
+                         "The softmax model after the same LoRA stage (data, steps, seed) as the linearized models it is "
+                         f"compared with. Perplexity: {perplexity if perplexity is not None else 'not evaluated'} "
+                         f"(see `{LINEARIZE_FILE}`).\n")
+    return record
+
+
+def linearize_record(settings: LinearizeSettings, state: dict, command: str | None) -> dict:
+    """The content of :data:`LINEARIZE_FILE`: settings (paths by base name), stages, perplexity, the curve."""
+    import torch
+
+    from ..bench.machine import machine_info
+    from .results import portable_name
+
+    recorded = asdict(settings)
+    recorded["source"] = portable_name(settings.source)
+    recorded["train_files"] = [os.path.basename(path) for path in settings.train_files]
+    recorded["eval_file"] = os.path.basename(settings.eval_file) if settings.eval_file else None
+    stages = {name: dict(state["stages"][name]) for name in STAGES}
+    curve, tokens = [], 0
+    for name in ("transfer", "lora"):
+        for point in stages[name].get("details", {}).get("curve", []):
+            curve.append({"stage": name, **point, "tokens_seen": tokens + point["tokens_seen"]})
+        tokens += stages[name]["tokens_seen"]
+    evaluation = stages["evaluate"]
+    perplexity = evaluation["details"].get("perplexity") if evaluation["status"] == "done" else None
+    if perplexity is not None:
+        curve.append({"stage": "evaluate", "tokens_seen": tokens, "perplexity": perplexity})
+    return {
+        "kind": "baseline-softmax" if settings.baseline else ("window-only" if not settings.linear_tail else "hybrid"),
+        "settings": recorded,
+        "stages": stages,
+        "perplexity": perplexity,
+        "perplexity_protocol": None if perplexity is None else {
+            k: evaluation["details"][k] for k in ("context_length", "stride", "windows", "num_tokens")},
+        "tokens_seen": tokens,
+        "wall_time_s": round(sum(stage["wall_time_s"] for stage in stages.values()), 2),
+        "curve": curve,
+        "machine": machine_info(torch.device("cpu")),
+        "command": command,
+    }
+
+
+__all__ = [
+    "LINEARIZE_FILE",
+    "STAGES",
+    "LinearizeSettings",
+    "StageRecord",
+    "open_staging_area",
+    "read_training_text",
+    "run_linearize",
+    "transfer_batches",
+]

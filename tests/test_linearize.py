@@ -1,0 +1,420 @@
+"""``hf-performer linearize``: the window-hybrid transfer loss, the stages (convert -> attention transfer -> LoRA ->
+evaluation), resume, the baseline and the ablation, bad input.
+
+Tiny random Llama (GQA) and GPT-2 models from conftest, saved to tmp_path with a tiny word-level tokenizer, and a
+few hundred characters of text.
+"""
+
+import torch
+
+from hf_performer.conversion.attention_transfer import sdpa_teacher_output, window_layer_transfer_losses
+from hf_performer.feature_maps import make_feature_map
+from hf_performer.reference import softmax_attention
+
+
+def _qkv(batch=2, heads=4, kv_heads=2, length=24, dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, length, dim, generator=generator)
+    key = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    value = torch.randn(batch, kv_heads, length, dim, generator=generator)
+    return query, key, value
+
+
+def _hedgehog(dim=8, heads=4, kv_heads=2):
+    return make_feature_map("hedgehog", dim, num_heads=heads, num_key_value_heads=kv_heads, init="identity",
+                            tie_qk=False)
+
+
+def test_sdpa_teacher_matches_float64_softmax_with_padding_and_gqa():
+    query, key, value = _qkv()
+    padding = torch.ones(2, 24, dtype=torch.bool)
+    padding[1, 20:] = False
+    teacher = sdpa_teacher_output(query, key, value, 8**-0.5, True, padding)
+    expected = softmax_attention(query.double(), key.double(), value.double(), causal=True,
+                                 key_padding_mask=padding)
+    torch.testing.assert_close(teacher.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_window_transfer_loss_is_zero_when_the_window_covers_the_sequence():
+    query, key, value = _qkv()
+    gamma = torch.full((4,), 0.1)
+    for weight in (None, gamma):
+        teacher, _, squared, rows = window_layer_transfer_losses(
+            query, key, value, _hedgehog(), window=24, sinks=2, softmax_weight=weight, scaling=8**-0.5)
+        assert rows == 2 * 4 * 24
+        assert float(squared.detach()) / rows < 1e-10
+    # a short window: the tail differs from softmax
+    _, _, squared, rows = window_layer_transfer_losses(query, key, value, _hedgehog(), window=4, sinks=1,
+                                                       softmax_weight=gamma, scaling=8**-0.5)
+    assert float(squared.detach()) / rows > 1e-4
+
+
+def test_window_transfer_loss_decreases_when_the_maps_and_gamma_train():
+    query, key, value = _qkv(length=32)
+    feature_map = _hedgehog()
+    logit = torch.nn.Parameter(torch.full((4,), -2.1972))
+    optimizer = torch.optim.AdamW([*feature_map.parameters(), logit], lr=1e-2, weight_decay=0.0)
+    losses = []
+    for _ in range(15):
+        _, _, squared, rows = window_layer_transfer_losses(query, key, value, feature_map, window=4, sinks=1,
+                                                           softmax_weight=torch.sigmoid(logit), scaling=8**-0.5)
+        loss = 1000 * squared / rows
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.9 * losses[0], losses
+    assert logit.grad is not None
+
+
+# --------------------------------------------------------------------------------------------
+# The command on tiny models
+# --------------------------------------------------------------------------------------------
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+
+from conftest import tiny_gpt2_config, tiny_llama_config  # noqa: E402
+
+WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
+         "attention tokens sequence linear memory rain weekend letters box . ,").split()
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(["<unk>", "<eos>", *WORDS])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+def _text(words: int, seed: int) -> str:
+    generator = torch.Generator().manual_seed(seed)
+    picks = torch.randint(0, len(WORDS), (words,), generator=generator).tolist()
+    return " ".join(WORDS[i] for i in picks)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    """``{"llama": folder, "gpt2": folder}``, train and eval text files (a few hundred characters each)."""
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("linearize")
+    tokenizer = _tokenizer()
+    folders = {}
+    torch.manual_seed(0)
+    for name, model in (("llama", LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer)))),
+                        ("gpt2", GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), n_positions=128)))):
+        folder = root / name
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        folders[name] = str(folder)
+    (root / "train.txt").write_text(_text(160, 1))
+    (root / "eval.txt").write_text(_text(80, 2))
+    folders["train"], folders["eval"] = str(root / "train.txt"), str(root / "eval.txt")
+    return folders
+
+
+def _argv(models, source, output, *extra):
+    return ["linearize", models[source], str(output), "--train-file", models["train"], "--eval-file", models["eval"],
+            "--eval-context", "16", "--block-size", "16", "--batch-size", "2", "--lora-steps", "2",
+            "--eval-batch-size", "2", "--no-progress", *extra]
+
+
+def _hybrid_flags(steps=3):
+    return ["--window", "4", "--sinks", "1", "--transfer-steps", str(steps), "--transfer-length", "16",
+            "--transfer-batch-size", "2"]
+
+
+def _run(argv, stop_after=None):
+    from hf_performer.cli import build_parser
+    from hf_performer.cli.linearize import run_linearize_command
+
+    args = build_parser("linearize").parse_args(argv)
+    return run_linearize_command(args, stop_after=stop_after)
+
+
+def test_baseline_softmax_runs_the_same_lora_stage_and_evaluation(tiny_models, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    output = tmp_path / "baseline"
+    assert _run(_argv(tiny_models, "llama", output, "--baseline", "softmax")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "baseline-softmax"
+    assert [record["stages"][s]["status"] for s in ("convert", "transfer", "lora", "evaluate")] == \
+        ["skipped", "skipped", "done", "done"]
+    assert record["stages"]["lora"]["details"]["steps_done"] == 2
+    assert record["tokens_seen"] == 2 * 2 * 16
+    assert record["perplexity"] > 1 and record["perplexity_protocol"]["context_length"] == 16
+    assert [p["stage"] for p in record["curve"]] == ["lora", "lora", "evaluate"]
+    assert "/" not in json.dumps(record["settings"]["train_files"]) and str(tmp_path) not in json.dumps(record)
+    model = AutoModelForCausalLM.from_pretrained(output)
+    assert model.config.model_type == "llama"
+    assert (output / "README.md").is_file() and not (output / "checkpoints").exists()
+    assert not os.path.exists(tmp_path / ".baseline.linearize")
+
+
+@pytest.mark.slow
+def test_resume_skips_finished_stages_and_continues_lora_from_its_checkpoint(tiny_models, tmp_path, monkeypatch,
+                                                                               capsys):
+    from hf_performer.recipes import linearize
+
+    output = tmp_path / "resumed"
+    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--checkpointing-steps", "1")
+    argv[argv.index("--lora-steps") + 1] = "3"
+    original = linearize._LossLog.__call__
+
+    def interrupt_at_step_3(self, model, batch, outputs, step):
+        original(self, model, batch, outputs, step)
+        if step == 2:  # the third step's batch: checkpoints of steps 1 and 2 exist
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(linearize._LossLog, "__call__", interrupt_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _run(argv)
+    assert not output.exists()
+    staged = json.loads((tmp_path / ".resumed.linearize" / "run.json").read_text())
+    assert set(staged["stages"]) == {"convert", "transfer"}
+    monkeypatch.setattr(linearize._LossLog, "__call__", original)
+    capsys.readouterr()
+    assert _run(argv) == 0
+    out = capsys.readouterr().out
+    assert "stage convert already finished" in out and "stage transfer already finished" in out
+    record = json.loads((output / "linearize.json").read_text())
+    lora = record["stages"]["lora"]["details"]
+    assert lora["resumed_from"].endswith("step_2") and lora["steps_done"] == 3
+    assert [point["step"] for point in lora["curve"]] == [1, 2, 3]
+
+
+def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, tmp_path, capsys):
+    output = tmp_path / "between"
+    argv = _argv(tiny_models, "gpt2", output, "--baseline", "softmax")
+    assert _run(argv, stop_after="lora") == 0
+    assert not output.exists()
+    other = list(argv)
+    other[other.index("--lora-steps") + 1] = "5"
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(other)
+    assert "lora_steps 2 (now 5)" in str(failure.value) and "--overwrite" in str(failure.value)
+    capsys.readouterr()
+    assert _run(argv) == 0
+    assert "stage lora already finished" in capsys.readouterr().out
+    assert json.loads((output / "linearize.json").read_text())["perplexity"] > 1
+    with pytest.raises(SystemExit) as failure:  # a finished OUTPUT is refused without --overwrite
+        cli_main(argv)
+    assert "already exists" in str(failure.value)
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--window", "-1"], "--window must be an int >= 0"),
+    (["--baseline", "softmax", "--window", "8"], "--baseline softmax trains the softmax model"),
+    (["--train-file", "/nonexistent/train.txt"], "no such file: /nonexistent/train.txt"),
+    (["--eval-context", "0"], "--eval-context must be an int >= 1"),
+])
+def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message):
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(_argv(tiny_models, "llama", tmp_path / "out", *extra))
+    line = str(failure.value)
+    assert message in line and "\n" not in line and line.startswith("hf-performer linearize: error:")
+    assert not (tmp_path / "out").exists()
+
+
+def test_time_limit_stops_the_lora_stage_with_a_recorded_reason(tiny_models, tmp_path):
+    output = tmp_path / "timed"
+    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--time-limit", "0.0001")
+    argv[argv.index("--lora-steps") + 1] = "50"
+    assert _run(argv) == 0
+    lora = json.loads((output / "linearize.json").read_text())["stages"]["lora"]
+    assert lora["details"]["steps_done"] < 50 and "--time-limit" in lora["reason"]
+
+
+# --------------------------------------------------------------------------------------------
+# The hybrid (window + sinks + learned tail): needs the window attention kind of favor settings
+# --------------------------------------------------------------------------------------------
+
+
+def _weights(folder):
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(folder, "model.safetensors"))
+
+
+def _is_map_or_gamma(name):
+    from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
+
+    return f".{FEATURE_MAP_ATTRIBUTE}." in name or f".{SOFTMAX_WEIGHT_ATTRIBUTE}." in name
+
+
+def test_transfer_trains_only_maps_and_gamma_and_lora_leaves_them_unchanged(tiny_models, tmp_path):
+    output = tmp_path / "hybrid"
+    argv = _argv(tiny_models, "llama", output, *_hybrid_flags(steps=6), "--transfer-learning-rate", "3e-2")
+    assert _run(argv, stop_after="lora") == 0
+    area = tmp_path / ".hybrid.linearize"
+    state = json.loads((area / "run.json").read_text())
+    settings = state["stages"]["convert"]["details"]["favor_settings"]
+    assert (settings["window"], settings["sinks"], settings["feature_map"]) == (4, 1, "hedgehog")
+    assert settings["feature_map_options"] == {"init": "identity", "tie_qk": False}
+    converted, transferred, tuned = (_weights(area / name) for name in ("converted", "transferred", "lora"))
+    assert converted.keys() == transferred.keys() == tuned.keys()
+    maps = [name for name in converted if _is_map_or_gamma(name)]
+    assert any("softmax_weight" in name for name in maps) and any("feature_map" in name for name in maps)
+    for name in converted:  # transfer: the maps and gamma change, nothing else
+        same = torch.equal(converted[name], transferred[name])
+        assert same != (name in maps), name
+    projections = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for name in converted:  # LoRA (merged): the attention projections change, maps, gamma and the rest do not
+        same = torch.equal(transferred[name], tuned[name])
+        assert same != (any(p in name for p in projections) and name.endswith("weight")), name
+    transfer = state["stages"]["transfer"]
+    losses = [point["loss"] for point in transfer["details"]["curve"]]
+    assert transfer["details"]["steps_done"] == 6 and losses[-1] < losses[0]
+    assert transfer["tokens_seen"] == 6 * 2 * 16
+
+
+def test_transfer_loss_is_zero_when_the_window_covers_the_sequence_in_a_model(tiny_models):
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.conversion.attention_transfer import collect_transfer_losses, teacher_forcing
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity",
+                                 "tie_qk": False}, window=16, sinks=1)
+    ids = torch.randint(0, 30, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), teacher_forcing(model), collect_transfer_losses(compute_student=False) as layers:
+        model.base_model(input_ids=ids)
+    assert sorted(layers) == [0, 1]
+    assert all(float(entry.squared_error) / entry.rows < 1e-10 for entry in layers.values())
+
+
+def _logits_in_subprocess(folder, ids, block_source, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "load.py"
+    script.write_text(block_source + f"""
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(folder)!r}, trust_remote_code=True).eval()
+with torch.no_grad():
+    torch.save(model(torch.tensor({ids.tolist()!r})).logits, {str(tmp_path / 'logits.pt')!r})
+""")
+    subprocess.run([sys.executable, str(script)], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return torch.load(tmp_path / "logits.pt")
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gpt2"])
+def test_end_to_end_folder_reloads_with_trust_remote_code(tiny_models, tmp_path, architecture,
+                                                         block_hf_performer_source):
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.tasks.data import load_lm_text, tokenize_lm_text
+    from hf_performer.tasks.evaluation import perplexity
+
+    output = tmp_path / architecture
+    assert _run(_argv(tiny_models, architecture, output, *_hybrid_flags())) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "hybrid" and all(stage["status"] == "done" for stage in record["stages"].values())
+    assert record["tokens_seen"] == 3 * 2 * 16 + 2 * 2 * 16
+    assert [p["stage"] for p in record["curve"]] == ["transfer"] * 3 + ["lora"] * 2 + ["evaluate"]
+    config = json.loads((output / "config.json").read_text())
+    assert config["favor_settings"]["window"] == 4 and "auto_map" in config
+    assert (output / "README.md").is_file() and (output / "tokenizer_config.json").is_file()
+    assert str(tmp_path) not in (output / "linearize.json").read_text()
+    model = AutoModelForCausalLM.from_pretrained(output).eval()
+    tokenizer = _tokenizer()
+    ids = tokenize_lm_text(load_lm_text(tiny_models["eval"]), tokenizer)
+    again = perplexity(model, ids, 16, 8, 2)  # the saved folder is the evaluated model
+    assert again["perplexity"] == pytest.approx(record["perplexity"], rel=1e-5)
+    sample = torch.tensor([ids[:20]])
+    with torch.no_grad():
+        logits = model(sample).logits
+    remote = _logits_in_subprocess(output, sample, block_hf_performer_source, tmp_path)
+    torch.testing.assert_close(remote, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_no_tail_ablation_skips_the_transfer(tiny_models, tmp_path):
+    output = tmp_path / "window-only"
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(), "--no-tail")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["kind"] == "window-only"
+    assert record["stages"]["transfer"]["status"] == "skipped" and "--no-tail" in record["stages"]["transfer"]["reason"]
+    assert json.loads((output / "config.json").read_text())["favor_settings"]["linear_tail"] is False
+    assert record["stages"]["lora"]["status"] == "done" and record["perplexity"] > 1
+
+
+def test_layerwise_backward_gives_the_gradients_of_the_summed_loss(tiny_models):
+    """Teacher forcing makes each layer's loss depend on its own map only: back-propagating each layer at once (one
+    layer's graph alive at a time) gives the gradients of one backward of the sum."""
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.conversion.attention_transfer import _combine, collect_transfer_losses, teacher_forcing
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity",
+                                 "tie_qk": False})
+    ids = torch.randint(0, 30, (2, 12), generator=torch.Generator().manual_seed(0))
+    parameters = [p for name, p in model.named_parameters() if "favor_feature_map" in name]
+    gradients = []
+    for backward in (None, ("both", 1000.0)):
+        model.zero_grad(set_to_none=True)
+        with teacher_forcing(model), collect_transfer_losses(backward=backward) as layers:
+            model.base_model(input_ids=ids)
+        total = _combine(layers, "both", 1000.0)
+        if backward is None:
+            total.backward()
+        else:
+            assert not total.requires_grad
+        gradients.append([p.grad.clone() for p in parameters])
+    for summed, layerwise in zip(*gradients):
+        torch.testing.assert_close(layerwise, summed, rtol=1e-5, atol=1e-8)
+
+
+def test_training_text_reads_files_in_order_with_json_lines_and_a_character_budget(tmp_path):
+    import gzip
+
+    from hf_performer.recipes.linearize import read_training_text, transfer_batches
+    from hf_performer.recipes.arguments import RecipeError
+
+    (tmp_path / "a.txt").write_text("first file text")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as handle:
+        handle.write(json.dumps({"text": "review one", "label": 1}) + "\n" + json.dumps({"text": "review two"}) + "\n")
+    files = [str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl.gz")]
+    assert read_training_text(files) == "first file text\n\nreview one\n\nreview two"
+    assert read_training_text(files, max_chars=20) == "first file text\n\nrev"
+    batches = transfer_batches(list(range(100)), 10, 4, seed=0)
+    assert len(batches) == 2 and batches[0]["input_ids"].shape == (4, 10)
+    rows = sorted(row[0].item() for batch in batches for row in batch["input_ids"])
+    assert len(set(rows)) == 8 and all(first % 10 == 0 for first in rows)  # whole packed blocks, no repeats
+    with pytest.raises(RecipeError, match="fewer than one transfer batch"):
+        transfer_batches(list(range(30)), 10, 4, seed=0)
+
+
+def test_apply_lora_refuses_a_trainable_parameter_other_than_the_adapters(tiny_models, monkeypatch):
+    import peft
+
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.recipes.arguments import RecipeError, build_parser
+    from hf_performer.recipes.model import apply_lora
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog")
+    args = build_parser("causal-lm").parse_args(["--model", "m", "--output-dir", "o", "--lora"])
+    wrapped = apply_lora(model, args)  # peft freezes the maps: accepted
+    assert all("lora_" in name for name, p in wrapped.named_parameters() if p.requires_grad)
+    real = peft.get_peft_model
+
+    def leaves_a_map_trainable(*arguments, **keywords):
+        result = real(*arguments, **keywords)
+        next(p for name, p in result.named_parameters() if "favor_feature_map" in name).requires_grad_(True)
+        return result
+
+    monkeypatch.setattr(peft, "get_peft_model", leaves_a_map_trainable)
+    model = convert_to_performer(source, feature_map="hedgehog")
+    with pytest.raises(RecipeError, match="favor_feature_map"):
+        apply_lora(model, args)
