@@ -350,8 +350,9 @@ def build_record(args: argparse.Namespace) -> dict:
         "machine": _lm.machine_info(),
         "command": without_local_paths(args.command),
         "runs_dir": "the pipeline's OUT folder (file paths below are relative to it)",
-        "collected_by": shlex.join(["python", "benchmarks/scripts/collect_window_hybrid.py",
-                                    *[_portable_argument(value) for value in getattr(args, "argv", [])]]),
+        "collected_by": without_local_paths(shlex.join(
+            ["python", "benchmarks/scripts/collect_window_hybrid.py",
+             *[_portable_argument(value) for value in getattr(args, "argv", [])]])),
         "notes": [without_local_paths(note) for note in args.notes],
     }
     warnings = [f"{key}: {row['missing']}" for key, row in ratios.items() if "missing" in row]

@@ -7,6 +7,7 @@
 #   LORA_STEPS=100 OUT=/data/runs bash benchmarks/scripts/smollm2_window_hybrid.sh   # any budget is a variable
 #
 # Arms (hf-performer linearize folders under $OUT; softmax zero-shot is the source model itself):
+# ARM_NAMES (default: all six) runs a subset:
 #   softmax_zeroshot   $SMOL, no training
 #   hybrid_zeroshot    linearize --transfer-steps 0 --lora-steps 0            (converted: sinks + window + tail)
 #   window_zeroshot    linearize --no-tail --transfer-steps 0 --lora-steps 0  (converted: sinks + window only)
@@ -31,7 +32,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # The variables a caller may set (recorded in the result's command when set)
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR LORA_STEPS BLOCK BATCH LR SEED
-    MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS CONTEXT_ARMS PASSKEY_ARMS
+    ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS CONTEXT_ARMS PASSKEY_ARMS
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -82,6 +83,7 @@ SEED="${SEED:-0}"
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
 
 # Evaluation
+ARM_NAMES="${ARM_NAMES:-softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
 EVAL_BATCH="${EVAL_BATCH:-2}"              # windows (or passkey prompts) per forward pass
 POSITION_RANGES="${POSITION_RANGES:-0:512 512:1024}"
 EXTRA_CONTEXTS="${EXTRA_CONTEXTS:-256 2048}"
@@ -139,14 +141,16 @@ print(len(chosen), "of", len(reviews), "IMDB train reviews (seeded sample)")
 fi
 mapfile -t TRAIN_CHAR_ARGS < <(optional --max-train-chars "$MAX_TRAIN_CHARS")
 
-linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data, transfer and LoRA arguments
+# shellcheck disable=SC2206 # LINEARIZE is a command line (e.g. another installation's "hf-performer linearize")
+LINEARIZE_COMMAND=(${LINEARIZE:-$HF_PERFORMER linearize})
+linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data and LoRA arguments
     local arm="$1"
     shift
-    show_and_run "$HF_PERFORMER" linearize "$SMOL" "$OUT/$arm" "${TRAIN_ARGS[@]}" "${TRAIN_CHAR_ARGS[@]}" \
-        --feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH" \
-        --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR" --block-size "$BLOCK" \
-        --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --no-progress "$@"
+    show_and_run "${LINEARIZE_COMMAND[@]}" "$SMOL" "$OUT/$arm" "${TRAIN_ARGS[@]}" "${TRAIN_CHAR_ARGS[@]}" \
+        --block-size "$BLOCK" --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --no-progress "$@"
 }
+HYBRID_ARGS=(--feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH"
+             --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR")
 
 perplexity() {  # perplexity MODEL OUTPUT.json CONTEXT CHARS [--position-ranges ...]
     local model="$1" output="$2" context="$3" chars="$4"
@@ -164,19 +168,39 @@ passkey() {  # passkey MODEL OUTPUT.json
         --no-progress --output "$2"
 }
 
-# Training (and conversion) of each arm: the zero-shot ones first (cheap), then the trained ones
-run_step linearize_hybrid_zeroshot "$OUT/hybrid_zeroshot/linearize.json" \
-    linearize hybrid_zeroshot --transfer-steps 0 --lora-steps 0
-run_step linearize_window_zeroshot "$OUT/window_zeroshot/linearize.json" \
-    linearize window_zeroshot --no-tail --transfer-steps 0 --lora-steps 0
-run_step linearize_softmax_lora "$OUT/softmax_lora/linearize.json" \
-    linearize softmax_lora --baseline softmax --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
-run_step linearize_hybrid_lora "$OUT/hybrid_lora/linearize.json" \
-    linearize hybrid_lora --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
-run_step linearize_window_lora "$OUT/window_lora/linearize.json" \
-    linearize window_lora --no-tail --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
+# shellcheck disable=SC2206 # space-separated on purpose
+ARMS=($ARM_NAMES)
+wants() { [[ " $ARM_NAMES " == *" $1 "* ]]; }
+for arm in "${ARMS[@]}"; do
+    case "$arm" in
+        softmax_zeroshot|hybrid_zeroshot|window_zeroshot|softmax_lora|hybrid_lora|window_lora) ;;
+        *) log "unknown arm '$arm' in ARM_NAMES; accepted: softmax_zeroshot hybrid_zeroshot window_zeroshot" \
+               "softmax_lora hybrid_lora window_lora"; exit 2 ;;
+    esac
+done
 
-ARMS=(softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora)
+# Training (and conversion) of each arm: the zero-shot ones first (cheap), then the trained ones
+if wants hybrid_zeroshot; then
+    run_step linearize_hybrid_zeroshot "$OUT/hybrid_zeroshot/linearize.json" \
+        linearize hybrid_zeroshot "${HYBRID_ARGS[@]}" --transfer-steps 0 --lora-steps 0
+fi
+if wants window_zeroshot; then
+    run_step linearize_window_zeroshot "$OUT/window_zeroshot/linearize.json" \
+        linearize window_zeroshot "${HYBRID_ARGS[@]}" --no-tail --transfer-steps 0 --lora-steps 0
+fi
+if wants softmax_lora; then
+    run_step linearize_softmax_lora "$OUT/softmax_lora/linearize.json" \
+        linearize softmax_lora --baseline softmax --lora-steps "$LORA_STEPS"
+fi
+if wants hybrid_lora; then
+    run_step linearize_hybrid_lora "$OUT/hybrid_lora/linearize.json" \
+        linearize hybrid_lora "${HYBRID_ARGS[@]}" --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
+fi
+if wants window_lora; then
+    run_step linearize_window_lora "$OUT/window_lora/linearize.json" linearize window_lora "${HYBRID_ARGS[@]}" \
+        --no-tail --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
+fi
+
 model_of() { if [[ "$1" == softmax_zeroshot ]]; then echo "$SMOL"; else echo "$OUT/$1"; fi; }
 chars_of() { if [[ "$1" == *_zeroshot ]]; then echo "$ZS_EVAL_CHARS"; else echo "$EVAL_CHARS"; fi; }
 # shellcheck disable=SC2206 # space-separated on purpose
