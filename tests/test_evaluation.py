@@ -356,7 +356,7 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
 
 @needs_shared
-def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2, tiny_gpt2_config):
+def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt2, tiny_gpt2_config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
@@ -373,6 +373,23 @@ def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2, tiny_
                     add_special_tokens=False)["input_ids"]
     assert record["protocol"]["num_tokens"] == len(ids) - 1 and record["protocol"]["stride"] == 16
     assert math.isfinite(record["metrics"]["perplexity"]) and record["metrics"]["perplexity"] > 1
+
+    # --position-ranges: the same protocol, plus the perplexity of window positions 0..15 and 16..31
+    split_output = tmp_path / "ppl_split.json"
+    text_file = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
+    assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
+                     "--context-length", "32", "--stride", "16", "--position-ranges", "0:16", "16:32",
+                     "--output", str(split_output)]) == 0
+    split = json.loads(split_output.read_text())
+    assert split["metrics"]["perplexity"] == pytest.approx(record["metrics"]["perplexity"], rel=1e-6)
+    assert [(e["start"], e["end"]) for e in split["position_ranges"]] == [(0, 16), (16, 32)]
+    assert split["metrics"]["perplexity_positions_16_32"] == split["position_ranges"][1]["perplexity"]
+    assert "perplexity_positions_0_16: " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="position range 0:64 must satisfy"):
+        cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
+                  "--context-length", "32", "--position-ranges", "0:64"])
+    with pytest.raises(SystemExit, match="--position-ranges applies to perplexity"):
+        cli_main(["evaluate", str(folder), "--task", "sst2", "--position-ranges", "0:16"])
 
 
 # --------------------------------------------------------------------------------------------
@@ -414,28 +431,3 @@ def test_position_ranges_errors():
                          ("0:2048", "<= context length \\(1024\\)"), ("-1:4", "0 <= START")):
         with pytest.raises(EvaluationError, match=message):
             evaluation.parse_position_ranges([bad], 1024)
-
-
-@needs_shared
-def test_evaluate_command_position_ranges(tmp_path, capsys, tiny_gpt2_config):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
-    torch.manual_seed(0)
-    folder = tmp_path / "gpt2"
-    GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, vocab_size=len(tokenizer))).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    output = tmp_path / "ppl.json"
-    text_file = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
-    assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
-                     "--context-length", "32", "--stride", "16", "--position-ranges", "0:16", "16:32",
-                     "--output", str(output)]) == 0
-    record = json.loads(output.read_text())
-    assert [(e["start"], e["end"]) for e in record["position_ranges"]] == [(0, 16), (16, 32)]
-    assert record["metrics"]["perplexity_positions_16_32"] == record["position_ranges"][1]["perplexity"]
-    assert "perplexity_positions_0_16: " in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="position range 0:64 must satisfy"):
-        cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
-                  "--context-length", "32", "--position-ranges", "0:64"])
-    with pytest.raises(SystemExit, match="--position-ranges applies to perplexity"):
-        cli_main(["evaluate", str(folder), "--task", "sst2", "--position-ranges", "0:16"])
