@@ -18,8 +18,8 @@
 # Evaluations (hf-performer evaluate, one protocol for every arm; linearize's own evaluation is not used):
 #   perplexity at 1024 (stride 512) on the first $EVAL_CHARS characters of wiki.test.raw for the trained arms and
 #   $ZS_EVAL_CHARS for the zero-shot arms, split by window position ($POSITION_RANGES: positions >= 512 are far beyond
-#   the 64-token window); contexts $EXTRA_CONTEXTS (stride context/2) for the arms in $CONTEXT_ARMS; the passkey probe
-#   at $PASSKEY_LENGTHS tokens for the arms in $PASSKEY_ARMS.
+#   the 64-token window); contexts $EXTRA_CONTEXTS (stride context/2, first $EXTRA_CHARS characters) for the arms in
+#   $CONTEXT_ARMS; the passkey probe at $PASSKEY_LENGTHS tokens for the arms in $PASSKEY_ARMS.
 #
 # Every step logs to $OUT/<step>.log, prints its wall time (also in $OUT/timings.tsv) and is skipped when its output
 # exists, so an interrupted pipeline resumes where it stopped (linearize also resumes inside a run); delete an output
@@ -32,7 +32,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 # The variables a caller may set (recorded in the result's command when set)
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR LORA_STEPS BLOCK BATCH LR SEED
-    ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS CONTEXT_ARMS PASSKEY_ARMS
+    ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
+    CONTEXT_ARMS PASSKEY_ARMS
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -41,22 +42,25 @@ done
 COMMAND="${COMMAND_ENV[*]:+${COMMAND_ENV[*]} }bash benchmarks/scripts/smollm2_window_hybrid.sh"
 
 PROFILE="${PROFILE:-full}"
+# Sizing (benchmarks/README.md): the softmax model's forward over one 1024-token window costs ~5.4 CPU-seconds here
+# (measured: 94 windows of the 1024/512 protocol on 200k characters, 8.5 CPU-minutes); a training sequence of 1024
+# tokens ~3x that with LoRA (forward + backward), ~2x for attention transfer.
 case "$PROFILE" in
-    full)   # sized for the issue's 3 hours on a 2-core CPU (measured: see benchmarks/README.md)
-        : "${TRANSFER_STEPS:=40}" "${TRANSFER_LENGTH:=1024}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=40}"
+    full)   # ~17,000 CPU-s: about 3 hours on the 2 cores when nothing else runs
+        : "${TRANSFER_STEPS:=80}" "${TRANSFER_LENGTH:=1024}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=80}"
         : "${BLOCK:=1024}" "${BATCH:=2}" "${EVAL_CHARS:=200000}" "${ZS_EVAL_CHARS:=200000}"
-        : "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
+        : "${EXTRA_CHARS:=200000}" "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
         : "${PASSKEY_ARMS:=softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
-        : "${PASSKEY_DEPTHS:=0 0.5 1}" "${PASSKEY_TRIALS:=2}" "${IMDB_REVIEWS:=2000}" ;;
-    short)  # ~1 hour on this machine: few steps, all arms; zero-shot arms on fewer characters
-        : "${TRANSFER_STEPS:=12}" "${TRANSFER_LENGTH:=1024}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=12}"
-        : "${BLOCK:=1024}" "${BATCH:=2}" "${EVAL_CHARS:=200000}" "${ZS_EVAL_CHARS:=50000}"
+        : "${PASSKEY_DEPTHS:=0 0.5 1}" "${PASSKEY_TRIALS:=2}" "${IMDB_REVIEWS:=0}" ;;
+    short)  # ~5,300 CPU-s: about 1 hour; all arms, few steps; zero-shot arms and contexts 256/2048 on 50k characters
+        : "${TRANSFER_STEPS:=24}" "${TRANSFER_LENGTH:=1024}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=24}"
+        : "${BLOCK:=1024}" "${BATCH:=2}" "${EVAL_CHARS:=200000}" "${ZS_EVAL_CHARS:=50000}" "${EXTRA_CHARS:=50000}"
         : "${CONTEXT_ARMS:=softmax_lora hybrid_lora}" "${PASSKEY_ARMS:=softmax_lora hybrid_lora window_lora}"
         : "${PASSKEY_DEPTHS:=0.5}" "${PASSKEY_TRIALS:=2}" "${IMDB_REVIEWS:=0}" ;;
     tiny)   # a tiny random Llama with the GPT-2 tokenizer: the whole pipeline in minutes (numbers mean nothing)
         : "${SMOL:=${OUT:-/tmp/window_hybrid_tiny}/tiny_llama}" "${OUT:=/tmp/window_hybrid_tiny}"
         : "${TRANSFER_STEPS:=2}" "${TRANSFER_LENGTH:=128}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=2}"
-        : "${BLOCK:=128}" "${BATCH:=2}" "${EVAL_CHARS:=12000}" "${ZS_EVAL_CHARS:=12000}"
+        : "${BLOCK:=128}" "${BATCH:=2}" "${EVAL_CHARS:=12000}" "${ZS_EVAL_CHARS:=12000}" "${EXTRA_CHARS:=12000}"
         : "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
         : "${PASSKEY_ARMS:=softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
         : "${PASSKEY_DEPTHS:=0 1}" "${PASSKEY_TRIALS:=1}" "${IMDB_REVIEWS:=20}"
@@ -102,7 +106,8 @@ source "$REPO/benchmarks/scripts/pipeline_steps.sh"
 log "window hybrid ($PROFILE profile): SMOL=$SMOL OUT=$OUT"
 log "transfer $TRANSFER_STEPS steps x $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR); LoRA $LORA_STEPS" \
     "steps x $BATCH x $BLOCK tokens (lr $LR); window $WINDOW, sinks $SINKS, $FEATURE_MAP; eval: context 1024 on" \
-    "$EVAL_CHARS chars (trained), $ZS_EVAL_CHARS chars (zero-shot); contexts $EXTRA_CONTEXTS for $CONTEXT_ARMS;" \
+    "$EVAL_CHARS chars (trained), $ZS_EVAL_CHARS chars (zero-shot); contexts $EXTRA_CONTEXTS on $EXTRA_CHARS chars" \
+    "for $CONTEXT_ARMS;" \
     "passkey $PASSKEY_LENGTHS for $PASSKEY_ARMS"
 for file in "$TRAIN_FILE" "$TEST_FILE"; do
     [[ -f "$file" ]] || { log "missing data file $file (set DATA_DIR / TRAIN_FILE / TEST_FILE)"; exit 1; }
@@ -224,8 +229,7 @@ for arm in "${ARMS[@]}"; do
     [[ " $CONTEXT_ARMS " == *" $arm "* ]] || continue
     for context in $EXTRA_CONTEXTS; do
         output="$OUT/eval/${arm}_ctx${context}.json"
-        run_step "eval_${arm}_ctx${context}" "$output" \
-            perplexity "$(model_of "$arm")" "$output" "$context" "$(chars_of "$arm")"
+        run_step "eval_${arm}_ctx${context}" "$output" perplexity "$(model_of "$arm")" "$output" "$context" "$EXTRA_CHARS"
         COLLECT_ARGS+=(--eval "$arm=$output")
     done
 done
@@ -233,15 +237,24 @@ done
 PROTOCOL="WikiText-2 raw test ($(basename "$TEST_FILE")): perplexity with windows of C tokens every C/2 (each token \
 scored once, token-weighted; hf_performer.tasks.evaluation), C = 1024 on the first $EVAL_CHARS characters for the \
 trained arms and $ZS_EVAL_CHARS for the zero-shot arms, split by window position ($POSITION_RANGES, every window's \
-predictions); contexts $EXTRA_CONTEXTS for $CONTEXT_ARMS. Passkey: $PASSKEY_LENGTHS tokens, depths $PASSKEY_DEPTHS, \
+predictions); contexts $EXTRA_CONTEXTS on the first $EXTRA_CHARS characters for $CONTEXT_ARMS. Passkey: $PASSKEY_LENGTHS tokens, depths $PASSKEY_DEPTHS, \
 $PASSKEY_TRIALS seeded trials each, filler ${PASSKEY_FILLER:+$(basename "$PASSKEY_FILLER")}${PASSKEY_FILLER:-classic \
 repeated sentences}. Training text: $(basename "$TRAIN_FILE")${IMDB_TEXT:+ + $IMDB_REVIEWS IMDB train reviews}. \
 hf-performer linearize: $FEATURE_MAP tail, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
 $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
 tokens (lr $LR), identical for the three trained arms; seed $SEED."
 
+NOTES=()
+if [[ "$ZS_EVAL_CHARS" != "$EVAL_CHARS" ]]; then
+    NOTES+=(--note "$PROFILE profile: the zero-shot arms were evaluated on the first $ZS_EVAL_CHARS characters, the \
+trained arms on $EVAL_CHARS: zero-shot rows compare with each other, not with the trained rows")
+fi
+if [[ "$EXTRA_CHARS" != "$EVAL_CHARS" ]]; then
+    NOTES+=(--note "$PROFILE profile: contexts $EXTRA_CONTEXTS were evaluated on the first $EXTRA_CHARS characters only")
+fi
+
 ALWAYS=1 run_step collect "$RESULT" \
     "$PYTHON" benchmarks/scripts/collect_window_hybrid.py "${COLLECT_ARGS[@]}" --timings "$TIMINGS" --runs-dir "$OUT" \
-    --profile "$PROFILE" --protocol "$PROTOCOL" --command "$COMMAND" --output "$RESULT"
+    --profile "$PROFILE" --protocol "$PROTOCOL" --command "$COMMAND" "${NOTES[@]}" --output "$RESULT"
 tail -n 20 "$OUT/collect.log"
 log "pipeline done in $((SECONDS - PIPELINE_START)) s (step timings: $TIMINGS)"
