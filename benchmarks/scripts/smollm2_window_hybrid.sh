@@ -33,7 +33,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
-    CONTEXT_ARMS PASSKEY_ARMS
+    CONTEXT_ARMS PASSKEY_ARMS TITLE
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -64,7 +64,7 @@ case "$PROFILE" in
         : "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
         : "${PASSKEY_ARMS:=softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
         : "${PASSKEY_DEPTHS:=0 1}" "${PASSKEY_TRIALS:=1}" "${IMDB_REVIEWS:=20}"
-        : "${RESULT:=${OUT}/window_hybrid_tiny.json}" ;;
+        : "${RESULT:=${OUT}/window_hybrid_tiny.json}" "${TITLE:=tiny random Llama: pipeline check of the window hybrid}" ;;
     *) echo "PROFILE must be full, short or tiny (got '$PROFILE')" >&2; exit 2 ;;
 esac
 
@@ -94,6 +94,7 @@ EXTRA_CONTEXTS="${EXTRA_CONTEXTS:-256 2048}"
 PASSKEY_LENGTHS="${PASSKEY_LENGTHS:-1024 2048}"
 PASSKEY_FILLER="${PASSKEY_FILLER:-}"       # a text file for the filler (empty: the classic repeated sentences)
 RESULT="${RESULT:-$REPO/benchmarks/results/window_hybrid_smollm2.json}"
+TITLE="${TITLE:-SmolLM2-135M: sink + sliding-window softmax with a learned linear tail}"
 
 mkdir -p "$OUT/eval"
 cd "$REPO"
@@ -255,6 +256,6 @@ fi
 
 ALWAYS=1 run_step collect "$RESULT" \
     "$PYTHON" benchmarks/scripts/collect_window_hybrid.py "${COLLECT_ARGS[@]}" --timings "$TIMINGS" --runs-dir "$OUT" \
-    --profile "$PROFILE" --protocol "$PROTOCOL" --command "$COMMAND" "${NOTES[@]}" --output "$RESULT"
+    --profile "$PROFILE" --protocol "$PROTOCOL" --command "$COMMAND" "${NOTES[@]}" --title "$TITLE" --output "$RESULT"
 tail -n 20 "$OUT/collect.log"
 log "pipeline done in $((SECONDS - PIPELINE_START)) s (step timings: $TIMINGS)"
