@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2LMHeadModel
+from transformers import GPT2LMHeadModel, LlamaForCausalLM
 from transformers.utils import logging
 
 from hf_performer.cli import main as cli_main
@@ -127,8 +127,6 @@ def test_scores_of_a_random_model_and_a_digit_after_the_key(tokenizer, tiny_gpt2
 
 
 def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config):
-    from transformers import LlamaForCausalLM
-
     torch.manual_seed(0)
     folder = tmp_path / "llama"
     LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=512)).save_pretrained(
@@ -151,3 +149,23 @@ def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config
     assert [cell["keys"] for cell in again["cells"]] == [cell["keys"] for cell in record["cells"]]  # deterministic
     with pytest.raises(SystemExit, match="exceeds the model's 512 positions"):
         cli_main(["evaluate", str(folder), "--task", "passkey", "--context-lengths", "1024", "--no-progress"])
+
+
+def test_a_converted_performer_is_scored_on_the_answer_logits_only(tokenizer, tiny_llama_config):
+    from hf_performer.conversion import convert_to_performer
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=512)).eval()
+    performer = convert_to_performer(source, nb_features=16).eval()
+    prompt = PasskeyPrompts(tokenizer).build(128, 0.5, "48213")
+    calls = []
+    performer.register_forward_hook(lambda module, args, kwargs, output: calls.append(output.logits.shape),
+                                    with_kwargs=True)
+    score = score_passkey_batch(performer, tokenizer, [prompt])[0]
+    assert calls == [(1, len(prompt["answer_ids"]) + 1, len(tokenizer))]  # logits_to_keep reached the source
+    with torch.no_grad():
+        logits = performer(torch.tensor([prompt["input_ids"] + prompt["answer_ids"]])).logits[0].double()
+    start = len(prompt["input_ids"]) - 1
+    expected = sum(torch.log_softmax(logits[start + i], -1)[token].item()
+                   for i, token in enumerate(prompt["answer_ids"]))
+    assert score["key_log_likelihood"] == pytest.approx(expected, rel=1e-4)

@@ -155,8 +155,11 @@ def score_passkey_batch(model, tokenizer, prompts: list[dict]) -> list[dict]:
     device = next(model.parameters()).device
     batch = torch.tensor([p["input_ids"] + p["answer_ids"] for p in prompts], device=device)  # [B, L + a]
     kwargs = {"use_cache": False}
-    if "logits_to_keep" in inspect.signature(model.forward).parameters:
-        kwargs["logits_to_keep"] = answer_length + 1  # the vocabulary is large: only the answer's logits
+    parameters = inspect.signature(model.forward).parameters
+    if "logits_to_keep" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        # The vocabulary is large: only the answer's logits (a model that ignores it returns all; sliced below).
+        # Performer models pass it on when their source model takes it.
+        kwargs["logits_to_keep"] = answer_length + 1
     logits = model(input_ids=batch, **kwargs).logits[:, -(answer_length + 1):].float()  # [B, a + 1, vocab]
     log_probs = torch.log_softmax(logits.double(), dim=-1)
     answers = batch[:, -answer_length:]  # [B, a]
