@@ -177,6 +177,20 @@ def score_passkey_batch(model, tokenizer, prompts: list[dict]) -> list[dict]:
     return results
 
 
+def check_passkey_settings(context_lengths: Sequence[int], depths: Sequence[float], trials: int) -> None:
+    """Raise :class:`EvaluationError` (what is wrong, what is accepted) before any model is loaded."""
+    if trials < 1:
+        raise EvaluationError(f"passkey trials must be >= 1, got {trials}")
+    if not context_lengths or not depths:
+        raise EvaluationError("passkey needs at least one context length and one depth")
+    bad_depths = [depth for depth in depths if not 0.0 <= float(depth) <= 1.0]
+    if bad_depths:
+        raise EvaluationError(f"passkey depths must be in [0, 1] (fraction of the filler before the key), got "
+                              f"{bad_depths}")
+    if min(context_lengths) < 1:
+        raise EvaluationError(f"passkey context lengths must be positive token counts, got {list(context_lengths)}")
+
+
 def passkey_retrieval(model, tokenizer, context_lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                       trials: int = 5, seed: int = 0, filler_text: str | None = None, batch_size: int = 1,
                       show_progress: bool = False) -> dict:
@@ -196,10 +210,7 @@ def passkey_retrieval(model, tokenizer, context_lengths: Sequence[int], depths: 
         ``{"cells": [{"context_length", "depth", "trials", "accuracy", "key_log_likelihood_mean", "keys",
         "correct", "key_positions"}], "by_context_length": {length: accuracy}, "accuracy", "trials_total"}``.
     """
-    if trials < 1:
-        raise EvaluationError(f"passkey trials must be >= 1, got {trials}")
-    if not context_lengths or not depths:
-        raise EvaluationError("passkey needs at least one context length and one depth")
+    check_passkey_settings(context_lengths, depths, trials)
     builder = PasskeyPrompts(tokenizer, filler_text)
     was_training = model.training
     model.eval()
@@ -258,6 +269,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
     from .. import modeling_performer  # noqa: F401 - registers the Performer classes with the Auto classes
     from .data import load_lm_text
 
+    check_passkey_settings(context_lengths, depths, trials)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     filler_text = load_lm_text(filler_file, max_chars=max_chars) if filler_file is not None else None
     model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
@@ -294,6 +306,7 @@ __all__ = [
     "CLASSIC_FILLER",
     "DEFAULT_DEPTHS",
     "PasskeyPrompts",
+    "check_passkey_settings",
     "evaluate_passkey_model",
     "passkey_retrieval",
     "score_passkey_batch",
