@@ -429,7 +429,8 @@ def plot(record: dict, path: str) -> str:
     context_axis.set_xlabel("context length (tokens)")
     context_axis.set_ylabel("perplexity")
     context_axis.set_title("perplexity against context length", fontsize=9)
-    context_axis.legend(fontsize=7)
+    if context_axis.get_lines():
+        context_axis.legend(fontsize=7)
 
     curve = record["ratio_vs_tokens_seen"]
     if curve["training_loss"]:
