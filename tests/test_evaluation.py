@@ -356,7 +356,7 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
 
 @needs_shared
-def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2, tiny_gpt2_config):
+def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt2, tiny_gpt2_config):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
@@ -373,3 +373,61 @@ def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, tiny_gpt2, tiny_
                     add_special_tokens=False)["input_ids"]
     assert record["protocol"]["num_tokens"] == len(ids) - 1 and record["protocol"]["stride"] == 16
     assert math.isfinite(record["metrics"]["perplexity"]) and record["metrics"]["perplexity"] > 1
+
+    # --position-ranges: the same protocol, plus the perplexity of window positions 0..15 and 16..31
+    split_output = tmp_path / "ppl_split.json"
+    text_file = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
+    assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
+                     "--context-length", "32", "--stride", "16", "--position-ranges", "0:16", "16:32",
+                     "--output", str(split_output)]) == 0
+    split = json.loads(split_output.read_text())
+    assert split["metrics"]["perplexity"] == pytest.approx(record["metrics"]["perplexity"], rel=1e-6)
+    assert [(e["start"], e["end"]) for e in split["position_ranges"]] == [(0, 16), (16, 32)]
+    assert split["metrics"]["perplexity_positions_16_32"] == split["position_ranges"][1]["perplexity"]
+    assert "perplexity_positions_0_16: " in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="position range 0:64 must satisfy"):
+        cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
+                  "--context-length", "32", "--position-ranges", "0:64"])
+    with pytest.raises(SystemExit, match="--position-ranges applies to perplexity"):
+        cli_main(["evaluate", str(folder), "--task", "sst2", "--position-ranges", "0:16"])
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity by position inside the window
+# --------------------------------------------------------------------------------------------
+
+
+def _hand_position_perplexity(model, ids, context, stride, start, end):
+    """Every window's predictions of the tokens at window positions start..end-1, one prefix at a time."""
+    total, count = 0.0, 0
+    for begin, window_end, _ in perplexity_windows(len(ids), context, stride):
+        for position in range(max(start, 1), min(end, window_end - begin)):
+            with torch.no_grad():
+                logits = model(torch.tensor([ids[begin:begin + position]])).logits[0, -1].double()
+            total -= torch.log_softmax(logits, -1)[ids[begin + position]].item()
+            count += 1
+    return math.exp(total / count), count
+
+
+@pytest.mark.parametrize("context,stride,batch_size", [(8, 4, 2), (8, 3, 1)])
+def test_perplexity_by_window_position_matches_hand_computation(tiny_gpt2, context, stride, batch_size):
+    ids = torch.randint(0, 50, (29,), generator=torch.Generator().manual_seed(3)).tolist()
+    plain = perplexity(tiny_gpt2, ids, context, stride, batch_size=batch_size)
+    result = perplexity(tiny_gpt2, ids, context, stride, batch_size=batch_size,
+                        position_ranges=["0:4", (4, context), "2:3"])
+    assert result["perplexity"] == pytest.approx(plain["perplexity"], rel=1e-12)  # the protocol is unchanged
+    assert [(entry["start"], entry["end"]) for entry in result["position_ranges"]] == [(0, 4), (4, context), (2, 3)]
+    for entry in result["position_ranges"]:
+        expected, count = _hand_position_perplexity(tiny_gpt2, ids, context, stride, entry["start"], entry["end"])
+        assert entry["num_predictions"] == count
+        assert entry["perplexity"] == pytest.approx(expected, rel=1e-5)
+        assert entry["nll"] == pytest.approx(math.log(expected), rel=1e-5)
+    assert "position_ranges" not in plain
+
+
+def test_position_ranges_errors():
+    assert evaluation.parse_position_ranges(["0:512", "512:", ":8"], 1024) == [(0, 512), (512, 1024), (0, 8)]
+    for bad, message in (("5", "not START:END"), ("a:b", "not START:END"), ("512:512", "0 <= START < END"),
+                         ("0:2048", "<= context length \\(1024\\)"), ("-1:4", "0 <= START")):
+        with pytest.raises(EvaluationError, match=message):
+            evaluation.parse_position_ranges([bad], 1024)

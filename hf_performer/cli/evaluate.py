@@ -1,5 +1,5 @@
-"""``hf-performer evaluate``: task metrics (GLUE, IMDB) or perplexity of a model folder, printed and optionally
-written as JSON (the library: :mod:`hf_performer.tasks.evaluation`)."""
+"""``hf-performer evaluate``: task metrics (GLUE, IMDB), perplexity or the passkey probe of a model folder, printed
+and optionally written as JSON (the library: :mod:`hf_performer.tasks.evaluation`, :mod:`hf_performer.tasks.passkey`)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ Perplexity (causal LMs):
       --context-length 1024 --stride 512
   Windows of --context-length tokens start every --stride tokens; every token is scored once, with at least
   context-length - stride tokens of left context after the first window; token-weighted.
+  --position-ranges 0:512 512:1024 also reports the perplexity of the tokens at those positions inside each window
+  (every window's predictions count there: positions >= 512 measure the use of context far behind the token).
+
+Passkey retrieval (causal LMs):
+  hf-performer evaluate MODEL --task passkey --context-lengths 1024 2048 --depths 0 0.25 0.5 0.75 1 --trials 5
+  A 5-digit key hidden at each depth of a prompt of exactly each length (filler: the classic repeated sentences,
+  or --text-file text from a seeded offset); accuracy = the greedy continuation is the key; seeded by --seed.
 """
 
 
@@ -31,25 +38,38 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_verb_parser(subparsers, "evaluate", CLI_DESCRIPTION)
     parser.add_argument("model", metavar="MODEL", help="model folder (or offline Hub name)")
     parser.add_argument("--task", required=True,
-                        help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, or a causal-LM "
-                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity")
+                        help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, a causal-LM "
+                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity, or passkey (retrieval probe)")
     parser.add_argument("--validation-file", default=None,
                         help="local evaluation file (TSV/CSV/JSON lines, .gz accepted) instead of the Hub split")
     parser.add_argument("--max-eval-samples", type=int, default=None,
                         help="evaluate a seeded random subset of N examples (default: all)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the --max-eval-samples subset (default: 0)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the --max-eval-samples subset, or of the passkey keys and offsets (default: 0)")
     parser.add_argument("--max-length", type=int, default=128, help="classification: tokens per example (default: 128)")
     parser.add_argument("--batch-size", type=int, default=32, help="examples (or windows) per batch (default: 32)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
     parser.add_argument("--metrics-backend", choices=METRIC_BACKENDS, default="auto",
                         help="evaluate (Hub), local (scikit-learn/scipy) or auto: evaluate when it loads (default)")
-    parser.add_argument("--text-file", default=None, help="perplexity: raw text file instead of the Hub dataset")
+    parser.add_argument("--text-file", default=None,
+                        help="perplexity: raw text file instead of the Hub dataset; passkey: filler text (default: the "
+                             "classic repeated sentences)")
     parser.add_argument("--split", default="test", help="perplexity: Hub split (default: test)")
-    parser.add_argument("--max-chars", type=int, default=None, help="perplexity: use the first N characters only")
+    parser.add_argument("--max-chars", type=int, default=None,
+                        help="perplexity (passkey filler): use the first N characters of the text only")
     parser.add_argument("--context-length", type=int, default=None,
                         help="perplexity: tokens per window (default: the model's max positions, at most 1024)")
     parser.add_argument("--stride", type=int, default=None,
                         help="perplexity: tokens between window starts (default: context length / 2)")
+    parser.add_argument("--position-ranges", nargs="+", default=None, metavar="START:END",
+                        help="perplexity: also report the perplexity of window positions START..END-1 (e.g. 0:512 "
+                             "512:1024; every window's predictions count)")
+    parser.add_argument("--context-lengths", nargs="+", type=int, default=[1024, 2048], metavar="N",
+                        help="passkey: prompt lengths in tokens (default: 1024 2048)")
+    parser.add_argument("--depths", nargs="+", type=float, default=None, metavar="FRACTION",
+                        help="passkey: fractions of the filler before the key, in [0, 1] (default: 0 0.25 0.5 0.75 1)")
+    parser.add_argument("--trials", type=int, default=5,
+                        help="passkey: prompts (seeded keys) per context length and depth (default: 5)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
@@ -66,13 +86,22 @@ def run_evaluate(args: argparse.Namespace) -> int:
     from hf_performer.tasks.evaluation import (
         EvaluationError, evaluate_classification_model, evaluate_perplexity_model,
     )
+    from hf_performer.tasks.passkey import DEFAULT_DEPTHS, evaluate_passkey_model
 
     try:
-        if args.task.lower() in LM_DATASETS or args.text_file is not None:
+        if args.task.lower() == "passkey":
+            record = evaluate_passkey_model(
+                args.model, args.context_lengths, args.depths or DEFAULT_DEPTHS, args.trials, args.seed,
+                args.text_file, args.max_chars, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress)
+        elif args.position_ranges is not None and not (args.task.lower() in LM_DATASETS or args.text_file):
+            raise EvaluationError(f"--position-ranges applies to perplexity (a text dataset: "
+                                  f"{', '.join(LM_DATASETS)}, or --text-file), not to task {args.task!r}")
+        elif args.task.lower() in LM_DATASETS or args.text_file is not None:
             record = evaluate_perplexity_model(
                 args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
                 args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress)
+                show_progress=not args.no_progress, position_ranges=args.position_ranges)
         else:
             record = evaluate_classification_model(
                 args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
@@ -82,6 +111,9 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     for name, value in record["metrics"].items():
         print(f"{name}: {value:.6g}")
+    for cell in record.get("cells", ()):  # passkey: one line per (context length, depth)
+        print(f"passkey context {cell['context_length']} depth {cell['depth']:g}: accuracy {cell['accuracy']:.3g} "
+              f"({cell['trials']} trials), mean key log-likelihood {cell['key_log_likelihood_mean']:.4g}")
     if record.get("metrics_note"):
         print(f"note: {record['metrics_note']}")
     if args.output:

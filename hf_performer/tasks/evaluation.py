@@ -20,6 +20,16 @@ Perplexity (:func:`perplexity`), a fixed protocol
     (no per-window average rescaled by a token count). ``stride`` must be smaller than ``context_length`` (a
     window starting where the previous one ended would have no context for its first token, which would then
     go unscored); ``stride = context_length - 1`` is the cheapest setting, ``stride = 1`` the most faithful.
+
+Perplexity by position inside the window (``position_ranges``)
+    How well a token is predicted depends on how much context it has: with ``position_ranges=[(0, 512), (512,
+    1024)]`` the same forward passes also give the perplexity of the tokens at window positions ``0..511`` and
+    ``512..1023`` (a token's position is its index inside its window; position 0 has no context and is never
+    predicted). These counts use *every* predicted token of *every* window, not only the tokens the protocol
+    scores: a token inside two windows counts once in each, at its position in each (``num_predictions``).
+    With ``stride = context_length / 2``, positions ``>= stride`` are the tokens the protocol scores after the
+    first window; positions ``< stride`` are the same text seen with less context. This answers "does a model
+    use context far beyond a sliding window" (e.g. window 64: positions >= 512 are served by the linear tail).
 """
 
 from __future__ import annotations
@@ -249,9 +259,38 @@ def perplexity_windows(num_tokens: int, context_length: int, stride: int) -> lis
     return windows
 
 
+def parse_position_ranges(ranges: Sequence[str | Sequence[int]], context_length: int) -> list[tuple[int, int]]:
+    """Window position ranges ``"START:END"`` (or ``(start, end)`` pairs; END exclusive, ``"512:"`` means up to
+    the context length) checked against the context length.
+
+    Raises:
+        EvaluationError: a malformed or empty range, or one outside ``0..context_length``.
+    """
+    parsed = []
+    for item in ranges:
+        if isinstance(item, str):
+            start_text, separator, end_text = item.partition(":")
+            try:
+                if not separator:
+                    raise ValueError
+                start = int(start_text) if start_text.strip() else 0
+                end = int(end_text) if end_text.strip() else context_length
+            except ValueError:
+                raise EvaluationError(f"position range {item!r} is not START:END (integers, e.g. 0:512 512:1024)")\
+                    from None
+        else:
+            start, end = (int(value) for value in item)
+        if not 0 <= start < end <= context_length:
+            raise EvaluationError(f"position range {start}:{end} must satisfy 0 <= START < END <= context length "
+                                  f"({context_length})")
+        parsed.append((start, end))
+    return parsed
+
+
 @_no_grad
 def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: int, stride: int,
-               batch_size: int = 1, accelerator=None, show_progress: bool = False) -> dict[str, float]:
+               batch_size: int = 1, accelerator=None, show_progress: bool = False,
+               position_ranges: Sequence[str | Sequence[int]] | None = None) -> dict:
     """Token-weighted perplexity of a causal LM on one token sequence (protocol: module docstring).
 
     Args:
@@ -263,14 +302,18 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
         accelerator: with several processes, windows are shared out (each process runs the same number of
             forward passes; sums are reduced); ``None`` runs on the model's device.
         show_progress: a tqdm bar over windows (on a terminal only).
+        position_ranges: window position ranges (``[(start, end), ...]`` or ``"START:END"`` strings, END
+            exclusive) to report separately (module docstring: every predicted token of every window counts).
 
     Returns:
-        ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``.
+        ``{"perplexity", "nll" (mean per token), "num_tokens" (scored), "context_length", "stride", "windows"}``,
+        plus ``"position_ranges": [{"start", "end", "perplexity", "nll", "num_predictions"}, ...]`` when asked.
     """
     import torch
 
     ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
     windows = perplexity_windows(ids.numel(), context_length, stride)
+    ranges = parse_position_ranges(position_ranges or (), context_length)
     world = accelerator.num_processes if accelerator is not None else 1
     rank = accelerator.process_index if accelerator is not None else 0
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
@@ -282,6 +325,7 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
     model.eval()
     nll_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
+    range_sums = torch.zeros((len(ranges), 2), dtype=torch.float64, device=device)  # [ranges, (nll sum, count)]
     groups: list[list] = []
     for item in mine:  # group consecutive windows of the same length into batches
         length = item[0][1] - item[0][0]
@@ -299,14 +343,28 @@ def perplexity(model, input_ids: Sequence[int] | torch.Tensor, context_length: i
             scored = token_nll[row, first - begin - 1:]
             nll_sum += weight * scored.sum()
             count += weight * scored.numel()
+            for index, (start, end) in enumerate(ranges):  # token_nll[:, j] is the token at window position j + 1
+                in_range = token_nll[row, max(start, 1) - 1:max(end - 1, 0)]
+                range_sums[index, 0] += weight * in_range.sum()
+                range_sums[index, 1] += weight * in_range.numel()
         progress.update(len(group))
     progress.close()
     if accelerator is not None and world > 1:
         nll_sum, count = accelerator.reduce(torch.stack([nll_sum, count]), reduction="sum")
+        if ranges:
+            range_sums = accelerator.reduce(range_sums, reduction="sum")
     model.train(was_training)
     mean_nll = float(nll_sum / count)
-    return {"perplexity": math.exp(mean_nll), "nll": mean_nll, "num_tokens": int(count),
-            "context_length": context_length, "stride": stride, "windows": len(windows)}
+    result = {"perplexity": math.exp(mean_nll), "nll": mean_nll, "num_tokens": int(count),
+              "context_length": context_length, "stride": stride, "windows": len(windows)}
+    if ranges:
+        result["position_ranges"] = []
+        for (start, end), (range_nll, predictions) in zip(ranges, range_sums.tolist()):
+            mean = range_nll / predictions if predictions else float("nan")
+            result["position_ranges"].append({"start": start, "end": end, "num_predictions": int(predictions),
+                                              "nll": mean, "perplexity": math.exp(mean) if predictions else
+                                              float("nan")})
+    return result
 
 
 # --------------------------------------------------------------------------------------------
@@ -416,9 +474,12 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
                               split: str = "test", max_chars: int | None = None, context_length: int | None = None,
                               stride: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
                               device: str | None = None, trust_remote_code: bool = False,
-                              show_progress: bool = True) -> dict:
+                              show_progress: bool = True,
+                              position_ranges: Sequence[str | Sequence[int]] | None = None) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
-    --help``). Returns the metrics record written by the command."""
+    --help``). Returns the metrics record written by the command; with ``position_ranges`` (see
+    :func:`perplexity`) its metrics also hold ``perplexity_positions_START_END`` and the record
+    ``position_ranges``."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -434,19 +495,27 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
         context_length = min(int(positions), 1024)
     stride = stride if stride is not None else max(context_length // 2, 1)
     text = load_lm_text(text_file, dataset=task, split=split, max_chars=max_chars)
+    ranges = parse_position_ranges(position_ranges or (), context_length)  # before the (long) run
     ids = tokenize_lm_text(text, tokenizer)
     start = time.perf_counter()
-    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=show_progress)
-    return {
+    result = perplexity(model, ids, context_length, stride, batch_size=batch_size, show_progress=show_progress,
+                        position_ranges=ranges)
+    metrics = {"perplexity": result["perplexity"], "nll": result["nll"]}
+    for entry in result.get("position_ranges", ()):
+        metrics[f"perplexity_positions_{entry['start']}_{entry['end']}"] = entry["perplexity"]
+    record = {
         "task": "perplexity",
         "model": model_path,
         "data": text_file or f"hub:{'/'.join(LM_DATASETS.get(task, (task,)))}:{split}",
-        "metrics": {"perplexity": result["perplexity"], "nll": result["nll"]},
+        "metrics": metrics,
         "protocol": {key: result[key] for key in ("context_length", "stride", "windows", "num_tokens")}
         | {"text_tokens": len(ids), "max_chars": max_chars},
         "eval_seconds": round(time.perf_counter() - start, 3),
         "device": str(device),
     }
+    if ranges:
+        record["position_ranges"] = result["position_ranges"]
+    return record
 
 
 __all__ = [
@@ -458,6 +527,7 @@ __all__ = [
     "evaluate_classification_model",
     "evaluate_perplexity_model",
     "load_trained_model",
+    "parse_position_ranges",
     "perplexity",
     "perplexity_windows",
     "predict_classification",
