@@ -26,6 +26,7 @@ from hf_performer.configuration_performer import (
     PerformerConfigError,
     check_source_architecture,
 )
+from hf_performer.clustered_attention import ClusteredAttentionError
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
@@ -214,6 +215,9 @@ def convert_to_performer(
     redraw_interval: int | None = None,
     chunk_size: int | None = None,
     feature_map_options: dict | None = None,
+    attention: str | None = None,
+    clusters: int | None = None,
+    topk: int | None = None,
 ) -> PerformerPreTrainedModel:
     """Convert a softmax-attention transformers model into the matching Performer model.
 
@@ -234,6 +238,9 @@ def convert_to_performer(
         orthogonal, row_norms, redraw_interval, chunk_size: other FAVOR+ settings; ``None`` takes the default.
         feature_map_options: the map's own options (``favor_settings["feature_map_options"]``), e.g.
             ``{"init": "favor+"}`` for a learned map.
+        attention, clusters, topk: ``"linear"`` (default: the feature map), or the zero-shot ``"clustered"`` /
+            ``"improved-clustered"`` attention of bidirectional models with ``clusters`` query clusters per head and
+            ``topk`` exact keys per cluster (``None``: 25 and 32). Causal models are refused.
 
     Returns:
         The Performer model (in eval mode, on the source's device and dtype; feature-map projections in float32).
@@ -273,7 +280,7 @@ def convert_to_performer(
         feature_map_options = {**(feature_map_options or {}), "init": default_init}
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
-                    feature_map_options=feature_map_options or None)
+                    feature_map_options=feature_map_options or None, attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:
         config = PerformerConfig(source_config=source.config, favor_settings=settings)
@@ -284,7 +291,7 @@ def convert_to_performer(
     performer_class = PERFORMER_CLASSES_BY_TASK[task]
     try:
         performer = performer_class(config)
-    except PerformerConfigError as error:
+    except (PerformerConfigError, ClusteredAttentionError) as error:  # e.g. clustered attention on a causal model
         raise ConversionError(str(error)) from None
     _copy_weights(source, performer.source_model, same_task=(task == source_task))
     _cast_like_source(performer, source)

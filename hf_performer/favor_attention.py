@@ -25,7 +25,12 @@ Behaviour of :func:`favor_attention_forward`:
   ``dropout > 0`` in training is ignored with a one-time warning;
 * ``output_attentions``: there are no attention weights; ``None`` is returned (one-time warning);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
-  softmax), with the 2-D padding mask turned into the mask sdpa would have been given.
+  softmax), with the 2-D padding mask turned into the mask sdpa would have been given;
+* ``favor_settings["attention"]`` ``"clustered"`` / ``"improved-clustered"`` (bidirectional models only) runs
+  :func:`~.clustered_attention.clustered_attention` / :func:`~.clustered_attention.improved_clustered_attention`
+  with ``clusters`` and ``topk`` (capped at the key length: ``topk >= L`` is exact softmax) and hash seed
+  ``seed + layer``: a zero-shot approximation with no feature map and no parameters. Causal layers are refused
+  (when the model is built, and in the forward of a stock model switched to favor).
 
 Settings are read from ``module.config.favor_settings`` (validated strictly by
 :func:`~.favor_settings.resolve_favor_settings`; absent keys take :data:`~.favor_settings.FAVOR_DEFAULTS`)
@@ -69,7 +74,8 @@ from transformers.masking_utils import (
 from transformers.utils import logging
 
 from .cache import FavorCacheLayer
-from .favor_settings import build_feature_map, favor_settings_of, is_int
+from .clustered_attention import ClusteredAttentionError, clustered_attention, improved_clustered_attention
+from .favor_settings import build_feature_map, favor_settings_of, is_clustered, is_int
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
 
@@ -219,8 +225,11 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
     for name, module in modules:
         if not uses_favor(module):
             continue
-        install_cache_hooks(module)
         layer_idx = layer_index_of(module)
+        if is_clustered(module_favor_settings(module)):  # no feature map, no recurrent cache
+            _refuse_causal_clustered(module, layer_idx, getattr(module, "is_causal", False))
+            continue
+        install_cache_hooks(module)
         if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
             head_dim = _module_head_dim(module)
             if head_dim is None:
@@ -247,6 +256,31 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
             "model.set_attn_implementation('favor') first"
         )
     return sorted(favor_layers)
+
+
+def _refuse_causal_clustered(module: nn.Module, layer_idx: int, causal: bool) -> None:
+    """One-line :class:`ClusteredAttentionError` for a causal layer set to (improved) clustered attention."""
+    if causal:
+        kind = module_favor_settings(module)["attention"]
+        raise ClusteredAttentionError(
+            f"favor_settings attention={kind!r} is for bidirectional models (encoders) only, and layer {layer_idx} is "
+            "causal (a decoder); use attention='linear' (a feature map) for causal models"
+        )
+
+
+def _clustered_attention_forward(query, key, value, key_padding_mask, scaling, settings, layer_idx) -> torch.Tensor:
+    """(Improved) clustered attention of one bidirectional layer, ``[B, H, Lq, dv]``."""
+    k_len = key.shape[2]
+    if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
+        raise FavorMaskError(
+            f"clustered attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} keys "
+            f"but there are {k_len} keys"
+        )
+    common = dict(clusters=settings["clusters"], key_padding_mask=key_padding_mask, scaling=scaling,
+                  seed=settings["seed"] + layer_idx)
+    if settings["attention"] == "clustered":
+        return clustered_attention(query, key, value, **common)
+    return improved_clustered_attention(query, key, value, topk=min(settings["topk"], k_len), **common)
 
 
 def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: torch.Tensor, key: torch.Tensor) -> FeatureMap:
@@ -541,6 +575,12 @@ def favor_attention_forward(
         )
     if kwargs.get("output_attentions"):
         logger.warning_once("favor attention: linear attention has no attention weights; they are returned as None.")
+
+    if is_clustered(settings):
+        _refuse_causal_clustered(module, layer_idx, causal)
+        out = _clustered_attention_forward(query, key, value, _key_padding_mask(attention_mask, False), scaling,
+                                           settings, layer_idx)
+        return out.transpose(1, 2).contiguous(), None
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = _key_padding_mask(attention_mask, causal)

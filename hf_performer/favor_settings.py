@@ -8,7 +8,8 @@ its validation and what it builds.
   memoised (the configuration, every layer's attach and the cache factory ask for the same settings);
 * :func:`build_feature_map`: the feature map of one layer from resolved settings;
 * :func:`effective_nb_features`: the number of features per head a layer really has;
-* :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``.
+* :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``;
+* :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
 This module imports only relative siblings (and, through them, ``torch``): it is copied next to saved models
 for ``trust_remote_code``.
@@ -56,6 +57,12 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("softmax_layers", list, [], "layer indices kept on exact softmax attention (sdpa)"),
     FavorSetting("feature_map_options", dict, {},
                  'the map\'s own keyword options, e.g. {"init": "favor+", "tie_qk": False} (learned maps)'),
+    FavorSetting("attention", str, "linear",
+                 '"linear" (the feature map), or the zero-shot "clustered" / "improved-clustered" attention of '
+                 "bidirectional models (no feature map; the seed of layer i hashes its queries with seed + i)"),
+    FavorSetting("clusters", int, 25, "(improved-)clustered attention: query clusters per head"),
+    FavorSetting("topk", int, 32,
+                 "improved-clustered attention: keys per cluster attended exactly (at most the sequence length)"),
 )
 
 FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTINGS}
@@ -67,6 +74,10 @@ FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTI
 * ``feature_map_options``: checked against the map's signature, e.g. ``{"feature_epsilon": 1e-3}`` for relu.
 """
 
+ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
+CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
+"""The attention-kind keys (:func:`is_clustered`), recorded for every map kind."""
+
 RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
 LEARNED_MAP_SETTINGS = ("seed",)
 """Top-level settings of random maps that learned maps also take (the seed of their ``"favor+"`` initialisation)."""
@@ -76,9 +87,10 @@ _BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_hea
 CANONICAL_KEYS = {
     "random": tuple(FAVOR_DEFAULTS),
     # No random projection: the seed only draws a "favor+" initialisation.
-    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options"),
+    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options",
+                *CLUSTERED_SETTINGS),
     # elu+1: its own size and no random-projection options.
-    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options"),
+    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options", *CLUSTERED_SETTINGS),
 }
 """The keys a config records for each :func:`feature_map_kind` (:func:`canonical_favor_settings`)."""
 
@@ -211,6 +223,8 @@ def _validate(settings: dict) -> dict:
 
     resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
 
+    _check_clustered_settings(resolved)
+
     if kind != "random":
         allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
         explicit = [key for key in RANDOM_MAP_OPTIONS if key in settings and key not in allowed]
@@ -225,6 +239,22 @@ def _validate(settings: dict) -> dict:
     if resolved["nb_features"] is not None and isinstance(factory, type) and issubclass(factory, FeatureMap):
         factory.check_nb_features(resolved["nb_features"])  # e.g. trig's even count, before any model is built
     return resolved
+
+
+def _check_clustered_settings(resolved: dict) -> None:
+    """Validate the attention kind and its cluster settings."""
+    if resolved["attention"] not in ATTENTION_KINDS:
+        raise ValueError(
+            f"favor_settings['attention'] must be one of {list(ATTENTION_KINDS)}, got {resolved['attention']!r}"
+        )
+    for name in ("clusters", "topk"):
+        if not (is_int(resolved[name]) and resolved[name] >= 1):
+            raise ValueError(f"favor_settings[{name!r}] must be an int >= 1, got {resolved[name]!r}")
+
+
+def is_clustered(settings: dict) -> bool:
+    """Whether resolved ``settings`` select clustered or improved clustered attention (no feature map)."""
+    return settings.get("attention", "linear") != "linear"
 
 
 def _keyword_options(factory) -> list[str]:
@@ -321,5 +351,6 @@ __all__ = [
     "effective_nb_features",
     "favor_settings_of",
     "feature_map_kind",
+    "is_clustered",
     "resolve_favor_settings",
 ]

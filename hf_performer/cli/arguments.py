@@ -18,7 +18,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
-from ..favor_settings import FAVOR_SETTINGS
+from ..favor_settings import ATTENTION_KINDS, FAVOR_SETTINGS
 from ..feature_maps import LEARNED_MAP_INITS, available_feature_maps
 
 
@@ -47,9 +47,16 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("chunk_size", "--chunk-size", {"type": int}),
     FavorFlag("softmax_layers", "--keep-softmax-layers", {"type": int, "nargs": "+", "metavar": "LAYER"}),
     FavorFlag("feature_map_options", "--feature-map-init", {"choices": LEARNED_MAP_INITS}),
+    FavorFlag("attention", "--attention", {"choices": ATTENTION_KINDS}),
+    FavorFlag("clusters", "--clusters", {"type": int, "metavar": "C"}),
+    FavorFlag("topk", "--topk", {"type": int, "metavar": "K"}),
 )}
 """``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
-sets ``feature_map_options["init"]`` (learned maps)."""
+sets ``feature_map_options["init"]`` (learned maps). The recipes declare their own ``--attention favor|softmax``
+(what to train) and do not take ``attention``."""
+
+CLUSTERED_FLAG_SETTINGS = ("attention", "clusters", "topk")
+"""The zero-shot clustered-attention flags (``convert``; ``bench attention`` takes ``clusters`` and ``topk``)."""
 
 _SCHEMA = {setting.name: setting for setting in FAVOR_SETTINGS}
 

@@ -93,10 +93,10 @@ def add_parser(subparsers) -> None:
                        default=list(DEFAULT_ATTENTION_IMPLEMENTATIONS),
                        help="clustered, improved-clustered and lsh (Reformer-style shared-QK, a comparison row only) "
                             "are bidirectional only")
-    speed.add_argument("--clusters", type=int, default=attention.DEFAULT_CLUSTERS,
-                       help="query clusters per head of (improved-)clustered")
-    speed.add_argument("--topk", type=int, default=attention.DEFAULT_TOPK,
-                       help="keys per cluster computed exactly by improved-clustered")
+    add_favor_arguments(speed, ("clusters", "topk"),
+                        defaults={"clusters": attention.DEFAULT_CLUSTERS, "topk": attention.DEFAULT_TOPK},
+                        helps={"clusters": "query clusters per head of (improved-)clustered",
+                               "topk": "keys per cluster computed exactly by improved-clustered"})
     speed.add_argument("--bucket-size", type=int, default=attention.DEFAULT_BUCKET_SIZE, help="chunk length of lsh")
     speed.add_argument("--eager-max-length", type=int, default=4096,
                        help="skip eager softmax above this length (it materialises [L, L] per head)")
