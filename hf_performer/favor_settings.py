@@ -76,7 +76,8 @@ FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTI
 
 ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
-"""The attention-kind keys (:func:`is_clustered`), recorded for every map kind."""
+"""The attention-kind keys (:func:`is_clustered`). A config records them only for clustered attention (``topk`` only
+for improved): a linear-attention config stays as before, and a config without them is linear attention."""
 
 RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
 LEARNED_MAP_SETTINGS = ("seed",)
@@ -87,10 +88,9 @@ _BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_hea
 CANONICAL_KEYS = {
     "random": tuple(FAVOR_DEFAULTS),
     # No random projection: the seed only draws a "favor+" initialisation.
-    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options",
-                *CLUSTERED_SETTINGS),
+    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options"),
     # elu+1: its own size and no random-projection options.
-    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options", *CLUSTERED_SETTINGS),
+    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options"),
 }
 """The keys a config records for each :func:`feature_map_kind` (:func:`canonical_favor_settings`)."""
 
@@ -169,7 +169,10 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
 
 
 def _canonical(resolved: dict) -> dict:
-    return {name: resolved[name] for name in CANONICAL_KEYS[feature_map_kind(resolved["feature_map"])]}
+    keys = [name for name in CANONICAL_KEYS[feature_map_kind(resolved["feature_map"])] if name not in CLUSTERED_SETTINGS]
+    if is_clustered(resolved):
+        keys += ["attention", "clusters"] + (["topk"] if resolved["attention"] == "improved-clustered" else [])
+    return {name: resolved[name] for name in keys}
 
 
 def canonical_favor_settings(settings: dict | None) -> dict:

@@ -174,3 +174,15 @@ def test_convert_cli_refuses_a_causal_model_and_bad_values(tmp_path):
     with pytest.raises(SystemExit):
         convert_cli.main([str(folder), str(tmp_path / "out"), "--attention", "kmeans"])
     assert not (tmp_path / "out").exists()
+
+
+def test_linear_configs_record_no_cluster_keys_and_clustered_ones_survive_a_fresh_process(tmp_path):
+    assert "attention" not in canonical_favor_settings({})
+    config = PerformerConfig(source_config=tiny_bert_config(), feature_map="elu+1", attention="clustered", clusters=3)
+    assert "topk" not in config.favor_settings and config.favor_settings["clusters"] == 3
+    config.save_pretrained(tmp_path)
+    code = ("import sys, hf_performer; c = hf_performer.PerformerConfig.from_pretrained(sys.argv[1]); "
+            "print(c.favor_settings['attention'], c.favor_settings['clusters'])")
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert run.returncode == 0 and run.stdout.split() == ["clustered", "3"], run.stderr[-2000:]

@@ -52,8 +52,8 @@ TOKEN = "hf_fake_token_for_tests_0123456789"
 REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
-CODE_FILES = ["cache.py", "configuration_performer.py", "favor_attention.py", "favor_settings.py", "feature_maps.py",
-              "linear_attention.py", "modeling_performer.py"]
+CODE_FILES = ["cache.py", "clustered_attention.py", "configuration_performer.py", "favor_attention.py",
+              "favor_settings.py", "feature_maps.py", "linear_attention.py", "modeling_performer.py"]
 
 
 # --------------------------------------------------------------------------------------------

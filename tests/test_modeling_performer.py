@@ -56,6 +56,7 @@ CODE_FILES = (
     "favor_attention.py",
     "favor_settings.py",
     "cache.py",
+    "clustered_attention.py",
     "feature_maps.py",
     "linear_attention.py",
 )
