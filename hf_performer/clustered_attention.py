@@ -18,9 +18,10 @@ values ``[B, Hkv, Lk, d]`` (``Hkv`` divides ``H``: grouped-query attention).
 
       A_ij = m_c softmax_{T_c}(scaling q_i K^T)_j   for j in T_c,     A_ij = A^c_cj   otherwise.
 
-Cost per (example, head): ``O(Lq C (d + bits) iterations)`` for the clustering, ``O(Lk C d)`` for the cluster
-attention and ``O(Lq topk d)`` for the improved part; memory ``O(Lq (C + bits) + C Lk + q_chunk topk d)``. No
-``Lq x Lk`` tensor is ever built. Sums run in float32 (float64 for float64 inputs) with autocast off; the output
+Cost per (example, head): ``O(Lq C bits iterations + Lq d bits)`` for the clustering, ``O(Lk C d)`` for the cluster
+attention and ``O(Lq topk d + C topk d)`` for the improved part, whose queries are grouped by cluster into segments
+of at most ``MAX_SEGMENT_SIZE`` so that each segment is one ``[S, d] x [d, topk]`` matmul against its cluster's
+gathered keys; memory ``O(Lq (C + bits) + C Lk + (Lq + C S) topk)``. No ``Lq x Lk`` tensor is ever built. Sums run in float32 (float64 for float64 inputs) with autocast off; the output
 is cast to ``value.dtype``. The float64 dense references are in ``reference.py``
 (:func:`~.reference.reference_clustered_attention`, :func:`~.reference.reference_improved_clustered_attention`)
 and take the same assignment from :func:`cluster_queries`.
