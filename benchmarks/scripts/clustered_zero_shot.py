@@ -32,10 +32,12 @@ def _relative(path: str) -> str:
     return os.path.relpath(path, Path(__file__).resolve().parents[2])
 
 
-def _variants(clusters: list[int], topk: int, extra_topk: list[int], headline: int) -> list[dict]:
+def _variants(clusters: list[int], improved_clusters: list[int], topk: int, extra_topk: list[int],
+              headline: int) -> list[dict]:
     variants = [dict(name="softmax", attention="softmax"), dict(name="favor+", attention="linear")]
     for count in clusters:
         variants.append(dict(name=f"clustered C={count}", attention="clustered", clusters=count))
+    for count in improved_clusters:
         variants.append(dict(name=f"improved C={count} k={topk}", attention="improved-clustered", clusters=count,
                              topk=topk))
     for k in extra_topk:
@@ -52,6 +54,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--max-eval-samples", type=int, default=None)
     parser.add_argument("--clusters", default="1,2,4,8,16,32", help="comma-separated cluster counts")
+    parser.add_argument("--improved-clusters", default=None,
+                        help="comma-separated cluster counts of the improved rows (default: --clusters)")
     parser.add_argument("--topk", type=int, default=32)
     parser.add_argument("--extra-topk", default="", help="comma-separated extra topk values at --headline-clusters")
     parser.add_argument("--headline-clusters", type=int, default=8)
@@ -77,9 +81,11 @@ def main(argv=None) -> int:
     source = AutoModelForSequenceClassification.from_pretrained(args.model).eval()
 
     clusters = [int(c) for c in args.clusters.split(",") if c]
+    improved_clusters = clusters if args.improved_clusters is None else [
+        int(c) for c in args.improved_clusters.split(",") if c]
     extra_topk = [int(k) for k in args.extra_topk.split(",") if k]
     records, softmax_predictions = [], None
-    for variant in _variants(clusters, args.topk, extra_topk, args.headline_clusters):
+    for variant in _variants(clusters, improved_clusters, args.topk, extra_topk, args.headline_clusters):
         if variant["attention"] == "softmax":
             model = source
         else:
@@ -106,7 +112,7 @@ def main(argv=None) -> int:
         else "fraction of examples where the prediction equals the softmax model's",
         settings=dict(model=_relative(args.model), validation_file=_relative(args.validation_file),
                       max_length=args.max_length, num_examples=len(lengths), mean_tokens=float(np.mean(lengths)),
-                      max_tokens=int(max(lengths)), clusters=clusters, topk=args.topk, extra_topk=extra_topk,
+                      max_tokens=int(max(lengths)), clusters=clusters, improved_clusters=improved_clusters, topk=args.topk, extra_topk=extra_topk,
                       headline_clusters=args.headline_clusters, hash_bits=63, iterations=10),
         command="python benchmarks/scripts/clustered_zero_shot.py " + " ".join(
             _relative(a) if os.path.exists(a) else a for a in (argv if argv is not None else sys.argv[1:])),
