@@ -6,6 +6,8 @@ loads the source state dict into it; only the attention function changes (``attn
 and each converted attention module gains its feature map (projection buffers). Optionally:
 
 * ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model);
+* ``window`` / ``sinks`` (``layer_windows`` per layer): sink + sliding-window exact softmax with the feature map as
+  the tail (``softmax_weight``: calibrated or a learned gamma per head, ``linear_tail=False``: no tail);
 * ``max_position_embeddings``: a longer learned absolute position table (BERT/RoBERTa 512, GPT-2 1024, ...),
   made by tiling the learned rows, so that the converted model accepts thousands of tokens
   (``hf-performer convert`` extends to :data:`DEFAULT_MAX_POSITION_EMBEDDINGS` unless told otherwise).
@@ -27,7 +29,7 @@ from hf_performer.configuration_performer import (
     check_source_architecture,
 )
 from hf_performer.clustered_attention import ClusteredAttentionError
-from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
+from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
@@ -215,6 +217,11 @@ def convert_to_performer(
     redraw_interval: int | None = None,
     chunk_size: int | None = None,
     feature_map_options: dict | None = None,
+    window: int | None = None,
+    sinks: int | None = None,
+    softmax_weight: str | None = None,
+    layer_windows: dict | None = None,
+    linear_tail: bool | None = None,
     attention: str | None = None,
     clusters: int | None = None,
     topk: int | None = None,
@@ -238,6 +245,12 @@ def convert_to_performer(
         orthogonal, row_norms, redraw_interval, chunk_size: other FAVOR+ settings; ``None`` takes the default.
         feature_map_options: the map's own options (``favor_settings["feature_map_options"]``), e.g.
             ``{"init": "favor+"}`` for a learned map.
+        window, sinks: sink + sliding-window attention in every converted layer (any feature map; the map becomes
+            the tail for keys older than the window), e.g. ``window=64, sinks=4``; ``None``: 0 (plain linear).
+        softmax_weight: ``"auto"`` (default), ``"calibrated"`` or ``"learned"`` (a trained gamma per head; learned
+            maps only). Learned-mode layers get ``favor_softmax_weight`` initialised at gamma = 0.1.
+        layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int}}``.
+        linear_tail: ``False``: window layers attend to the sinks and the window only (no tail).
         attention, clusters, topk: ``"linear"`` (default: the feature map), or the zero-shot ``"clustered"`` /
             ``"improved-clustered"`` attention of bidirectional models with ``clusters`` query clusters per head and
             ``topk`` exact keys per cluster (``None``: 25 and 32). Causal models are refused.
@@ -280,7 +293,9 @@ def convert_to_performer(
         feature_map_options = {**(feature_map_options or {}), "init": default_init}
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
-                    feature_map_options=feature_map_options or None, attention=attention, clusters=clusters, topk=topk)
+                    feature_map_options=feature_map_options or None, window=window, sinks=sinks,
+                    softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail,
+                    attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:
         config = PerformerConfig(source_config=source.config, favor_settings=settings)
@@ -313,7 +328,9 @@ def _classes_for(task: str, config) -> list[type]:
 
 
 def _is_feature_map_key(key: str) -> bool:
-    return f".{FEATURE_MAP_ATTRIBUTE}." in f".{key}"
+    """Whether a state-dict key belongs to what conversion adds (feature maps, learned softmax weights): the
+    source has no such tensor, so it keeps its own initialisation."""
+    return any(f".{attribute}." in f".{key}" for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE))
 
 
 def _copy_weights(source: PreTrainedModel, target: PreTrainedModel, same_task: bool) -> None:
@@ -337,15 +354,17 @@ def _copy_weights(source: PreTrainedModel, target: PreTrainedModel, same_task: b
 
 
 def _cast_like_source(performer: PerformerPreTrainedModel, source: PreTrainedModel) -> None:
-    """Move the Performer model to the source's device and dtype, keeping feature-map projections in float32."""
+    """Move the Performer model to the source's device and dtype, keeping feature maps and softmax weights in
+    float32."""
     parameter = next(source.parameters(), None)
     if parameter is None:
         return
     performer.to(device=parameter.device, dtype=parameter.dtype)
     for module in performer.modules():
-        feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
-        if isinstance(feature_map, nn.Module):
-            feature_map.float()
+        for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
+            added = getattr(module, attribute, None)
+            if isinstance(added, nn.Module):
+                added.float()
 
 
 # --------------------------------------------------------------------------------------------

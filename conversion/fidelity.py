@@ -107,6 +107,10 @@ class FidelityReport:
             f"  feature map {settings.get('feature_map')}"
             + (f", {features} features" if features is not None else "")
             + (f", seed {settings['seed']}" if "seed" in settings else "")
+            + (f", window {settings.get('window', 0)}, sinks {settings.get('sinks', 0)}"
+               + (f" (per layer: {settings['layer_windows']})" if settings.get("layer_windows") else "")
+               + ("" if settings.get("linear_tail", True) else ", no linear tail")
+               if settings.get("window") or settings.get("sinks") or settings.get("layer_windows") else "")
             + f"; inputs: {self.inputs} ({self.num_sequences} sequences, {self.num_tokens} tokens)",
             *([f"  {self.position_table}"] if self.position_table else []),
             "",

@@ -26,6 +26,11 @@ Behaviour of :func:`favor_attention_forward`:
 * ``output_attentions``: there are no attention weights; ``None`` is returned (one-time warning);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given;
+* "window layers" (``favor_settings`` ``window`` or ``sinks`` > 0 for the layer, :func:`~.favor_settings.layer_window`)
+  run :func:`~.window_attention.window_linear_attention`: exact softmax over the sink tokens and a sliding window,
+  the feature map for older keys (none with ``linear_tail=False``), one shared normaliser. In learned mode
+  (:func:`~.favor_settings.softmax_weight_mode`) the module owns ``favor_softmax_weight``
+  (:class:`~.window_attention.SoftmaxWeight`, gamma per head);
 * ``favor_settings["attention"]`` ``"clustered"`` / ``"improved-clustered"`` (bidirectional models only) runs
   :func:`~.clustered_attention.clustered_attention` / :func:`~.clustered_attention.improved_clustered_attention`
   with ``clusters`` and ``topk`` (capped at the key length: ``topk >= L`` is exact softmax) and hash seed
@@ -75,15 +80,26 @@ from transformers.utils import logging
 
 from .cache import FavorCacheLayer
 from .clustered_attention import ClusteredAttentionError, clustered_attention, improved_clustered_attention
-from .favor_settings import build_feature_map, favor_settings_of, is_clustered, is_int
+from .favor_settings import (
+    build_feature_map,
+    favor_settings_of,
+    is_clustered,
+    is_int,
+    layer_window,
+    softmax_weight_mode,
+)
 from .feature_maps import FeatureMap
 from .linear_attention import LinearAttentionError, linear_attention
+from .window_attention import SoftmaxWeight, window_linear_attention
 
 
 logger = logging.get_logger(__name__)
 
 ATTN_IMPLEMENTATION = "favor"
 FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
+SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
+"""Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
+(state-dict key ``...favor_softmax_weight.logit``)."""
 SETTINGS_ATTRIBUTE = "_favor_settings"
 
 class FavorMaskError(LinearAttentionError):
@@ -199,6 +215,28 @@ def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMa
     return feature_map
 
 
+def is_window_layer(settings: dict, layer_idx: int) -> bool:
+    """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
+    return any(value > 0 for value in layer_window(settings, layer_idx))
+
+
+def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
+                        device: torch.device) -> torch.Tensor | None:
+    """gamma ``[H]`` of a learned-mode window layer (its :class:`SoftmaxWeight` created on first use, float32, with
+    its deterministic initialisation), or ``None`` (calibrated mode, or not a window layer)."""
+    if not is_window_layer(settings, layer_idx) or softmax_weight_mode(settings) != "learned":
+        return None
+    weight = getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None)
+    if not isinstance(weight, nn.Module):  # not isinstance SoftmaxWeight: remote-code copies define their own class
+        if num_heads is None:
+            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its softmax weight")
+        with torch.device("cpu"):  # real values even under a meta-device context, as the feature maps
+            weight = SoftmaxWeight(num_heads)
+        weight.train(module.training)
+        module.add_module(SOFTMAX_WEIGHT_ATTRIBUTE, weight.to(device))
+    return weight()
+
+
 def attach_feature_maps(model: nn.Module) -> list[int]:
     """Create ``favor_feature_map`` on every attention module of ``model`` that uses favor attention.
 
@@ -245,6 +283,8 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
                     module_favor_settings(module), head_dim, layer_idx, *_module_head_counts(module)
                 )
             _attach_feature_map(module, feature_map.to(_module_device(module)))
+        _softmax_weight_for(module, layer_idx, module_favor_settings(module), _module_head_counts(module)[0],
+                            _module_device(module))
         favor_layers.add(layer_idx)
     if not favor_layers and not any(
         getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION for _, m in modules
@@ -289,6 +329,7 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
     if isinstance(feature_map, nn.Module):  # not isinstance FeatureMap: remote-code copies define their own class
         return feature_map
     install_cache_hooks(module)  # later calls will see the cache
+    _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     feature_map = build_feature_map(settings, query.shape[-1], layer_idx, query.shape[1], key.shape[1])
     return _attach_feature_map(module, feature_map.to(query.device))
 
@@ -348,7 +389,10 @@ def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = _self_attention_cache(_past_key_values_from_call(module, args, kwargs))
     setattr(module, CACHE_ATTRIBUTE, cache)
     if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
-        _install_favor_cache_layer(cache, layer_index_of(module))
+        layer_idx = layer_index_of(module)
+        # Window layers keep the default (full key/value) layer until they have a cache layer of their own.
+        if not is_window_layer(module_favor_settings(module), layer_idx):
+            _install_favor_cache_layer(cache, layer_idx)
     return None
 
 
@@ -589,7 +633,10 @@ def favor_attention_forward(
     _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
 
-    if _is_favor_cache_layer(cache_layer):
+    if is_window_layer(settings, layer_idx):
+        out = _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer,
+                                        settings, layer_idx, common)
+    elif _is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
         if k_len != q_len:
             raise LinearAttentionError(
@@ -636,6 +683,37 @@ def favor_attention_forward(
                 query, key, value, feature_map, causal=causal, key_padding_mask=key_padding_mask, **common
             )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer, settings,
+                              layer_idx, common) -> torch.Tensor:
+    """Sink + window attention of a window layer: ``[B, H, Lq, d]`` (see :func:`favor_attention_forward`)."""
+    window, sinks = layer_window(settings, layer_idx)
+    gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
+    tail_map = feature_map if settings["linear_tail"] else None
+    q_len, k_len = query.shape[2], key.shape[2]
+    if cache_layer is not None and _is_favor_cache_layer(cache_layer):
+        # ---- Recurrent window cache: not implemented yet (issue 15, decode part) ----
+        raise LinearAttentionError(f"favor attention (layer {layer_idx}): window layers do not support caching yet")
+    if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
+        raise FavorMaskError(
+            f"favor window attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} "
+            f"keys but there are {k_len} keys"
+        )
+    if causal and k_len < q_len:
+        raise LinearAttentionError(
+            f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
+        )
+    arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
+                     key_padding_mask=key_padding_mask, **common)
+    if causal and k_len > q_len:
+        # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
+        # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).
+        placeholder = query.new_zeros(query.shape[0], query.shape[1], k_len - q_len, query.shape[3])
+        with _no_redraw(feature_map, active=True):
+            out = window_linear_attention(torch.cat([placeholder, query], dim=2), key, value, tail_map, **arguments)
+        return out[:, :, -q_len:]
+    return window_linear_attention(query, key, value, tail_map, **arguments)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, favor_attention_forward)

@@ -9,6 +9,8 @@ its validation and what it builds.
 * :func:`build_feature_map`: the feature map of one layer from resolved settings;
 * :func:`effective_nb_features`: the number of features per head a layer really has;
 * :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``;
+* :func:`layer_window`: the resolved ``(window, sinks)`` of a layer (a "window layer" when either is > 0);
+* :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved);
 * :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
 This module imports only relative siblings (and, through them, ``torch``): it is copied next to saved models
@@ -57,6 +59,20 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("softmax_layers", list, [], "layer indices kept on exact softmax attention (sdpa)"),
     FavorSetting("feature_map_options", dict, {},
                  'the map\'s own keyword options, e.g. {"init": "favor+", "tie_qk": False} (learned maps)'),
+    FavorSetting("window", int, 0,
+                 "exact softmax over the last `window` keys (encoders: the band |i-j| < window), the feature map for "
+                 "older keys; 0 = none. A layer with window or sinks > 0 runs window_linear_attention"),
+    FavorSetting("sinks", int, 0,
+                 "the first `sinks` tokens are always attended with exact softmax (causal LMs: 4; encoders: 1, [CLS])"),
+    FavorSetting("softmax_weight", str, "auto",
+                 'weight of the exact terms against the linear tail in window layers: "calibrated" (1, tail on the '
+                 'softmax scale), "learned" (a trained gamma per head, LoLCATs; learned maps only) or "auto" '
+                 '(learned for hedgehog/t2r, calibrated otherwise)'),
+    FavorSetting("layer_windows", dict, {},
+                 'per-layer overrides of window / sinks, {"<layer index>": {"window": int, "sinks": int}}'),
+    FavorSetting("linear_tail", bool, True,
+                 "window layers attend to keys older than the window through the feature map; False = sinks + "
+                 "window exact softmax only (ablation)"),
     FavorSetting("attention", str, "linear",
                  '"linear" (the feature map), or the zero-shot "clustered" / "improved-clustered" attention of '
                  "bidirectional models (no feature map; the seed of layer i hashes its queries with seed + i)"),
@@ -74,6 +90,10 @@ FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTI
 * ``feature_map_options``: checked against the map's signature, e.g. ``{"feature_epsilon": 1e-3}`` for relu.
 """
 
+WINDOW_SETTINGS = ("window", "sinks", "softmax_weight", "layer_windows", "linear_tail")
+"""The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
+SOFTMAX_WEIGHT_MODES = ("auto", "calibrated", "learned")
+LAYER_WINDOW_KEYS = ("window", "sinks")
 ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
 """The attention-kind keys (:func:`is_clustered`). A config records them only for clustered attention (``topk`` only
@@ -88,9 +108,10 @@ _BUILDER_ARGUMENTS = ("head_dim", "nb_features", "num_heads", "num_key_value_hea
 CANONICAL_KEYS = {
     "random": tuple(FAVOR_DEFAULTS),
     # No random projection: the seed only draws a "favor+" initialisation.
-    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options"),
+    "learned": ("feature_map", "nb_features", "seed", "chunk_size", "softmax_layers", "feature_map_options",
+                *WINDOW_SETTINGS),
     # elu+1: its own size and no random-projection options.
-    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options"),
+    "deterministic": ("feature_map", "chunk_size", "softmax_layers", "feature_map_options", *WINDOW_SETTINGS),
 }
 """The keys a config records for each :func:`feature_map_kind` (:func:`canonical_favor_settings`)."""
 
@@ -131,6 +152,7 @@ def _copy(resolved: dict) -> dict:
         **resolved,
         "softmax_layers": list(resolved["softmax_layers"]),
         "feature_map_options": dict(resolved["feature_map_options"]),
+        "layer_windows": {layer: dict(values) for layer, values in resolved["layer_windows"].items()},
     }
 
 
@@ -226,6 +248,7 @@ def _validate(settings: dict) -> dict:
 
     resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
 
+    _check_window_settings(resolved, kind)
     _check_clustered_settings(resolved)
 
     if kind != "random":
@@ -244,6 +267,75 @@ def _validate(settings: dict) -> dict:
     return resolved
 
 
+def _check_window_settings(resolved: dict, kind: str) -> None:
+    """Validate the sink + window keys in place (``layer_windows`` normalised to ``{"<int>": {...}}``)."""
+    for name in LAYER_WINDOW_KEYS:
+        if not (is_int(resolved[name]) and resolved[name] >= 0):
+            raise ValueError(f"favor_settings[{name!r}] must be an int >= 0 (0 = none), got {resolved[name]!r}")
+    mode = resolved["softmax_weight"]
+    if mode not in SOFTMAX_WEIGHT_MODES:
+        raise ValueError(f"favor_settings['softmax_weight'] must be one of {SOFTMAX_WEIGHT_MODES}, got {mode!r}")
+    if mode == "learned" and kind != "learned":
+        raise ValueError(
+            f"favor_settings['softmax_weight']='learned' needs a learned feature map (hedgehog, t2r); the "
+            f"{resolved['feature_map']!r} map has no trained tail to weigh gamma against: use 'calibrated' or 'auto'"
+        )
+    if not isinstance(resolved["linear_tail"], bool):
+        raise TypeError(f"favor_settings['linear_tail'] must be a bool, got {resolved['linear_tail']!r}")
+    overrides = resolved["layer_windows"]
+    if not isinstance(overrides, dict):
+        raise TypeError(
+            'favor_settings[\'layer_windows\'] must be a dict {"<layer index>": {"window": int, "sinks": int}}, got '
+            f"{overrides!r}"
+        )
+    normalised = {}
+    for layer, values in overrides.items():
+        text = str(layer) if is_int(layer) else layer
+        if not (isinstance(text, str) and text.isdigit() and str(int(text)) == text):
+            raise ValueError(
+                f"favor_settings['layer_windows'] keys must be layer indices (ints >= 0, as strings in JSON), got "
+                f"{layer!r}"
+            )
+        if not isinstance(values, dict) or not values or set(values) - set(LAYER_WINDOW_KEYS):
+            raise ValueError(
+                f"favor_settings['layer_windows'][{text!r}] must be a non-empty dict with keys among "
+                f"{list(LAYER_WINDOW_KEYS)}, got {values!r}"
+            )
+        for name, value in values.items():
+            if not (is_int(value) and value >= 0):
+                raise ValueError(
+                    f"favor_settings['layer_windows'][{text!r}][{name!r}] must be an int >= 0, got {value!r}"
+                )
+        if text in normalised:
+            raise ValueError(f"favor_settings['layer_windows'] gives layer {text} twice")
+        normalised[text] = dict(values)
+    resolved["layer_windows"] = dict(sorted(normalised.items(), key=lambda item: int(item[0])))
+    if not resolved["linear_tail"]:
+        without = [
+            label for label, values in [("the default", {}), *((f"layer {k}", v) for k, v in normalised.items())]
+            if values.get("window", resolved["window"]) == 0 and values.get("sinks", resolved["sinks"]) == 0
+        ]
+        if without:
+            raise ValueError(
+                f"favor_settings['linear_tail']=False leaves {without[0]} with window=0 and sinks=0, i.e. no keys at "
+                "all: give a window and/or sinks > 0 (or keep linear_tail=True)"
+            )
+
+
+def layer_window(settings: dict, layer_idx: int) -> tuple[int, int]:
+    """The ``(window, sinks)`` of layer ``layer_idx`` from resolved settings: its ``layer_windows`` override, else
+    the model-wide ``window`` / ``sinks``. ``(0, 0)`` is plain linear attention."""
+    override = settings.get("layer_windows", {}).get(str(layer_idx), {})
+    return override.get("window", settings.get("window", 0)), override.get("sinks", settings.get("sinks", 0))
+
+
+def softmax_weight_mode(settings: dict) -> str:
+    """``"calibrated"`` or ``"learned"``: ``settings["softmax_weight"]`` with ``"auto"`` resolved (``"learned"`` for
+    learned feature maps, ``"calibrated"`` otherwise)."""
+    mode = settings.get("softmax_weight", "auto")
+    if mode == "auto":
+        return "learned" if feature_map_kind(settings["feature_map"]) == "learned" else "calibrated"
+    return mode
 def _check_clustered_settings(resolved: dict) -> None:
     """Validate the attention kind and its cluster settings."""
     if resolved["attention"] not in ATTENTION_KINDS:
@@ -253,6 +345,13 @@ def _check_clustered_settings(resolved: dict) -> None:
     for name in ("clusters", "topk"):
         if not (is_int(resolved[name]) and resolved[name] >= 1):
             raise ValueError(f"favor_settings[{name!r}] must be an int >= 1, got {resolved[name]!r}")
+    windowed = resolved["window"] or resolved["sinks"] or resolved["layer_windows"]
+    if is_clustered(resolved) and windowed:
+        raise ValueError(
+            f"favor_settings['attention']={resolved['attention']!r} takes no window, sinks or layer_windows (those "
+            "are for attention='linear'); got window={}, sinks={}, layer_windows={}".format(
+                resolved["window"], resolved["sinks"], resolved["layer_windows"])
+        )
 
 
 def is_clustered(settings: dict) -> bool:
@@ -354,6 +453,10 @@ __all__ = [
     "effective_nb_features",
     "favor_settings_of",
     "feature_map_kind",
+    "layer_window",
+
+
     "is_clustered",
     "resolve_favor_settings",
+    "softmax_weight_mode",
 ]

@@ -81,7 +81,7 @@ def _check_inputs(query, key, value, feature_map, causal, key_padding_mask, init
         raise LinearAttentionError(
             f"query heads ({heads}) must be a multiple of key/value heads ({key.shape[1]})"
         )
-    if head_dim != feature_map.head_dim:
+    if feature_map is not None and head_dim != feature_map.head_dim:  # None: window attention without a tail
         raise LinearAttentionError(
             f"the feature map was built for head_dim={feature_map.head_dim}, inputs have {head_dim}"
         )

@@ -104,7 +104,7 @@ def reference_window_linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     window: int,
     sinks: int = 0,
@@ -119,9 +119,13 @@ def reference_window_linear_attention(
     Same arguments as :func:`~.window_attention.window_linear_attention`. Builds the exact mask ``E``
     and the tail mask ``T`` per (query, key) pair explicitly; ``c_i`` = max exact score (0 if none);
     calibrated: ``W = exp(s - c) E + phi_q.phi_k exp(-c) T``; learned (``gamma``):
-    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1``. Returns ``[B, H, L, dv]``.
+    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1``; ``feature_map=None``: no tail term.
+    Returns ``[B, H, L, dv]``.
     """
-    phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
+    if feature_map is None:
+        v = value.to(torch.float64).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    else:
+        phi_q, phi_k, v = _prepare(query, key, value, feature_map, scaling)
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     q = query.to(torch.float64)
     k = key.to(torch.float64).repeat_interleave(q.shape[1] // key.shape[1], dim=1)
@@ -141,7 +145,7 @@ def reference_window_linear_attention(
     row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exact_weights = torch.exp(scores - row_max) * exact
-    tail_weights = (phi_q @ phi_k.transpose(-1, -2)) * tail
+    tail_weights = 0.0 if feature_map is None else (phi_q @ phi_k.transpose(-1, -2)) * tail
     if softmax_weight is None:
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:

@@ -41,7 +41,10 @@ This module imports only ``torch`` and its siblings ``feature_maps`` and ``linea
 
 from __future__ import annotations
 
+import math
+
 import torch
+from torch import nn
 
 from .feature_maps import FeatureMap, compute_dtype_for
 from .linear_attention import (
@@ -54,6 +57,38 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+
+
+SOFTMAX_WEIGHT_INIT = 0.1
+"""gamma at initialisation (LoLCATs: sigmoid(w) with w = logit(0.1) = -2.1972)."""
+
+
+class SoftmaxWeight(nn.Module):
+    """The learned weight gamma of the exact (sink + window) terms against the linear tail, one per head.
+
+    ``logit`` ``[num_heads]`` starts at ``logit(0.1) = -2.1972`` (deterministic); ``forward()`` returns
+    ``sigmoid(logit)`` ``[num_heads]``, the ``softmax_weight`` argument of :func:`window_linear_attention`.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"SoftmaxWeight needs num_heads as an int >= 1, got {num_heads!r}")
+        self.logit = nn.Parameter(torch.full((num_heads,), self.initial_logit()))
+
+    @staticmethod
+    def initial_logit() -> float:
+        return math.log(SOFTMAX_WEIGHT_INIT / (1.0 - SOFTMAX_WEIGHT_INIT))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.logit.fill_(self.initial_logit())
+
+    def forward(self) -> torch.Tensor:
+        return torch.sigmoid(self.logit)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.logit.shape[0]}"
 
 
 def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size):
@@ -160,7 +195,7 @@ def window_linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    feature_map: FeatureMap,
+    feature_map: FeatureMap | None,
     *,
     window: int,
     sinks: int = 0,
@@ -177,7 +212,8 @@ def window_linear_attention(
         query: ``[B, H, L, d]``.
         key: ``[B, Hkv, L, d]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, L, dv]``.
-        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``.
+        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
+            window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
         sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``).
         causal: causal (default) or bidirectional.
@@ -192,6 +228,8 @@ def window_linear_attention(
     """
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size)
+    if feature_map is None and window == 0 and sinks == 0:
+        raise ValueError("window attention without a feature map (no linear tail) needs window > 0 or sinks > 0")
     mask = _as_bool_mask(key_padding_mask)
     batch, heads, length, head_dim = query.shape
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
@@ -202,21 +240,23 @@ def window_linear_attention(
     with _no_autocast(device.type):
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
-        root = scaling**0.5
-        q_features, k_features = feature_map(query * root, key * root)
-        k_features = _repeat_features(k_features, groups)
+        if feature_map is not None:  # None: no linear tail
+            root = scaling**0.5
+            q_features, k_features = feature_map(query * root, key * root)
+            k_features = _repeat_features(k_features, groups)
         key, value_ones = _repeat_kv(key, groups), _with_ones_column(_repeat_kv(value, groups))
         keep = torch.ones(batch, length, dtype=torch.bool, device=device) if mask is None else mask
         value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
         positions = torch.arange(length, device=device)
         eligible = keep & (positions >= sinks)[None, :]
-        phi_q, phi_k = q_features.values, k_features.values
-        zeros = phi_q.new_zeros(batch, heads, length)
-        log_q = zeros if q_features.log_scale is None else q_features.log_scale
-        log_k = zeros if k_features.log_scale is None else k_features.log_scale
-
-        tails = [_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size)]
-        if not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
+        tails = []  # (tail sums, their log-scale) per direction; none without a feature map
+        if feature_map is not None:
+            phi_q, phi_k = q_features.values, k_features.values
+            zeros = phi_q.new_zeros(batch, heads, length)
+            log_q = zeros if q_features.log_scale is None else q_features.log_scale
+            log_k = zeros if k_features.log_scale is None else k_features.log_scale
+            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size))
+        if tails and not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
             right, right_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_k, value_ones)),
                                             eligible.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))

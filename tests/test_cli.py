@@ -144,7 +144,7 @@ def test_the_favor_arguments_module_is_a_leaf():
     tree = ast.parse(Path(cli.__file__).with_name("arguments.py").read_text())
     imported = {(node.level, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    assert imported <= {(0, "__future__"), (0, "argparse"), (0, "sys"), (0, "dataclasses"),
+    assert imported <= {(0, "__future__"), (0, "argparse"), (0, "json"), (0, "sys"), (0, "dataclasses"),
                         (2, "favor_settings"), (2, "feature_maps")}
 
 

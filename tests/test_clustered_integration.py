@@ -186,3 +186,9 @@ def test_linear_configs_record_no_cluster_keys_and_clustered_ones_survive_a_fres
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert run.returncode == 0 and run.stdout.split() == ["clustered", "3"], run.stderr[-2000:]
+
+
+def test_clustered_attention_takes_no_window():
+    with pytest.raises(PerformerConfigError, match="takes no window, sinks or layer_windows") as error:
+        PerformerConfig(source_config=tiny_bert_config(), attention="improved-clustered", window=4)
+    assert "\n" not in str(error.value)

@@ -53,7 +53,8 @@ REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
 CODE_FILES = ["cache.py", "clustered_attention.py", "configuration_performer.py", "favor_attention.py",
-              "favor_settings.py", "feature_maps.py", "linear_attention.py", "modeling_performer.py"]
+              "favor_settings.py", "feature_maps.py", "linear_attention.py", "modeling_performer.py",
+              "window_attention.py"]
 
 
 # --------------------------------------------------------------------------------------------

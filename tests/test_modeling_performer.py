@@ -124,7 +124,9 @@ def test_config_save_load_with_overrides(tmp_path):
 def test_deterministic_feature_map_records_only_its_settings():
     config = PerformerConfig(source_config=bert_config(), feature_map="elu+1")
     assert config.favor_settings == {
-        "feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": [], "feature_map_options": {}
+        "feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": [], "feature_map_options": {},
+        # the sink + window keys are recorded for every map kind
+        "window": 0, "sinks": 0, "softmax_weight": "auto", "layer_windows": {}, "linear_tail": True,
     }
     assert isinstance(PerformerModel(config), PerformerModel)
 

@@ -5,6 +5,9 @@
 #   TASK=sst2 MAX_TRAIN_SAMPLES=8000 EPOCHS=1 OUT=/tmp/sst2 bash benchmarks/scripts/glue_recovery.sh
 #   KEEP_SOFTMAX_LAYERS=1 OUT=/tmp/stsb_hybrid RESULT=benchmarks/results/recovery_stsb_hybrid1.json \
 #       bash benchmarks/scripts/glue_recovery.sh                                 # hybrid (e, f): layer 1 stays softmax
+#   HYBRID_ARGS="--window 32 --sinks 1" RUNS="a e f" OUT=/tmp/stsb_window \
+#       RESULT=benchmarks/results/recovery_stsb_window32.json bash benchmarks/scripts/glue_recovery.sh
+#                                                                            # sink + window hybrid in every layer (e, f)
 #
 # Steps, in order (each logs to $OUT/<step>.log and is skipped when its output exists, so an interrupted pipeline
 # resumes; delete an output to redo its step). The order puts the attention-transfer rows before the FAVOR+ ones.
@@ -49,6 +52,7 @@ FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
 FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-favor+}"   # learned maps: start as FAVOR+ (or identity, the Hedgehog paper's start)
 NB_FEATURES="${NB_FEATURES:-256}"               # learned maps: features per head (hedgehog: half as many projections)
 KEEP_SOFTMAX_LAYERS="${KEEP_SOFTMAX_LAYERS:-}"  # space-separated layers that stay softmax in (e, f) (empty: all linear)
+HYBRID_ARGS="${HYBRID_ARGS:-}"                  # window flags of (e), e.g. "--window 32 --sinks 1" (empty: no window)
 TRANSFER_SAMPLES="${TRANSFER_SAMPLES:-2048}"
 TRANSFER_BATCH="${TRANSFER_BATCH:-16}"
 TRANSFER_STEPS="${TRANSFER_STEPS:-768}"
@@ -85,7 +89,9 @@ KEEP_ARGS=()
 if [[ -n "$KEEP_SOFTMAX_LAYERS" ]]; then
     read -r -a KEEP_ARGS <<< "--keep-softmax-layers $KEEP_SOFTMAX_LAYERS"
 fi
+read -r -a HYBRID_FLAGS <<< "$HYBRID_ARGS"
 mapfile -t CMD_E_DISTILL < <(printf '%s\n' "$HF_PERFORMER" distill "$OUT/a_softmax" "$OUT/e_transfer" "${KEEP_ARGS[@]}" \
+    "${HYBRID_FLAGS[@]}" \
     --feature-map "$FEATURE_MAP" --feature-map-init "$FEATURE_MAP_INIT" --nb-features "$NB_FEATURES" --data "$TRAIN_FILE" --data-task "$TASK" --max-samples "$TRANSFER_SAMPLES" \
     --max-length "$MAX_LENGTH" --batch-size "$TRANSFER_BATCH" --steps "$TRANSFER_STEPS" \
     --learning-rate "$TRANSFER_LR" --fidelity-samples 32 --no-progress --overwrite)
@@ -117,7 +123,7 @@ PROTOCOL="MiniLM-L6 ($MODEL); $TASK: ${MAX_TRAIN_SAMPLES:-all} training rows of 
 $(basename "$TRAIN_FILE"), $EPOCHS epoch(s), batch $BATCH, lr $LR (linear decay, 6% warmup), max length $MAX_LENGTH, \
 seed $SEED, identical for (a), (c), (d), (f); dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
 FAVOR+ (b, c, d): hf-performer convert defaults. Attention transfer (e): hf-performer distill --feature-map $FEATURE_MAP \
---feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
+--feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]} ${HYBRID_FLAGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
 teacher (a). Pipeline: benchmarks/scripts/glue_recovery.sh."
 
 COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$PROTOCOL" --output "$RESULT")

@@ -15,11 +15,23 @@ the ``hf-performer`` verbs and the recipes' parser (:mod:`hf_performer.recipes.a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 
-from ..favor_settings import ATTENTION_KINDS, FAVOR_SETTINGS
+from ..favor_settings import ATTENTION_KINDS, FAVOR_SETTINGS, SOFTMAX_WEIGHT_MODES
 from ..feature_maps import LEARNED_MAP_INITS, available_feature_maps
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a JSON object, e.g. ``'{"0": {"window": 0, "sinks": 0}}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r} ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object {{...}}, got {text!r}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -47,13 +59,22 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("chunk_size", "--chunk-size", {"type": int}),
     FavorFlag("softmax_layers", "--keep-softmax-layers", {"type": int, "nargs": "+", "metavar": "LAYER"}),
     FavorFlag("feature_map_options", "--feature-map-init", {"choices": LEARNED_MAP_INITS}),
+    FavorFlag("window", "--window", {"type": int, "metavar": "W"}),
+    FavorFlag("sinks", "--sinks", {"type": int, "metavar": "S"}),
+    FavorFlag("softmax_weight", "--softmax-weight", {"choices": SOFTMAX_WEIGHT_MODES}),
+    FavorFlag("layer_windows", "--layer-windows", {"type": json_object, "metavar": "JSON"}),
+    FavorFlag("linear_tail", "--no-linear-tail", {"action": "store_const", "const": False}),
     FavorFlag("attention", "--attention", {"choices": ATTENTION_KINDS}),
     FavorFlag("clusters", "--clusters", {"type": int, "metavar": "C"}),
     FavorFlag("topk", "--topk", {"type": int, "metavar": "K"}),
 )}
 """``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
-sets ``feature_map_options["init"]`` (learned maps). The recipes declare their own ``--attention favor|softmax``
-(what to train) and do not take ``attention``."""
+sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes JSON; ``--no-linear-tail`` sets
+``linear_tail=False``. The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
+``attention``."""
+
+WINDOW_FLAG_SETTINGS = ("window", "sinks", "softmax_weight", "layer_windows", "linear_tail")
+"""The sink + sliding-window flags, declared together by the verbs that convert (convert, distill, recipes)."""
 
 CLUSTERED_FLAG_SETTINGS = ("attention", "clusters", "topk")
 """The zero-shot clustered-attention flags (``convert``; ``bench attention`` takes ``clusters`` and ``topk``)."""
@@ -66,6 +87,11 @@ def _schema_help(setting: str) -> str:
     default = "orthogonal" if setting == "orthogonal" and schema.default else schema.default
     if setting == "feature_map_options":
         return "initial projection of a learned map (default: the map's own)"
+    if setting == "layer_windows":
+        return (f'{schema.meaning} as JSON, e.g. \'{{"0": {{"window": 0, "sinks": 0}}}}\' keeps layer 0 all-linear '
+                "(default: none)")
+    if setting == "linear_tail":
+        return "window layers without the linear tail: sinks + window exact softmax only (ablation)"
     return f"{schema.meaning} (default: {default})"
 
 

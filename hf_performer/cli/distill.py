@@ -31,10 +31,10 @@ from ..hub import write_model_card
 from ..tasks.data import TASKS as DATA_TASKS
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-from .arguments import add_favor_arguments, favor_settings_from_args
+from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args
 from .convert import add_position_table_arguments, position_table_size
 
-DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softmax_layers")
+DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softmax_layers", *WINDOW_FLAG_SETTINGS)
 """The favor settings ``distill`` takes as flags (``--keep-softmax-layers`` listed after ``--task``)."""
 
 
@@ -56,6 +56,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="model head to build (default: the task of the class the checkpoint was saved from)")
     add_favor_arguments(parser, ("softmax_layers",),
                         helps={"softmax_layers": "layers that keep exact softmax attention (not transferred)"})
+    add_favor_arguments(parser.add_argument_group("sink + sliding-window hybrid"), WINDOW_FLAG_SETTINGS)
     add_position_table_arguments(parser)
     parser.add_argument("--seed", type=int, default=0, help="seed of the data sample and initialisation (default: 0)")
     parser.add_argument("--data", required=True, metavar="FILE",

@@ -29,6 +29,7 @@ from .describe import (
     _speed_context,
     setting_meanings,
     transfer_context,
+    window_summary,
 )
 from .folder import (
     _HUB_ID,
@@ -263,6 +264,7 @@ def build_model_card(
         "paper": paper,
         "citations": citations,
         "softmax_layers": settings.get("softmax_layers") or [],
+        "window_summary": window_summary(settings),
         "settings_rows": [
             {"name": key, "value": _format_setting(settings[key]), "meaning": meanings.get(key, "")}
             for key in sorted(settings, key=lambda k: (order.index(k) if k in order else 99, k))

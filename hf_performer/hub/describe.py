@@ -23,6 +23,16 @@ def _card_data(name: str) -> dict:
     return data
 
 
+WINDOW_SETTING_MEANINGS = {
+    "window": "sliding window of exact softmax attention (keys i-window+1..i; encoders: abs(i-j) < window); 0: none",
+    "sinks": "first tokens always attended with exact softmax (attention sinks; [CLS] for encoders); 0: none",
+    "softmax_weight": "weight of the exact terms against the linear tail (`calibrated`: 1, tail on the softmax scale; "
+    "`learned`: a trained gamma per head; `auto`: learned for learned maps)",
+    "layer_windows": "per-layer overrides of window / sinks",
+    "linear_tail": "keys older than the window attended through the feature map (no: sinks + window only)",
+}
+"""Meanings of the sink + sliding-window keys, the same for every kind of feature map."""
+
 SETTING_MEANINGS = {
     "feature_map": "feature map (`favor+`: positive random features, unbiased for softmax)",
     "nb_features": "random features per head (`m`)",
@@ -33,6 +43,7 @@ SETTING_MEANINGS = {
     "chunk_size": "chunk size of the causal scan",
     "softmax_layers": "layers kept on exact softmax attention",
     "feature_map_options": "the map's own options (e.g. `feature_epsilon` of `relu`; none: its defaults)",
+    **WINDOW_SETTING_MEANINGS,
 }
 """Meanings of the ``favor_settings`` keys for *random* feature maps (favor+, trig, relu), in the card's row order.
 Learned and deterministic maps read the same keys differently: see :func:`setting_meanings`."""
@@ -45,6 +56,7 @@ LEARNED_SETTING_MEANINGS = {
     "softmax_layers": SETTING_MEANINGS["softmax_layers"],
     "feature_map_options": "the map's own options: `init` (start of the learned projections: `identity` or "
     "`favor+`), `tie_qk` (queries and keys share one set of parameters); none: the map's defaults",
+    **WINDOW_SETTING_MEANINGS,
 }
 """Meanings of the ``favor_settings`` keys for *learned* feature maps (hedgehog, t2r): no random projection; the seed
 only draws the optional ``"favor+"`` initialisation."""
@@ -55,6 +67,7 @@ DETERMINISTIC_SETTING_MEANINGS = {
     "chunk_size": SETTING_MEANINGS["chunk_size"],
     "softmax_layers": SETTING_MEANINGS["softmax_layers"],
     "feature_map_options": "the map's own options (none: its defaults)",
+    **WINDOW_SETTING_MEANINGS,
 }
 """Meanings of the ``favor_settings`` keys for *deterministic* feature maps (elu+1)."""
 
@@ -175,6 +188,34 @@ def setting_meanings(settings: dict, head_dim: int | None = None) -> dict[str, s
     elif kind == "learned" and getattr(FEATURE_MAPS.get(name), "features_per_projection", 1) == 2:
         meanings["nb_features"] += " (2 features per projection row)"
     return meanings
+
+
+def window_summary(settings: dict) -> str | None:
+    """One phrase on the sink + sliding-window hybrid of ``settings`` (``None`` without window layers), e.g.
+    ``"exact softmax over 4 sink tokens and a sliding window of 64 tokens, `hedgehog` for older keys (learned
+    softmax weight)"``."""
+    overrides = settings.get("layer_windows") or {}
+    window, sinks = settings.get("window", 0), settings.get("sinks", 0)
+    if not (window or sinks or overrides):
+        return None
+    exact = " and ".join(
+        part for part in (f"{sinks} sink token{'s' if sinks != 1 else ''}" if sinks else "",
+                          f"a sliding window of {window} tokens" if window else "") if part
+    ) or "no window"
+    tail = (f"`{settings.get('feature_map', 'favor+')}` for older keys" if settings.get("linear_tail", True)
+            else "no linear tail")
+    text = f"exact softmax over {exact}, {tail}"
+    if settings.get("linear_tail", True) and (window or sinks):
+        mode = settings.get("softmax_weight", "auto")
+        if mode == "auto":
+            mode = "learned" if _map_kind(settings.get("feature_map", "favor+")) == "learned" else "calibrated"
+        text += f" ({mode} softmax weight)"
+    if overrides:
+        text += "; per-layer overrides " + ", ".join(
+            f"layer {layer}: " + ", ".join(f"{key} {value}" for key, value in values.items())
+            for layer, values in overrides.items()
+        )
+    return text
 
 
 def _citations(feature_map: str, distilled: bool) -> tuple[dict | None, list[str]]:
