@@ -133,26 +133,27 @@ def _plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     records = result["records"]
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    for attention, style, label in (("clustered", "-o", "clustered"),
-                                    ("improved-clustered", "-s", f"improved, top-{result['settings']['topk']}")):
-        points = sorted((r["clusters"], r["main_metric"]) for r in records
-                        if r["attention"] == attention and r.get("topk", result["settings"]["topk"])
-                        == result["settings"]["topk"])
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
-    for name, color in (("softmax", "black"), ("favor+", "tab:red")):
-        record = next(r for r in records if r["name"] == name)
-        ax.axhline(record["main_metric"], color=color, linestyle="--",
-                   label=f"{'FAVOR+ (256 features)' if name == 'favor+' else name}: {record['main_metric']:.3f}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("clusters per head")
-    ax.set_ylabel(f"{result['task']} {result['main_metric']} (zero-shot swap)")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     s = result["settings"]
-    ax.set_title(f"{result['task']}: {s['num_examples']} dev examples, mean {s['mean_tokens']:.0f} tokens "
-                 f"(max {s['max_tokens']})", fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    for ax, key, ylabel in ((axes[0], "main_metric", f"{result['task']} {result['main_metric']} (zero-shot swap)"),
+                            (axes[1], "agreement_with_softmax", "agreement with the softmax model's predictions")):
+        for attention, style, label in (("clustered", "-o", "clustered"),
+                                        ("improved-clustered", "-s", f"improved, top-{s['topk']}")):
+            points = sorted((r["clusters"], r[key]) for r in records
+                            if r["attention"] == attention and r.get("topk", s["topk"]) == s["topk"])
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], style, label=label)
+        for name, color in (("softmax", "black"), ("favor+", "tab:red")):
+            record = next(r for r in records if r["name"] == name)
+            ax.axhline(record[key], color=color, linestyle="--",
+                       label=f"{'FAVOR+ (256 features)' if name == 'favor+' else name}: {record[key]:.3f}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("clusters per head")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['task']}: {s['num_examples']} dev examples, mean {s['mean_tokens']:.0f} tokens "
+                 f"(max {s['max_tokens']}); no training after the swap", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
