@@ -28,6 +28,7 @@ from hf_performer.configuration_performer import (
     PerformerConfigError,
     check_source_architecture,
 )
+from hf_performer.clustered_attention import ClusteredAttentionError
 from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
@@ -221,6 +222,9 @@ def convert_to_performer(
     softmax_weight: str | None = None,
     layer_windows: dict | None = None,
     linear_tail: bool | None = None,
+    attention: str | None = None,
+    clusters: int | None = None,
+    topk: int | None = None,
 ) -> PerformerPreTrainedModel:
     """Convert a softmax-attention transformers model into the matching Performer model.
 
@@ -247,6 +251,9 @@ def convert_to_performer(
             maps only). Learned-mode layers get ``favor_softmax_weight`` initialised at gamma = 0.1.
         layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int}}``.
         linear_tail: ``False``: window layers attend to the sinks and the window only (no tail).
+        attention, clusters, topk: ``"linear"`` (default: the feature map), or the zero-shot ``"clustered"`` /
+            ``"improved-clustered"`` attention of bidirectional models with ``clusters`` query clusters per head and
+            ``topk`` exact keys per cluster (``None``: 25 and 32). Causal models are refused.
 
     Returns:
         The Performer model (in eval mode, on the source's device and dtype; feature-map projections in float32).
@@ -287,7 +294,8 @@ def convert_to_performer(
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
-                    softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail)
+                    softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail,
+                    attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:
         config = PerformerConfig(source_config=source.config, favor_settings=settings)
@@ -298,7 +306,7 @@ def convert_to_performer(
     performer_class = PERFORMER_CLASSES_BY_TASK[task]
     try:
         performer = performer_class(config)
-    except PerformerConfigError as error:
+    except (PerformerConfigError, ClusteredAttentionError) as error:  # e.g. clustered attention on a causal model
         raise ConversionError(str(error)) from None
     _copy_weights(source, performer.source_model, same_task=(task == source_task))
     _cast_like_source(performer, source)

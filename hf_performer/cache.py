@@ -54,7 +54,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from .favor_settings import is_window_layer, resolve_favor_settings
-from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState
+from .feature_maps import no_redraw
+from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState, linear_attention
 from .window_attention import window_linear_attention
 
 
@@ -399,3 +400,20 @@ def new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx: int, q_len
             "all tokens so far"
         )
     return key_padding_mask[:, -k_len:]
+
+
+def record_for_rollback(cache_layer, query_heads: int, key, value, feature_map, key_padding_mask, common: dict):
+    """Let a recording :class:`FavorCacheLayer` undo this call's tokens (assisted decoding): it keeps the state
+    before the call, the new keys / values, and a function folding kept tokens into that state with this layer's
+    features (placeholder queries: only the state is used)."""
+
+    def fold(start_state, keys, values, mask):
+        placeholder = keys.new_zeros(keys.shape[0], query_heads, keys.shape[2], keys.shape[3])
+        with no_redraw(feature_map, active=True):
+            _, state = linear_attention(
+                placeholder, keys, values, feature_map, causal=True, key_padding_mask=mask, initial_state=start_state,
+                return_state=True, **common,
+            )
+        return state
+
+    cache_layer.record_call(cache_layer.state, key, value, key_padding_mask, fold)

@@ -36,7 +36,12 @@ Behaviour of :func:`favor_attention_forward`:
   run :func:`~.window_attention.window_linear_attention`: exact softmax over the sink tokens and a sliding window,
   the feature map for older keys (none with ``linear_tail=False``), one shared normaliser. In learned mode
   (:func:`~.favor_settings.softmax_weight_mode`) the module owns ``favor_softmax_weight``
-  (:class:`~.window_attention.SoftmaxWeight`, gamma per head).
+  (:class:`~.window_attention.SoftmaxWeight`, gamma per head);
+* ``favor_settings["attention"]`` ``"clustered"`` / ``"improved-clustered"`` (bidirectional models only) runs
+  :func:`~.clustered_attention.clustered_attention` / :func:`~.clustered_attention.improved_clustered_attention`
+  with ``clusters`` and ``topk`` (capped at the key length: ``topk >= L`` is exact softmax) and hash seed
+  ``seed + layer``: a zero-shot approximation with no feature map and no parameters. Causal layers are refused
+  (when the model is built, and in the forward of a stock model switched to favor).
 
 Settings are read from ``module.config.favor_settings`` (validated strictly by
 :func:`~.favor_settings.resolve_favor_settings`; absent keys take :data:`~.favor_settings.FAVOR_DEFAULTS`)
@@ -62,7 +67,6 @@ models for ``trust_remote_code``.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import weakref
 
@@ -94,16 +98,19 @@ from .cache import (
     is_favor_cache_layer,
     is_window_cache_layer,
     new_tokens_padding_mask,
+    record_for_rollback,
 )
+from .clustered_attention import clustered_attention_from_settings, refuse_causal_clustered
 from .favor_settings import (
     build_feature_map,
     favor_settings_of,
+    is_clustered,
     is_int,
     is_window_layer,
     layer_window,
     softmax_weight_mode,
 )
-from .feature_maps import FeatureMap
+from .feature_maps import FeatureMap, no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
 from .packed_sequences import packed_segment_ids, packed_sequences_of
 from .window_attention import SoftmaxWeight, window_linear_attention
@@ -270,8 +277,11 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
     for name, module in modules:
         if not uses_favor(module):
             continue
-        install_cache_hooks(module)
         layer_idx = layer_index_of(module)
+        if is_clustered(module_favor_settings(module)):  # no feature map, no recurrent cache
+            refuse_causal_clustered(module_favor_settings(module)["attention"], layer_idx, getattr(module, "is_causal", False))
+            continue
+        install_cache_hooks(module)
         if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
             head_dim = _module_head_dim(module)
             if head_dim is None:
@@ -311,19 +321,6 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
     _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     feature_map = build_feature_map(settings, query.shape[-1], layer_idx, query.shape[1], key.shape[1])
     return _attach_feature_map(module, feature_map.to(query.device))
-
-
-@contextlib.contextmanager
-def _no_redraw(feature_map: FeatureMap, active: bool):
-    """Continuing a recurrent state needs exactly the features used before: no redraw, even in training."""
-    if not active or not feature_map.training:
-        yield
-        return
-    feature_map.train(False)
-    try:
-        yield
-    finally:
-        feature_map.train(True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -580,23 +577,6 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
-def _record_for_rollback(cache_layer, query_heads: int, key, value, feature_map, key_padding_mask, common: dict):
-    """Let a recording :class:`FavorCacheLayer` undo this call's tokens (assisted decoding): it keeps the state
-    before the call, the new keys / values, and a function folding kept tokens into that state with this layer's
-    features (placeholder queries: only the state is used)."""
-
-    def fold(start_state, keys, values, mask):
-        placeholder = keys.new_zeros(keys.shape[0], query_heads, keys.shape[2], keys.shape[3])
-        with _no_redraw(feature_map, active=True):
-            _, state = linear_attention(
-                placeholder, keys, values, feature_map, causal=True, key_padding_mask=mask, initial_state=start_state,
-                return_state=True, **common,
-            )
-        return state
-
-    cache_layer.record_call(cache_layer.state, key, value, key_padding_mask, fold)
-
-
 def favor_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -644,6 +624,12 @@ def favor_attention_forward(
             "attention matrix; it is ignored (other dropouts of the model still apply)."
         )
 
+    if is_clustered(settings):
+        refuse_causal_clustered(settings["attention"], layer_idx, causal)
+        out = clustered_attention_from_settings(query, key, value, _key_padding_mask(attention_mask, False), scaling,
+                                           settings, layer_idx)
+        return out.transpose(1, 2).contiguous(), None
+
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = _key_padding_mask(attention_mask, causal)
     q_len, k_len = query.shape[2], key.shape[2]
@@ -674,13 +660,13 @@ def favor_attention_forward(
     if is_favor_cache_layer(cache_layer):
         # Recurrent path: `key`/`value` are only the new tokens; earlier ones are in the layer's state.
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
-        with _no_redraw(feature_map, active=cache_layer.state is not None):
+        with no_redraw(feature_map, active=cache_layer.state is not None):
             out, state = linear_attention(
                 query, key, value, feature_map, causal=True, key_padding_mask=key_padding_mask,
                 initial_state=cache_layer.state, return_state=True, **common,
             )
         if getattr(cache_layer, "record_past", False):
-            _record_for_rollback(cache_layer, query.shape[1], key, value, feature_map, key_padding_mask, common)
+            record_for_rollback(cache_layer, query.shape[1], key, value, feature_map, key_padding_mask, common)
         cache_layer.set_state(state)
     else:
         if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -693,7 +679,7 @@ def favor_attention_forward(
             # A cache holding full keys/values: the queries are the last `q_len` positions. Run the causal
             # kernel over all keys with placeholder queries for the past ones (O(L) per step, still exact).
             placeholder = query.new_zeros(query.shape[0], query.shape[1], k_len - q_len, query.shape[3])
-            with _no_redraw(feature_map, active=True):
+            with no_redraw(feature_map, active=True):
                 out = linear_attention(
                     torch.cat([placeholder, query], dim=2), key, value, feature_map, causal=True,
                     key_padding_mask=key_padding_mask, **common,
@@ -763,7 +749,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     if is_window_cache_layer(cache_layer):
         # Constant-size path: `key`/`value` are the new tokens; sinks, recent keys and the tail sums are in the state.
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
-        with _no_redraw(feature_map, active=cache_layer.state is not None):
+        with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks, softmax_weight=gamma,
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
@@ -782,7 +768,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).
         placeholder = query.new_zeros(query.shape[0], query.shape[1], k_len - q_len, query.shape[3])
-        with _no_redraw(feature_map, active=True):
+        with no_redraw(feature_map, active=True):
             out = window_linear_attention(torch.cat([placeholder, query], dim=2), key, value, tail_map, **arguments)
         return out[:, :, -q_len:]
     return window_linear_attention(query, key, value, tail_map, **arguments)

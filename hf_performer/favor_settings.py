@@ -10,7 +10,8 @@ its validation and what it builds.
 * :func:`effective_nb_features`: the number of features per head a layer really has;
 * :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``;
 * :func:`layer_window`: the resolved ``(window, sinks)`` of a layer (a "window layer" when either is > 0);
-* :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved).
+* :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved);
+* :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
 This module imports only relative siblings (and, through them, ``torch``): it is copied next to saved models
 for ``trust_remote_code``.
@@ -72,6 +73,12 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("linear_tail", bool, True,
                  "window layers attend to keys older than the window through the feature map; False = sinks + "
                  "window exact softmax only (ablation)"),
+    FavorSetting("attention", str, "linear",
+                 '"linear" (the feature map), or the zero-shot "clustered" / "improved-clustered" attention of '
+                 "bidirectional models (no feature map; the seed of layer i hashes its queries with seed + i)"),
+    FavorSetting("clusters", int, 25, "(improved-)clustered attention: query clusters per head"),
+    FavorSetting("topk", int, 32,
+                 "improved-clustered attention: keys per cluster attended exactly (at most the sequence length)"),
 )
 
 FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTINGS}
@@ -87,6 +94,10 @@ WINDOW_SETTINGS = ("window", "sinks", "softmax_weight", "layer_windows", "linear
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 SOFTMAX_WEIGHT_MODES = ("auto", "calibrated", "learned")
 LAYER_WINDOW_KEYS = ("window", "sinks")
+ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
+CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
+"""The attention-kind keys (:func:`is_clustered`). A config records them only for clustered attention (``topk`` only
+for improved): a linear-attention config stays as before, and a config without them is linear attention."""
 
 RANDOM_MAP_OPTIONS = ("orthogonal", "row_norms", "redraw_interval", "seed")
 LEARNED_MAP_SETTINGS = ("seed",)
@@ -180,7 +191,10 @@ def resolve_favor_settings(settings: dict | None = None) -> dict:
 
 
 def _canonical(resolved: dict) -> dict:
-    return {name: resolved[name] for name in CANONICAL_KEYS[feature_map_kind(resolved["feature_map"])]}
+    keys = [name for name in CANONICAL_KEYS[feature_map_kind(resolved["feature_map"])] if name not in CLUSTERED_SETTINGS]
+    if is_clustered(resolved):
+        keys += ["attention", "clusters"] + (["topk"] if resolved["attention"] == "improved-clustered" else [])
+    return {name: resolved[name] for name in keys}
 
 
 def canonical_favor_settings(settings: dict | None) -> dict:
@@ -235,6 +249,7 @@ def _validate(settings: dict) -> dict:
     resolved["feature_map_options"] = _check_feature_map_options(resolved["feature_map"], resolved["feature_map_options"])
 
     _check_window_settings(resolved, kind)
+    _check_clustered_settings(resolved)
 
     if kind != "random":
         allowed = LEARNED_MAP_SETTINGS if kind == "learned" else ()
@@ -326,6 +341,27 @@ def softmax_weight_mode(settings: dict) -> str:
     if mode == "auto":
         return "learned" if feature_map_kind(settings["feature_map"]) == "learned" else "calibrated"
     return mode
+def _check_clustered_settings(resolved: dict) -> None:
+    """Validate the attention kind and its cluster settings."""
+    if resolved["attention"] not in ATTENTION_KINDS:
+        raise ValueError(
+            f"favor_settings['attention'] must be one of {list(ATTENTION_KINDS)}, got {resolved['attention']!r}"
+        )
+    for name in ("clusters", "topk"):
+        if not (is_int(resolved[name]) and resolved[name] >= 1):
+            raise ValueError(f"favor_settings[{name!r}] must be an int >= 1, got {resolved[name]!r}")
+    windowed = resolved["window"] or resolved["sinks"] or resolved["layer_windows"]
+    if is_clustered(resolved) and windowed:
+        raise ValueError(
+            f"favor_settings['attention']={resolved['attention']!r} takes no window, sinks or layer_windows (those "
+            "are for attention='linear'); got window={}, sinks={}, layer_windows={}".format(
+                resolved["window"], resolved["sinks"], resolved["layer_windows"])
+        )
+
+
+def is_clustered(settings: dict) -> bool:
+    """Whether resolved ``settings`` select clustered or improved clustered attention (no feature map)."""
+    return settings.get("attention", "linear") != "linear"
 
 
 def _keyword_options(factory) -> list[str]:
@@ -423,6 +459,9 @@ __all__ = [
     "favor_settings_of",
     "feature_map_kind",
     "layer_window",
+
+
+    "is_clustered",
     "resolve_favor_settings",
     "softmax_weight_mode",
 ]

@@ -37,6 +37,7 @@ This module imports only ``torch``: it is copied next to saved models for ``trus
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Callable, NamedTuple
 
@@ -587,3 +588,16 @@ def default_feature_map_init(name: str) -> str | None:
 
 def available_feature_maps() -> list[str]:
     return sorted(FEATURE_MAPS)
+
+
+@contextlib.contextmanager
+def no_redraw(feature_map: FeatureMap, active: bool):
+    """Continuing a recurrent state needs exactly the features used before: no redraw, even in training."""
+    if not active or not feature_map.training:
+        yield
+        return
+    feature_map.train(False)
+    try:
+        yield
+    finally:
+        feature_map.train(True)

@@ -178,3 +178,75 @@ def reference_window_linear_attention(
     else:
         weights = softmax_weight.to(torch.float64)[None, :, None, None] * exact_weights + tail_weights
     return (weights @ v) / weights.sum(-1, keepdim=True)
+
+
+# ------------------------------------------------------------------------------------ clustered attention
+
+
+def _reference_cluster_weights(query, key, key_padding_mask, scaling, clusters, assignment):
+    """Dense float64 pieces of clustered attention for a given assignment: the member matrix ``M`` ``[B, H, Lq, C]``
+    (``M_ic = 1`` if query ``i`` is in cluster ``c``), the centroid attention ``A^c`` ``[B, H, C, Lk]``, the keys
+    ``[B, H, Lk, d]`` repeated for grouped-query heads, the key mask ``[B, 1, 1, Lk]`` and the scale."""
+    from .clustered_attention import _query_keep
+
+    scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    q, k = query.to(torch.float64), key.to(torch.float64).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    members = torch.nn.functional.one_hot(assignment, clusters).to(torch.float64)  # [B, H, Lq, C]
+    voters = members * _query_keep(query, key_padding_mask)[:, None, :, None]  # padded queries excluded
+    centroids = (voters.transpose(-1, -2) @ q) / voters.sum(2)[..., None].clamp_min(1)  # mean of members
+    keep = torch.ones(k.shape[0], k.shape[2], dtype=torch.bool) if key_padding_mask is None else (
+        key_padding_mask.to(torch.bool))
+    keep = keep[:, None, None, :]
+    cluster_scores = (scale * centroids @ k.transpose(-1, -2)).masked_fill(~keep, float("-inf"))
+    return members, torch.softmax(cluster_scores, dim=-1), k, keep, scale
+
+
+def _reference_assignment(query, key, value, clusters, topk, key_padding_mask, hash_bits, iterations, seed, causal,
+                          assignment):
+    from .clustered_attention import check_clustered_inputs, cluster_queries
+
+    check_clustered_inputs(query, key, value, clusters=clusters, topk=topk, key_padding_mask=key_padding_mask,
+                           hash_bits=hash_bits, iterations=iterations, causal=causal, assignment=assignment)
+    if assignment is not None:
+        return assignment, clusters
+    assignment = cluster_queries(query, clusters=clusters, key_padding_mask=key_padding_mask, hash_bits=hash_bits,
+                                 iterations=iterations, seed=seed)
+    return assignment, min(clusters, query.shape[2])
+
+
+def reference_clustered_attention(query, key, value, *, clusters, key_padding_mask=None, scaling=None, hash_bits=63,
+                                  iterations=10, seed=0, causal=False, assignment=None):
+    """Clustered attention, dense float64: ``out = M A^c V`` (every query takes its cluster's centroid attention).
+
+    Same arguments as :func:`~.clustered_attention.clustered_attention`, same assignment (from
+    :func:`~.clustered_attention.cluster_queries` unless given). Returns float64 ``[B, H, Lq, dv]``.
+    """
+    assignment, clusters = _reference_assignment(query, key, value, clusters, None, key_padding_mask, hash_bits,
+                                                 iterations, seed, causal, assignment)
+    members, cluster_weights, _, _, _ = _reference_cluster_weights(query, key, key_padding_mask, scaling, clusters,
+                                                                   assignment)
+    v = value.to(torch.float64).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    return members @ cluster_weights @ v
+
+
+def reference_improved_clustered_attention(query, key, value, *, clusters, topk, key_padding_mask=None, scaling=None,
+                                           hash_bits=63, iterations=10, seed=0, causal=False, assignment=None):
+    """Improved clustered attention, dense ``[B, H, Lq, Lk]`` in float64.
+
+    Same arguments as :func:`~.clustered_attention.improved_clustered_attention`. Per query ``i`` of cluster ``c``
+    builds the full row ``A_ij = m_c softmax_{T_c}(s_i)_j`` on the top-k set ``T_c`` of ``A^c_c`` and
+    ``A_ij = A^c_cj`` elsewhere (``m_c = sum_{T_c} A^c_cj``), then ``out = A V``. Returns ``[B, H, Lq, dv]``.
+    """
+    assignment, clusters = _reference_assignment(query, key, value, clusters, topk, key_padding_mask, hash_bits,
+                                                 iterations, seed, causal, assignment)
+    members, cluster_weights, k, keep, scale = _reference_cluster_weights(query, key, key_padding_mask, scaling,
+                                                                          clusters, assignment)
+    v = value.to(torch.float64).repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+    top = torch.zeros_like(cluster_weights, dtype=torch.bool).scatter(
+        -1, cluster_weights.topk(topk, dim=-1).indices, True)  # T_c, [B, H, C, Lk]
+    query_top = (members @ top.to(torch.float64)).to(torch.bool) & keep  # T_c(i), [B, H, Lq, Lk]
+    query_cluster_weights = members @ cluster_weights  # A^c_c(i), [B, H, Lq, Lk]
+    mass = (query_cluster_weights * query_top).sum(-1, keepdim=True)
+    scores = (scale * query.to(torch.float64) @ k.transpose(-1, -2)).masked_fill(~query_top, float("-inf"))
+    weights = torch.where(query_top, mass * torch.softmax(scores, dim=-1), query_cluster_weights)
+    return weights @ v

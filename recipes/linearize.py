@@ -25,7 +25,6 @@ to transfer into. Zero steps skip a stage. :func:`run_linearize` leaves the fini
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import time

@@ -52,8 +52,9 @@ TOKEN = "hf_fake_token_for_tests_0123456789"
 REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
-CODE_FILES = ["attention_weights.py", "cache.py", "configuration_performer.py", "favor_attention.py", "favor_settings.py",
-              "feature_maps.py", "linear_attention.py", "modeling_performer.py", "packed_sequences.py",
+CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "configuration_performer.py",
+              "favor_attention.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
+              "modeling_performer.py", "packed_sequences.py",
               "window_attention.py"]
 
 

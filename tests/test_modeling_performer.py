@@ -43,6 +43,7 @@ from hf_performer import (
     PerformerForTokenClassification,
     PerformerModel,
 )
+from hf_performer.favor_settings import CLUSTERED_SETTINGS
 from hf_performer.feature_maps import FeatureMap
 from conftest import TINY_VOCAB, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
@@ -56,6 +57,7 @@ CODE_FILES = (
     "favor_attention.py",
     "favor_settings.py",
     "cache.py",
+    "clustered_attention.py",
     "feature_maps.py",
     "linear_attention.py",
 )
@@ -89,7 +91,9 @@ def input_batch(batch=2, length=9, padded=True):
 def test_config_holds_source_config_and_settings():
     config = PerformerConfig(source_config=bert_config().to_dict(), nb_features=32, softmax_layers=[1])
     assert isinstance(config.source_config, BertConfig)
-    assert config.favor_settings == {**FAVOR_DEFAULTS, "nb_features": 32, "softmax_layers": [1]}
+    # Every default is recorded, except the clustered-attention keys of a linear-attention config.
+    linear_defaults = {key: value for key, value in FAVOR_DEFAULTS.items() if key not in CLUSTERED_SETTINGS}
+    assert config.favor_settings == {**linear_defaults, "nb_features": 32, "softmax_layers": [1]}
     assert config.nb_features == 32 and config.softmax_layers == [1]
     # Source attributes are read and written through the Performer config, stored once (in source_config).
     assert config.hidden_size == 32

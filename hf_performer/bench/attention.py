@@ -5,6 +5,9 @@
   ``torch.nn.functional.scaled_dot_product_attention`` and the eager materialised softmax that
   transformers' ``"eager"`` path uses, all measured in the same run, interleaved length by length.
   Reports the crossover length, achieved GFLOP/s and a plain matmul's GFLOP/s on the same machine.
+  Bidirectional only, the zero-shot approximations of softmax: clustered and improved clustered attention
+  (``--clusters``, ``--topk``) and a Reformer-style shared-QK LSH attention (:mod:`.lsh_attention`, a comparison
+  row only).
 * ``approximation``: mean squared error of FAVOR+ attention against exact softmax attention as the
   number of random features grows, orthogonal against iid projections, over several seeds.
 
@@ -25,9 +28,16 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..clustered_attention import (
+    DEFAULT_HASH_BITS,
+    DEFAULT_ITERATIONS,
+    clustered_attention,
+    improved_clustered_attention,
+)
 from ..feature_maps import make_feature_map
 from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
 from ..reference import softmax_attention
+from .lsh_attention import lsh_attention
 from .machine import (
     machine_info,
     matmul_gflops,
@@ -36,23 +46,48 @@ from .machine import (
     resident_bytes,
     timed_calls,
 )
-from .report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, summarize_speed
+from .report import (
+    ATTENTION_IMPLEMENTATIONS,
+    ATTENTION_MODES,
+    BIDIRECTIONAL_ONLY,
+    DEFAULT_ATTENTION_IMPLEMENTATIONS,
+    summarize_speed,
+)
+
+DEFAULT_CLUSTERS = 100
+DEFAULT_TOPK = 32
+DEFAULT_BUCKET_SIZE = 64
 
 
 # ------------------------------------------------------------------------------------ FLOP counts
 
 
 def attention_flops(implementation: str, mode: str, length: int, heads: int, head_dim: int, nb_features: int,
-                    batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True) -> float:
+                    batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True,
+                    clusters: int = DEFAULT_CLUSTERS, topk: int = DEFAULT_TOPK,
+                    bucket_size: int = DEFAULT_BUCKET_SIZE) -> float:
     """Matmul FLOPs of one attention call (forward, plus backward if asked).
 
     Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
     when causal. FAVOR+ bidirectional: ``8 L m d`` forward (half of it the feature map) and
     ``12 L m d`` backward. FAVOR+ causal (chunk ``C``, ``e = d + 1``): ``4 L m d + 2 L C (m + e) +
-    4 L m e`` forward and ``4 L m d + 4 L C (m + e) + 8 L m e`` backward.
+    4 L m e`` forward and ``4 L m d + 4 L C (m + e) + 8 L m e`` backward. Clustered (``c`` clusters, ``b`` hash
+    bits, ``t`` Lloyd iterations, no gradient): ``2 L d b + 2 (t + 1) L c b`` clustering, ``4 L c d`` attention
+    forward and ``8 L c d`` backward; improved adds ``2 L c d`` (the rest) and ``4 L k d`` (``8 L k d``
+    backward). LSH (bucket ``s``): ``2 L d (L / s) / 2`` hashing and ``8 L s d`` forward (``20 L s d`` backward).
     """
     L, d, m, C, e = length, head_dim, nb_features, chunk_size, head_dim + 1
-    if implementation in ("sdpa", "eager"):
+    if implementation in ("clustered", "improved-clustered"):
+        c, b, k = min(clusters, L), DEFAULT_HASH_BITS, topk
+        forward = 2 * L * d * b + 2 * (DEFAULT_ITERATIONS + 1) * L * c * b + 4 * L * c * d
+        backward_flops = 8 * L * c * d
+        if implementation == "improved-clustered":
+            forward += 2 * L * c * d + 4 * L * k * d
+            backward_flops += 4 * L * c * d + 8 * L * k * d
+    elif implementation == "lsh":
+        s = min(bucket_size, L)
+        forward, backward_flops = L * d * max(2, L // s) + 8 * L * s * d, 20 * L * s * d
+    elif implementation in ("sdpa", "eager"):
         forward, backward_flops = 4 * L * L * d, 10 * L * L * d
         if mode == "causal":
             forward, backward_flops = forward / 2, backward_flops / 2
@@ -79,9 +114,18 @@ def _eager_attention(q, k, v, causal):
 
 
 def make_attention_call(implementation: str, mode: str, head_dim: int, nb_features: int, chunk_size: int,
-                        device: torch.device):
-    """A function ``(q, k, v) -> out`` for one implementation and mode."""
+                        device: torch.device, clusters: int = DEFAULT_CLUSTERS, topk: int = DEFAULT_TOPK,
+                        bucket_size: int = DEFAULT_BUCKET_SIZE):
+    """A function ``(q, k, v) -> out`` for one implementation and mode (``lsh`` ignores ``k``: shared QK)."""
     causal = mode == "causal"
+    if implementation in BIDIRECTIONAL_ONLY and causal:
+        raise ValueError(f"{implementation} attention is bidirectional only; got mode={mode!r}")
+    if implementation == "clustered":
+        return lambda q, k, v: clustered_attention(q, k, v, clusters=clusters)
+    if implementation == "improved-clustered":
+        return lambda q, k, v: improved_clustered_attention(q, k, v, clusters=clusters, topk=topk)
+    if implementation == "lsh":
+        return lambda q, k, v: lsh_attention(q, v, bucket_size=bucket_size)
     if implementation == "sdpa":
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if implementation == "eager":
@@ -112,7 +156,7 @@ def time_attention_call(call, batch, heads, length, head_dim, device, dtype, bac
 
 
 def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device,
-                      dtype, backward=True) -> int:
+                      dtype, backward=True, **options) -> int:
     """Extra peak memory of one call beyond its inputs.
 
     CUDA: ``torch.cuda.max_memory_allocated``. CPU (which has no allocator statistics): a fresh
@@ -121,7 +165,7 @@ def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_f
     if device.type == "cuda":
         shape = (batch, heads, length, head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
-        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device)
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device, **options)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -132,7 +176,7 @@ def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_f
         return int(torch.cuda.max_memory_allocated(device) - base)
     request = dict(implementation=implementation, mode=mode, batch=batch, heads=heads, length=length,
                    head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
-                   dtype=str(dtype).replace("torch.", ""), backward=backward)
+                   dtype=str(dtype).replace("torch.", ""), backward=backward, options=options)
     result = subprocess.run(
         [sys.executable, "-c", "import sys, json; from hf_performer.bench.attention import _rss_child; "
          "_rss_child(json.loads(sys.argv[1]))", json.dumps(request)],
@@ -147,9 +191,9 @@ def _rss_child(request: dict) -> None:
     dtype = getattr(torch, request["dtype"])
     device = torch.device("cpu")
     call = make_attention_call(request["implementation"], request["mode"], request["head_dim"],
-                               request["nb_features"], request["chunk_size"], device)
+                               request["nb_features"], request["chunk_size"], device, **request.get("options", {}))
     # Warm up on a tiny input so that library initialisation is not counted.
-    tiny = [torch.randn(1, 1, 8, request["head_dim"], dtype=dtype, requires_grad=True) for _ in range(3)]
+    tiny = [torch.randn(1, 1, 64, request["head_dim"], dtype=dtype, requires_grad=True) for _ in range(3)]
     call(*tiny).sum().backward()
     shape = (request["batch"], request["heads"], request["length"], request["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=request["backward"]) for _ in range(3))
@@ -173,8 +217,11 @@ def run_speed_benchmark(
     nb_features: int = 256,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     modes=ATTENTION_MODES,
-    implementations=ATTENTION_IMPLEMENTATIONS,
+    implementations=DEFAULT_ATTENTION_IMPLEMENTATIONS,
     eager_max_length: int = 4096,
+    clusters: int = DEFAULT_CLUSTERS,
+    topk: int = DEFAULT_TOPK,
+    bucket_size: int = DEFAULT_BUCKET_SIZE,
     device: str = "cpu",
     dtype: str = "float32",
     repeats: int = 3,
@@ -182,30 +229,34 @@ def run_speed_benchmark(
     memory: bool = True,
     progress: bool = True,
 ) -> dict:
-    """Time (and measure peak memory of) every implementation at every length, interleaved."""
+    """Time (and measure peak memory of) every implementation at every length, interleaved (the bidirectional-only
+    implementations are skipped in causal mode)."""
     from tqdm.auto import tqdm
 
     device_ = torch.device(device)
     dtype_ = getattr(torch, dtype)
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
-            if not (impl == "eager" and L > eager_max_length) and not (impl == "favor-recompute" and mode == "causal")]
+            if not (impl == "eager" and L > eager_max_length) and not (impl in BIDIRECTIONAL_ONLY and mode == "causal")]
+    options = dict(clusters=clusters, topk=topk, bucket_size=bucket_size)
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
-        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_)
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, **options)
         seconds = time_attention_call(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
-        flops = attention_flops(implementation, mode, length, heads, head_dim, nb_features, batch, chunk_size, backward)
+        flops = attention_flops(implementation, mode, length, heads, head_dim, nb_features, batch, chunk_size, backward,
+                                **options)
         record = dict(length=length, mode=mode, implementation=implementation, seconds=seconds,
                       gflops_per_s=flops / seconds / 1e9, flops=flops)
         if memory:
             record["peak_memory_bytes"] = peak_memory_bytes(
-                implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device_, dtype_, backward
-            )
+                implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device_, dtype_, backward,
+                **options)
         records.append(record)
     result = {
         "benchmark": "attention_speed",
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                          dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
-                         eager_max_length=eager_max_length),
+                         eager_max_length=eager_max_length, clusters=clusters, topk=topk, bucket_size=bucket_size,
+                         hash_bits=DEFAULT_HASH_BITS, iterations=DEFAULT_ITERATIONS),
         "machine": machine_info(device_),
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
         "records": records,

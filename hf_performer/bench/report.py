@@ -14,7 +14,9 @@ import torch
 
 from .machine import machine_info
 
-ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "sdpa", "eager")  # favor-recompute: bidirectional only
+ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
+BIDIRECTIONAL_ONLY = ("favor-recompute", "clustered", "improved-clustered", "lsh")
+DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "sdpa", "eager")  # the others on request
 ATTENTION_MODES = ("bidirectional", "causal")
 DECODE_IMPLEMENTATIONS = ("favor", "softmax")
 FLATNESS_TARGET = 1.1
@@ -100,7 +102,7 @@ def summarize_speed(result: dict) -> dict:
 def format_speed_table(result: dict) -> str:
     records = result["records"]
     lines = [
-        f"{'L':>6} {'mode':<13} {'impl':<6} {'time (s)':>9} {'GFLOP/s':>8} {'peak MiB':>9} {'vs sdpa':>8}",
+        f"{'L':>6} {'mode':<13} {'impl':<18} {'time (s)':>9} {'GFLOP/s':>8} {'peak MiB':>9} {'vs sdpa':>8}",
     ]
     order = lambda r: (r["mode"], r["length"], ATTENTION_IMPLEMENTATIONS.index(r["implementation"]))  # noqa: E731
     for record in sorted(records, key=order):
@@ -108,7 +110,7 @@ def format_speed_table(result: dict) -> str:
         ratio = f"{sdpa['seconds'] / record['seconds']:7.2f}x" if sdpa else ""
         memory = record.get("peak_memory_bytes")
         memory = f"{memory / 2**20:9.0f}" if memory is not None else f"{'-':>9}"
-        lines.append(f"{record['length']:>6} {record['mode']:<13} {record['implementation']:<6} "
+        lines.append(f"{record['length']:>6} {record['mode']:<13} {record['implementation']:<18} "
                      f"{record['seconds']:9.3f} {record['gflops_per_s']:8.1f} {memory} {ratio:>8}")
     crossover = result["summary"]["crossover_length_vs_sdpa"]
     lines.append("crossover length (FAVOR+ faster than SDPA at every longer measured length from): " + ", ".join(
@@ -123,8 +125,12 @@ def plot_speed(result: dict, path: Path) -> None:
     records = result["records"]
     has_memory = any("peak_memory_bytes" in r for r in records)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
-    styles = {"favor": "-o", "favor-recompute": "--x", "sdpa": "-s", "eager": ":^"}
-    names = {"favor": "FAVOR+", "favor-recompute": "FAVOR+ (recompute)", "sdpa": "SDPA", "eager": "eager softmax"}
+    styles = {"favor": "-o", "favor-recompute": "--x", "sdpa": "-s", "eager": ":^", "clustered": "-.v",
+              "improved-clustered": "-.D", "lsh": ":*"}
+    s = result["settings"]
+    names = {"favor": "FAVOR+", "favor-recompute": "FAVOR+ (recompute)", "sdpa": "SDPA", "eager": "eager softmax",
+             "clustered": f"clustered C={s.get('clusters')}", "improved-clustered":
+             f"improved clustered C={s.get('clusters')} k={s.get('topk')}", "lsh": f"LSH bucket {s.get('bucket_size')}"}
     colors = {"bidirectional": "tab:blue", "causal": "tab:red"}
     for mode in sorted({r["mode"] for r in records}):
         for impl in ATTENTION_IMPLEMENTATIONS:
@@ -137,7 +143,6 @@ def plot_speed(result: dict, path: Path) -> None:
             if has_memory:
                 axes[0][1].plot(lengths, [p[1]["peak_memory_bytes"] / 2**20 for p in points], styles[impl],
                                 color=colors[mode], label=label)
-    s = result["settings"]
     title = (f"one attention layer, {'fwd+bwd' if s['backward'] else 'fwd'}, B={s['batch']} H={s['heads']} "
              f"d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n{result['machine']['device_name']}")
     _log_log_axes(axes[0], "sequence length L", ["time (s)", "peak extra memory (MiB)"])

@@ -19,7 +19,7 @@ import json
 import sys
 from dataclasses import dataclass
 
-from ..favor_settings import FAVOR_SETTINGS, SOFTMAX_WEIGHT_MODES
+from ..favor_settings import ATTENTION_KINDS, FAVOR_SETTINGS, SOFTMAX_WEIGHT_MODES
 from ..feature_maps import LEARNED_MAP_INITS, available_feature_maps
 
 
@@ -64,13 +64,20 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("softmax_weight", "--softmax-weight", {"choices": SOFTMAX_WEIGHT_MODES}),
     FavorFlag("layer_windows", "--layer-windows", {"type": json_object, "metavar": "JSON"}),
     FavorFlag("linear_tail", "--no-linear-tail", {"action": "store_const", "const": False}),
+    FavorFlag("attention", "--attention", {"choices": ATTENTION_KINDS}),
+    FavorFlag("clusters", "--clusters", {"type": int, "metavar": "C"}),
+    FavorFlag("topk", "--topk", {"type": int, "metavar": "K"}),
 )}
 """``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
 sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes JSON; ``--no-linear-tail`` sets
-``linear_tail=False``."""
+``linear_tail=False``. The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
+``attention``."""
 
 WINDOW_FLAG_SETTINGS = ("window", "sinks", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window flags, declared together by the verbs that convert (convert, distill, recipes)."""
+
+CLUSTERED_FLAG_SETTINGS = ("attention", "clusters", "topk")
+"""The zero-shot clustered-attention flags (``convert``; ``bench attention`` takes ``clusters`` and ``topk``)."""
 
 _SCHEMA = {setting.name: setting for setting in FAVOR_SETTINGS}
 

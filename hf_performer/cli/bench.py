@@ -13,7 +13,7 @@ from pathlib import Path
 from ..bench import attention, decode, report
 from ..bench.decode import FULL_CONTEXT_LENGTHS, QUICK_CONTEXT_LENGTHS
 from ..bench.machine import machine_load_warning
-from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES
+from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, DEFAULT_ATTENTION_IMPLEMENTATIONS
 from ..linear_attention import DEFAULT_CHUNK_SIZE
 from . import add_verb_parser
 from .arguments import add_favor_arguments, comma_separated_ints
@@ -38,7 +38,8 @@ def run_speed(args) -> int:
     result = attention.run_speed_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
-        implementations=args.implementations, eager_max_length=args.eager_max_length, device=args.device,
+        implementations=args.implementations, eager_max_length=args.eager_max_length, clusters=args.clusters,
+        topk=args.topk, bucket_size=args.bucket_size, device=args.device,
         dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
     )
     return _print_and_write(result, report.format_speed_table(result), args.output_dir, args.name, report.plot_speed)
@@ -99,7 +100,14 @@ def add_parser(subparsers) -> None:
                         helps={"nb_features": "features m per head", "chunk_size": "causal chunk size"})
     speed.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
     speed.add_argument("--implementations", nargs="+", choices=ATTENTION_IMPLEMENTATIONS,
-                       default=list(ATTENTION_IMPLEMENTATIONS))
+                       default=list(DEFAULT_ATTENTION_IMPLEMENTATIONS),
+                       help="clustered, improved-clustered and lsh (Reformer-style shared-QK, a comparison row only) "
+                            "are bidirectional only")
+    add_favor_arguments(speed, ("clusters", "topk"),
+                        defaults={"clusters": attention.DEFAULT_CLUSTERS, "topk": attention.DEFAULT_TOPK},
+                        helps={"clusters": "query clusters per head of (improved-)clustered",
+                               "topk": "keys per cluster computed exactly by improved-clustered"})
+    speed.add_argument("--bucket-size", type=int, default=attention.DEFAULT_BUCKET_SIZE, help="chunk length of lsh")
     speed.add_argument("--eager-max-length", type=int, default=4096,
                        help="skip eager softmax above this length (it materialises [L, L] per head)")
     speed.add_argument("--device", default="cpu")

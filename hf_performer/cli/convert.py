@@ -25,10 +25,16 @@ from ..favor_settings import FAVOR_DEFAULTS
 from ..hub import write_model_card
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-from .arguments import WINDOW_FLAG_SETTINGS, add_deprecated_alias, add_favor_arguments, favor_settings_from_args
+from .arguments import (
+    CLUSTERED_FLAG_SETTINGS,
+    WINDOW_FLAG_SETTINGS,
+    add_deprecated_alias,
+    add_favor_arguments,
+    favor_settings_from_args,
+)
 
 CONVERT_SETTINGS = ("feature_map", "nb_features", "softmax_layers", "seed", "orthogonal", "row_norms",
-                    "redraw_interval", "chunk_size", *WINDOW_FLAG_SETTINGS)
+                    "redraw_interval", "chunk_size", *WINDOW_FLAG_SETTINGS, *CLUSTERED_FLAG_SETTINGS)
 """The favor settings ``convert`` takes as flags (:data:`.arguments.FAVOR_FLAGS`)."""
 
 
@@ -45,9 +51,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     add_favor_arguments(parser, CONVERT_SETTINGS[:3], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
     add_position_table_arguments(parser)
-    favor_seed = add_favor_arguments(parser, CONVERT_SETTINGS[3:-len(WINDOW_FLAG_SETTINGS)])["seed"]
+    favor_seed = add_favor_arguments(
+        parser, CONVERT_SETTINGS[3:-len(WINDOW_FLAG_SETTINGS) - len(CLUSTERED_FLAG_SETTINGS)])["seed"]
     add_favor_arguments(parser.add_argument_group("sink + sliding-window hybrid (any feature map)"),
                         WINDOW_FLAG_SETTINGS)
+    add_favor_arguments(parser.add_argument_group(
+        "zero-shot clustered attention (bidirectional models; no feature map, no training)"), CLUSTERED_FLAG_SETTINGS)
     add_deprecated_alias(parser, "--seed", favor_seed)
     parser.add_argument(
         "--text",
