@@ -29,6 +29,7 @@ from ..feature_maps import make_feature_map
 from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
 from ..reference import softmax_attention
 from .machine import (
+    load_average,
     machine_info,
     matmul_gflops,
     peak_resident_bytes,
@@ -36,7 +37,7 @@ from .machine import (
     resident_bytes,
     timed_calls,
 )
-from .report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, summarize_speed
+from .report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, summarize_memory, summarize_speed
 
 
 # ------------------------------------------------------------------------------------ FLOP counts
@@ -44,12 +45,13 @@ from .report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, summarize_speed
 
 def attention_flops(implementation: str, mode: str, length: int, heads: int, head_dim: int, nb_features: int,
                     batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True) -> float:
-    """Matmul FLOPs of one attention call (forward, plus backward if asked).
+    """Matmul FLOPs of one attention call as executed (forward, plus backward if asked).
 
     Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
-    when causal. FAVOR+ bidirectional: ``8 L m d`` forward (half of it the feature map) and
-    ``12 L m d`` backward. FAVOR+ causal (chunk ``C``, ``e = d + 1``): ``4 L m d + 2 L C (m + e) +
-    4 L m e`` forward and ``4 L m d + 4 L C (m + e) + 8 L m e`` backward.
+    when causal. FAVOR+ (``e = d + 1``, chunk ``C``; the backward recomputes the features of queries and
+    keys chunk by chunk, the causal one twice, in its forward-order and reverse-order passes):
+    bidirectional ``4 L m d + 4 L m e`` forward and ``8 L m d + 10 L m e`` backward; causal
+    ``4 L m d + 2 L C (m + e) + 4 L m e`` forward and ``12 L m d + 8 L C (m + e) + 12 L m e`` backward.
     """
     L, d, m, C, e = length, head_dim, nb_features, chunk_size, head_dim + 1
     if implementation in ("sdpa", "eager"):
@@ -57,12 +59,10 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
         if mode == "causal":
             forward, backward_flops = forward / 2, backward_flops / 2
     elif mode == "bidirectional":
-        forward, backward_flops = 8 * L * m * d, 12 * L * m * d
-        if implementation == "favor-recompute":
-            backward_flops += 4 * L * m * d
+        forward, backward_flops = 4 * L * m * d + 4 * L * m * e, 8 * L * m * d + 10 * L * m * e
     else:
         forward = 4 * L * m * d + 2 * L * C * (m + e) + 4 * L * m * e
-        backward_flops = 4 * L * m * d + 4 * L * C * (m + e) + 8 * L * m * e
+        backward_flops = 12 * L * m * d + 8 * L * C * (m + e) + 12 * L * m * e
     return batch * heads * (forward + (backward_flops if backward else 0))
 
 
@@ -86,11 +86,9 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if implementation == "eager":
         return lambda q, k, v: _eager_attention(q, k, v, causal)
-    if implementation in ("favor", "favor-recompute"):
+    if implementation == "favor":
         feature_map = make_feature_map("favor+", head_dim, nb_features=nb_features).to(device)
-        recompute = implementation == "favor-recompute"
-        return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size,
-                                                recompute_features=recompute)
+        return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size)
     raise ValueError(f"unknown implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
 
 
@@ -189,7 +187,7 @@ def run_speed_benchmark(
     dtype_ = getattr(torch, dtype)
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
-            if not (impl == "eager" and L > eager_max_length) and not (impl == "favor-recompute" and mode == "causal")]
+            if not (impl == "eager" and L > eager_max_length)]
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
         call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_)
         seconds = time_attention_call(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
@@ -206,11 +204,54 @@ def run_speed_benchmark(
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                          dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
                          eager_max_length=eager_max_length),
-        "machine": machine_info(device_),
+        "machine": {**machine_info(device_), "load_average": load_average()},
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
         "records": records,
     }
     result["summary"] = summarize_speed(result)
+    return result
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def run_memory_benchmark(
+    lengths=(1024, 2048, 4096, 8192, 16384, 32768),
+    batch: int = 1,
+    heads: int = 12,
+    head_dim: int = 64,
+    nb_features: int = 256,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    modes=ATTENTION_MODES,
+    implementations=("favor", "sdpa"),
+    dtype: str = "float32",
+    backward: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Extra peak memory of one attention call (forward, and backward if asked), FAVOR+ against SDPA, length by
+    length in the same run: each point runs in a fresh process (:func:`peak_memory_bytes`, CPU), which reports
+    the growth of its peak resident set (``VmHWM`` after a reset, i.e. ``ru_maxrss`` for this call) beyond the
+    inputs. The resident set counts every byte the call touched (torch's tensors and what the C allocator keeps),
+    which is what decides an out-of-memory; a fresh process keeps earlier calls' caches out of it."""
+    from tqdm.auto import tqdm
+
+    device_ = torch.device("cpu")
+    dtype_ = getattr(torch, dtype)
+    records = []
+    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations]
+    for length, mode, implementation in tqdm(jobs, desc="attention memory", disable=not progress):
+        memory = peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size,
+                                   device_, dtype_, backward)
+        records.append(dict(length=length, mode=mode, implementation=implementation, peak_memory_bytes=memory))
+    result = {
+        "benchmark": "attention_memory",
+        "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
+                         dtype=dtype, backward=backward, lengths=list(lengths),
+                         measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
+        "machine": {**machine_info(device_), "load_average": load_average()},
+        "records": records,
+    }
+    result["summary"] = summarize_memory(result)
     return result
 
 
