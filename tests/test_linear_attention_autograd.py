@@ -95,7 +95,8 @@ def test_gradcheck_and_gradients_equal_the_float64_reference(name, causal, maske
     fast, parameters = _attention_of(fm, causal, mask, chunk_size=3)
     reference, _ = _attention_of(fm, causal, mask, chunk_size=3, reference=True)
     inputs = [t.requires_grad_() for t in (q, k, v, *parameters)]
-    assert torch.autograd.gradcheck(fast, inputs)
+    # fast_mode checks a random projection of the Jacobian; the full gradient is compared with the reference's below.
+    assert torch.autograd.gradcheck(fast, inputs, fast_mode=True)
     weights = torch.randn(q.shape[:3] + (v.shape[-1],), generator=torch.Generator().manual_seed(1), dtype=q.dtype)
     fast_grads = torch.autograd.grad((fast(*inputs) * weights).sum(), inputs)
     reference_grads = torch.autograd.grad((reference(*inputs) * weights).sum(), inputs)
