@@ -154,8 +154,8 @@ def test_gradients_through_initial_and_returned_state_match_one_pass():
                                          initial_state=state, return_state=True, chunk_size=3)
         return torch.cat([first, second], dim=2), final
 
-    assert torch.autograd.gradcheck(lambda *x: two_calls(*x)[0], (q, k, v))
-    assert torch.autograd.gradcheck(lambda *x: (two_calls(*x)[1].kv, two_calls(*x)[1].k_sum), (q, k, v))
+    assert torch.autograd.gradcheck(lambda *x: two_calls(*x)[0], (q, k, v), fast_mode=True)
+    assert torch.autograd.gradcheck(lambda *x: tuple(two_calls(*x)[1][:2]), (q, k, v), fast_mode=True)
     out, _ = two_calls(q, k, v)
     torch.testing.assert_close(out, reference_linear_attention(q, k, v, fm, causal=True))
 
