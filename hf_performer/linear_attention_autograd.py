@@ -434,35 +434,34 @@ class ChunkedLinearAttention(torch.autograd.Function):
         batch, heads, length = query.shape[:3]
         dtype, kv_heads = settings.dtype, key.shape[1]
         out = query.new_empty(batch, heads, length, value.shape[-1], dtype=dtype)
-        with settings.tensors_of_the_forward():
-            if settings.causal:
-                if start_kv is None:
-                    start_state = None
-                    start_stabilizer = query.new_full((batch, heads), _finite_min(dtype), dtype=dtype)
-                else:
-                    start_state = torch.cat([start_kv, start_k_sum[..., None]], dim=-1).to(dtype)
-                    start_stabilizer = start_stabilizer.to(dtype)
-                running = query.new_empty(batch, heads, length, dtype=dtype)
-                finals, starts = [], []
-                for kv_block, q_block in settings.head_blocks(query, key):
-                    final, used_start = _causal_forward(
-                        settings, query[:, q_block], key[:, kv_block], value[:, kv_block], key_padding_mask,
-                        None if start_state is None else start_state[:, q_block], start_stabilizer[:, q_block],
-                        out[:, q_block], running[:, q_block])
-                    finals.append(final)
-                    starts.append(used_start)
-                final, start_stabilizer = torch.cat(finals, dim=1), torch.cat(starts, dim=1)
-                ctx.has_start_state = start_state is not None
-                ctx.save_for_backward(query, key, value, key_padding_mask, start_state, start_stabilizer, running)
-                ctx.mark_non_differentiable(running)
-                return out, final, running
-            sums = [_bidirectional_forward(settings, query[:, q_block], key[:, kv_block], value[:, kv_block],
-                                           key_padding_mask, out[:, q_block])
-                    for kv_block, q_block in settings.head_blocks(query, key)]
-            kv, stabilizer = (torch.cat(parts, dim=1) for parts in zip(*sums))
-            ctx.save_for_backward(query, key, value, key_padding_mask, kv, stabilizer)
-            ctx.mark_non_differentiable(kv, stabilizer)
-            return out, kv, stabilizer
+        if settings.causal:
+            if start_kv is None:
+                start_state = None
+                start_stabilizer = query.new_full((batch, heads), _finite_min(dtype), dtype=dtype)
+            else:
+                start_state = torch.cat([start_kv, start_k_sum[..., None]], dim=-1).to(dtype)
+                start_stabilizer = start_stabilizer.to(dtype)
+            running = query.new_empty(batch, heads, length, dtype=dtype)
+            finals, starts = [], []
+            for kv_block, q_block in settings.head_blocks(query, key):
+                final, used_start = _causal_forward(
+                    settings, query[:, q_block], key[:, kv_block], value[:, kv_block], key_padding_mask,
+                    None if start_state is None else start_state[:, q_block], start_stabilizer[:, q_block],
+                    out[:, q_block], running[:, q_block])
+                finals.append(final)
+                starts.append(used_start)
+            final, start_stabilizer = torch.cat(finals, dim=1), torch.cat(starts, dim=1)
+            ctx.has_start_state = start_state is not None
+            ctx.save_for_backward(query, key, value, key_padding_mask, start_state, start_stabilizer, running)
+            ctx.mark_non_differentiable(running)
+            return out, final, running
+        sums = [_bidirectional_forward(settings, query[:, q_block], key[:, kv_block], value[:, kv_block],
+                                       key_padding_mask, out[:, q_block])
+                for kv_block, q_block in settings.head_blocks(query, key)]
+        kv, stabilizer = (torch.cat(parts, dim=1) for parts in zip(*sums))
+        ctx.save_for_backward(query, key, value, key_padding_mask, kv, stabilizer)
+        ctx.mark_non_differentiable(kv, stabilizer)
+        return out, kv, stabilizer
 
     @staticmethod
     def backward(ctx, grad_out, grad_second, _):
