@@ -1,4 +1,4 @@
-"""Measuring on the user's machine: ``hf-performer bench attention | approximation | decode``.
+"""Measuring on the user's machine: ``hf-performer bench attention | memory | approximation | decode``.
 
 * :mod:`.machine`: the machine record (CPU, threads, versions), the load warning, the clock, process memory;
 * :mod:`.attention`: one attention layer's speed and memory, FAVOR+'s approximation error, a whole model's forward

@@ -39,6 +39,7 @@ from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
 from ..reference import softmax_attention
 from .lsh_attention import lsh_attention
 from .machine import (
+    load_average,
     machine_info,
     matmul_gflops,
     peak_resident_bytes,
@@ -51,6 +52,7 @@ from .report import (
     ATTENTION_MODES,
     BIDIRECTIONAL_ONLY,
     DEFAULT_ATTENTION_IMPLEMENTATIONS,
+    summarize_memory,
     summarize_speed,
 )
 
@@ -66,12 +68,13 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
                     batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True,
                     clusters: int = DEFAULT_CLUSTERS, topk: int = DEFAULT_TOPK,
                     bucket_size: int = DEFAULT_BUCKET_SIZE) -> float:
-    """Matmul FLOPs of one attention call (forward, plus backward if asked).
+    """Matmul FLOPs of one attention call as executed (forward, plus backward if asked).
 
     Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
-    when causal. FAVOR+ bidirectional: ``8 L m d`` forward (half of it the feature map) and
-    ``12 L m d`` backward. FAVOR+ causal (chunk ``C``, ``e = d + 1``): ``4 L m d + 2 L C (m + e) +
-    4 L m e`` forward and ``4 L m d + 4 L C (m + e) + 8 L m e`` backward. Clustered (``c`` clusters, ``b`` hash
+    when causal. FAVOR+ (``e = d + 1``, chunk ``C``; the backward recomputes the features of queries and
+    keys chunk by chunk, the causal one twice, in its forward-order and reverse-order passes):
+    bidirectional ``4 L m d + 4 L m e`` forward and ``8 L m d + 10 L m e`` backward; causal
+    ``4 L m d + 2 L C (m + e) + 4 L m e`` forward and ``12 L m d + 8 L C (m + e) + 12 L m e`` backward. Clustered (``c`` clusters, ``b`` hash
     bits, ``t`` Lloyd iterations, no gradient): ``2 L d b + 2 (t + 1) L c b`` clustering, ``4 L c d`` attention
     forward and ``8 L c d`` backward; improved adds ``2 L c d`` (the rest) and ``4 L k d`` (``8 L k d``
     backward). LSH (bucket ``s``): ``2 L d (L / s) / 2`` hashing and ``8 L s d`` forward (``20 L s d`` backward).
@@ -92,12 +95,10 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
         if mode == "causal":
             forward, backward_flops = forward / 2, backward_flops / 2
     elif mode == "bidirectional":
-        forward, backward_flops = 8 * L * m * d, 12 * L * m * d
-        if implementation == "favor-recompute":
-            backward_flops += 4 * L * m * d
+        forward, backward_flops = 4 * L * m * d + 4 * L * m * e, 8 * L * m * d + 10 * L * m * e
     else:
         forward = 4 * L * m * d + 2 * L * C * (m + e) + 4 * L * m * e
-        backward_flops = 4 * L * m * d + 4 * L * C * (m + e) + 8 * L * m * e
+        backward_flops = 12 * L * m * d + 8 * L * C * (m + e) + 12 * L * m * e
     return batch * heads * (forward + (backward_flops if backward else 0))
 
 
@@ -130,11 +131,9 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     if implementation == "eager":
         return lambda q, k, v: _eager_attention(q, k, v, causal)
-    if implementation in ("favor", "favor-recompute"):
+    if implementation == "favor":
         feature_map = make_feature_map("favor+", head_dim, nb_features=nb_features).to(device)
-        recompute = implementation == "favor-recompute"
-        return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size,
-                                                recompute_features=recompute)
+        return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size)
     raise ValueError(f"unknown implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
 
 
@@ -257,11 +256,54 @@ def run_speed_benchmark(
                          dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
                          eager_max_length=eager_max_length, clusters=clusters, topk=topk, bucket_size=bucket_size,
                          hash_bits=DEFAULT_HASH_BITS, iterations=DEFAULT_ITERATIONS),
-        "machine": machine_info(device_),
+        "machine": {**machine_info(device_), "load_average": load_average()},
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
         "records": records,
     }
     result["summary"] = summarize_speed(result)
+    return result
+
+
+# ------------------------------------------------------------------------------------ memory
+
+
+def run_memory_benchmark(
+    lengths=(1024, 2048, 4096, 8192, 16384, 32768),
+    batch: int = 1,
+    heads: int = 12,
+    head_dim: int = 64,
+    nb_features: int = 256,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    modes=ATTENTION_MODES,
+    implementations=("favor", "sdpa"),
+    dtype: str = "float32",
+    backward: bool = True,
+    progress: bool = True,
+) -> dict:
+    """Extra peak memory of one attention call (forward, and backward if asked), FAVOR+ against SDPA, length by
+    length in the same run: each point runs in a fresh process (:func:`peak_memory_bytes`, CPU), which reports
+    the growth of its peak resident set (``VmHWM`` after a reset, i.e. ``ru_maxrss`` for this call) beyond the
+    inputs. The resident set counts every byte the call touched (torch's tensors and what the C allocator keeps),
+    which is what decides an out-of-memory; a fresh process keeps earlier calls' caches out of it."""
+    from tqdm.auto import tqdm
+
+    device_ = torch.device("cpu")
+    dtype_ = getattr(torch, dtype)
+    records = []
+    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations]
+    for length, mode, implementation in tqdm(jobs, desc="attention memory", disable=not progress):
+        memory = peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size,
+                                   device_, dtype_, backward)
+        records.append(dict(length=length, mode=mode, implementation=implementation, peak_memory_bytes=memory))
+    result = {
+        "benchmark": "attention_memory",
+        "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
+                         dtype=dtype, backward=backward, lengths=list(lengths),
+                         measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
+        "machine": {**machine_info(device_), "load_average": load_average()},
+        "records": records,
+    }
+    result["summary"] = summarize_memory(result)
     return result
 
 

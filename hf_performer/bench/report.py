@@ -14,9 +14,9 @@ import torch
 
 from .machine import machine_info
 
-ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
-BIDIRECTIONAL_ONLY = ("favor-recompute", "clustered", "improved-clustered", "lsh")
-DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "favor-recompute", "sdpa", "eager")  # the others on request
+ATTENTION_IMPLEMENTATIONS = ("favor", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
+BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
+DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
 ATTENTION_MODES = ("bidirectional", "causal")
 DECODE_IMPLEMENTATIONS = ("favor", "softmax")
 FLATNESS_TARGET = 1.1
@@ -120,18 +120,78 @@ def format_speed_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+_STYLES = {"favor": "-o", "sdpa": "-s", "eager": ":^"}
+_NAMES = {"favor": "FAVOR+", "sdpa": "SDPA", "eager": "eager softmax"}
+_MODE_COLORS = {"bidirectional": "tab:blue", "causal": "tab:red"}
+
+
+def summarize_memory(result: dict) -> dict:
+    """Per mode and length, FAVOR+'s extra peak memory as a multiple of SDPA's, and whether it is at most 1.0x
+    at every length from 4096 (the target of issue 17)."""
+    ratios = {}
+    for mode in sorted({r["mode"] for r in result["records"]}):
+        ratios[mode] = {}
+        for length in sorted({r["length"] for r in result["records"]}):
+            favor = _lookup(result["records"], mode=mode, length=length, implementation="favor")
+            sdpa = _lookup(result["records"], mode=mode, length=length, implementation="sdpa")
+            if favor and sdpa and sdpa["peak_memory_bytes"]:
+                ratios[mode][str(length)] = favor["peak_memory_bytes"] / sdpa["peak_memory_bytes"]
+    target = {mode: all(ratio <= 1.0 for length, ratio in by_length.items() if int(length) >= 4096)
+              for mode, by_length in ratios.items()}
+    return {"favor_over_sdpa": ratios, "at_most_sdpa_from_4096": target}
+
+
+def format_memory_table(result: dict) -> str:
+    lines = [f"{'L':>6} {'mode':<13} {'FAVOR+ MiB':>11} {'SDPA MiB':>9} {'ratio':>6}"]
+    for mode, by_length in result["summary"]["favor_over_sdpa"].items():
+        for length, ratio in by_length.items():
+            favor = _lookup(result["records"], mode=mode, length=int(length), implementation="favor")
+            sdpa = _lookup(result["records"], mode=mode, length=int(length), implementation="sdpa")
+            lines.append(f"{length:>6} {mode:<13} {favor['peak_memory_bytes'] / 2**20:11.1f} "
+                         f"{sdpa['peak_memory_bytes'] / 2**20:9.1f} {ratio:6.2f}")
+    lines.append("FAVOR+ at most SDPA's extra peak at every L >= 4096: " + ", ".join(
+        f"{mode}: {ok}" for mode, ok in result["summary"]["at_most_sdpa_from_4096"].items()))
+    return "\n".join(lines)
+
+
+def plot_memory(result: dict, path: Path) -> None:
+    plt = _pyplot()
+    records = result["records"]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for mode in sorted({r["mode"] for r in records}):
+        for impl in ATTENTION_IMPLEMENTATIONS:
+            points = sorted((r["length"], r) for r in records if r["mode"] == mode and r["implementation"] == impl)
+            if points:
+                axes[0].plot([p[0] for p in points], [p[1]["peak_memory_bytes"] / 2**20 for p in points],
+                             _STYLES[impl], color=_MODE_COLORS[mode], label=f"{_NAMES[impl]} {mode}")
+        by_length = result["summary"]["favor_over_sdpa"].get(mode, {})
+        axes[1].plot([int(n) for n in by_length], list(by_length.values()), "-o", color=_MODE_COLORS[mode],
+                     label=f"FAVOR+ / SDPA {mode}")
+    axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    s = result["settings"]
+    _log_log_axes([axes[0]], "sequence length L", ["extra peak memory, fwd+bwd (MiB)"])
+    axes[1].set_xscale("log", base=2)
+    axes[1].set_xlabel("sequence length L")
+    axes[1].set_ylabel("FAVOR+ / SDPA extra peak memory")
+    axes[1].grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"one attention call, fwd+bwd, fresh process per point (peak RSS growth), B={s['batch']} "
+                 f"H={s['heads']} d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n"
+                 f"{result['machine']['device_name']}", fontsize=9)
+    _save(plt, fig, path)
+
+
 def plot_speed(result: dict, path: Path) -> None:
     plt = _pyplot()
     records = result["records"]
     has_memory = any("peak_memory_bytes" in r for r in records)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
-    styles = {"favor": "-o", "favor-recompute": "--x", "sdpa": "-s", "eager": ":^", "clustered": "-.v",
-              "improved-clustered": "-.D", "lsh": ":*"}
     s = result["settings"]
-    names = {"favor": "FAVOR+", "favor-recompute": "FAVOR+ (recompute)", "sdpa": "SDPA", "eager": "eager softmax",
-             "clustered": f"clustered C={s.get('clusters')}", "improved-clustered":
-             f"improved clustered C={s.get('clusters')} k={s.get('topk')}", "lsh": f"LSH bucket {s.get('bucket_size')}"}
-    colors = {"bidirectional": "tab:blue", "causal": "tab:red"}
+    styles = {**_STYLES, "clustered": "-.v", "improved-clustered": "-.D", "lsh": ":*"}
+    names = {**_NAMES, "clustered": f"clustered C={s.get('clusters')}",
+             "improved-clustered": f"improved clustered C={s.get('clusters')} k={s.get('topk')}",
+             "lsh": f"LSH bucket {s.get('bucket_size')}"}
+    colors = _MODE_COLORS
     for mode in sorted({r["mode"] for r in records}):
         for impl in ATTENTION_IMPLEMENTATIONS:
             points = sorted((r["length"], r) for r in records if r["mode"] == mode and r["implementation"] == impl)

@@ -1,4 +1,4 @@
-"""``hf-performer bench attention | approximation | decode``: the parsers of the benchmarks of
+"""``hf-performer bench attention | memory | approximation | decode``: the parsers of the benchmarks of
 :mod:`hf_performer.bench` and the functions that run them (print the table, write NAME.json and NAME.png).
 
 ``bench approximation --nb-features`` is a sweep (a comma-separated list), not the favor setting.
@@ -43,6 +43,17 @@ def run_speed(args) -> int:
         dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
     )
     return _print_and_write(result, report.format_speed_table(result), args.output_dir, args.name, report.plot_speed)
+
+
+def run_memory(args) -> int:
+    """``hf-performer bench memory``: one attention call's extra peak memory, FAVOR+ vs SDPA (fresh processes)."""
+    result = attention.run_memory_benchmark(
+        lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
+        nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes, dtype=args.dtype,
+        backward=not args.forward_only,
+    )
+    return _print_and_write(result, report.format_memory_table(result), args.output_dir, args.name,
+                            report.plot_memory)
 
 
 def run_approximation(args) -> int:
@@ -119,6 +130,8 @@ def add_parser(subparsers) -> None:
     speed.add_argument("--name", default="attention_speed", help="file stem of the outputs")
     speed.set_defaults(func=run_speed)
 
+    _add_memory_parser(kinds)
+
     approx = kinds.add_parser(
         "approximation", help="MSE of FAVOR+ against softmax vs number of features, orthogonal vs iid",
         description="Mean squared error of FAVOR+ attention against exact softmax attention as the number of "
@@ -135,6 +148,32 @@ def add_parser(subparsers) -> None:
     approx.set_defaults(func=run_approximation)
 
     _add_decode_parser(kinds)
+
+
+def _add_memory_parser(kinds) -> None:
+    """Add ``memory`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
+    memory = kinds.add_parser(
+        "memory", help="extra peak memory of one attention call (fwd+bwd): FAVOR+ vs SDPA, fresh process per point",
+        description="Extra peak memory of one attention call, forward and backward, FAVOR+ (bidirectional and causal) "
+                    "against scaled_dot_product_attention, each point in a fresh process on the CPU (growth of the "
+                    "peak resident set during the call, beyond its inputs). The defaults are the committed run "
+                    "(benchmarks/results/attention_memory.json).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    memory.add_argument("--lengths", type=comma_separated_ints, default=[1024, 2048, 4096, 8192, 16384, 32768],
+                        help="comma-separated sequence lengths")
+    memory.add_argument("--batch", type=int, default=1)
+    memory.add_argument("--heads", type=int, default=12)
+    memory.add_argument("--head-dim", type=int, default=64)
+    add_favor_arguments(memory, ("nb_features", "chunk_size"),
+                        defaults={"nb_features": 256, "chunk_size": DEFAULT_CHUNK_SIZE},
+                        helps={"nb_features": "features m per head", "chunk_size": "tokens per chunk"})
+    memory.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
+    memory.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    memory.add_argument("--forward-only", action="store_true", help="measure the forward pass only")
+    memory.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    memory.add_argument("--name", default="attention_memory", help="file stem of the outputs")
+    memory.set_defaults(func=run_memory)
 
 
 def _add_decode_parser(kinds) -> None:
