@@ -368,14 +368,16 @@ def runs_causal_favor(model: nn.Module) -> bool:
 
 
 def install_favor_cache_layers(cache, model: nn.Module) -> None:
-    """Put a :class:`FavorCacheLayer` in ``cache`` (a new one, or the self-attention part of an encoder-decoder
-    cache) for every causal favor attention module of ``model``, in place of its empty default layer."""
+    """Put a constant-size cache layer (:func:`~.cache.cache_layer_class`: :class:`FavorCacheLayer`, or
+    :class:`WindowCacheLayer` for window layers) in ``cache`` (a new one, or the self-attention part of an
+    encoder-decoder cache) for every causal favor attention module of ``model``, in place of its empty default layer."""
     cache = _self_attention_cache(cache)
     if cache is None:
         return
     for _, module in find_attention_modules(model):
         if getattr(module, "is_causal", False) and uses_favor(module):
-            _install_favor_cache_layer(cache, layer_index_of(module))
+            layer_idx = layer_index_of(module)
+            _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
 
 
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):

@@ -91,7 +91,8 @@ class ChunkedAttentionSettings:
                           for name, p in module._parameters.items() if p is not None and p.requires_grad]
         self.parameters = [slot[3] for slot in self.slots]
         projection = getattr(feature_map, "projection", None)
-        if isinstance(projection, torch.Tensor):  # a random map may redraw it (in place) before the backward
+        if isinstance(projection, torch.Tensor) and "projection" in feature_map._buffers:
+            # a random map may redraw its projection buffer (in place) before the backward
             self.slots.append((feature_map, "_buffers", "projection", projection.detach().clone()))
         self.parameter_grads: list[torch.Tensor | None] = [None] * len(self.parameters)
 

@@ -54,7 +54,7 @@ VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown 
                 *"abcdefghijklmnopqrstuvwxyz.,"]
 CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "configuration_performer.py",
               "favor_attention.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
-              "modeling_performer.py", "packed_sequences.py",
+              "linear_attention_autograd.py", "modeling_performer.py", "packed_sequences.py",
               "window_attention.py"]
 
 
