@@ -227,9 +227,29 @@ def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message)
     assert not (tmp_path / "out").exists()
 
 
-def test_time_limit_stops_the_lora_stage_with_a_recorded_reason(tiny_models, tmp_path):
+class _FastClock:
+    """Stand-in for the recipe's ``time`` module whose ``perf_counter`` advances 10 s per call: the time limit is
+    reached after a few steps on any machine (a fast one once finished all 50 before a real clock ran out)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 10.0
+        return self.now
+
+    def __getattr__(self, name):
+        import time
+
+        return getattr(time, name)
+
+
+def test_time_limit_stops_the_lora_stage_with_a_recorded_reason(tiny_models, tmp_path, monkeypatch):
+    import hf_performer.recipes.train as recipe_train
+
+    monkeypatch.setattr(recipe_train, "time", _FastClock())
     output = tmp_path / "timed"
-    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--time-limit", "0.0001")
+    argv = _argv(tiny_models, "llama", output, "--baseline", "softmax", "--time-limit", "1")
     argv[argv.index("--lora-steps") + 1] = "50"
     assert _run(argv) == 0
     lora = json.loads((output / "linearize.json").read_text())["stages"]["lora"]
