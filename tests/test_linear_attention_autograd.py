@@ -1,15 +1,15 @@
 """The chunked forward/backward of linear attention (issue 17): outputs as before, gradients against the float64
 reference and gradcheck for every map kind (learned maps' parameters included), no [B, H, L, m] tensor kept."""
 
+import copy
+
 import pytest
 import torch
-from linear_attention_fixture import CASES, build
 
 from hf_performer import linear_attention, make_feature_map
 from hf_performer.linear_attention_autograd import ChunkedLinearAttention
 from hf_performer.reference import reference_linear_attention
 
-FIXTURE = "tests/data/linear_attention_before_issue17.pt"
 RANDOM_MAPS = ["favor+", "trig", "relu", "elu+1"]
 LEARNED_MAPS = ["hedgehog", "t2r"]
 
@@ -44,19 +44,53 @@ def _mask(batch, length, causal):
 # ---------------------------------------------------------------------------------- same outputs as before
 
 
-@pytest.mark.parametrize("index", range(len(CASES)), ids=[str(c) for c in CASES])
-def test_outputs_and_gradients_equal_those_before_issue_17(index):
-    before = torch.load(FIXTURE)[index]
-    case = before["case"]
-    q, k, v, mask, fm = build(case)
-    q, k, v = (t.requires_grad_() for t in (q, k, v))
-    out = linear_attention(q, k, v, fm, causal=case["causal"], key_padding_mask=mask, chunk_size=10)
-    (out * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-    torch.testing.assert_close(out.detach(), before["out"], rtol=2e-5, atol=2e-6)
-    for name, grad in (("grad_q", q.grad), ("grad_k", k.grad), ("grad_v", v.grad)):
-        torch.testing.assert_close(grad, before[name], rtol=2e-4, atol=2e-5, msg=name)
-    for name, p in fm.named_parameters():
-        torch.testing.assert_close(p.grad, before["param_grads"][name], rtol=2e-4, atol=2e-5, msg=name)
+CASES = [dict(name="favor+", causal=c, masked=mk, kv_heads=kv) for c in (False, True) for mk in (False, True)
+         for kv in (4, 2)]
+CASES += [dict(name=n, causal=c, masked=True, kv_heads=kv) for n, kv in (("hedgehog", 2), ("relu", 4))
+          for c in (False, True)]
+
+
+def _float32_case(case):
+    """float32 inputs, mask and map of one regression case (the shapes and seeds of the pre-issue-17 checks)."""
+    generator = torch.Generator().manual_seed(17)
+    batch, heads, length, d = 2, 4, 24, 8
+    q = torch.randn(batch, heads, length, d, generator=generator)
+    k = torch.randn(batch, case["kv_heads"], length, d, generator=generator)
+    v = torch.randn(batch, case["kv_heads"], length, d, generator=generator)
+    mask = None
+    if case["masked"]:
+        mask = torch.ones(batch, length, dtype=torch.bool)
+        mask[0, -5:] = False
+        # causal: a hole instead of left padding (a query with no key at all is 0 / 0 in the reference)
+        mask[1, slice(10, 13) if case["causal"] else slice(0, 3)] = False
+    heads_kwargs = dict(num_heads=heads, num_key_value_heads=case["kv_heads"]) if case["name"] == "hedgehog" else {}
+    torch.manual_seed(0)
+    fm = make_feature_map(case["name"], d, nb_features=16, **heads_kwargs).eval()
+    return q, k, v, mask, fm
+
+
+def _outputs_and_gradients(function, q, k, v, mask, fm, causal):
+    """Output and gradients (q, k, v and the map's parameters) of a weighted sum of ``function``'s output."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    fm.zero_grad()
+    out = function(q, k, v, fm, causal=causal, key_padding_mask=mask)
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).reshape(out.shape)).sum().backward()
+    return out.detach(), {"grad_q": q.grad, "grad_k": k.grad, "grad_v": v.grad,
+                          **{name: p.grad.clone() for name, p in fm.named_parameters()}}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_outputs_and_gradients_equal_the_float64_reference_in_float32(case):
+    # float32 fast path (chunk 10: several chunks) against the float64 dense reference of the same map
+    q, k, v, mask, fm = _float32_case(case)
+    out, grads = _outputs_and_gradients(
+        lambda *args, **kwargs: linear_attention(*args, chunk_size=10, **kwargs), q, k, v, mask, fm, case["causal"])
+    fm64 = copy.deepcopy(fm).double()
+    expected_out, expected = _outputs_and_gradients(
+        reference_linear_attention, q.double(), k.double(), v.double(), mask, fm64, case["causal"])
+    torch.testing.assert_close(out, expected_out.float(), rtol=2e-5, atol=2e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected[name].float(), rtol=2e-4, atol=2e-5, msg=name)
 
 
 # ---------------------------------------------------------------------------------- gradients
