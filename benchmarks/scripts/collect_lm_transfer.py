@@ -682,17 +682,22 @@ def main(argv: list[str] | None = None) -> int:
         record = build_record(args)
     except CollectError as error:
         raise SystemExit(f"collect_lm_transfer: error: {error}") from None
-    folder = os.path.dirname(os.path.abspath(args.output))
-    os.makedirs(folder, exist_ok=True)
-    png = os.path.splitext(args.output)[0] + ".png"
+    write_record(record, args.output, plot, format_summary)
+    return 0
+
+
+def write_record(record: dict, output: str, plot_record, summarize) -> None:
+    """Write ``record`` to ``output`` (JSON) and its figure next to it (same stem, ``.png``, named in
+    ``record["figure"]``), then print ``summarize(record)`` and the two paths."""
+    os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+    png = os.path.splitext(output)[0] + ".png"
     record["figure"] = os.path.basename(png)
-    with open(args.output, "w", encoding="utf-8") as handle:
+    with open(output, "w", encoding="utf-8") as handle:
         json.dump(record, handle, indent=2, ensure_ascii=False)
         handle.write("\n")
-    plot(record, png)
-    print(format_summary(record))
-    print(f"wrote {args.output} and {png}")
-    return 0
+    plot_record(record, png)
+    print(summarize(record))
+    print(f"wrote {output} and {png}")
 
 
 if __name__ == "__main__":

@@ -547,17 +547,7 @@ def main(argv: list[str] | None = None) -> int:
         record = build_record(args)
     except CollectError as error:
         raise SystemExit(f"collect_window_hybrid: error: {error}") from None
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    png = os.path.splitext(args.output)[0] + ".png"
-    record["figure"] = os.path.basename(png)
-    import json
-
-    with open(args.output, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2, ensure_ascii=False)
-        handle.write("\n")
-    plot(record, png)
-    print(format_summary(record))
-    print(f"wrote {args.output} and {png}")
+    _lm.write_record(record, args.output, plot, format_summary)
     return 0
 
 
