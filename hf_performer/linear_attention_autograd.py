@@ -433,7 +433,7 @@ class ChunkedLinearAttention(torch.autograd.Function):
                 *parameters):
         ctx.settings = settings
         batch, heads, length = query.shape[:3]
-        dtype, kv_heads = settings.dtype, key.shape[1]
+        dtype = settings.dtype
         out = query.new_empty(batch, heads, length, value.shape[-1], dtype=dtype)
         if settings.causal:
             if start_kv is None:
