@@ -64,3 +64,25 @@ def benchmark_args(**overrides):
     for name, value in overrides.items():
         setattr(args, name, value)
     return args
+
+
+def test_bench_result_records_the_command_line_without_local_paths(monkeypatch, tmp_path):
+    import json
+    import sys
+
+    from hf_performer.cli import main
+
+    output = tmp_path / "results"
+    output.mkdir()
+    arguments = ["bench", "attention", "--lengths", "16", "--repeats", "1", "--no-memory", "--heads", "1",
+                 "--head-dim", "8", "--nb-features", "8", "--output-dir", str(output), "--name", "speed"]
+    monkeypatch.setattr(sys, "argv", ["hf-performer", *arguments])
+    assert main(arguments) == 0
+    record = json.loads((output / "speed.json").read_text())
+    assert record["command"] == ("hf-performer bench attention --lengths 16 --repeats 1 --no-memory --heads 1 "
+                                 "--head-dim 8 --nb-features 8 --output-dir results --name speed")
+    assert str(tmp_path) not in (output / "speed.json").read_text()
+    # Called from Python with its own argv (not as `hf-performer bench ...`): no command is claimed.
+    monkeypatch.setattr(sys, "argv", ["pytest"])
+    assert main(arguments) == 0
+    assert json.loads((output / "speed.json").read_text())["command"] is None

@@ -4,7 +4,8 @@ temporary folder beside the output and moved into place only once complete.
 * :func:`check_output_folder`: refuses an output that is, contains or lies inside SOURCE, an existing one without
   ``--overwrite``, an unwritable parent; first puts right what interrupted runs left (:func:`recover_interrupted_runs`);
 * :func:`staged_folder`: the staged write (following the umask), so a failure leaves nothing half-written and a
-  killed run leaves folders the next one cleans up or restores.
+  killed run leaves folders the next one cleans up or restores;
+* :func:`public_command`: the command line a written record quotes, without local absolute paths.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shlex
 import shutil
 import sys
 import tempfile
@@ -149,3 +151,15 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+def public_command(verb: str) -> str | None:
+    """``hf-performer VERB ...`` as typed, for a record that may be shared (benchmark JSON, distill record): absolute
+    paths become base names, relative ones stay; ``None`` when the process was not started as ``hf-performer VERB``
+    (e.g. :func:`hf_performer.cli.main` called from Python with its own ``argv``)."""
+    verb_words = verb.split()
+    if sys.argv[1:1 + len(verb_words)] != verb_words:
+        return None
+    arguments = [os.path.basename(os.path.normpath(argument)) if os.path.isabs(os.path.expanduser(argument))
+                 else argument for argument in sys.argv[1 + len(verb_words):]]
+    return shlex.join(["hf-performer", *verb_words, *arguments])

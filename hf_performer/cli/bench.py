@@ -16,6 +16,7 @@ from ..bench.machine import machine_load_warning
 from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, DEFAULT_ATTENTION_IMPLEMENTATIONS
 from ..linear_attention import DEFAULT_CHUNK_SIZE
 from . import add_verb_parser
+from ._output import public_command
 from .arguments import add_favor_arguments, comma_separated_ints
 
 
@@ -25,9 +26,11 @@ def _warn_if_loaded() -> None:
         print(warning, file=sys.stderr)
 
 
-def _print_and_write(result: dict, table: str, output_dir: Path | None, name: str, plot) -> int:
+def _print_and_write(args, result: dict, table: str, plot) -> int:
+    """Print ``table``; write NAME.json (with the command line that made it) and NAME.png into ``--output-dir``."""
+    result = {"command": public_command(f"bench {args.benchmark}"), **result}
     print(table)
-    for path in report.write_result(result, output_dir, name, plot):
+    for path in report.write_result(result, args.output_dir, args.name, plot):
         print(f"wrote {path}")
     return 0
 
@@ -42,7 +45,7 @@ def run_speed(args) -> int:
         topk=args.topk, bucket_size=args.bucket_size, device=args.device,
         dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
     )
-    return _print_and_write(result, report.format_speed_table(result), args.output_dir, args.name, report.plot_speed)
+    return _print_and_write(args, result, report.format_speed_table(result), report.plot_speed)
 
 
 def run_memory(args) -> int:
@@ -52,8 +55,7 @@ def run_memory(args) -> int:
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes, dtype=args.dtype,
         backward=not args.forward_only,
     )
-    return _print_and_write(result, report.format_memory_table(result), args.output_dir, args.name,
-                            report.plot_memory)
+    return _print_and_write(args, result, report.format_memory_table(result), report.plot_memory)
 
 
 def run_approximation(args) -> int:
@@ -62,8 +64,7 @@ def run_approximation(args) -> int:
         head_dim=args.head_dim, nb_features=args.nb_features, seeds=args.seeds, length=args.length,
         input_scale=args.input_scale,
     )
-    return _print_and_write(result, report.format_approximation_table(result), args.output_dir, args.name,
-                            report.plot_approximation)
+    return _print_and_write(args, result, report.format_approximation_table(result), report.plot_approximation)
 
 
 def run_decode(args) -> int:
@@ -77,8 +78,7 @@ def run_decode(args) -> int:
             repeats=args.repeats, warmup=args.warmup, prefill_chunk=args.prefill_chunk, device=args.device,
             verify_context=args.verify_context,
         )
-        return _print_and_write(result, report.format_decode_table(result), args.output_dir, args.name,
-                                report.plot_decode)
+        return _print_and_write(args, result, report.format_decode_table(result), report.plot_decode)
     favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
     result = decode.run_decode_benchmark(
         context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
@@ -86,7 +86,7 @@ def run_decode(args) -> int:
         vocab_size=args.vocab_size, favor_settings=favor_settings, device=args.device,
         verify_context=args.verify_context,
     )
-    return _print_and_write(result, report.format_decode_table(result), args.output_dir, args.name, report.plot_decode)
+    return _print_and_write(args, result, report.format_decode_table(result), report.plot_decode)
 
 
 def add_parser(subparsers) -> None:

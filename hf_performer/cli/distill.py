@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 
 import torch
@@ -30,7 +29,7 @@ from ..feature_maps import available_feature_maps, default_feature_map_init
 from ..hub import write_model_card
 from ..tasks.data import TASKS as DATA_TASKS
 from . import add_verb_parser
-from ._output import check_output_folder, staged_folder
+from ._output import check_output_folder, public_command, staged_folder
 from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args
 from .convert import add_position_table_arguments, position_table_size
 
@@ -123,7 +122,6 @@ def run_distill(args: argparse.Namespace) -> int:
     wall_time = time.perf_counter() - started
 
     # Meant for the Hub: paths are reduced to base names (Hub ids are kept).
-    command = [public_source_name(arg) if os.path.isabs(arg) or os.path.exists(arg) else arg for arg in sys.argv[2:]]
     record = {
         "source": public_source_name(args.source),
         "feature_map": args.feature_map,
@@ -135,7 +133,7 @@ def run_distill(args: argparse.Namespace) -> int:
         "fidelity_before": run.before.to_dict(),
         "fidelity_after": run.after.to_dict(),
         "wall_time_s": round(wall_time, 2),
-        "command": "hf-performer distill " + " ".join(command) if sys.argv[1:2] == ["distill"] else None,
+        "command": public_command("distill"),
     }
     with staged_folder(output) as staging:
         performer.save_pretrained(staging)
