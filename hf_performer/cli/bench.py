@@ -89,8 +89,19 @@ def run_decode(args) -> int:
     return _print_and_write(args, result, report.format_decode_table(result), report.plot_decode)
 
 
+def run_model(args) -> int:
+    """``hf-performer bench model``: whole-model time and peak memory, converted models vs their softmax source."""
+    from ..bench import model_speed
+
+    _warn_if_loaded()
+    result = model_speed.run_model_benchmark(args.folders, lengths=args.lengths, batch=args.batch,
+                                             backward=args.backward, repeats=args.repeats, labels=args.labels)
+    return _print_and_write(args, result, model_speed.format_model_speed_table(result), model_speed.plot_model_speed)
+
+
 def add_parser(subparsers) -> None:
-    """Add the ``bench`` subcommand (``attention``, ``approximation``, ``decode``) to ``subparsers``."""
+    """Add the ``bench`` subcommand (``attention``, ``memory``, ``approximation``, ``decode``, ``model``) to
+    ``subparsers``."""
     bench = add_verb_parser(subparsers, "bench", "Benchmarks of the attention kernels (see benchmarks/README.md).")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
 
@@ -148,6 +159,7 @@ def add_parser(subparsers) -> None:
     approx.set_defaults(func=run_approximation)
 
     _add_decode_parser(kinds)
+    _add_model_parser(kinds)
 
 
 def _add_memory_parser(kinds) -> None:
@@ -218,3 +230,26 @@ def _add_decode_parser(kinds) -> None:
     decode_parser.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
     decode_parser.add_argument("--name", default="decode", help="file stem of the outputs")
     decode_parser.set_defaults(func=run_decode)
+
+
+def _add_model_parser(kinds) -> None:
+    """Add ``model`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
+    model = kinds.add_parser(
+        "model", help="whole-model time and extra peak memory vs length: converted models against their softmax source",
+        description="Time and extra peak memory of whole models (their backbone: no task head) against sequence "
+                    "length, each point in a fresh process on the CPU, length by length in one run. The first FOLDER "
+                    "is the baseline of the ratios (normally the softmax source); the others are its conversions "
+                    "(hf-performer convert). See benchmarks/README.md for the committed runs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model.add_argument("folders", nargs="+", metavar="FOLDER", help="model folders; the first is the baseline")
+    model.add_argument("--labels", nargs="+", default=None, help="names of the models (default: folder base names)")
+    model.add_argument("--lengths", type=comma_separated_ints, default=[8192, 16384],
+                       help="comma-separated sequence lengths")
+    model.add_argument("--batch", type=int, default=1)
+    model.add_argument("--backward", action="store_true",
+                       help="forward + backward of last_hidden_state.sum() (training) instead of an inference forward")
+    model.add_argument("--repeats", type=int, default=1, help="timed calls per point (median), after one untimed")
+    model.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    model.add_argument("--name", default="model_speed", help="file stem of the outputs")
+    model.set_defaults(func=run_model)

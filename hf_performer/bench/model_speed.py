@@ -1,0 +1,189 @@
+"""Whole-model time and extra peak memory against sequence length (``hf-performer bench model``): a converted
+model beside its softmax source, measured the same way in the same run.
+
+Each (model, length) point runs in a fresh process (:func:`measure_model_point`): the model's backbone is loaded
+(``AutoModel``: no task head, because a causal LM's ``[L, vocab]`` logits would dominate both time and memory at long
+lengths), warmed up on a short input, then the peak resident set is reset and one untimed plus ``repeats`` timed
+calls run at the full length: an inference forward, or a forward + backward of ``last_hidden_state.sum()`` with
+``--backward`` (training memory: activations kept for the backward; the parameters' gradients count too, the same
+for every model of a geometry). Memory is the growth of the peak resident set beyond the loaded model, on CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+from .machine import load_average, machine_info, peak_resident_bytes, reset_peak_resident, resident_bytes, timed_calls
+
+WARMUP_LENGTH = 128
+"""Tokens of the warm-up call made before the peak resident set is reset (library initialisation is not counted)."""
+
+
+class ModelBenchmarkError(ValueError):
+    """A model folder or a setting of the model benchmark that cannot be measured."""
+
+
+def model_attention(config) -> str:
+    """How a model's attention is described in the records: ``softmax (<attn_implementation>)`` for a stock model,
+    the feature map (and window / sinks when set) for a Performer model."""
+    settings = getattr(config, "favor_settings", None)
+    if not settings:
+        return f"softmax ({getattr(config, '_attn_implementation', None) or 'sdpa'})"
+    words = [f"favor: {settings.get('feature_map')}"]
+    if settings.get("nb_features"):
+        words.append(f"m={settings['nb_features']}")
+    if settings.get("window") or settings.get("sinks"):
+        words.append(f"window {settings.get('window')} + {settings.get('sinks')} sinks")
+    return ", ".join(words)
+
+
+def measure_model_point(folder: str, length: int, batch: int = 1, backward: bool = False, repeats: int = 1,
+                        seed: int = 0) -> dict:
+    """One point, in the calling process: ``{seconds, peak_memory_bytes, attention, parameters}`` of the backbone in
+    ``folder`` on ``batch`` random sequences of ``length`` tokens (see the module docstring)."""
+    from transformers import AutoConfig, AutoModel
+
+    torch.manual_seed(seed)
+    config = AutoConfig.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder)
+    model.train(False)
+    model.requires_grad_(backward)
+    text_config = model.config.get_text_config()
+    limit = getattr(text_config, "max_position_embeddings", None)
+    uses_rotary = getattr(text_config, "rope_parameters", None) is not None or hasattr(text_config, "rope_theta")
+    if limit is not None and length > limit and not uses_rotary:
+        raise ModelBenchmarkError(f"{os.path.basename(folder)} has a learned position table of {limit} positions; "
+                                  f"{length} tokens need a longer one (hf-performer convert --max-position-embeddings)")
+    generator = torch.Generator().manual_seed(seed)
+    vocab = text_config.vocab_size
+
+    def one_call(tokens: int):
+        input_ids = torch.randint(0, vocab, (batch, tokens), generator=generator)
+        if not backward:
+            with torch.inference_mode():
+                return model(input_ids=input_ids, use_cache=False).last_hidden_state
+        output = model(input_ids=input_ids, use_cache=False).last_hidden_state
+        output.sum().backward()
+        return output.detach()
+
+    def clear_gradients():
+        model.zero_grad(set_to_none=True)
+
+    one_call(min(WARMUP_LENGTH, length))
+    clear_gradients()
+    before = resident_bytes()
+    reset_peak_resident()
+    seconds = statistics.median(timed_calls(lambda: one_call(length), repeats, torch.device("cpu"),
+                                            after=clear_gradients))
+    return {"seconds": seconds, "peak_memory_bytes": max(peak_resident_bytes() - before, 0),
+            "attention": model_attention(config), "parameters": sum(p.numel() for p in model.parameters())}
+
+
+def _measure_in_fresh_process(folder: str, length: int, batch: int, backward: bool, repeats: int) -> dict:
+    request = dict(folder=folder, length=length, batch=batch, backward=backward, repeats=repeats)
+    result = subprocess.run(
+        [sys.executable, "-c", "import sys, json; from hf_performer.bench.model_speed import measure_model_point; "
+         "print(json.dumps(measure_model_point(**json.loads(sys.argv[1]))))", json.dumps(request)],
+        capture_output=True, text=True,
+    )
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise ModelBenchmarkError(f"measuring {os.path.basename(folder)} at {length} tokens failed: "
+                                  f"{lines[-1] if lines else 'exit code ' + str(result.returncode)}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward: bool = False, repeats: int = 1,
+                        labels=None, progress: bool = True) -> dict:
+    """Time and extra peak memory of each model folder at each length, interleaved (length by length, every model
+    in turn); the first folder is the baseline of the ratios (normally the softmax source).
+
+    Args:
+        folders: model folders (a softmax source and its converted models), loadable with ``AutoModel``.
+        lengths: tokens per sequence.
+        labels: names of the models in the records (default: the folders' base names).
+    """
+    from tqdm.auto import tqdm
+
+    folders = [os.fspath(folder) for folder in folders]
+    if len(folders) < 1:
+        raise ModelBenchmarkError("give at least one model folder (the first is the baseline of the ratios)")
+    missing = [folder for folder in folders if not os.path.isfile(os.path.join(folder, "config.json"))]
+    if missing:
+        raise ModelBenchmarkError(f"not a model folder (no config.json): {', '.join(missing)}")
+    labels = list(labels) if labels is not None else [os.path.basename(os.path.normpath(f)) for f in folders]
+    if len(labels) != len(folders) or len(set(labels)) != len(labels):
+        raise ModelBenchmarkError(f"need one distinct label per folder, got {labels}")
+    if batch < 1 or repeats < 1 or not lengths or min(lengths) < 1:
+        raise ModelBenchmarkError("--batch, --repeats and every length must be >= 1")
+    records = []
+    jobs = [(length, label, folder) for length in lengths for label, folder in zip(labels, folders)]
+    for length, label, folder in tqdm(jobs, desc="model benchmark", disable=not progress):
+        point = _measure_in_fresh_process(folder, length, batch, backward, repeats)
+        records.append(dict(model=label, length=length, **point))
+    result = {
+        "benchmark": "model_speed",
+        "settings": dict(models=labels, lengths=list(lengths), batch=batch, backward=backward, repeats=repeats,
+                         measured="backbone (AutoModel, no task head); " + (
+                             "forward + backward of last_hidden_state.sum()" if backward else "inference forward"),
+                         memory="growth of the peak resident set (VmHWM) of a fresh process beyond the loaded model"),
+        "machine": {**machine_info(torch.device("cpu")), "load_average": load_average()},
+        "records": records,
+    }
+    result["summary"] = summarize_model_speed(result)
+    return result
+
+
+def summarize_model_speed(result: dict) -> dict:
+    """Per length and model: seconds and peak memory as ratios to the first model's (``speedup`` = baseline seconds
+    / model seconds; ``memory_ratio`` = model bytes / baseline bytes)."""
+    baseline = result["settings"]["models"][0]
+    by_key = {(r["model"], r["length"]): r for r in result["records"]}
+    rows = []
+    for record in result["records"]:
+        base = by_key.get((baseline, record["length"]))
+        if base is None:
+            continue
+        rows.append(dict(model=record["model"], length=record["length"],
+                         speedup=base["seconds"] / record["seconds"],
+                         memory_ratio=record["peak_memory_bytes"] / max(base["peak_memory_bytes"], 1)))
+    return {"baseline": baseline, "ratios": rows}
+
+
+def format_model_speed_table(result: dict) -> str:
+    """The records of :func:`run_model_benchmark` as a table with the ratios to the baseline."""
+    settings = result["settings"]
+    ratios = {(r["model"], r["length"]): r for r in result["summary"]["ratios"]}
+    lines = [f"{settings['measured']}, batch {settings['batch']}, {result['machine']['device_name']}; "
+             f"ratios against {result['summary']['baseline']}",
+             f"{'model':<24} {'tokens':>7} {'seconds':>9} {'peak MiB':>9} {'speedup':>8} {'memory':>7}"]
+    for record in result["records"]:
+        ratio = ratios.get((record["model"], record["length"]), {})
+        lines.append(f"{record['model']:<24} {record['length']:>7} {record['seconds']:9.2f} "
+                     f"{record['peak_memory_bytes'] / 2 ** 20:9.0f} {ratio.get('speedup', float('nan')):7.2f}x "
+                     f"{ratio.get('memory_ratio', float('nan')):6.2f}x")
+    return "\n".join(lines)
+
+
+def plot_model_speed(result: dict, path) -> None:
+    """Seconds and extra peak memory against length, one line per model (log-log)."""
+    from .report import _log_log_axes, _pyplot, _save
+
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for label in result["settings"]["models"]:
+        rows = sorted((r for r in result["records"] if r["model"] == label), key=lambda r: r["length"])
+        lengths = [r["length"] for r in rows]
+        axes[0].plot(lengths, [r["seconds"] for r in rows], marker="o", label=f"{label} ({rows[0]['attention']})")
+        axes[1].plot(lengths, [r["peak_memory_bytes"] / 2 ** 20 for r in rows], marker="o", label=label)
+    _log_log_axes(axes, "tokens", ["seconds per call", "extra peak memory (MiB)"])
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"{result['settings']['measured']}, batch {result['settings']['batch']}\n"
+                 f"{result['machine']['device_name']}, {result['machine']['torch_threads']} threads", fontsize=9)
+    _save(plt, fig, path)

@@ -1,0 +1,65 @@
+"""``hf-performer bench model``: whole-model time and peak memory of a converted model against its softmax source."""
+
+import json
+
+import pytest
+import torch
+
+from hf_performer.bench import model_speed
+from hf_performer.conversion import convert_to_performer
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+    """A tiny softmax Llama and its FAVOR+ conversion, saved."""
+    from transformers import LlamaForCausalLM
+
+    from conftest import tiny_llama_config
+
+    folder = tmp_path_factory.mktemp("pair")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config())
+    source.save_pretrained(folder / "softmax")
+    convert_to_performer(source, nb_features=16).save_pretrained(folder / "favor")
+    return folder / "softmax", folder / "favor"
+
+
+def test_one_point_measures_the_backbone_forward_and_backward(llama_pair):
+    softmax, favor = llama_pair
+    point = model_speed.measure_model_point(str(favor), 64, backward=True)
+    assert point["seconds"] > 0 and point["peak_memory_bytes"] >= 0
+    assert point["attention"].startswith("favor: favor+") and "m=16" in point["attention"]
+    assert model_speed.measure_model_point(str(softmax), 64)["attention"] == "softmax (sdpa)"
+
+
+def test_cli_writes_records_ratios_and_the_command(llama_pair, tmp_path, monkeypatch):
+    import sys
+
+    from hf_performer.cli import main
+
+    softmax, favor = llama_pair
+    arguments = ["bench", "model", str(softmax), str(favor), "--lengths", "48", "--output-dir", str(tmp_path),
+                 "--name", "speed"]
+    monkeypatch.setattr(sys, "argv", ["hf-performer", *arguments])
+    assert main(arguments) == 0
+    record = json.loads((tmp_path / "speed.json").read_text())
+    assert [(r["model"], r["length"]) for r in record["records"]] == [("softmax", 48), ("favor", 48)]
+    ratios = {r["model"]: r for r in record["summary"]["ratios"]}
+    assert ratios["softmax"]["speedup"] == 1.0 and ratios["softmax"]["memory_ratio"] == 1.0
+    favor_record = record["records"][1]
+    assert ratios["favor"]["speedup"] == pytest.approx(record["records"][0]["seconds"] / favor_record["seconds"])
+    assert record["command"].startswith("hf-performer bench model softmax favor --lengths 48")
+    assert str(tmp_path) not in (tmp_path / "speed.json").read_text() and (tmp_path / "speed.png").stat().st_size
+
+
+def test_bad_inputs_are_one_line_errors(llama_pair, tmp_path, tiny_bert_config):
+    from transformers import BertModel
+
+    softmax, _ = llama_pair
+    with pytest.raises(model_speed.ModelBenchmarkError, match="no config.json"):
+        model_speed.run_model_benchmark([str(tmp_path)], lengths=[8])
+    with pytest.raises(model_speed.ModelBenchmarkError, match="one distinct label per folder"):
+        model_speed.run_model_benchmark([str(softmax), str(softmax)], lengths=[8])
+    BertModel(tiny_bert_config(max_position_embeddings=32)).save_pretrained(tmp_path / "bert")
+    with pytest.raises(model_speed.ModelBenchmarkError, match="learned position table of 32 positions"):
+        model_speed.measure_model_point(str(tmp_path / "bert"), 64)
