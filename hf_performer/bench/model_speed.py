@@ -49,9 +49,11 @@ def measure_model_point(folder: str, length: int, batch: int = 1, backward: bool
     ``folder`` on ``batch`` random sequences of ``length`` tokens (see the module docstring)."""
     from transformers import AutoConfig, AutoModel
 
+    from .. import modeling_performer  # noqa: F401 - registers the Performer classes, so saved folders need no remote code
+
     torch.manual_seed(seed)
-    config = AutoConfig.from_pretrained(folder)
-    model = AutoModel.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=False)
+    model = AutoModel.from_pretrained(folder, trust_remote_code=False)
     model.train(False)
     model.requires_grad_(backward)
     text_config = model.config.get_text_config()
@@ -90,7 +92,7 @@ def _measure_in_fresh_process(folder: str, length: int, batch: int, backward: bo
     result = subprocess.run(
         [sys.executable, "-c", "import sys, json; from hf_performer.bench.model_speed import measure_model_point; "
          "print(json.dumps(measure_model_point(**json.loads(sys.argv[1]))))", json.dumps(request)],
-        capture_output=True, text=True,
+        capture_output=True, text=True, stdin=subprocess.DEVNULL,
     )
     if result.returncode != 0:
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
@@ -142,7 +144,7 @@ def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward
 
 def summarize_model_speed(result: dict) -> dict:
     """Per length and model: seconds and peak memory as ratios to the first model's (``speedup`` = baseline seconds
-    / model seconds; ``memory_ratio`` = model bytes / baseline bytes)."""
+    / model seconds; ``memory_ratio`` = model bytes / baseline bytes, ``None`` when the baseline grew by nothing)."""
     baseline = result["settings"]["models"][0]
     by_key = {(r["model"], r["length"]): r for r in result["records"]}
     rows = []
@@ -152,7 +154,8 @@ def summarize_model_speed(result: dict) -> dict:
             continue
         rows.append(dict(model=record["model"], length=record["length"],
                          speedup=base["seconds"] / record["seconds"],
-                         memory_ratio=record["peak_memory_bytes"] / max(base["peak_memory_bytes"], 1)))
+                         memory_ratio=record["peak_memory_bytes"] / base["peak_memory_bytes"]
+                         if base["peak_memory_bytes"] else None))
     return {"baseline": baseline, "ratios": rows}
 
 
@@ -165,9 +168,11 @@ def format_model_speed_table(result: dict) -> str:
              f"{'model':<24} {'tokens':>7} {'seconds':>9} {'peak MiB':>9} {'speedup':>8} {'memory':>7}"]
     for record in result["records"]:
         ratio = ratios.get((record["model"], record["length"]), {})
+        memory_ratio = ratio.get("memory_ratio")
+        memory_text = f"{memory_ratio:6.2f}x" if memory_ratio is not None else f"{'-':>7}"
         lines.append(f"{record['model']:<24} {record['length']:>7} {record['seconds']:9.2f} "
                      f"{record['peak_memory_bytes'] / 2 ** 20:9.0f} {ratio.get('speedup', float('nan')):7.2f}x "
-                     f"{ratio.get('memory_ratio', float('nan')):6.2f}x")
+                     + memory_text)
     return "\n".join(lines)
 
 
