@@ -418,6 +418,7 @@ def plot(record: dict, path: str) -> str:
     far_axis.set_xticks(range(len(split)), [SHORT_LABELS[name] for name in split], fontsize=8)
     far_axis.set_title("perplexity by position inside each 1024-token window\n(the tail serves positions far "
                        "beyond the 64-token window)", fontsize=9)
+    far_axis.set_yscale("log")  # an untrained tail is orders of magnitude off; trained arms stay readable
     if ranges:
         far_axis.legend(fontsize=7)
 
@@ -443,7 +444,8 @@ def plot(record: dict, path: str) -> str:
     curve_axis.axhline(target["threshold_ratio"], color="black", linestyle="--", linewidth=1,
                        label=f"target {target['threshold_ratio']:g}x")
     curve_axis.set_xlabel("hybrid training tokens (transfer + LoRA)")
-    curve_axis.set_ylabel("perplexity ratio hybrid / softmax")
+    curve_axis.set_ylabel("perplexity ratio hybrid / softmax (log)")
+    curve_axis.set_yscale("log")
     curve_axis.set_title("ratio against tokens seen", fontsize=9)
     curve_axis.legend(fontsize=7)
 
