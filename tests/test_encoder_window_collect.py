@@ -43,8 +43,8 @@ def test_pipeline_shell_syntax():
     for script in ("stsb_window_hybrid.sh", "glue_recovery.sh"):
         subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
     text = (SCRIPTS / "stsb_window_hybrid.sh").read_text()
-    for needle in ("--no-linear-tail", "--softmax-weight learned", "FEATURE_MAP_INIT=identity", "CONVERT_ARGS",
-                   "collect_encoder_window.py"):
+    for needle in ("--no-linear-tail", "--softmax-weight learned", "--feature-map-init identity", "CONVERT_ARGS",
+                   "RUNS=\"f\"", "collect_encoder_window.py"):
         assert needle in text
 
 
@@ -56,7 +56,7 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     a = recovery_runs._training_run(runs / "a_softmax", [0.70, 0.80], "softmax", "minilm", False, task="stsb",
                                     metric="pearson")
     AutoTokenizer.from_pretrained(minilm.get_model_path()).save_pretrained(a)
-    e = recovery_runs._distilled(runs / "e_transfer", str(a), 0.60, task="stsb", metric="pearson")
+    e = recovery_runs._distilled(runs / "e_transfer", "minilm", 0.10, task="stsb", metric="pearson")
     recovery_runs._training_run(runs / "f_transfer_finetuned", [0.70, 0.78], "favor", str(e), False, task="stsb",
                                 metric="pearson", feature_map="hedgehog")
     b = runs / "b_converted"
@@ -64,9 +64,10 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     (b / "dev_metrics.json").write_text(json.dumps({
         "task": "stsb", "model": str(b), "data": "data/dev.tsv", "num_examples": 3, "metrics": {"pearson": 0.5},
         "main_metric": "pearson", "eval_loss": 1.0, "metrics_backend": "local", "eval_seconds": 1.0}))
-    recovery_runs._training_run(runs / "c_recovered", [0.72, 0.76], "favor", str(b), False, task="stsb",
-                                metric="pearson")
+    recovery_runs._training_run(runs / "window_only" / "f_transfer_finetuned", [0.72, 0.76], "favor", "minilm",
+                                False, task="stsb", metric="pearson")
     (runs / "timings.tsv").write_text("a_softmax\t900\ne_distill\t300\n")
+    (runs / "window_only" / "timings.tsv").write_text("f_transfer_finetuned\t800\n")
     dev = tmp_path / "dev.tsv"
     dev.write_text("sentence1\tsentence2\tscore\n"
                    + "a man is playing a guitar on the stage tonight\ta man plays the guitar\t4.2\n"
@@ -75,12 +76,15 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     assert collect_encoder_window.main(["--runs", str(runs), "--validation-file", str(dev), "--window", "16",
                                         "--sinks", "1", "--command", "bash x.sh", "--output", str(output)]) == 0
     result = json.loads(output.read_text())
-    assert set(result["runs"]) == {"a", "e", "f"} and set(result["window_only"]) == {"b", "c"}
-    assert result["window_only"]["c"]["description"].startswith("(b) fine-tuned")
+    assert set(result["runs"]) == {"a", "f"} and set(result["window_only"]) == {"zero_shot", "fine_tuned"}
+    assert result["window_only"]["fine_tuned"]["description"].startswith("pretrained model converted to sinks")
+    assert result["runs"]["f"]["attention_transfer"]["steps"] == 300
     assert result["ratio_to_softmax"]["f"] == pytest.approx(0.78 / 0.80)
-    assert result["ratio_to_softmax"]["window_only_c"] == pytest.approx(0.76 / 0.80)
+    assert result["ratio_to_softmax"]["window_only_fine_tuned"] == pytest.approx(0.76 / 0.80)
+    assert result["ratio_to_softmax"]["window_only_zero_shot"] == pytest.approx(0.5 / 0.80)
     assert result["attention_transfer_target"]["met"] is True  # 97.5% >= 97%
     assert 0.0 < result["tail_pairs"]["tail_pair_share"] < 0.5 and result["tail_pairs"]["sequences"] == 2
-    assert result["timings_s"] == {"a_softmax": 900, "e_distill": 300} and result["command"] == "bash x.sh"
+    assert result["timings_s"] == {"a_softmax": 900, "e_distill": 300, "window_only/f_transfer_finetuned": 800}
+    assert result["command"] == "bash x.sh"
     assert str(runs) not in output.read_text()  # run paths relative to the runs folder
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,18 +1,23 @@
 """Collect the encoder sink + sliding-window hybrid experiment (issue 15 item 6) into one JSON + PNG.
 
-Reads the folders that ``benchmarks/scripts/stsb_window_hybrid.sh`` leaves in its runs folder (the
-``glue_recovery.sh`` layout) and writes the softmax baseline (a), the hybrid after attention transfer (e) and after
-fine-tuning (f), and the tail ablation: the same model converted to sinks + window only (``--no-linear-tail``)
-with no training (b) and fine-tuned with the same budget (c):
+Reads the runs folder of ``benchmarks/scripts/stsb_window_hybrid.sh``. Every fine-tuning row starts from the
+pretrained model and gets the same recipe arguments (``glue_recovery.sh``'s ``finetune_args``):
+
+* ``a_softmax``: softmax, fine-tuned (the baseline);
+* ``e_transfer`` -> ``f_transfer_finetuned``: the hybrid (band + sinks exact softmax, learned linear tail) after
+  attention transfer of the tail on the pretrained model (no labels), then fine-tuned;
+* ``window_only/e_transfer`` -> ``window_only/f_transfer_finetuned``: the tail ablation, sinks + band only
+  (``--no-linear-tail``, nothing to transfer), fine-tuned;
+* ``b_converted`` (optional): the fine-tuned softmax model (a) converted to sinks + band only, no training.
 
     python benchmarks/scripts/collect_encoder_window.py --runs $TMPDIR/stsb_window16 --task stsb \\
         --validation-file ../shared/data/glue/STS-B/dev.tsv --window 16 --sinks 1 \\
         --command "bash benchmarks/scripts/stsb_window_hybrid.sh" --output benchmarks/results/window_hybrid_stsb.json
 
-The JSON is :func:`hf_performer.recipes.results.collect` of (a, e, f) (so it carries issue 15's encoder target:
-(f) >= 97% of (a)) plus ``window_only`` (b, c with their own descriptions), the ratios of every arm to (a),
-``tail_pairs``: the share of the dev set's (query, key) pairs that go through the linear tail at this window,
-the step timings, the command and the machine; paths relative to the runs folder (no local path).
+The JSON is :func:`hf_performer.recipes.results.collect` of (a, f) (so it carries issue 15's encoder target:
+(f) >= 97% of (a)) plus the transfer summary, ``window_only`` (the ablation rows with their own descriptions), the
+ratio of every arm to (a), ``tail_pairs``: the share of the dev set's (query, key) pairs that go through the linear
+tail at this window, the step timings, the command and the machine; paths relative to the runs folder.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ import json
 import os
 import sys
 
+HYBRID_DESCRIPTION = "hybrid: pretrained model + attention transfer of the linear tail, fine-tuned like (a)"
 WINDOW_ONLY_DESCRIPTIONS = {
-    "b": "(a) converted to sinks + window softmax only (--no-linear-tail), no training",
-    "c": "(b) fine-tuned with the same arguments as (a): the tail ablation of (f)",
+    "zero_shot": "(a) converted to sinks + window softmax only (--no-linear-tail), no training",
+    "fine_tuned": "pretrained model converted to sinks + window softmax only (--no-linear-tail), fine-tuned like "
+                  "(a): the tail ablation of (f)",
 }
+RUN_FILES = ("metrics.json", "dev_metrics.json")
 
 
 def tail_pair_share(lengths: list[int], window: int, sinks: int) -> dict:
@@ -63,33 +71,41 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from hf_performer.recipes.results import collect, load_run
+    from hf_performer.recipes.results import ATTENTION_TRANSFER_FILE, attention_transfer_summary, collect, load_run
     from hf_performer.tasks.data import get_task, load_task_split, tokenize_task_dataset
 
     runs = args.runs
-    folders = {"a": "a_softmax", "e": "e_transfer", "f": "f_transfer_finetuned", "b": "b_converted",
-               "c": "c_recovered"}
-    present = {label: os.path.join(runs, folder) for label, folder in folders.items()
-               if any(os.path.isfile(os.path.join(runs, folder, name))
-                      for name in ("metrics.json", "dev_metrics.json"))}
-    result = collect(args.task, {k: v for k, v in present.items() if k in "aef"})
+
+    def present(folder: str) -> str | None:
+        path = os.path.join(runs, folder)
+        return path if any(os.path.isfile(os.path.join(path, name)) for name in RUN_FILES) else None
+
+    result = collect(args.task, {label: path for label, path in
+                                 (("a", present("a_softmax")), ("f", present("f_transfer_finetuned"))) if path})
+    if "f" in result["runs"]:
+        result["runs"]["f"]["description"] = HYBRID_DESCRIPTION
+        transfer_file = os.path.join(runs, "e_transfer", ATTENTION_TRANSFER_FILE)
+        if os.path.isfile(transfer_file):
+            with open(transfer_file) as handle:
+                result["runs"]["f"]["attention_transfer"] = attention_transfer_summary(json.load(handle),
+                                                                                       transfer_file)
     window_only = {}
-    for label in ("b", "c"):
-        if label in present:
-            run = load_run(label, present[label])
-            run["description"] = WINDOW_ONLY_DESCRIPTIONS[label]
-            window_only[label] = run
+    for name, label, folder in (("zero_shot", "b", "b_converted"),
+                                ("fine_tuned", "c", os.path.join("window_only", "f_transfer_finetuned"))):
+        if present(folder):
+            window_only[name] = {**load_run(label, present(folder)), "description": WINDOW_ONLY_DESCRIPTIONS[name]}
     result["window_only"] = window_only
     softmax = result["runs"].get("a", {}).get("metric")
-    arms = {**{k: result["runs"][k] for k in result["runs"]}, **{f"window_only_{k}": v for k, v in window_only.items()}}
+    arms = {**result["runs"], **{f"window_only_{k}": v for k, v in window_only.items()}}
     result["ratio_to_softmax"] = {name: (run["metric"] / softmax if softmax else None) for name, run in arms.items()}
 
     spec = get_task(args.task)
-    tokenizer = AutoTokenizer.from_pretrained(present["a"])
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(runs, "a_softmax"))
     dataset = load_task_split(spec, "validation", args.validation_file, None, 0)
     lengths = [len(ids) for ids in tokenize_task_dataset(dataset, tokenizer, spec, args.max_length)["input_ids"]]
     result["tail_pairs"] = tail_pair_share(lengths, args.window, args.sinks)
-    result["timings_s"] = _timings(os.path.join(runs, "timings.tsv"))
+    result["timings_s"] = {**_timings(os.path.join(runs, "timings.tsv")), **{
+        f"window_only/{step}": seconds for step, seconds in _timings(os.path.join(runs, "window_only", "timings.tsv")).items()}}
     result["command"] = args.command
 
     text = json.dumps(result, indent=1, default=str)
@@ -112,15 +128,14 @@ def _plot(result: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     arms = [("a", result["runs"].get("a"), "softmax\nfine-tuned (a)"),
-            ("b", result["window_only"].get("b"), "window only\nno training"),
-            ("c", result["window_only"].get("c"), "window only\nfine-tuned"),
-            ("e", result["runs"].get("e"), "hybrid after\ntransfer (e)"),
-            ("f", result["runs"].get("f"), "hybrid\nfine-tuned (f)")]
+            ("w0", result["window_only"].get("zero_shot"), "(a) as window only\nno training"),
+            ("w", result["window_only"].get("fine_tuned"), "window only\nfine-tuned"),
+            ("f", result["runs"].get("f"), "hybrid: transfer\n+ fine-tuned (f)")]
     arms = [arm for arm in arms if arm[1] is not None]
     tail = result["tail_pairs"]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     values = [run["metric"] for _, run, _ in arms]
-    axes[0].bar(range(len(arms)), values, color=["black", "tab:gray", "tab:gray", "tab:orange", "tab:red"][:len(arms)])
+    axes[0].bar(range(len(arms)), values, color=[{"a": "black", "w0": "silver", "w": "tab:gray", "f": "tab:red"}[key] for key, _, _ in arms])
     for index, value in enumerate(values):
         axes[0].text(index, value + 0.01, f"{value:.3f}", ha="center")
     if "a" in result["runs"]:
