@@ -88,3 +88,18 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     assert result["command"] == "bash x.sh"
     assert str(runs) not in output.read_text()  # run paths relative to the runs folder
     assert output.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_progress_of_a_stopped_recipe_log(tmp_path):
+    log = tmp_path / "f.log"
+    bar = "training:   0%|          | {0}/540 [00:0{0}<1:00:00, 30s/it, loss={1}]"
+    log.write_text("$ python recipes/text_classification.py ...\r" + "\r".join(
+        [bar.format(1, "nan"), bar.format(1, "10.5"), bar.format(2, "10.5"), bar.format(2, "9.5"), bar.format(3, "9.5"),
+         bar.format(3, "8.0")]) + "\nstep 3: pearson=0.8000, spearmanr=0.7000, eval_loss=0.9000, train_loss=8.0000\n")
+    progress = collect_encoder_window.recipe_log_progress(str(log))
+    assert progress["steps_done"] == 3 and progress["planned_steps"] == 540
+    assert progress["train_loss_by_step"] == [10.5, 9.5, 8.0]
+    assert progress["curve"] == [{"step": 3, "pearson": 0.8, "spearmanr": 0.7, "eval_loss": 0.9, "train_loss": 8.0}]
+    compared = collect_encoder_window.equal_step_comparison(
+        [{"step": 3, "pearson": 0.82}, {"step": 6, "pearson": 0.85}], progress["curve"], "pearson")
+    assert compared == [{"step": 3, "softmax": 0.82, "hybrid": 0.8, "ratio": pytest.approx(0.8 / 0.82)}]

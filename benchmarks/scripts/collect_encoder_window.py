@@ -26,6 +26,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 
 HYBRID_DESCRIPTION = "hybrid: pretrained model + attention transfer of the linear tail, fine-tuned like (a)"
@@ -48,6 +49,42 @@ def tail_pair_share(lengths: list[int], window: int, sinks: int) -> dict:
         tail += sum(2 * (plain - gap) for gap in range(window, plain))
     return {"window": window, "sinks": sinks, "sequences": len(lengths), "mean_tokens": sum(lengths) / len(lengths),
             "tail_pair_share": tail / total, "note": "token-pair count over the dev set, [CLS] is the sink"}
+
+
+EVAL_LINE = re.compile(r"^step (\d+): (.*)$", re.MULTILINE)
+PROGRESS = re.compile(r"(\d+)/(\d+) \[[^\]]*loss=([-+0-9.e]+)\]")
+
+
+def recipe_log_progress(path: str) -> dict:
+    """What a recipe run's log shows so far (for a run stopped before its ``metrics.json``): the evaluations
+    (``step N: metric=value, ...`` lines) and the training loss of every step from the progress bar (the last value
+    shown for each step), with the planned number of steps."""
+    with open(path, errors="replace") as handle:
+        text = handle.read()
+    curve = []
+    for step, fields in EVAL_LINE.findall(text):
+        point = {"step": int(step)}
+        for field in fields.split(", "):
+            name, _, value = field.partition("=")
+            try:
+                point[name] = float(value)
+            except ValueError:
+                continue
+        curve.append(point)
+    losses, planned = {}, None
+    for step, total, loss in PROGRESS.findall(text):
+        losses[int(step)] = float(loss)
+        planned = int(total)
+    return {"curve": curve, "train_loss_by_step": [losses[k] for k in sorted(losses)],
+            "steps_done": max(losses, default=0), "planned_steps": planned}
+
+
+def equal_step_comparison(softmax_curve: list[dict], hybrid_curve: list[dict], metric: str) -> list[dict]:
+    """The two runs' dev metric at every step both evaluated (same schedule: the same learning rate there)."""
+    softmax = {p["step"]: p[metric] for p in softmax_curve if metric in p}
+    return [{"step": p["step"], "softmax": softmax[p["step"]], "hybrid": p[metric],
+             "ratio": p[metric] / softmax[p["step"]] if softmax[p["step"]] else None}
+            for p in hybrid_curve if metric in p and p["step"] in softmax]
 
 
 def _timings(path: str) -> dict:
@@ -89,6 +126,28 @@ def main(argv=None) -> int:
             with open(transfer_file) as handle:
                 result["runs"]["f"]["attention_transfer"] = attention_transfer_summary(json.load(handle),
                                                                                        transfer_file)
+    logs = {name: os.path.join(runs, file) for name, file in (("softmax", "a_softmax.log"),
+                                                               ("hybrid", "f_transfer_finetuned.log"))}
+    progress = {name: recipe_log_progress(path) for name, path in logs.items() if os.path.isfile(path)}
+    result["train_loss_by_step"] = {name: p["train_loss_by_step"] for name, p in progress.items()}
+    hybrid_curve = result["runs"].get("f", {}).get("curve", [])
+    if "f" not in result["runs"] and "hybrid" in progress:
+        done, losses = progress["hybrid"]["steps_done"], result["train_loss_by_step"]
+        softmax_losses = losses.get("softmax", [])
+        result["hybrid_incomplete"] = {
+            "description": HYBRID_DESCRIPTION + f"; stopped at step {done} of {progress['hybrid']['planned_steps']} "
+                           "(time budget)",
+            "steps_done": done, "planned_steps": progress["hybrid"]["planned_steps"],
+            "curve": progress["hybrid"]["curve"],
+            "mean_train_loss_steps_1_to_done": {
+                "hybrid": sum(losses["hybrid"][:done]) / done if done else None,
+                "softmax": sum(softmax_losses[:done]) / done if done and len(softmax_losses) >= done else None},
+            "note": "per-batch training losses of the same batches (same seed and data order) averaged over the steps "
+                    "both runs did; dev metrics only at the evaluated steps"}
+        hybrid_curve = progress["hybrid"]["curve"]
+    if "a" in result["runs"]:
+        result["equal_step_comparison"] = equal_step_comparison(result["runs"]["a"]["curve"], hybrid_curve,
+                                                                result["main_metric"])
     window_only = {}
     for name, label, folder in (("zero_shot", "b", "b_converted"),
                                 ("fine_tuned", "c", os.path.join("window_only", "f_transfer_finetuned"))):
@@ -133,7 +192,7 @@ def _plot(result: dict, path: str) -> None:
             ("f", result["runs"].get("f"), "hybrid: transfer\n+ fine-tuned (f)")]
     arms = [arm for arm in arms if arm[1] is not None]
     tail = result["tail_pairs"]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     values = [run["metric"] for _, run, _ in arms]
     axes[0].bar(range(len(arms)), values, color=[{"a": "black", "w0": "silver", "w": "tab:gray", "f": "tab:red"}[key] for key, _, _ in arms])
     for index, value in enumerate(values):
@@ -150,9 +209,24 @@ def _plot(result: dict, path: str) -> None:
         if run.get("kind") == "fine-tuned" and curve:
             axes[1].plot([p["step"] for p in curve], [p[result["main_metric"]] for p in curve], "-o",
                          label=label.replace("\n", " "))
+    partial = result.get("hybrid_incomplete")
+    if partial and partial["curve"]:
+        axes[1].plot([p["step"] for p in partial["curve"]], [p[result["main_metric"]] for p in partial["curve"]], "-o",
+                     color="tab:red", label=f"hybrid (stopped at step {partial['steps_done']})")
     axes[1].set_xlabel("fine-tuning step")
     axes[1].set_ylabel(f"dev {result['main_metric']}")
-    axes[1].legend()
+    if axes[1].lines:
+        axes[1].legend()
+    span = 20
+    for name, losses in result.get("train_loss_by_step", {}).items():
+        if len(losses) >= span:
+            smooth = [sum(losses[i - span:i]) / span for i in range(span, len(losses) + 1)]
+            axes[2].plot(range(span, len(losses) + 1), smooth, label=name)
+    axes[2].set_xlabel("fine-tuning step")
+    axes[2].set_ylabel(f"training loss (mean of the last {span} steps)")
+    axes[2].set_yscale("log")
+    if axes[2].lines:
+        axes[2].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
