@@ -64,6 +64,7 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     (b / "dev_metrics.json").write_text(json.dumps({
         "task": "stsb", "model": str(b), "data": "data/dev.tsv", "num_examples": 3, "metrics": {"pearson": 0.5},
         "main_metric": "pearson", "eval_loss": 1.0, "metrics_backend": "local", "eval_seconds": 1.0}))
+    recovery_runs._distilled(runs / "from_a" / "e_transfer", str(a), 0.79, task="stsb", metric="pearson")
     recovery_runs._training_run(runs / "window_only" / "f_transfer_finetuned", [0.72, 0.76], "favor", "minilm",
                                 False, task="stsb", metric="pearson")
     (runs / "timings.tsv").write_text("a_softmax\t900\ne_distill\t300\n")
@@ -78,10 +79,12 @@ def test_collect_writes_every_arm_with_ratios(tmp_path):
     result = json.loads(output.read_text())
     assert set(result["runs"]) == {"a", "f"} and set(result["window_only"]) == {"zero_shot", "fine_tuned"}
     assert result["window_only"]["fine_tuned"]["description"].startswith("pretrained model converted to sinks")
-    assert result["runs"]["f"]["attention_transfer"]["steps"] == 300
+    assert result["hybrid_transfer"]["steps"] == 300
     assert result["ratio_to_softmax"]["f"] == pytest.approx(0.78 / 0.80)
     assert result["ratio_to_softmax"]["window_only_fine_tuned"] == pytest.approx(0.76 / 0.80)
     assert result["ratio_to_softmax"]["window_only_zero_shot"] == pytest.approx(0.5 / 0.80)
+    assert result["ratio_to_softmax"]["hybrid_zero_shot"] == pytest.approx(0.79 / 0.80)
+    assert result["hybrid_zero_shot"]["description"].startswith("(a) converted to the hybrid")
     assert result["attention_transfer_target"]["met"] is True  # 97.5% >= 97%
     assert 0.0 < result["tail_pairs"]["tail_pair_share"] < 0.5 and result["tail_pairs"]["sequences"] == 2
     assert result["timings_s"] == {"a_softmax": 900, "e_distill": 300, "window_only/f_transfer_finetuned": 800}

@@ -8,7 +8,9 @@ pretrained model and gets the same recipe arguments (``glue_recovery.sh``'s ``fi
   attention transfer of the tail on the pretrained model (no labels), then fine-tuned;
 * ``window_only/e_transfer`` -> ``window_only/f_transfer_finetuned``: the tail ablation, sinks + band only
   (``--no-linear-tail``, nothing to transfer), fine-tuned;
-* ``b_converted`` (optional): the fine-tuned softmax model (a) converted to sinks + band only, no training.
+* ``b_converted`` (optional): the fine-tuned softmax model (a) converted to sinks + band only, no training;
+* ``from_a/e_transfer`` (optional): (a) converted to the hybrid, attention transfer of the tail with (a) as the
+  teacher, no fine-tuning (zero-shot: the same head, so comparable with ``b_converted``).
 
     python benchmarks/scripts/collect_encoder_window.py --runs $TMPDIR/stsb_window16 --task stsb \\
         --validation-file ../shared/data/glue/STS-B/dev.tsv --window 16 --sinks 1 \\
@@ -35,6 +37,8 @@ WINDOW_ONLY_DESCRIPTIONS = {
     "fine_tuned": "pretrained model converted to sinks + window softmax only (--no-linear-tail), fine-tuned like "
                   "(a): the tail ablation of (f)",
 }
+HYBRID_ZERO_SHOT_DESCRIPTION = ("(a) converted to the hybrid, attention transfer of the tail with (a) as the teacher, "
+                               "no fine-tuning")
 RUN_FILES = ("metrics.json", "dev_metrics.json")
 
 
@@ -121,11 +125,10 @@ def main(argv=None) -> int:
                                  (("a", present("a_softmax")), ("f", present("f_transfer_finetuned"))) if path})
     if "f" in result["runs"]:
         result["runs"]["f"]["description"] = HYBRID_DESCRIPTION
-        transfer_file = os.path.join(runs, "e_transfer", ATTENTION_TRANSFER_FILE)
-        if os.path.isfile(transfer_file):
-            with open(transfer_file) as handle:
-                result["runs"]["f"]["attention_transfer"] = attention_transfer_summary(json.load(handle),
-                                                                                       transfer_file)
+    transfer_file = os.path.join(runs, "e_transfer", ATTENTION_TRANSFER_FILE)
+    if os.path.isfile(transfer_file):  # the transfer on the pretrained model that (f) starts from
+        with open(transfer_file) as handle:
+            result["hybrid_transfer"] = attention_transfer_summary(json.load(handle), transfer_file)
     logs = {name: os.path.join(runs, file) for name, file in (("softmax", "a_softmax.log"),
                                                                ("hybrid", "f_transfer_finetuned.log"))}
     progress = {name: recipe_log_progress(path) for name, path in logs.items() if os.path.isfile(path)}
@@ -148,6 +151,9 @@ def main(argv=None) -> int:
     if "a" in result["runs"]:
         result["equal_step_comparison"] = equal_step_comparison(result["runs"]["a"]["curve"], hybrid_curve,
                                                                 result["main_metric"])
+    zero_shot = present(os.path.join("from_a", "e_transfer"))
+    if zero_shot:
+        result["hybrid_zero_shot"] = {**load_run("e", zero_shot), "description": HYBRID_ZERO_SHOT_DESCRIPTION}
     window_only = {}
     for name, label, folder in (("zero_shot", "b", "b_converted"),
                                 ("fine_tuned", "c", os.path.join("window_only", "f_transfer_finetuned"))):
@@ -155,7 +161,8 @@ def main(argv=None) -> int:
             window_only[name] = {**load_run(label, present(folder)), "description": WINDOW_ONLY_DESCRIPTIONS[name]}
     result["window_only"] = window_only
     softmax = result["runs"].get("a", {}).get("metric")
-    arms = {**result["runs"], **{f"window_only_{k}": v for k, v in window_only.items()}}
+    arms = {**result["runs"], **({"hybrid_zero_shot": result["hybrid_zero_shot"]} if zero_shot else {}),
+            **{f"window_only_{k}": v for k, v in window_only.items()}}
     result["ratio_to_softmax"] = {name: (run["metric"] / softmax if softmax else None) for name, run in arms.items()}
 
     spec = get_task(args.task)
@@ -188,13 +195,14 @@ def _plot(result: dict, path: str) -> None:
 
     arms = [("a", result["runs"].get("a"), "softmax\nfine-tuned (a)"),
             ("w0", result["window_only"].get("zero_shot"), "(a) as window only\nno training"),
+            ("h0", result.get("hybrid_zero_shot"), "(a) as hybrid\n+ transfer, no fine-tuning"),
             ("w", result["window_only"].get("fine_tuned"), "window only\nfine-tuned"),
             ("f", result["runs"].get("f"), "hybrid: transfer\n+ fine-tuned (f)")]
     arms = [arm for arm in arms if arm[1] is not None]
     tail = result["tail_pairs"]
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     values = [run["metric"] for _, run, _ in arms]
-    axes[0].bar(range(len(arms)), values, color=[{"a": "black", "w0": "silver", "w": "tab:gray", "f": "tab:red"}[key] for key, _, _ in arms])
+    axes[0].bar(range(len(arms)), values, color=[{"a": "black", "w0": "silver", "h0": "tab:orange", "w": "tab:gray", "f": "tab:red"}[key] for key, _, _ in arms])
     for index, value in enumerate(values):
         axes[0].text(index, value + 0.01, f"{value:.3f}", ha="center")
     if "a" in result["runs"]:

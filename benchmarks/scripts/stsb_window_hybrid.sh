@@ -14,6 +14,8 @@
 #   $OUT/window_only/e_transfer             pretrained model converted to band + sink only (--no-linear-tail)
 #   $OUT/window_only/f_transfer_finetuned   that fine-tuned (the tail ablation)  glue_recovery.sh RUNS=f OUT=.../window_only
 #   $OUT/b_converted                        (a) converted to band + sink only, no training  glue_recovery.sh RUNS=b
+#   $OUT/from_a/e_transfer                  (a) converted to the hybrid + attention transfer with (a) as the teacher,
+#                                           no training (zero-shot, same head as b)  glue_recovery.sh RUNS=e OUT=.../from_a
 # The hybrid and the ablation chains run side by side. Then collect_encoder_window.py writes $RESULT (+ .png).
 # Steps whose output exists are skipped (rerun to resume).
 set -euo pipefail
@@ -48,6 +50,10 @@ hybrid_chain() {
         --max-samples 2048 --max-length 128 --batch-size 16 --steps "$TRANSFER_STEPS" --learning-rate 1e-2 \
         --fidelity-samples 32 --no-progress --overwrite
     OUT="$OUT" RUNS="f" RESULT="$OUT/recovery_hybrid.json" bash "$RECOVERY"
+    mkdir -p "$OUT/from_a" && ln -sfn "$OUT/a_softmax" "$OUT/from_a/a_softmax"
+    OUT="$OUT/from_a" RUNS="e" FEATURE_MAP_INIT=identity NB_FEATURES="$NB_FEATURES" TRANSFER_STEPS="$TRANSFER_STEPS" \
+        TRANSFER_SAMPLES=2048 HYBRID_ARGS="--window $WINDOW --sinks $SINKS --softmax-weight learned --loss output" \
+        RESULT="$OUT/from_a/recovery.json" bash "$RECOVERY"
 }
 window_only_chain() {
     run_step window_only_convert "$OUT/window_only/e_transfer/config.json" "$HF_PERFORMER" convert "$MODEL" \
