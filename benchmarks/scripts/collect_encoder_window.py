@@ -176,6 +176,8 @@ def main(argv=None) -> int:
 
     text = json.dumps(result, indent=1, default=str)
     text = text.replace(os.path.abspath(runs).rstrip("/") + "/", "")  # run paths relative to the runs folder
+    repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = text.replace(os.path.dirname(repository).rstrip("/") + "/", "../")  # ../shared/data, as the READMEs
     os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
     with open(args.output, "w") as handle:
         handle.write(text + "\n")
