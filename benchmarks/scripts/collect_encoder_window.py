@@ -175,6 +175,8 @@ def main(argv=None) -> int:
     result["command"] = args.command
 
     text = json.dumps(result, indent=1, default=str)
+    for folder in ("from_a", "window_only"):  # the script's sub-runs (possibly links to other folders)
+        text = text.replace(os.path.realpath(os.path.join(runs, folder)) + "/", folder + "/")
     text = text.replace(os.path.abspath(runs).rstrip("/") + "/", "")  # run paths relative to the runs folder
     repository = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     text = text.replace(os.path.dirname(repository).rstrip("/") + "/", "../")  # ../shared/data, as the READMEs
