@@ -8,12 +8,15 @@
 #   HYBRID_ARGS="--window 32 --sinks 1" RUNS="a e f" OUT=/tmp/stsb_window \
 #       RESULT=benchmarks/results/recovery_stsb_window32.json bash benchmarks/scripts/glue_recovery.sh
 #                                                                            # sink + window hybrid in every layer (e, f)
+#   CONVERT_ARGS="--window 16 --sinks 1 --no-linear-tail" RUNS="a b c" OUT=/tmp/stsb_window_only \
+#       bash benchmarks/scripts/glue_recovery.sh                                 # (b, c): another conversion than FAVOR+
 #
 # Steps, in order (each logs to $OUT/<step>.log and is skipped when its output exists, so an interrupted pipeline
 # resumes; delete an output to redo its step). The order puts the attention-transfer rows before the FAVOR+ ones.
 #
 #   a  $OUT/a_softmax/metrics.json          softmax fine-tuned from $MODEL
-#   b  $OUT/b_converted/dev_metrics.json    (a) converted to FAVOR+ (hf-performer convert), evaluated, no training
+#   b  $OUT/b_converted/dev_metrics.json    (a) converted (hf-performer convert $CONVERT_ARGS: FAVOR+ by default),
+#                                           evaluated, no training
 #   e  $OUT/e_transfer/dev_metrics.json     (a) + attention transfer (hf-performer distill), evaluated, no training
 #   f  $OUT/f_transfer_finetuned/metrics.json  (e) fine-tuned with the same arguments as (a)
 #   c  $OUT/c_recovered/metrics.json        (b) fine-tuned with the same arguments as (a)
@@ -53,6 +56,7 @@ FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-favor+}"   # learned maps: start as FAVOR+
 NB_FEATURES="${NB_FEATURES:-256}"               # learned maps: features per head (hedgehog: half as many projections)
 KEEP_SOFTMAX_LAYERS="${KEEP_SOFTMAX_LAYERS:-}"  # space-separated layers that stay softmax in (e, f) (empty: all linear)
 HYBRID_ARGS="${HYBRID_ARGS:-}"                  # window flags of (e), e.g. "--window 32 --sinks 1" (empty: no window)
+CONVERT_ARGS="${CONVERT_ARGS:-}"                # flags of (b)'s hf-performer convert (empty: its FAVOR+ defaults)
 TRANSFER_SAMPLES="${TRANSFER_SAMPLES:-2048}"
 TRANSFER_BATCH="${TRANSFER_BATCH:-16}"
 TRANSFER_STEPS="${TRANSFER_STEPS:-768}"
@@ -83,7 +87,9 @@ evaluate_args() {  # evaluate_args MODEL OUTPUT.json
         --max-length "$MAX_LENGTH" --output "$2"
 }
 mapfile -t CMD_A < <(finetune_args "$MODEL" "$OUT/a_softmax" --attention softmax)
-mapfile -t CMD_B_CONVERT < <(printf '%s\n' "$HF_PERFORMER" convert "$OUT/a_softmax" "$OUT/b_converted" --overwrite)
+read -r -a CONVERT_FLAGS <<< "$CONVERT_ARGS"
+mapfile -t CMD_B_CONVERT < <(printf '%s\n' "$HF_PERFORMER" convert "$OUT/a_softmax" "$OUT/b_converted" "${CONVERT_FLAGS[@]}" \
+    --overwrite)
 mapfile -t CMD_B_EVAL < <(evaluate_args "$OUT/b_converted" "$OUT/b_converted/dev_metrics.json")
 KEEP_ARGS=()
 if [[ -n "$KEEP_SOFTMAX_LAYERS" ]]; then
@@ -122,7 +128,7 @@ wanted d && run_step d_favor_direct "$OUT/d_favor_direct/metrics.json" "${CMD_D[
 PROTOCOL="MiniLM-L6 ($MODEL); $TASK: ${MAX_TRAIN_SAMPLES:-all} training rows of $(basename "$(dirname "$TRAIN_FILE")")/\
 $(basename "$TRAIN_FILE"), $EPOCHS epoch(s), batch $BATCH, lr $LR (linear decay, 6% warmup), max length $MAX_LENGTH, \
 seed $SEED, identical for (a), (c), (d), (f); dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
-FAVOR+ (b, c, d): hf-performer convert defaults. Attention transfer (e): hf-performer distill --feature-map $FEATURE_MAP \
+FAVOR+ (b, c, d): hf-performer convert defaults${CONVERT_ARGS:+ (b, c: hf-performer convert $CONVERT_ARGS)}. Attention transfer (e): hf-performer distill --feature-map $FEATURE_MAP \
 --feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]} ${HYBRID_FLAGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
 teacher (a). Pipeline: benchmarks/scripts/glue_recovery.sh."
 
