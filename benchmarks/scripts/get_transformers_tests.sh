@@ -10,14 +10,14 @@
 # PYTHON the interpreter whose transformers version is used (default: python3 on PATH).
 #
 # What the sdist does NOT hold, and how the harness copes:
-# - tests/generation/test_utils.py (GenerationTesterMixin) is not in the sdist. Copy it by hand, once, from a git
-#   checkout of the same tag (git show v<version>:tests/generation/test_utils.py > DEST/tests/generation/test_utils.py,
-#   plus tests/generation/test_framework_agnostic.py if that file imports it). The harness runs the generation mixin
-#   only when that file is present and imports against the installed transformers; otherwise this script writes a
-#   placeholder module whose GenerationTesterMixin is an empty class marked PLACEHOLDER, the harness reports the
-#   generation tests as not run, and test_modeling_common.py (which imports the name) still loads.
-# - tests/exporters/test_export.py (ExportTesterMixin, base class of ModelTesterMixin) is not in the sdist either;
-#   it gets the same kind of empty placeholder (export tests are not run), unless a real copy is put there.
+# - tests/generation/test_utils.py (GenerationTesterMixin) and tests/exporters/test_export.py (ExportTesterMixin, a
+#   base class of ModelTesterMixin; GenerationTesterMixin imports it as `tests.exporters.test_export`) are not in the
+#   sdist. They are read once from a git copy of transformers (no other download is possible here):
+#       TRANSFORMERS_GIT=/path/to/transformers/.git [TRANSFORMERS_GIT_REF=v<version>] get_transformers_tests.sh DEST
+#   TRANSFORMERS_GIT_REF defaults to the installed version's tag; name another tag when that one is not in the copy
+#   (the script says which tag it used, in DEST/SOURCES). Without TRANSFORMERS_GIT, placeholder modules with empty
+#   mixins marked PLACEHOLDER are written: test_modeling_common.py still imports, the harness runs the model and
+#   config tests only and reports the generation tests as not run.
 # - tests/utils/test_configuration_utils.py (imported by test_configuration_common.py for its `config_common_kwargs`)
 #   is not in the sdist: unless a real copy is there, a module holding only that table, as transformers 5's file
 #   defines it, is written.
@@ -60,19 +60,37 @@ touch "$dest/tests/__init__.py"
 mkdir -p "$dest/tests/generation" "$dest/tests/exporters"
 touch "$dest/tests/generation/__init__.py" "$dest/tests/exporters/__init__.py"
 
-write_placeholder() {  # file, class name, what is not run
+echo "tests/ from $(basename "$sdist")" > "$dest/SOURCES"
+if [ -n "${TRANSFORMERS_GIT:-}" ]; then
+    ref=${TRANSFORMERS_GIT_REF:-v$version}
+    if ! git --git-dir="$TRANSFORMERS_GIT" rev-parse --verify --quiet "$ref^{commit}" > /dev/null; then
+        echo "$0: $ref is not in $TRANSFORMERS_GIT; set TRANSFORMERS_GIT_REF to the closest tag it has" \
+             "(git --git-dir=$TRANSFORMERS_GIT tag -l 'v5*')" >&2
+        exit 2
+    fi
+    for file in tests/generation/test_utils.py tests/exporters/test_export.py; do
+        git --git-dir="$TRANSFORMERS_GIT" show "$ref:$file" > "$dest/$file"
+        echo "$file from git $ref ($(git --git-dir="$TRANSFORMERS_GIT" rev-parse "$ref^{commit}"))" >> "$dest/SOURCES"
+    done
+fi
+
+write_placeholder() {  # file, class names, what is not run
     if [ ! -f "$1" ]; then
-        cat > "$1" <<EOF
-# PLACEHOLDER written by get_transformers_tests.sh: transformers $version's sdist does not ship this file.
-# Replace it with the file of tag v$version to run $3.
-PLACEHOLDER = True
-
-
-class $2:
-    """Empty stand-in so that test_modeling_common.py imports; no $3 run."""
-EOF
+        {
+            echo "# PLACEHOLDER written by get_transformers_tests.sh: transformers $version's sdist does not ship this file."
+            echo "# Replace it with the file of tag v$version (TRANSFORMERS_GIT=...) to run $3."
+            echo "PLACEHOLDER = True"
+            for class_name in $2; do
+                printf '\n\nclass %s:\n    """Empty stand-in so that test_modeling_common.py imports; no %s run."""\n' \
+                    "$class_name" "$3"
+            done
+        } > "$1"
+        echo "$1: placeholder (no $3)" >> "$dest/SOURCES"
     fi
 }
+write_placeholder "$dest/tests/generation/test_utils.py" GenerationTesterMixin "the generation tests"
+write_placeholder "$dest/tests/exporters/test_export.py" "ExportTesterMixin ExportGenerateTesterMixin" "the export tests"
+
 mkdir -p "$dest/tests/utils"
 touch "$dest/tests/utils/__init__.py"
 if [ ! -f "$dest/tests/utils/test_configuration_utils.py" ]; then
@@ -95,8 +113,7 @@ fi
 if ! PYTHONPATH="$dest/_deps" "$python" -c "import parameterized" 2>/dev/null; then
     "$python" -m pip install --quiet --no-deps --target "$dest/_deps" "parameterized>=0.9"
 fi
-write_placeholder "$dest/tests/generation/test_utils.py" GenerationTesterMixin "the generation tests"
-write_placeholder "$dest/tests/exporters/test_export.py" ExportTesterMixin "the export tests"
 echo "$version" > "$dest/TRANSFORMERS_VERSION"
+cat "$dest/SOURCES"
 echo "transformers $version tests in $dest/tests; run:"
 echo "  HF_PERFORMER_TRANSFORMERS_TESTS=$dest/tests python -m pytest tests/transformers_common"

@@ -17,10 +17,12 @@ reports the skip.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import sys
+import tempfile
 import unittest
 from pathlib import Path
 
@@ -46,19 +48,26 @@ from hf_performer import (  # noqa: E402
     PerformerForTokenClassification,
     PerformerModel,
 )
+from hf_performer.cache import is_favor_cache_layer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared tiny source configs
 from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config  # noqa: E402
 
 logging.set_verbosity_error()
 
-TRANSFORMERS_TESTS_PACKAGE = "transformers_common_tests"
+TRANSFORMERS_TESTS_PACKAGE = "tests"
+"""transformers' test files import each other as ``tests.exporters.test_export`` (absolute) and ``.generation...``
+(relative): their folder is imported under its own name, ``tests`` (this repository's tests/ is not a package)."""
 
 
 def _import_transformers_tests(folder: str):
-    """Import ``folder`` (transformers' ``tests/``) as the package :data:`TRANSFORMERS_TESTS_PACKAGE` (its own
-    relative imports, ``from .generation.test_utils import ...``, resolve inside it) and return
-    ``(test_modeling_common, test_configuration_common, generation_test_utils)``."""
+    """Import ``folder`` (transformers' ``tests/``) as the package :data:`TRANSFORMERS_TESTS_PACKAGE` and return
+    ``(test_modeling_common, test_configuration_common, generation_test_utils)``.
+
+    Raises:
+        FileNotFoundError: ``folder`` holds no ``test_modeling_common.py``.
+        ImportError: another package named ``tests`` is already imported.
+    """
     tests_path = Path(folder).resolve()
     if not (tests_path / "test_modeling_common.py").is_file():
         raise FileNotFoundError(
@@ -68,7 +77,13 @@ def _import_transformers_tests(folder: str):
     dependencies = tests_path.parent / "_deps"  # `parameterized`, installed there by the script
     if dependencies.is_dir() and str(dependencies) not in sys.path:
         sys.path.insert(0, str(dependencies))
-    if TRANSFORMERS_TESTS_PACKAGE not in sys.modules:
+    loaded = sys.modules.get(TRANSFORMERS_TESTS_PACKAGE)
+    if loaded is not None and [str(tests_path)] != list(getattr(loaded, "__path__", [])):
+        raise ImportError(
+            f"a package named {TRANSFORMERS_TESTS_PACKAGE!r} is already imported from {list(loaded.__path__)}; "
+            f"transformers' tests in {tests_path} need that name: run tests/transformers_common on its own"
+        )
+    if loaded is None:
         spec = importlib.util.spec_from_file_location(
             TRANSFORMERS_TESTS_PACKAGE, tests_path / "__init__.py", submodule_search_locations=[str(tests_path)]
         )
@@ -168,6 +183,43 @@ class _PerformerCommonTests(ModelTesterMixin):
     def test_config(self):
         self.config_tester.run_common_tests()
 
+    @contextlib.contextmanager
+    def _heads_only(self):
+        """``all_model_classes`` without ``PerformerModel`` for the duration: transformers skips base models (no
+        loss) in its training tests by their class name in ``MODEL_MAPPING_NAMES``, where an out-of-tree base model
+        is not listed."""
+        all_model_classes = self.all_model_classes
+        self.all_model_classes = tuple(cls for cls in all_model_classes if cls.task != "base")
+        try:
+            yield
+        finally:
+            self.all_model_classes = all_model_classes
+
+    def test_training(self):
+        with self._heads_only():
+            super().test_training()
+
+    def check_training_gradient_checkpointing(self, gradient_checkpointing_kwargs=None):
+        with self._heads_only():
+            super().check_training_gradient_checkpointing(gradient_checkpointing_kwargs)
+
+    def test_sdpa_can_dispatch_non_composite_models(self):
+        # transformers' test expects "sdpa" when no attn_implementation is given; a Performer model's default is
+        # "favor" (linear attention, the point of the class). The same checks with that default: favor by default,
+        # then attn_implementation="sdpa" / "eager" reach every attention module of the wrapped model.
+        for model_class in self.all_model_classes:
+            config, _ = self.model_tester.prepare_config_and_inputs_for_common()
+            with tempfile.TemporaryDirectory() as folder:
+                model_class(config).save_pretrained(folder)
+                self.assertEqual(model_class.from_pretrained(folder).config._attn_implementation, "favor")
+                for implementation in ("sdpa", "eager"):
+                    model = model_class.from_pretrained(folder, attn_implementation=implementation)
+                    self.assertEqual(model.config._attn_implementation, implementation)
+                    for name, submodule in model.named_modules():
+                        module_config = getattr(submodule, "config", None)
+                        if type(submodule).__name__.endswith("Attention") and module_config is not None:
+                            self.assertEqual(module_config._attn_implementation, implementation, msg=name)
+
     def _prepare_for_class(self, inputs_dict, model_class, return_labels=False):
         # transformers finds the labels' shape from the class name in its Auto mappings; ours are named by task.
         inputs_dict = super()._prepare_for_class(inputs_dict, model_class, return_labels=return_labels)
@@ -191,10 +243,43 @@ class PerformerBertCommonTest(_PerformerCommonTests, unittest.TestCase):
     )
 
 
-_CAUSAL_BASES = (GenerationTesterMixin,) if GENERATION_MIXIN_PRESENT else ()
+if GENERATION_MIXIN_PRESENT:
+
+    class _PerformerCausalCommonTests(_PerformerCommonTests, GenerationTesterMixin):
+        """Adds transformers' ``GenerationTesterMixin`` (generative classes: ``PerformerForCausalLM``)."""
+
+        def _check_past_key_values_for_generate(self, batch_size, past_key_values, seq_length, config):
+            # What transformers asks of a model whose cache is not keys / values ("Please overwrite
+            # `_check_past_key_values_for_generate`", as its recurrent models do): favor layers hold a
+            # FavorCacheLayer, a token count and the recurrent state kv [B, H, m, d], k_sum [B, H, m],
+            # stabilizer [B, H] (H query heads, m features), whatever the length; softmax layers keep keys / values.
+            source = config.get_text_config(decoder=True)  # the source config (what the mixin passes)
+            self.assertEqual(source.num_hidden_layers, len(past_key_values))
+            heads = source.num_attention_heads
+            head_dim = getattr(source, "head_dim", None) or source.hidden_size // heads
+            key_shape, value_shape = self._get_attention_shape(batch_size, seq_length, source)
+            for layer in past_key_values.layers:
+                if is_favor_cache_layer(layer):
+                    self.assertEqual(layer.get_seq_length(), seq_length)
+                    kv, k_sum, stabilizer = layer.state
+                    self.assertEqual(kv.shape, (batch_size, heads, NB_FEATURES, head_dim))
+                    self.assertEqual(k_sum.shape, kv.shape[:-1])
+                    self.assertEqual(stabilizer.shape, kv.shape[:2])
+                else:
+                    self.assertEqual(layer.keys.shape, key_shape)
+                    self.assertEqual(layer.values.shape, value_shape)
+
+else:
+
+    class _PerformerCausalCommonTests(_PerformerCommonTests):
+        """Without the generation mixin file (placeholder): transformers' own rule
+        (``test_generation_tester_mixin_inheritance``) is that a tester running no generate tests declares no
+        generative classes."""
+
+        all_generative_model_classes = ()
 
 
-class PerformerGPT2CommonTest(_PerformerCommonTests, *_CAUSAL_BASES, unittest.TestCase):
+class PerformerGPT2CommonTest(_PerformerCausalCommonTests, unittest.TestCase):
     source = "gpt2"
     all_model_classes = (
         PerformerModel,
@@ -204,7 +289,7 @@ class PerformerGPT2CommonTest(_PerformerCommonTests, *_CAUSAL_BASES, unittest.Te
     )
 
 
-class PerformerLlamaCommonTest(_PerformerCommonTests, *_CAUSAL_BASES, unittest.TestCase):
+class PerformerLlamaCommonTest(_PerformerCausalCommonTests, unittest.TestCase):
     source = "llama"
     all_model_classes = (
         PerformerModel,
