@@ -396,3 +396,28 @@ def test_beam_search_reorders_the_recurrent_cache(source):
     no_cache = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False)
     assert isinstance(beams.past_key_values.layers[0], FavorCacheLayer)
     assert torch.equal(beams.sequences, no_cache)
+
+
+# ---------------------------------------------------------------------------------- generate(inputs_embeds), logits_to_keep
+# Found by transformers' own GenerationTesterMixin (tests/transformers_common): both were read from the wrapper's
+# signatures, which hid the source model's parameters.
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_generate_from_inputs_embeds_equals_generate_from_input_ids(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=2, length=5)
+    from_ids = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, prompt.shape[1]:])  # only the new tokens, as for stock models
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_logits_to_keep_computes_only_the_last_logits(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=2, length=6)
+    full = model(prompt).logits
+    last = model(prompt, logits_to_keep=1).logits
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:])
+    assert model._supports_logits_to_keep()  # so that generate() computes one position's logits at prefill
