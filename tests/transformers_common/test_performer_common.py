@@ -17,13 +17,13 @@ reports the skip.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import sys
 import tempfile
 import unittest
+from unittest import mock
 from pathlib import Path
 
 import pytest
@@ -38,6 +38,7 @@ if not _tests_folder:
     )
 
 import torch  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 from hf_performer import (  # noqa: E402
@@ -49,6 +50,7 @@ from hf_performer import (  # noqa: E402
     PerformerModel,
 )
 from hf_performer.cache import is_favor_cache_layer  # noqa: E402
+from hf_performer.configuration_performer import PERFORMER_MODEL_TYPE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared tiny source configs
 from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config  # noqa: E402
@@ -168,6 +170,12 @@ class _PerformerCommonTests(ModelTesterMixin):
     source = ""
 
     def setUp(self):
+        # transformers recognises base models (no loss: skipped by the training tests; the one the RoPE-scaling tests
+        # build) by class name in MODEL_MAPPING_NAMES, which lists in-tree models only: list PerformerModel there for
+        # the duration of each test, as an in-tree model would be.
+        names_patch = mock.patch.dict(MODEL_MAPPING_NAMES, {PERFORMER_MODEL_TYPE: PerformerModel.__name__})
+        names_patch.start()
+        self.addCleanup(names_patch.stop)
         self.model_tester = PerformerModelTester(self, self.source)
         # The source config as config.json holds it (a dict), so that ConfigTester's JSON round trips compare like
         # with like (transformers' composite testers pass their sub-configs as dicts too). Likewise the favor settings
@@ -182,26 +190,6 @@ class _PerformerCommonTests(ModelTesterMixin):
 
     def test_config(self):
         self.config_tester.run_common_tests()
-
-    @contextlib.contextmanager
-    def _heads_only(self):
-        """``all_model_classes`` without ``PerformerModel`` for the duration: transformers skips base models (no
-        loss) in its training tests by their class name in ``MODEL_MAPPING_NAMES``, where an out-of-tree base model
-        is not listed."""
-        all_model_classes = self.all_model_classes
-        self.all_model_classes = tuple(cls for cls in all_model_classes if cls.task != "base")
-        try:
-            yield
-        finally:
-            self.all_model_classes = all_model_classes
-
-    def test_training(self):
-        with self._heads_only():
-            super().test_training()
-
-    def check_training_gradient_checkpointing(self, gradient_checkpointing_kwargs=None):
-        with self._heads_only():
-            super().check_training_gradient_checkpointing(gradient_checkpointing_kwargs)
 
     def test_sdpa_can_dispatch_non_composite_models(self):
         # transformers' test expects "sdpa" when no attn_implementation is given; a Performer model's default is
