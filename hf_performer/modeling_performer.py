@@ -171,7 +171,15 @@ class PerformerPreTrainedModel(PreTrainedModel):
         (seed + layer, :meth:`~.feature_maps.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
         function, tensors loaded from a checkpoint (``_is_hf_initialized``) are left alone: a model materialised
         from the meta device gets the saved values where the checkpoint has them and valid fresh ones elsewhere."""
-        super().initialize_weights()
+        # transformers treats any class outside its package as custom code and then skips modules without parameters
+        # of their own (a guard for remote code writing parameters in place). The wrapped model is transformers' own
+        # code, whose inits may come from such modules (GPT-2 scales c_proj from its attention / MLP modules): it is
+        # initialised as transformers initialises its in-tree models. Our feature maps use transformers.initialization.
+        type(self)._initializing_as_in_tree = True
+        try:
+            super().initialize_weights()
+        finally:
+            type(self)._initializing_as_in_tree = False
         for module in self.modules():
             initial_tensors = getattr(module, "initial_tensors", None)
             if not callable(initial_tensors) or not hasattr(module, "nb_features"):
@@ -179,6 +187,14 @@ class PerformerPreTrainedModel(PreTrainedModel):
             for name, value in initial_tensors().items():
                 tensor = getattr(module, name)
                 init.copy_(tensor, value.to(device=tensor.device, dtype=tensor.dtype))
+
+    _initializing_as_in_tree = False
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """transformers' answer (True: this class is not in its package), except while :meth:`initialize_weights`
+        runs."""
+        return False if cls._initializing_as_in_tree else super().is_custom_code()
 
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
