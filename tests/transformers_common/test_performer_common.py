@@ -38,7 +38,7 @@ if not _tests_folder:
     )
 
 import torch  # noqa: E402
-from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES  # noqa: E402
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 from hf_performer import (  # noqa: E402
@@ -176,9 +176,12 @@ class _PerformerCommonTests(ModelTesterMixin):
         # transformers recognises base models (no loss: skipped by the training tests; the one the RoPE-scaling tests
         # build) by class name in MODEL_MAPPING_NAMES, which lists in-tree models only: list PerformerModel there for
         # the duration of each test, as an in-tree model would be.
-        names_patch = mock.patch.dict(MODEL_MAPPING_NAMES, {PERFORMER_MODEL_TYPE: PerformerModel.__name__})
-        names_patch.start()
-        self.addCleanup(names_patch.stop)
+        # Likewise PerformerForCausalLM in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES (the causal-LM loss tests look for it).
+        for names, model_class in ((MODEL_MAPPING_NAMES, PerformerModel),
+                                   (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, PerformerForCausalLM)):
+            names_patch = mock.patch.dict(names, {PERFORMER_MODEL_TYPE: model_class.__name__})
+            names_patch.start()
+            self.addCleanup(names_patch.stop)
         self.model_tester = PerformerModelTester(self, self.source)
         # The source config as config.json holds it (a dict), so that ConfigTester's JSON round trips compare like
         # with like (transformers' composite testers pass their sub-configs as dicts too). Likewise the favor settings
