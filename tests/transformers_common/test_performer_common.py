@@ -5,14 +5,14 @@ Opt-in: skipped unless ``HF_PERFORMER_TRANSFORMERS_TESTS`` names the ``tests/`` 
 ``benchmarks/scripts/get_transformers_tests.sh DEST`` assembles (``DEST/tests``) for the installed transformers
 version. transformers' files are imported from there, never copied into this repository::
 
-    benchmarks/scripts/get_transformers_tests.sh /tmp/transformers-tests
+    TRANSFORMERS_GIT=/path/to/transformers/.git benchmarks/scripts/get_transformers_tests.sh /tmp/transformers-tests
     HF_PERFORMER_TRANSFORMERS_TESTS=/tmp/transformers-tests/tests python -m pytest -q tests/transformers_common
 
 The model testers follow transformers' own (``BertModelTester``, ``GPT2ModelTester``, ``LlamaModelTester``): a
 ``get_config()`` and ``prepare_config_and_inputs_for_common()`` returning ``(config, inputs_dict)``. The generation
-mixin runs only when ``tests/generation/test_utils.py`` of the same transformers tag is in the folder (the sdist
-does not ship it); otherwise the causal testers run the model tests only, and ``test_generation_mixin_present``
-reports the skip.
+mixin runs only when ``tests/generation/test_utils.py`` of a transformers tag is in the folder (the sdist does not
+ship it; the script reads it from TRANSFORMERS_GIT); otherwise the causal testers run the model tests only, and
+``test_generation_mixin_present`` reports the skip.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import os
 import sys
 import tempfile
 import unittest
-from unittest import mock
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
