@@ -171,7 +171,15 @@ class PerformerPreTrainedModel(PreTrainedModel):
         (seed + layer, :meth:`~.feature_maps.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
         function, tensors loaded from a checkpoint (``_is_hf_initialized``) are left alone: a model materialised
         from the meta device gets the saved values where the checkpoint has them and valid fresh ones elsewhere."""
-        super().initialize_weights()
+        # transformers treats any class outside its package as custom code and then skips modules without parameters
+        # of their own (a guard for remote code writing parameters in place). The wrapped model is transformers' own
+        # code, whose inits may come from such modules (GPT-2 scales c_proj from its attention / MLP modules): it is
+        # initialised as transformers initialises its in-tree models. Our feature maps use transformers.initialization.
+        type(self)._initializing_as_in_tree = True
+        try:
+            super().initialize_weights()
+        finally:
+            type(self)._initializing_as_in_tree = False
         for module in self.modules():
             initial_tensors = getattr(module, "initial_tensors", None)
             if not callable(initial_tensors) or not hasattr(module, "nb_features"):
@@ -179,6 +187,14 @@ class PerformerPreTrainedModel(PreTrainedModel):
             for name, value in initial_tensors().items():
                 tensor = getattr(module, name)
                 init.copy_(tensor, value.to(device=tensor.device, dtype=tensor.dtype))
+
+    _initializing_as_in_tree = False
+
+    @classmethod
+    def is_custom_code(cls) -> bool:
+        """transformers' answer (True: this class is not in its package), except while :meth:`initialize_weights`
+        runs."""
+        return False if cls._initializing_as_in_tree else super().is_custom_code()
 
     def _check_and_adjust_attn_implementation(
         self, attn_implementation: str | None, is_init_check: bool = False, allow_all_kernels: bool = False
@@ -470,6 +486,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        logits_to_keep: int | torch.Tensor | None = None,
         **kwargs,
     ):
         r"""
@@ -486,7 +503,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
             labels: ``[batch, seq_len]`` next-token labels (shifted inside, -100 = ignored).
             use_cache: return the updated cache.
-            **kwargs: e.g. ``logits_to_keep``, ``cache_position``; passed on.
+            logits_to_keep: compute the logits of the last ``logits_to_keep`` positions only (an int), or of the
+                given positions (a 1-D tensor); ``generate()`` passes 1 at prefill. Sources without it raise.
+            **kwargs: e.g. ``cache_position``; passed on.
 
         Returns:
             ``CausalLMOutputWithPast`` (or the source's equivalent): ``logits`` ``[batch, seq_len, vocab_size]``,
@@ -505,9 +524,15 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
                 return_dict=return_dict,
+                logits_to_keep=logits_to_keep,
             ),
             kwargs,
         )
+
+    def _supports_logits_to_keep(self) -> bool:
+        """Whether the source causal LM takes ``logits_to_keep`` (``generate()`` then computes only the last
+        position's logits at prefill); this class's own ``forward`` always names it."""
+        return "logits_to_keep" in inspect.signature(type(self.source_model).forward).parameters
 
     def generate(self, *args, **kwargs):
         """``GenerationMixin.generate``, refusing up front (one-line ``ValueError``) the assisted-decoding
@@ -542,9 +567,10 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         install_favor_cache_layers(model_kwargs.get("past_key_values"), self)
         return result
 
-    def prepare_inputs_for_generation(self, *args, **kwargs):
-        """The source model's own preparation of generation inputs."""
-        return self.source_model.prepare_inputs_for_generation(*args, **kwargs)
+    def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, **kwargs):
+        """The source model's own preparation of generation inputs. ``inputs_embeds`` is named here because
+        ``generate(inputs_embeds=...)`` looks for it in this signature."""
+        return self.source_model.prepare_inputs_for_generation(input_ids, *args, inputs_embeds=inputs_embeds, **kwargs)
 
 
 PERFORMER_CLASSES_BY_TASK: dict[str, type[PerformerPreTrainedModel]] = {

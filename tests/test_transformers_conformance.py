@@ -1,8 +1,9 @@
 """Performer models behave like in-tree transformers models (issue 16): output_attentions, set_attn_implementation,
 _init_weights / meta-device loading, assisted generation, packed sequences, retain_grad.
 
-transformers' own common tests are not in the pip package and no checkout is on this machine: these tests cover the
-same behaviours on tiny BERT / GPT-2 / Llama sources.
+These tests cover the behaviours on tiny BERT / GPT-2 / Llama sources in the normal suite; transformers' own common
+tests (ModelTesterMixin, GenerationTesterMixin, ConfigTester) run against the same classes in the opt-in harness
+tests/transformers_common/ (see README, "Transformers conformance").
 """
 
 import functools
@@ -396,3 +397,41 @@ def test_beam_search_reorders_the_recurrent_cache(source):
     no_cache = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, use_cache=False)
     assert isinstance(beams.past_key_values.layers[0], FavorCacheLayer)
     assert torch.equal(beams.sequences, no_cache)
+
+
+# ---------------------------------------------------------------------------------- generate(inputs_embeds), logits_to_keep
+# Found by transformers' own GenerationTesterMixin (tests/transformers_common): both were read from the wrapper's
+# signatures, which hid the source model's parameters.
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_generate_from_inputs_embeds_equals_generate_from_input_ids(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=2, length=5)
+    from_ids = model.generate(prompt, max_new_tokens=4, do_sample=False)
+    from_embeds = model.generate(inputs_embeds=model.get_input_embeddings()(prompt), max_new_tokens=4, do_sample=False)
+    assert torch.equal(from_embeds, from_ids[:, prompt.shape[1]:])  # only the new tokens, as for stock models
+
+
+@pytest.mark.parametrize("source", CAUSAL)
+def test_logits_to_keep_computes_only_the_last_logits(source):
+    model = build(PerformerForCausalLM, source)
+    prompt = token_ids(batch=2, length=6)
+    full = model(prompt).logits
+    last = model(prompt, logits_to_keep=1).logits
+    assert last.shape == (2, 1, full.shape[-1])
+    torch.testing.assert_close(last, full[:, -1:])
+    assert model._supports_logits_to_keep()  # so that generate() computes one position's logits at prefill
+
+
+def test_meta_device_loading_initialises_the_wrapped_model_as_transformers_does():
+    # GPT-2 initialises c_proj with std initializer_range / sqrt(2 * n_layer) from its attention and MLP modules, which
+    # have no parameters of their own; transformers skips such modules for "custom code" (any class outside its
+    # package), so weights missing from a checkpoint got the plain 0.02 instead (found by transformers'
+    # test_can_init_all_missing_weights).
+    config = PerformerConfig(source_config=gpt2_config(), nb_features=16)
+    model = PerformerModel.from_pretrained(None, config=config, state_dict={})
+    expected = config.source_config.initializer_range / (2 * config.source_config.n_layer) ** 0.5
+    for layer in model.source_model.h:
+        for weight in (layer.attn.c_proj.weight, layer.mlp.c_proj.weight):
+            assert abs(float(weight.std()) - expected) < 0.2 * expected
