@@ -86,3 +86,9 @@ def test_bench_result_records_the_command_line_without_local_paths(monkeypatch, 
     monkeypatch.setattr(sys, "argv", ["pytest"])
     assert main(arguments) == 0
     assert json.loads((output / "speed.json").read_text())["command"] is None
+
+
+def test_run_in_fresh_process_returns_the_value_or_the_childs_last_error_line():
+    assert machine.run_in_fresh_process("json:loads", s="[1, 2]") == [1, 2]
+    with pytest.raises(machine.FreshProcessError, match="JSONDecodeError"):
+        machine.run_in_fresh_process("json:loads", s="{")

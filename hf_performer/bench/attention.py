@@ -20,10 +20,7 @@ The first two write a JSON (with machine, device and versions) and a PNG plot (:
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +42,7 @@ from .machine import (
     peak_resident_bytes,
     reset_peak_resident,
     resident_bytes,
+    run_in_fresh_process,
     timed_calls,
 )
 from .report import (
@@ -176,17 +174,12 @@ def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_f
     request = dict(implementation=implementation, mode=mode, batch=batch, heads=heads, length=length,
                    head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                    dtype=str(dtype).replace("torch.", ""), backward=backward, options=options)
-    result = subprocess.run(
-        [sys.executable, "-c", "import sys, json; from hf_performer.bench.attention import _rss_child; "
-         "_rss_child(json.loads(sys.argv[1]))", json.dumps(request)],
-        capture_output=True, text=True, check=True,
-    )
-    return int(result.stdout.strip().splitlines()[-1])
+    return int(run_in_fresh_process("hf_performer.bench.attention:_rss_child", request=request))
 
 
-def _rss_child(request: dict) -> None:
-    """Child process of :func:`peak_memory_bytes` on CPU: prints the growth of the peak resident
-    set size during one call, in bytes."""
+def _rss_child(request: dict) -> int:
+    """Child process of :func:`peak_memory_bytes` on CPU: the growth of the peak resident set size during one call,
+    in bytes."""
     dtype = getattr(torch, request["dtype"])
     device = torch.device("cpu")
     call = make_attention_call(request["implementation"], request["mode"], request["head_dim"],
@@ -201,7 +194,7 @@ def _rss_child(request: dict) -> None:
     out = call(q, k, v)
     if request["backward"]:
         out.backward(torch.ones_like(out))
-    print(max(peak_resident_bytes() - before, 0))
+    return max(peak_resident_bytes() - before, 0)
 
 
 

@@ -1,13 +1,17 @@
 """What the benchmarks run on and how they read it: the machine record (CPU, threads, versions, date), the load
-warning, a plain matmul's throughput, the synchronised clock, and the process' memory (resident set, its peak)."""
+warning, a plain matmul's throughput, the synchronised clock, the process' memory (resident set, its peak), and
+measurements run in a fresh process (:func:`run_in_fresh_process`)."""
 
 from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
 import platform
 import resource
+import subprocess
+import sys
 import time
 
 import torch
@@ -167,3 +171,28 @@ class PeakMemoryGrowth:
         elif self.valid:
             self.growth = max(peak_resident_bytes() - self.base, 0)
         return False
+
+
+# ------------------------------------------------------------------------------------ fresh processes
+
+
+class FreshProcessError(RuntimeError):
+    """A measurement run by :func:`run_in_fresh_process` failed; the message is the child's last error line."""
+
+
+def run_in_fresh_process(target: str, **arguments):
+    """``module:function(**arguments)`` called in a new Python process (stdin closed), its JSON-serialisable return
+    value returned: peak-memory measurements need a process whose earlier allocations and caches do not count.
+
+    Raises:
+        FreshProcessError: the child failed (its last stderr line, or its exit code).
+    """
+    module, function = target.split(":")
+    code = ("import importlib, json, sys; arguments = json.loads(sys.argv[1]); "
+            f"print(json.dumps(getattr(importlib.import_module({module!r}), {function!r})(**arguments)))")
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(arguments)], capture_output=True, text=True,
+                            stdin=subprocess.DEVNULL)
+    if result.returncode != 0:
+        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+        raise FreshProcessError(lines[-1] if lines else f"exit code {result.returncode}")
+    return json.loads(result.stdout.strip().splitlines()[-1])

@@ -11,15 +11,21 @@ for every model of a geometry). Memory is the growth of the peak resident set be
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 
 import torch
 
-from .machine import load_average, machine_info, peak_resident_bytes, reset_peak_resident, resident_bytes, timed_calls
+from .machine import (
+    FreshProcessError,
+    load_average,
+    machine_info,
+    peak_resident_bytes,
+    reset_peak_resident,
+    resident_bytes,
+    run_in_fresh_process,
+    timed_calls,
+)
 
 WARMUP_LENGTH = 128
 """Tokens of the warm-up call made before the peak resident set is reset (library initialisation is not counted)."""
@@ -88,17 +94,11 @@ def measure_model_point(folder: str, length: int, batch: int = 1, backward: bool
 
 
 def _measure_in_fresh_process(folder: str, length: int, batch: int, backward: bool, repeats: int) -> dict:
-    request = dict(folder=folder, length=length, batch=batch, backward=backward, repeats=repeats)
-    result = subprocess.run(
-        [sys.executable, "-c", "import sys, json; from hf_performer.bench.model_speed import measure_model_point; "
-         "print(json.dumps(measure_model_point(**json.loads(sys.argv[1]))))", json.dumps(request)],
-        capture_output=True, text=True, stdin=subprocess.DEVNULL,
-    )
-    if result.returncode != 0:
-        lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-        raise ModelBenchmarkError(f"measuring {os.path.basename(folder)} at {length} tokens failed: "
-                                  f"{lines[-1] if lines else 'exit code ' + str(result.returncode)}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    try:
+        return run_in_fresh_process("hf_performer.bench.model_speed:measure_model_point", folder=folder,
+                                    length=length, batch=batch, backward=backward, repeats=repeats)
+    except FreshProcessError as error:
+        raise ModelBenchmarkError(f"measuring {os.path.basename(folder)} at {length} tokens failed: {error}") from None
 
 
 def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward: bool = False, repeats: int = 1,
