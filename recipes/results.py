@@ -218,6 +218,16 @@ def _favor_settings_near(*folders: str) -> dict | None:
     return None
 
 
+def _recorded_model_folder(model: str | None, record_folder: str) -> str:
+    """The model folder an ``hf-performer evaluate`` record names: as written by older versions (an absolute or
+    working-directory path), or relative to the record's own folder (what ``evaluate --output`` writes now)."""
+    if not model:
+        return ""
+    if os.path.isabs(model) or os.path.isdir(model):
+        return model
+    return os.path.normpath(os.path.join(record_folder, model))
+
+
 def _conversion_source(*folders: str) -> str | None:
     for folder in folders:
         path = os.path.join(folder, "conversion_report.json") if folder else ""
@@ -352,7 +362,7 @@ def load_run(label: str, path: str, command: str | None = None) -> dict:
                               (record.get("model") or {}).get("source") or "")
     if "metrics" in record:
         run = _evaluation_run(label, file, folder, record, command)
-        return _with_transfer(run, record.get("model") or "", folder)
+        return _with_transfer(run, _recorded_model_folder(record.get("model"), folder), folder)
     raise ResultsError(f"{file} is neither a recipe metrics.json (keys final, completed_steps, ...) nor an "
                        "`hf-performer evaluate` record (keys metrics, main_metric, ...)")
 
@@ -417,7 +427,8 @@ def _evaluation_run(label: str, file: str, folder: str, record: dict, command: s
             parts += ["--validation-file", shlex.quote(str(data))]
         parts += ["--output", shlex.quote(file)]
         rebuilt = " ".join(parts)
-    settings = _favor_settings_near(model_path or "", folder)
+    model_folder = _recorded_model_folder(model_path, folder)
+    settings = _favor_settings_near(model_folder, folder)
     final = {**record["metrics"], **({"eval_loss": record["eval_loss"]} if "eval_loss" in record else {})}
     return {
         "label": label,
@@ -438,7 +449,7 @@ def _evaluation_run(label: str, file: str, folder: str, record: dict, command: s
         "device": record.get("device"),
         "num_processes": 1,
         "mixed_precision": None,
-        "model": {"source": model_path, "converted_from": _conversion_source(model_path or "", folder),
+        "model": {"source": model_path, "converted_from": _conversion_source(model_folder, folder),
                   "attention": "favor" if settings else None, "favor_settings": settings},
         "favor_settings": settings,
         "metrics_backend": record.get("metrics_backend"),

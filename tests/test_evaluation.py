@@ -260,6 +260,9 @@ def test_evaluate_command_classification(tmp_path, capsys, tiny_bert_config):
                      "--output", str(output)]) == 0
     record = json.loads(output.read_text())
     assert record["num_examples"] == 4 and record["metrics_backend"] == "local"
+    # No local absolute path in the file (it may be pushed with the model); the model folder is relative to it.
+    assert str(tmp_path) not in output.read_text()
+    assert record["data"] == "dev.tsv" and (output.parent / record["model"]).resolve() == folder.resolve()
     assert set(record["metrics"]) == {"accuracy"} and f"accuracy: {record['metrics']['accuracy']:.6g}" in (
         capsys.readouterr().out)
 
@@ -369,6 +372,8 @@ def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt
                      str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--context-length", "32",
                      "--stride", "16", "--batch-size", "4", "--output", str(output)]) == 0
     record = json.loads(output.read_text())
+    assert str(tmp_path) not in output.read_text() and str(SHARED) not in output.read_text()
+    assert record["data"] == "wiki.test.raw" and (output.parent / record["model"]).resolve() == folder.resolve()
     ids = tokenizer(load_lm_text(SHARED / "wikitext-2-raw" / "wiki.test.raw", max_chars=600),
                     add_special_tokens=False)["input_ids"]
     assert record["protocol"]["num_tokens"] == len(ids) - 1 and record["protocol"]["stride"] == 16

@@ -5,7 +5,8 @@ temporary folder beside the output and moved into place only once complete.
   ``--overwrite``, an unwritable parent; first puts right what interrupted runs left (:func:`recover_interrupted_runs`);
 * :func:`staged_folder`: the staged write (following the umask), so a failure leaves nothing half-written and a
   killed run leaves folders the next one cleans up or restores;
-* :func:`public_command`: the command line a written record quotes, without local absolute paths.
+* :func:`public_command`: the command line a written record quotes, without local absolute paths;
+* :func:`portable_evaluation_record`: an ``hf-performer evaluate`` record as written to a file, without them either.
 """
 
 from __future__ import annotations
@@ -163,3 +164,20 @@ def public_command(verb: str) -> str | None:
     arguments = [os.path.basename(os.path.normpath(argument)) if os.path.isabs(os.path.expanduser(argument))
                  else argument for argument in sys.argv[1 + len(verb_words):]]
     return shlex.join(["hf-performer", *verb_words, *arguments])
+
+
+def portable_evaluation_record(record: dict, output: str) -> dict:
+    """``record`` (``hf-performer evaluate``'s) as its ``--output`` file stores it: the local model folder relative
+    to the file's folder (``.`` when the file is inside it; readers resolve it from there), a local data file by its
+    base name, a Hub id or ``hub:...`` name as it is, and the command as typed (:func:`public_command`)."""
+    portable = dict(record)
+    model = record.get("model")
+    if isinstance(model, str) and (os.path.isabs(model) or os.path.exists(model)):
+        portable["model"] = os.path.relpath(os.path.abspath(model), os.path.dirname(os.path.abspath(output)))
+    data = record.get("data")
+    if isinstance(data, str) and (os.path.isabs(data) or os.path.exists(data)):
+        portable["data"] = os.path.basename(os.path.normpath(data))
+    command = public_command("evaluate")
+    if command is not None:
+        portable["command"] = command
+    return portable

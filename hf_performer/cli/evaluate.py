@@ -8,6 +8,7 @@ import json
 import os
 
 from . import add_verb_parser
+from ._output import portable_evaluation_record
 
 CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
 
@@ -120,6 +121,6 @@ def run_evaluate(args: argparse.Namespace) -> int:
         folder = os.path.dirname(os.path.abspath(args.output))
         os.makedirs(folder, exist_ok=True)
         with open(args.output, "w") as handle:
-            json.dump(record, handle, indent=2)
+            json.dump(portable_evaluation_record(record, args.output), handle, indent=2)
         print(f"wrote {args.output}")
     return 0
