@@ -406,6 +406,22 @@ def test_cli_is_registered_in_the_main_command():
     assert args.func is convert_cli.run_convert and args.nb_features == 64
 
 
+def test_cli_convert_feature_map_init(tmp_path):
+    # A learned map converted with its FAVOR+ start (what attention transfer of an encoder starts from) is recorded
+    # in the saved settings; a random-feature map takes no init (one-line error, nothing written).
+    torch.manual_seed(0)
+    make_source("llama-lm").save_pretrained(tmp_path / "source")
+    output = tmp_path / "hedgehog"
+    assert convert_cli.main([str(tmp_path / "source"), str(output), "--feature-map", "hedgehog",
+                             "--feature-map-init", "favor+", "--nb-features", "16"]) == 0
+    settings = json.loads((output / "config.json").read_text())["favor_settings"]
+    assert settings["feature_map"] == "hedgehog" and settings["feature_map_options"] == {"init": "favor+"}
+    with pytest.raises(SystemExit, match="feature_map_options.*'favor\\+' feature map does not take"):
+        convert_cli.main([str(tmp_path / "source"), str(tmp_path / "other"), "--feature-map", "favor+",
+                          "--feature-map-init", "identity"])
+    assert not (tmp_path / "other").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # CLI: sources without a usable tokenizer
 # --------------------------------------------------------------------------------------------

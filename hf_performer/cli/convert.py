@@ -33,7 +33,7 @@ from .arguments import (
     favor_settings_from_args,
 )
 
-CONVERT_SETTINGS = ("feature_map", "nb_features", "softmax_layers", "seed", "orthogonal", "row_norms",
+CONVERT_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "softmax_layers", "seed", "orthogonal", "row_norms",
                     "redraw_interval", "chunk_size", *WINDOW_FLAG_SETTINGS, *CLUSTERED_FLAG_SETTINGS)
 """The favor settings ``convert`` takes as flags (:data:`.arguments.FAVOR_FLAGS`)."""
 
@@ -49,10 +49,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="model head to build (default: the task of the class the checkpoint was saved from, else base)",
     )
-    add_favor_arguments(parser, CONVERT_SETTINGS[:3], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
+    add_favor_arguments(parser, CONVERT_SETTINGS[:4], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
     add_position_table_arguments(parser)
     favor_seed = add_favor_arguments(
-        parser, CONVERT_SETTINGS[3:-len(WINDOW_FLAG_SETTINGS) - len(CLUSTERED_FLAG_SETTINGS)])["seed"]
+        parser, CONVERT_SETTINGS[4:-len(WINDOW_FLAG_SETTINGS) - len(CLUSTERED_FLAG_SETTINGS)])["seed"]
     add_favor_arguments(parser.add_argument_group("sink + sliding-window hybrid (any feature map)"),
                         WINDOW_FLAG_SETTINGS)
     add_favor_arguments(parser.add_argument_group(
