@@ -92,3 +92,40 @@ def test_run_in_fresh_process_returns_the_value_or_the_childs_last_error_line():
     assert machine.run_in_fresh_process("json:loads", s="[1, 2]") == [1, 2]
     with pytest.raises(machine.FreshProcessError, match="JSONDecodeError"):
         machine.run_in_fresh_process("json:loads", s="{")
+
+
+@pytest.mark.parametrize("mode", ["causal", "bidirectional"])
+def test_window_row_times_the_hybrid_operator_with_a_hedgehog_tail(mode):
+    # The benchmark's "window" call is the sink + sliding-window operator with the learned (Hedgehog) tail and
+    # gamma, as the trained hybrids run it: its output is the float64 reference's on the same map.
+    import torch
+
+    from hf_performer.bench.attention import WINDOW_GAMMA, make_attention_call
+    from hf_performer.feature_maps import make_feature_map
+    from hf_performer.reference import reference_window_linear_attention
+
+    torch.manual_seed(0)
+    call = make_attention_call("window", mode, 8, 16, 4, torch.device("cpu"), window=3, sinks=1, heads=2)
+    q, k, v = (torch.randn(1, 2, 11, 8, dtype=torch.float64) for _ in range(3))
+    feature_map = make_feature_map("hedgehog", 8, num_heads=2).double()  # same identity start as the benchmark's
+    expected = reference_window_linear_attention(q, k, v, feature_map, window=3, sinks=1, causal=mode == "causal",
+                                                 softmax_weight=torch.full((2,), WINDOW_GAMMA, dtype=torch.float64))
+    torch.testing.assert_close(call(q.float(), k.float(), v.float()).double(), expected, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="needs heads="):
+        make_attention_call("window", mode, 8, 16, 4, torch.device("cpu"))
+
+
+def test_speed_benchmark_window_rows_with_memory_and_their_speedup_over_sdpa():
+    from hf_performer.bench.attention import run_speed_benchmark
+
+    result = run_speed_benchmark(lengths=(32,), heads=2, head_dim=8, nb_features=16, chunk_size=8, repeats=1,
+                                 implementations=("window", "sdpa"), window=4, sinks=2, progress=False)
+    rows = {(r["implementation"], r["mode"]): r for r in result["records"]}
+    assert set(rows) == {(impl, mode) for impl in ("window", "sdpa") for mode in ("bidirectional", "causal")}
+    assert all(r["flops"] > 0 and r["peak_memory_bytes"] >= 0 for r in rows.values())
+    settings = result["settings"]
+    assert (settings["window"], settings["sinks"], settings["window_feature_map"]) == (4, 2, "hedgehog")
+    by_impl = result["summary"]["speedup_vs_sdpa_by_implementation"]["window"]
+    for mode in ("bidirectional", "causal"):
+        assert by_impl[mode]["32"] == pytest.approx(rows[("sdpa", mode)]["seconds"] / rows[("window", mode)]["seconds"])
+    assert "window" in format_speed_table(result)

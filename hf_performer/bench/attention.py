@@ -8,6 +8,9 @@
   Bidirectional only, the zero-shot approximations of softmax: clustered and improved clustered attention
   (``--clusters``, ``--topk``) and a Reformer-style shared-QK LSH attention (:mod:`.lsh_attention`, a comparison
   row only).
+  The sink + sliding-window hybrid (``window``: exact softmax over ``--sinks`` sink tokens and a ``--window``-token
+  band, a learned Hedgehog tail of ``2 d`` features for everything older, learned softmax weight; bidirectional and
+  causal) is timed against the same SDPA.
 * ``approximation``: mean squared error of FAVOR+ attention against exact softmax attention as the
   number of random features grows, orthogonal against iid projections, over several seeds.
 
@@ -34,6 +37,7 @@ from ..clustered_attention import (
 from ..feature_maps import make_feature_map
 from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
 from ..reference import softmax_attention
+from ..window_attention import window_linear_attention
 from .lsh_attention import lsh_attention
 from .machine import (
     load_average,
@@ -57,6 +61,10 @@ from .report import (
 DEFAULT_CLUSTERS = 100
 DEFAULT_TOPK = 32
 DEFAULT_BUCKET_SIZE = 64
+DEFAULT_WINDOW = 64
+DEFAULT_SINKS = 4
+WINDOW_FEATURE_MAP = "hedgehog"  # the tail of the trained hybrids (LoLCATs): 2 d features, learned gamma
+WINDOW_GAMMA = 0.1  # gamma's initial value (sigmoid(w) at w = logit(0.1)); its value does not change the cost
 
 
 # ------------------------------------------------------------------------------------ FLOP counts
@@ -65,7 +73,8 @@ DEFAULT_BUCKET_SIZE = 64
 def attention_flops(implementation: str, mode: str, length: int, heads: int, head_dim: int, nb_features: int,
                     batch: int = 1, chunk_size: int = DEFAULT_CHUNK_SIZE, backward: bool = True,
                     clusters: int = DEFAULT_CLUSTERS, topk: int = DEFAULT_TOPK,
-                    bucket_size: int = DEFAULT_BUCKET_SIZE) -> float:
+                    bucket_size: int = DEFAULT_BUCKET_SIZE, window: int = DEFAULT_WINDOW,
+                    sinks: int = DEFAULT_SINKS) -> float:
     """Matmul FLOPs of one attention call as executed (forward, plus backward if asked).
 
     Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
@@ -76,6 +85,10 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
     bits, ``t`` Lloyd iterations, no gradient): ``2 L d b + 2 (t + 1) L c b`` clustering, ``4 L c d`` attention
     forward and ``8 L c d`` backward; improved adds ``2 L c d`` (the rest) and ``4 L k d`` (``8 L k d``
     backward). LSH (bucket ``s``): ``2 L d (L / s) / 2`` hashing and ``8 L s d`` forward (``20 L s d`` backward).
+    Window hybrid (window ``w``, ``s`` sinks, query block ``C``, Hedgehog tail ``m = 2 d``): per query block the
+    exact tile over its ``C + w - 1`` band keys (``C + 2 w - 2`` bidirectional) and the sinks, ``4 L (C + w + s) d``
+    (``4 L (C + 2 w + s) d``), the maps ``2 L d m`` (q and k: ``d x m/2`` each), the tail ``4 L m e``; backward
+    counted as twice the forward (autograd through the chunked operator).
     """
     L, d, m, C, e = length, head_dim, nb_features, chunk_size, head_dim + 1
     if implementation in ("clustered", "improved-clustered"):
@@ -88,6 +101,11 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
     elif implementation == "lsh":
         s = min(bucket_size, L)
         forward, backward_flops = L * d * max(2, L // s) + 8 * L * s * d, 20 * L * s * d
+    elif implementation == "window":
+        band = C + (2 * window if mode == "bidirectional" else window) + sinks
+        m = 2 * d
+        forward = 4 * L * band * d + 2 * L * d * m + 4 * L * m * e
+        backward_flops = 2 * forward
     elif implementation in ("sdpa", "eager"):
         forward, backward_flops = 4 * L * L * d, 10 * L * L * d
         if mode == "causal":
@@ -114,8 +132,10 @@ def _eager_attention(q, k, v, causal):
 
 def make_attention_call(implementation: str, mode: str, head_dim: int, nb_features: int, chunk_size: int,
                         device: torch.device, clusters: int = DEFAULT_CLUSTERS, topk: int = DEFAULT_TOPK,
-                        bucket_size: int = DEFAULT_BUCKET_SIZE):
-    """A function ``(q, k, v) -> out`` for one implementation and mode (``lsh`` ignores ``k``: shared QK)."""
+                        bucket_size: int = DEFAULT_BUCKET_SIZE, window: int = DEFAULT_WINDOW,
+                        sinks: int = DEFAULT_SINKS, heads: int | None = None):
+    """A function ``(q, k, v) -> out`` for one implementation and mode (``lsh`` ignores ``k``: shared QK;
+    ``window`` needs ``heads``: its learned map and gamma are per head)."""
     causal = mode == "causal"
     if implementation in BIDIRECTIONAL_ONLY and causal:
         raise ValueError(f"{implementation} attention is bidirectional only; got mode={mode!r}")
@@ -132,6 +152,13 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
     if implementation == "favor":
         feature_map = make_feature_map("favor+", head_dim, nb_features=nb_features).to(device)
         return lambda q, k, v: linear_attention(q, k, v, feature_map, causal=causal, chunk_size=chunk_size)
+    if implementation == "window":
+        if heads is None:
+            raise ValueError("the window implementation needs heads= (its tail map and gamma are per head)")
+        feature_map = make_feature_map(WINDOW_FEATURE_MAP, head_dim, num_heads=heads).to(device)
+        gamma = torch.full((heads,), WINDOW_GAMMA, device=device)
+        return lambda q, k, v: window_linear_attention(q, k, v, feature_map, window=window, sinks=sinks,
+                                                       causal=causal, softmax_weight=gamma, chunk_size=chunk_size)
     raise ValueError(f"unknown implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
 
 
@@ -162,7 +189,8 @@ def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_f
     if device.type == "cuda":
         shape = (batch, heads, length, head_dim)
         q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
-        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device, **options)
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device, heads=heads,
+                                   **options)
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -183,9 +211,11 @@ def _rss_child(request: dict) -> int:
     dtype = getattr(torch, request["dtype"])
     device = torch.device("cpu")
     call = make_attention_call(request["implementation"], request["mode"], request["head_dim"],
-                               request["nb_features"], request["chunk_size"], device, **request.get("options", {}))
+                               request["nb_features"], request["chunk_size"], device, heads=request["heads"],
+                               **request.get("options", {}))
     # Warm up on a tiny input so that library initialisation is not counted.
-    tiny = [torch.randn(1, 1, 64, request["head_dim"], dtype=dtype, requires_grad=True) for _ in range(3)]
+    tiny = [torch.randn(1, request["heads"], 64, request["head_dim"], dtype=dtype, requires_grad=True)
+            for _ in range(3)]
     call(*tiny).sum().backward()
     shape = (request["batch"], request["heads"], request["length"], request["head_dim"])
     q, k, v = (torch.randn(shape, dtype=dtype, requires_grad=request["backward"]) for _ in range(3))
@@ -214,6 +244,8 @@ def run_speed_benchmark(
     clusters: int = DEFAULT_CLUSTERS,
     topk: int = DEFAULT_TOPK,
     bucket_size: int = DEFAULT_BUCKET_SIZE,
+    window: int = DEFAULT_WINDOW,
+    sinks: int = DEFAULT_SINKS,
     device: str = "cpu",
     dtype: str = "float32",
     repeats: int = 3,
@@ -230,9 +262,10 @@ def run_speed_benchmark(
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
             if not (impl == "eager" and L > eager_max_length) and not (impl in BIDIRECTIONAL_ONLY and mode == "causal")]
-    options = dict(clusters=clusters, topk=topk, bucket_size=bucket_size)
+    options = dict(clusters=clusters, topk=topk, bucket_size=bucket_size, window=window, sinks=sinks)
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
-        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, **options)
+        call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, heads=heads,
+                                   **options)
         seconds = time_attention_call(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
         flops = attention_flops(implementation, mode, length, heads, head_dim, nb_features, batch, chunk_size, backward,
                                 **options)
@@ -248,7 +281,8 @@ def run_speed_benchmark(
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                          dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
                          eager_max_length=eager_max_length, clusters=clusters, topk=topk, bucket_size=bucket_size,
-                         hash_bits=DEFAULT_HASH_BITS, iterations=DEFAULT_ITERATIONS),
+                         hash_bits=DEFAULT_HASH_BITS, iterations=DEFAULT_ITERATIONS, window=window, sinks=sinks,
+                         window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
         "records": records,

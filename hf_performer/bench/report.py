@@ -14,7 +14,7 @@ import torch
 
 from .machine import machine_info
 
-ATTENTION_IMPLEMENTATIONS = ("favor", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
+ATTENTION_IMPLEMENTATIONS = ("favor", "window", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
 BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
 DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
 ATTENTION_MODES = ("bidirectional", "causal")
@@ -85,8 +85,15 @@ def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None
 
 
 def summarize_speed(result: dict) -> dict:
+    """FAVOR+'s speedup over SDPA per mode and length and its crossover length; every other implementation's
+    speedup over SDPA (time ratio, same run) under ``speedup_vs_sdpa_by_implementation``."""
     records = result["records"]
-    summary = {"speedup_vs_sdpa": {}, "crossover_length_vs_sdpa": {}}
+    summary = {"speedup_vs_sdpa": {}, "crossover_length_vs_sdpa": {}, "speedup_vs_sdpa_by_implementation": {}}
+    for record in records:
+        sdpa = _lookup(records, mode=record["mode"], implementation="sdpa", length=record["length"])
+        if sdpa and record["implementation"] != "sdpa":
+            by_mode = summary["speedup_vs_sdpa_by_implementation"].setdefault(record["implementation"], {})
+            by_mode.setdefault(record["mode"], {})[str(record["length"])] = sdpa["seconds"] / record["seconds"]
     for mode in {r["mode"] for r in records}:
         speedups = {}
         for record in records:
@@ -187,8 +194,9 @@ def plot_speed(result: dict, path: Path) -> None:
     has_memory = any("peak_memory_bytes" in r for r in records)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
     s = result["settings"]
-    styles = {**_STYLES, "clustered": "-.v", "improved-clustered": "-.D", "lsh": ":*"}
-    names = {**_NAMES, "clustered": f"clustered C={s.get('clusters')}",
+    styles = {**_STYLES, "window": "--P", "clustered": "-.v", "improved-clustered": "-.D", "lsh": ":*"}
+    names = {**_NAMES, "window": f"window {s.get('window')} + {s.get('sinks')} sinks + tail m={s.get('window_nb_features')}",
+             "clustered": f"clustered C={s.get('clusters')}",
              "improved-clustered": f"improved clustered C={s.get('clusters')} k={s.get('topk')}",
              "lsh": f"LSH bucket {s.get('bucket_size')}"}
     colors = _MODE_COLORS

@@ -42,7 +42,7 @@ def run_speed(args) -> int:
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
         implementations=args.implementations, eager_max_length=args.eager_max_length, clusters=args.clusters,
-        topk=args.topk, bucket_size=args.bucket_size, device=args.device,
+        topk=args.topk, bucket_size=args.bucket_size, window=args.window, sinks=args.sinks, device=args.device,
         dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
     )
     return _print_and_write(args, result, report.format_speed_table(result), report.plot_speed)
@@ -124,12 +124,17 @@ def add_parser(subparsers) -> None:
     speed.add_argument("--implementations", nargs="+", choices=ATTENTION_IMPLEMENTATIONS,
                        default=list(DEFAULT_ATTENTION_IMPLEMENTATIONS),
                        help="clustered, improved-clustered and lsh (Reformer-style shared-QK, a comparison row only) "
-                            "are bidirectional only")
+                            "are bidirectional only; window: the sink + sliding-window hybrid with a Hedgehog tail "
+                            "(2 x head-dim features)")
     add_favor_arguments(speed, ("clusters", "topk"),
                         defaults={"clusters": attention.DEFAULT_CLUSTERS, "topk": attention.DEFAULT_TOPK},
                         helps={"clusters": "query clusters per head of (improved-)clustered",
                                "topk": "keys per cluster computed exactly by improved-clustered"})
     speed.add_argument("--bucket-size", type=int, default=attention.DEFAULT_BUCKET_SIZE, help="chunk length of lsh")
+    add_favor_arguments(speed, ("window", "sinks"),
+                        defaults={"window": attention.DEFAULT_WINDOW, "sinks": attention.DEFAULT_SINKS},
+                        helps={"window": "band of exact keys of the window hybrid (--implementations window)",
+                               "sinks": "sink tokens of the window hybrid"})
     speed.add_argument("--eager-max-length", type=int, default=4096,
                        help="skip eager softmax above this length (it materialises [L, L] per head)")
     speed.add_argument("--device", default="cpu")
