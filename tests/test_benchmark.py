@@ -129,3 +129,20 @@ def test_speed_benchmark_window_rows_with_memory_and_their_speedup_over_sdpa():
     for mode in ("bidirectional", "causal"):
         assert by_impl[mode]["32"] == pytest.approx(rows[("sdpa", mode)]["seconds"] / rows[("window", mode)]["seconds"])
     assert "window" in format_speed_table(result)
+
+
+def test_memory_summary_per_implementation_and_its_table():
+    from hf_performer.bench.report import format_memory_table, summarize_memory
+
+    mib = 2**20
+    records = [dict(length=length, mode="causal", implementation=impl, peak_memory_bytes=value * mib)
+               for length, values in ((2048, (30, 90, 40)), (4096, (60, 200, 70)))
+               for impl, value in zip(("favor", "window", "sdpa"), values)]
+    summary = summarize_memory({"records": records})
+    assert summary["favor_over_sdpa"] == {"causal": {"2048": 0.75, "4096": pytest.approx(60 / 70)}}
+    assert summary["over_sdpa_by_implementation"]["window"] == {"causal": {"2048": 2.25, "4096": pytest.approx(200 / 70)}}
+    assert summary["at_most_sdpa_from_4096_by_implementation"] == {"favor": {"causal": True},
+                                                                   "window": {"causal": False}}
+    table = format_memory_table({"records": records, "summary": summary})
+    assert "window hybrid at most SDPA's extra peak at every L >= 4096: causal: False" in table
+    assert "  4096 causal        window       200.0      70.0   2.86" in table

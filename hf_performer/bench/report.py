@@ -127,37 +127,53 @@ def format_speed_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-_STYLES = {"favor": "-o", "sdpa": "-s", "eager": ":^"}
-_NAMES = {"favor": "FAVOR+", "sdpa": "SDPA", "eager": "eager softmax"}
+_STYLES = {"favor": "-o", "window": "--P", "sdpa": "-s", "eager": ":^"}
+_NAMES = {"favor": "FAVOR+", "window": "window hybrid", "sdpa": "SDPA", "eager": "eager softmax"}
 _MODE_COLORS = {"bidirectional": "tab:blue", "causal": "tab:red"}
 
 
-def summarize_memory(result: dict) -> dict:
-    """Per mode and length, FAVOR+'s extra peak memory as a multiple of SDPA's, and whether it is at most 1.0x
-    at every length from 4096 (the target of issue 17)."""
+def _memory_ratios(records, implementation: str) -> dict:
+    """``{mode: {length: extra peak of implementation / SDPA's}}`` where both were measured."""
     ratios = {}
-    for mode in sorted({r["mode"] for r in result["records"]}):
+    for mode in sorted({r["mode"] for r in records}):
         ratios[mode] = {}
-        for length in sorted({r["length"] for r in result["records"]}):
-            favor = _lookup(result["records"], mode=mode, length=length, implementation="favor")
-            sdpa = _lookup(result["records"], mode=mode, length=length, implementation="sdpa")
-            if favor and sdpa and sdpa["peak_memory_bytes"]:
-                ratios[mode][str(length)] = favor["peak_memory_bytes"] / sdpa["peak_memory_bytes"]
-    target = {mode: all(ratio <= 1.0 for length, ratio in by_length.items() if int(length) >= 4096)
-              for mode, by_length in ratios.items()}
-    return {"favor_over_sdpa": ratios, "at_most_sdpa_from_4096": target}
+        for length in sorted({r["length"] for r in records}):
+            mine = _lookup(records, mode=mode, length=length, implementation=implementation)
+            sdpa = _lookup(records, mode=mode, length=length, implementation="sdpa")
+            if mine and sdpa and sdpa["peak_memory_bytes"]:
+                ratios[mode][str(length)] = mine["peak_memory_bytes"] / sdpa["peak_memory_bytes"]
+    return {mode: by_length for mode, by_length in ratios.items() if by_length}
+
+
+def summarize_memory(result: dict) -> dict:
+    """Per implementation, mode and length, the extra peak memory as a multiple of SDPA's, and whether it is at
+    most 1.0x at every length from 4096 (the target of issue 17); FAVOR+'s also under ``favor_over_sdpa``."""
+    records = result["records"]
+    by_implementation = {impl: _memory_ratios(records, impl) for impl in ATTENTION_IMPLEMENTATIONS
+                         if impl != "sdpa" and any(r["implementation"] == impl for r in records)}
+    targets = {impl: {mode: all(ratio <= 1.0 for length, ratio in by_length.items() if int(length) >= 4096)
+                      for mode, by_length in ratios.items()} for impl, ratios in by_implementation.items()}
+    return {"favor_over_sdpa": by_implementation.get("favor", {}),
+            "at_most_sdpa_from_4096": targets.get("favor", {}),
+            "over_sdpa_by_implementation": by_implementation,
+            "at_most_sdpa_from_4096_by_implementation": targets}
 
 
 def format_memory_table(result: dict) -> str:
-    lines = [f"{'L':>6} {'mode':<13} {'FAVOR+ MiB':>11} {'SDPA MiB':>9} {'ratio':>6}"]
-    for mode, by_length in result["summary"]["favor_over_sdpa"].items():
-        for length, ratio in by_length.items():
-            favor = _lookup(result["records"], mode=mode, length=int(length), implementation="favor")
-            sdpa = _lookup(result["records"], mode=mode, length=int(length), implementation="sdpa")
-            lines.append(f"{length:>6} {mode:<13} {favor['peak_memory_bytes'] / 2**20:11.1f} "
-                         f"{sdpa['peak_memory_bytes'] / 2**20:9.1f} {ratio:6.2f}")
-    lines.append("FAVOR+ at most SDPA's extra peak at every L >= 4096: " + ", ".join(
-        f"{mode}: {ok}" for mode, ok in result["summary"]["at_most_sdpa_from_4096"].items()))
+    summary = result["summary"]
+    by_implementation = summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}
+    targets = summary.get("at_most_sdpa_from_4096_by_implementation") or {"favor": summary["at_most_sdpa_from_4096"]}
+    lines = [f"{'L':>6} {'mode':<13} {'impl':<8} {'MiB':>9} {'SDPA MiB':>9} {'ratio':>6}"]
+    for implementation, ratios in by_implementation.items():
+        for mode, by_length in ratios.items():
+            for length, ratio in by_length.items():
+                mine = _lookup(result["records"], mode=mode, length=int(length), implementation=implementation)
+                sdpa = _lookup(result["records"], mode=mode, length=int(length), implementation="sdpa")
+                lines.append(f"{length:>6} {mode:<13} {implementation:<8} {mine['peak_memory_bytes'] / 2**20:9.1f} "
+                             f"{sdpa['peak_memory_bytes'] / 2**20:9.1f} {ratio:6.2f}")
+    for implementation, by_mode in targets.items():
+        lines.append(f"{_NAMES.get(implementation, implementation)} at most SDPA's extra peak at every L >= 4096: "
+                     + ", ".join(f"{mode}: {ok}" for mode, ok in by_mode.items()))
     return "\n".join(lines)
 
 
@@ -171,15 +187,17 @@ def plot_memory(result: dict, path: Path) -> None:
             if points:
                 axes[0].plot([p[0] for p in points], [p[1]["peak_memory_bytes"] / 2**20 for p in points],
                              _STYLES[impl], color=_MODE_COLORS[mode], label=f"{_NAMES[impl]} {mode}")
-        by_length = result["summary"]["favor_over_sdpa"].get(mode, {})
-        axes[1].plot([int(n) for n in by_length], list(by_length.values()), "-o", color=_MODE_COLORS[mode],
-                     label=f"FAVOR+ / SDPA {mode}")
+        summary = result["summary"]
+        for impl, ratios in (summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}).items():
+            by_length = ratios.get(mode, {})
+            axes[1].plot([int(n) for n in by_length], list(by_length.values()), _STYLES[impl],
+                         color=_MODE_COLORS[mode], label=f"{_NAMES[impl]} / SDPA {mode}")
     axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
     s = result["settings"]
     _log_log_axes([axes[0]], "sequence length L", ["extra peak memory, fwd+bwd (MiB)"])
     axes[1].set_xscale("log", base=2)
     axes[1].set_xlabel("sequence length L")
-    axes[1].set_ylabel("FAVOR+ / SDPA extra peak memory")
+    axes[1].set_ylabel("extra peak memory / SDPA's")
     axes[1].grid(True, which="both", alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(f"one attention call, fwd+bwd, fresh process per point (peak RSS growth), B={s['batch']} "

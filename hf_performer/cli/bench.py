@@ -52,8 +52,8 @@ def run_memory(args) -> int:
     """``hf-performer bench memory``: one attention call's extra peak memory, FAVOR+ vs SDPA (fresh processes)."""
     result = attention.run_memory_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
-        nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes, dtype=args.dtype,
-        backward=not args.forward_only,
+        nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
+        implementations=args.implementations, dtype=args.dtype, backward=not args.forward_only,
     )
     return _print_and_write(args, result, report.format_memory_table(result), report.plot_memory)
 
@@ -167,6 +167,9 @@ def add_parser(subparsers) -> None:
     _add_model_parser(kinds)
 
 
+MEMORY_IMPLEMENTATIONS = ("favor", "window", "sdpa")
+
+
 def _add_memory_parser(kinds) -> None:
     """Add ``memory`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
     memory = kinds.add_parser(
@@ -186,6 +189,9 @@ def _add_memory_parser(kinds) -> None:
                         defaults={"nb_features": 256, "chunk_size": DEFAULT_CHUNK_SIZE},
                         helps={"nb_features": "features m per head", "chunk_size": "tokens per chunk"})
     memory.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
+    memory.add_argument("--implementations", nargs="+", choices=MEMORY_IMPLEMENTATIONS, default=["favor", "sdpa"],
+                        help="window: the sink + sliding-window hybrid (window 64, 4 sinks, Hedgehog tail of "
+                             "2 x head-dim features)")
     memory.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     memory.add_argument("--forward-only", action="store_true", help="measure the forward pass only")
     memory.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
