@@ -151,8 +151,12 @@ def summarize_memory(result: dict) -> dict:
     records = result["records"]
     by_implementation = {impl: _memory_ratios(records, impl) for impl in ATTENTION_IMPLEMENTATIONS
                          if impl != "sdpa" and any(r["implementation"] == impl for r in records)}
-    targets = {impl: {mode: all(ratio <= 1.0 for length, ratio in by_length.items() if int(length) >= 4096)
-                      for mode, by_length in ratios.items()} for impl, ratios in by_implementation.items()}
+    def at_most_sdpa(by_length):  # None when no length >= 4096 was measured
+        long = [ratio for length, ratio in by_length.items() if int(length) >= 4096]
+        return all(ratio <= 1.0 for ratio in long) if long else None
+
+    targets = {impl: {mode: at_most_sdpa(by_length) for mode, by_length in ratios.items()}
+               for impl, ratios in by_implementation.items()}
     return {"favor_over_sdpa": by_implementation.get("favor", {}),
             "at_most_sdpa_from_4096": targets.get("favor", {}),
             "over_sdpa_by_implementation": by_implementation,
