@@ -7,13 +7,22 @@ The operator only (no cache, model integration or training yet). Layouts as
 
     y_i = (sum_{E(i)} w_ij v_j + sum_{T(i)} t_ij v_j) / (sum_{E(i)} w_ij + sum_{T(i)} t_ij)
 
-* causal: ``E(i)`` = sinks ``0..sinks-1`` (those ``<= i``) and ``max(sinks, i-window+1)..i``;
-  ``T(i)`` = ``sinks..i-window``. ``window=0`` means no window keys (with ``sinks=0``: plain causal
-  linear attention).
-* bidirectional: a non-sink query has ``E(i)`` = the sinks and the band ``|i-j| < window``,
-  ``T(i)`` = every other key; a sink query (``i < sinks``, e.g. [CLS]) attends to every key exactly
-  (``E(i)`` = all keys, no tail): sinks are exact "both ways".
+Sinks are per row: a row's sinks are its first ``sinks`` unpadded keys, ``is_sink = keep & (keep.cumsum(-1) <=
+sinks)`` (``keep`` = not padding), wherever they are (keys ``0..sinks-1`` in an unpadded row; a row with fewer
+unpadded keys has fewer sinks). Positions (the band) stay absolute, so a left-padded row (batched ``generate``) gets
+exactly what it gets alone.
+
+* causal: ``E(i)`` = the row's sinks at positions ``<= i`` and the band ``max(i-window+1, 0)..i`` without them
+  (no double counting); ``T(i)`` = every other unpadded key ``<= i-window``. ``window=0`` means no window keys
+  (with ``sinks=0``: plain causal linear attention).
+* bidirectional: a non-sink query has ``E(i)`` = the row's sinks and the band ``|i-j| < window``,
+  ``T(i)`` = every other key; a sink query (a row's sink position, e.g. [CLS], also after left padding) attends
+  to every unpadded key exactly (``E(i)`` = all keys, no tail): sinks are exact "both ways".
 * padded keys are in neither set.
+
+Implementation: the sinks are gathered per row (``[B, Hkv, sinks, d]`` keys and values with their positions and
+a valid flag) and enter every query block's exact tile beside the band; sink keys are marked not kept for the band
+and the tail.
 
 Weights, with ``c_i`` the maximum score over ``E(i)`` (0 if ``E(i)`` is empty):
 
@@ -429,8 +438,8 @@ def window_linear_attention(
         feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
             window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
-        sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0`` when decoding
-            with a state, since the first calls may be shorter than ``sinks``).
+        sinks: each row's first ``sinks`` unpadded keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0``
+            when decoding with a state, since the first calls may be shorter than ``sinks``).
         causal: causal (default) or bidirectional.
         softmax_weight: ``None`` (calibrated mode) or ``gamma`` ``[H]`` in (0, 1) (learned mode).
         key_padding_mask: ``[B, L]``, ``True``/1 = token (the new tokens only when ``initial_state`` is given).
