@@ -147,7 +147,8 @@ def reference_window_linear_attention(
     and the tail mask ``T`` per (row, query, key) explicitly, a row's sinks being its first ``sinks`` unpadded
     keys; ``c_i`` = max exact score (0 if none);
     calibrated: ``W = exp(s - c) E + phi_q.phi_k exp(-c) T``; learned (``gamma``):
-    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1``; ``feature_map=None``: no tail term.
+    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1`` (0 for a query without keys);
+    ``feature_map=None``: no tail term.
     Returns ``[B, H, L, dv]``.
     """
     if feature_map is None:
@@ -185,7 +186,9 @@ def reference_window_linear_attention(
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:
         weights = softmax_weight.to(torch.float64)[None, :, None, None] * exact_weights + tail_weights
-    return (weights @ v) / weights.sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    # A query that sees no key (left padding) gets 0, as the operator, with finite gradients.
+    return (weights @ v) / torch.where(total == 0, torch.ones_like(total), total)
 
 
 # ------------------------------------------------------------------------------------ clustered attention

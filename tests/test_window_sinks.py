@@ -199,3 +199,54 @@ def test_model_left_padded_row_gives_its_unpadded_logits_and_greedy_tokens(name,
         batch_greedy = model.generate(batch_ids, attention_mask=batch_mask, max_new_tokens=8, do_sample=False)
     torch.testing.assert_close(batched, alone, rtol=1e-4, atol=1e-4)
     assert batch_greedy[0, 13:].tolist() == greedy[0].tolist()
+
+
+# ---------------------------------------------------------------------------------- gradients, cache layer
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_gradients_with_left_padding_match_the_reference(causal):
+    # Gradients reach the gathered sink keys / values and gamma exactly as in the dense reference.
+    q, k, v = _qkv(batch=2, length=11, seed=6)
+    gamma = GAMMA.clone()
+    fm = _map("hedgehog")
+    mask = torch.ones(2, 11, dtype=torch.bool)
+    mask[1, :3] = False
+    mask[1, 4] = False
+    kwargs = dict(window=2, sinks=2, causal=causal, key_padding_mask=mask)
+    grads = []
+    for function in (window_linear_attention, reference_window_linear_attention):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v, gamma)]
+        out = function(*inputs[:3], fm, softmax_weight=inputs[3], chunk_size=4, **kwargs)
+        (_on_tokens(out, mask) * torch.linspace(-1, 1, _on_tokens(out, mask).numel(), dtype=out.dtype)).sum().backward()
+        grads.append([t.grad for t in inputs])
+    for fast, reference in zip(*grads):
+        torch.testing.assert_close(fast, reference, rtol=1e-8, atol=1e-10)
+    assert grads[0][1][1, :, 3].abs().sum() > 0 and grads[0][1][1, :, :3].abs().sum() == 0  # row 1's 1st sink
+
+
+def test_cache_layer_crop_across_a_sink_fill_and_beam_reorder():
+    from hf_performer import WindowCacheLayer
+
+    q, k, v = _qkv(seed=7)
+    fm = _map("hedgehog")
+    mask = _late_sinks_mask()
+    settings = dict(window=3, sinks=3, chunk_size=4)
+
+    def forward(layer, q, k, v, mask):
+        key, value = layer.update(k, v)
+        return layer.attend(q, key, value, fm, key_padding_mask=mask, **settings)
+
+    layer = WindowCacheLayer()
+    forward(layer, q[:, :, :11], k[:, :, :11], v[:, :, :11], mask[:, :11])
+    drafts = [t[:, :, :3] * scale for t, scale in zip(_qkv(seed=8), (1.0, 3.0, 100.0))]
+    forward(layer, *drafts, torch.ones(3, 3, dtype=torch.bool))  # fills row 1's 2nd and 3rd sink slots
+    layer.crop(-3)
+    assert layer.state.sink_valid[1].tolist() == [True, False, False]
+    order = torch.tensor([1, 2, 1])  # beams: rows with different sink positions
+    layer.reorder_cache(order)
+    outputs = [forward(layer, q[order, :, i:i + 1], k[order, :, i:i + 1], v[order, :, i:i + 1], mask[order, i:i + 1])
+               for i in range(11, 23)]
+    expected = reference_window_linear_attention(q[order], k[order], v[order], fm, key_padding_mask=mask[order],
+                                                 **settings)
+    torch.testing.assert_close(torch.cat(outputs, dim=2), expected[:, :, 11:], rtol=1e-8, atol=1e-8)
