@@ -5,28 +5,20 @@ reference, and converted tiny Llama / GPT-2 (logits and greedy generate)."""
 import pytest
 import torch
 
-from hf_performer import make_feature_map, window_linear_attention
+from hf_performer import window_linear_attention
 from hf_performer.attention_weights import window_attention_weights
 from hf_performer.reference import reference_window_linear_attention
 
+from test_window_decode import _map
+from test_window_decode import _qkv as decoding_qkv
 from test_window_generation import MODES, build, tokens
 
 GAMMA = torch.tensor([0.1, 0.5, 0.9, 0.3], dtype=torch.float64)
 PAD = 5
 
 
-def _map(name, d=8):
-    if name == "hedgehog":
-        return make_feature_map(name, d, num_heads=4, num_key_value_heads=2).double()
-    return make_feature_map(name, d, nb_features=16).double()
-
-
-def _qkv(batch=3, length=23, seed=0, dtype=torch.float64):
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, 4, length, 8, generator=generator, dtype=dtype)
-    k = torch.randn(batch, 2, length, 8, generator=generator, dtype=dtype)
-    v = torch.randn(batch, 2, length, 8, generator=generator, dtype=dtype)
-    return q, k, v
+def _qkv(batch=3, length=23, seed=0):
+    return decoding_qkv(batch, length, seed)
 
 
 def _left_padded_with_holes(batch=3, length=23):
