@@ -191,7 +191,8 @@ def window_attention_weights(
     ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
     ``weights @ V`` is its output.
 
-    Exact keys ``E`` (sinks, the window; every key for bidirectional sink queries) weigh ``exp(s_ij - c_i)``
+    Exact keys ``E`` (the row's sinks, i.e. its first ``sinks`` unpadded keys, and the window; every key for
+    bidirectional sink queries) weigh ``exp(s_ij - c_i)``
     (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times ``exp(-c_i)`` in
     calibrated mode), ``c_i`` the largest exact score of row ``i`` (0 if none); rows are normalised with one
     shared denominator. Computed in log space with one stabiliser per row (float32, float64 for float64 inputs).
@@ -204,18 +205,20 @@ def window_attention_weights(
     root = scaling**0.5
     q_features = feature_map.query_features(q * root)
     k_features = _repeat_features(feature_map.key_features(key.to(dtype) * root), groups)
-    i = torch.arange(length, device=query.device)[:, None]
-    j = torch.arange(length, device=query.device)[None, :]
-    if causal:
-        exact = (j <= i) & ((j < sinks) | (j > i - window))
-        tail = (j <= i) & ~exact
-    else:
-        exact = (j < sinks) | (i < sinks) | ((i - j).abs() < window)
-        tail = ~exact
     keep = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     if key_padding_mask is not None:
         keep = key_padding_mask.to(torch.bool)
-    exact, tail = exact[None, None] & keep[:, None, None, :], tail[None, None] & keep[:, None, None, :]
+    is_sink = keep & (keep.long().cumsum(-1) <= sinks)  # a row's sinks: its first `sinks` unpadded keys
+    i = torch.arange(length, device=query.device)[None, :, None]
+    j = torch.arange(length, device=query.device)[None, None, :]
+    band = (i - j).abs() < window
+    if causal:
+        exact = (j <= i) & (is_sink[:, None, :] | band)
+        tail = (j <= i) & ~exact
+    else:
+        exact = is_sink[:, None, :] | is_sink[:, :, None] | band
+        tail = ~exact
+    exact, tail = (exact & keep[:, None, :])[:, None], (tail & keep[:, None, :])[:, None]
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()

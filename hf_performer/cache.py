@@ -29,8 +29,8 @@ run favor attention on it, or the attention module cannot see the cache) raises 
 ``update`` instead of silently attending to the new tokens only.
 
 Window layers (exact softmax over sinks and a sliding window, a linear tail; ``window_attention.py``) use
-:class:`WindowCacheLayer` instead: it holds a :class:`~.window_attention.WindowAttentionState` (the sinks'
-keys/values, a buffer of the last ``window + max_rollback`` keys/values, the float32 tail sums), of constant
+:class:`WindowCacheLayer` instead: it holds a :class:`~.window_attention.WindowAttentionState` (each row's
+sink slots: the keys/values of its first unpadded tokens, a buffer of the last ``window + max_rollback`` keys/values, the float32 tail sums), of constant
 size too, and can be cropped by up to ``max_rollback`` tokens (assisted / speculative decoding).
 
 The class sets ``_layer_type = "favor"``, which registers it in transformers'

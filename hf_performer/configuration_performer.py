@@ -162,8 +162,8 @@ class PerformerConfig(PreTrainedConfig):
             ("chi" or "fixed"), `redraw_interval` (training calls between redraws, 0 = never), `seed` (layer `i`
             uses `seed + i`), `chunk_size` (causal scan), `softmax_layers` (layer indices kept on softmax attention),
             `feature_map_options` (the map's own options, e.g. `{"init": "favor+"}` for the learned "hedgehog" and
-            "t2r" maps), and the sink + sliding-window hybrid: `window`, `sinks` (exact softmax over the first `sinks`
-            tokens and the last `window` keys, the feature map for older keys), `softmax_weight` ("auto",
+            "t2r" maps), and the sink + sliding-window hybrid: `window`, `sinks` (exact softmax over each row's first `sinks`
+            unpadded tokens and the last `window` keys, the feature map for older keys), `softmax_weight` ("auto",
             "calibrated" or "learned"), `layer_windows` (per-layer overrides) and `linear_tail`.
             Every one of these keys may also be passed as a keyword argument of its own.
         kwargs:

@@ -63,7 +63,8 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
                  "exact softmax over the last `window` keys (encoders: the band |i-j| < window), the feature map for "
                  "older keys; 0 = none. A layer with window or sinks > 0 runs window_linear_attention"),
     FavorSetting("sinks", int, 0,
-                 "the first `sinks` tokens are always attended with exact softmax (causal LMs: 4; encoders: 1, [CLS])"),
+                 "each row's first `sinks` unpadded tokens are always attended with exact softmax (causal LMs: 4; "
+                 "encoders: 1, [CLS])"),
     FavorSetting("softmax_weight", str, "auto",
                  'weight of the exact terms against the linear tail in window layers: "calibrated" (1, tail on the '
                  'softmax scale), "learned" (a trained gamma per head, LoLCATs; learned maps only) or "auto" '

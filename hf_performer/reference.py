@@ -144,9 +144,11 @@ def reference_window_linear_attention(
     """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64 (``chunk_size`` unused).
 
     Same arguments as :func:`~.window_attention.window_linear_attention`. Builds the exact mask ``E``
-    and the tail mask ``T`` per (query, key) pair explicitly; ``c_i`` = max exact score (0 if none);
+    and the tail mask ``T`` per (row, query, key) explicitly, a row's sinks being its first ``sinks`` unpadded
+    keys; ``c_i`` = max exact score (0 if none);
     calibrated: ``W = exp(s - c) E + phi_q.phi_k exp(-c) T``; learned (``gamma``):
-    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1``; ``feature_map=None``: no tail term.
+    ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1`` (0 for a query without keys);
+    ``feature_map=None``: no tail term.
     Returns ``[B, H, L, dv]``.
     """
     if feature_map is None:
@@ -156,18 +158,25 @@ def reference_window_linear_attention(
     scale = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
     q = query.to(torch.float64)
     k = key.to(torch.float64).repeat_interleave(q.shape[1] // key.shape[1], dim=1)
-    length = q.shape[2]
-    i = torch.arange(length)[:, None]
-    j = torch.arange(length)[None, :]
+    batch, length = q.shape[0], q.shape[2]
+    keep = torch.ones(batch, length, dtype=torch.bool)
+    if key_padding_mask is not None:
+        keep = key_padding_mask.to(torch.bool)
+    # A row's sinks: its first `sinks` kept keys, whatever their positions.
+    is_sink = torch.zeros(batch, length, dtype=torch.bool)
+    for row in range(batch):
+        is_sink[row, torch.nonzero(keep[row]).flatten()[:sinks]] = True
+    i = torch.arange(length)[None, :, None]
+    j = torch.arange(length)[None, None, :]
+    sink_key, sink_query = is_sink[:, None, :], is_sink[:, :, None]
+    band = (i - j).abs() < window
     if causal:
-        exact = (j <= i) & ((j < sinks) | (j > i - window))
+        exact = (j <= i) & (sink_key | band)
         tail = (j <= i) & ~exact
     else:
-        exact = (j < sinks) | (i < sinks) | ((i - j).abs() < window)
+        exact = sink_key | sink_query | band
         tail = ~exact
-    if key_padding_mask is not None:
-        keep = key_padding_mask.to(torch.bool)[:, None, None, :]
-        exact, tail = exact & keep, tail & keep
+    exact, tail = (exact & keep[:, None, :])[:, None], (tail & keep[:, None, :])[:, None]
     scores = scale * q @ k.transpose(-1, -2)
     row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -177,7 +186,9 @@ def reference_window_linear_attention(
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:
         weights = softmax_weight.to(torch.float64)[None, :, None, None] * exact_weights + tail_weights
-    return (weights @ v) / weights.sum(-1, keepdim=True)
+    total = weights.sum(-1, keepdim=True)
+    # A query that sees no key (left padding) gets 0, as the operator, with finite gradients.
+    return (weights @ v) / torch.where(total == 0, torch.ones_like(total), total)
 
 
 # ------------------------------------------------------------------------------------ clustered attention

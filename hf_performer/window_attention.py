@@ -7,13 +7,22 @@ The operator only (no cache, model integration or training yet). Layouts as
 
     y_i = (sum_{E(i)} w_ij v_j + sum_{T(i)} t_ij v_j) / (sum_{E(i)} w_ij + sum_{T(i)} t_ij)
 
-* causal: ``E(i)`` = sinks ``0..sinks-1`` (those ``<= i``) and ``max(sinks, i-window+1)..i``;
-  ``T(i)`` = ``sinks..i-window``. ``window=0`` means no window keys (with ``sinks=0``: plain causal
-  linear attention).
-* bidirectional: a non-sink query has ``E(i)`` = the sinks and the band ``|i-j| < window``,
-  ``T(i)`` = every other key; a sink query (``i < sinks``, e.g. [CLS]) attends to every key exactly
-  (``E(i)`` = all keys, no tail): sinks are exact "both ways".
+Sinks are per row: a row's sinks are its first ``sinks`` unpadded keys, ``is_sink = keep & (keep.cumsum(-1) <=
+sinks)`` (``keep`` = not padding), wherever they are (keys ``0..sinks-1`` in an unpadded row; a row with fewer
+unpadded keys has fewer sinks). Positions (the band) stay absolute, so a left-padded row (batched ``generate``) gets
+exactly what it gets alone.
+
+* causal: ``E(i)`` = the row's sinks at positions ``<= i`` and the band ``max(i-window+1, 0)..i`` without them
+  (no double counting); ``T(i)`` = every other unpadded key ``<= i-window``. ``window=0`` means no window keys
+  (with ``sinks=0``: plain causal linear attention).
+* bidirectional: a non-sink query has ``E(i)`` = the row's sinks and the band ``|i-j| < window``,
+  ``T(i)`` = every other key; a sink query (a row's sink position, e.g. [CLS], also after left padding) attends
+  to every unpadded key exactly (``E(i)`` = all keys, no tail): sinks are exact "both ways".
 * padded keys are in neither set.
+
+Implementation: the sinks are gathered per row (``[B, Hkv, sinks, d]`` keys and values with their positions and
+a valid flag) and enter every query block's exact tile beside the band; sink keys are marked not kept for the band
+and the tail.
 
 Weights, with ``c_i`` the maximum score over ``E(i)`` (0 if ``E(i)`` is empty):
 
@@ -99,17 +108,22 @@ class SoftmaxWeight(nn.Module):
 class WindowAttentionState(NamedTuple):
     """State of causal window attention after ``seen`` tokens: what decoding needs, of constant size.
 
-    Positions ``[0, seen)`` are split into the sinks ``[0, min(sinks, seen))`` (exact keys, kept), the tail
-    ``[sinks, buffer_start)`` (folded into float32 sums) and the buffer ``[buffer_start, seen)`` (the most
-    recent keys, kept exactly). A token is folded only once it is older than ``window + max_rollback``
-    tokens, so the buffer holds at most ``window + max_rollback`` tokens; buffer tokens beyond a query's
-    window enter its tail computed from the buffer, exactly. Dropping the last ``r`` tokens
-    (:meth:`rollback`, ``r <= max_rollback``) then only truncates the buffer.
+    Each row has ``sinks`` sink slots, filled by the row's first ``sinks`` unpadded tokens whenever they arrive
+    (a left-padded row fills them late), with their positions. Positions ``[0, seen)`` are split into the tokens
+    before ``buffer_start`` (folded into float32 sums, except padding and the row's sinks) and the buffer
+    ``[buffer_start, seen)`` (the most recent keys, kept exactly; a sink token there is marked not kept, its key
+    is in the sink slots). A token is folded only once it is older than ``window + max_rollback`` tokens, so the
+    buffer holds at most ``window + max_rollback`` tokens; buffer tokens beyond a query's window enter its tail
+    computed from the buffer, exactly. Dropping the last ``r`` tokens (:meth:`rollback`, ``r <= max_rollback``)
+    then only truncates the buffer and empties the sink slots filled by the dropped tokens.
 
     Attributes:
-        sink_key: ``[B, Hkv, s, d]`` and ``sink_value`` ``[B, Hkv, s, dv]`` (input dtype), ``s = min(sinks, seen)``.
-        sink_keep: ``[B, s]`` bool, ``False`` for padding.
-        buffer_key: ``[B, Hkv, b, d]``, ``buffer_value`` ``[B, Hkv, b, dv]``, ``buffer_keep`` ``[B, b]``.
+        sink_key: ``[B, Hkv, sinks, d]`` and ``sink_value`` ``[B, Hkv, sinks, dv]`` (input dtype), slot ``t`` of a
+            row holds its ``t``-th unpadded token.
+        sink_position: ``[B, sinks]`` long, the position of each slot's token.
+        sink_valid: ``[B, sinks]`` bool, ``False`` for a slot not filled yet (the valid slots are a prefix).
+        buffer_key: ``[B, Hkv, b, d]``, ``buffer_value`` ``[B, Hkv, b, dv]``, ``buffer_keep`` ``[B, b]`` (``False``
+            for padding and for the row's sink tokens).
         buffer_features: ``[B, Hkv, b, m]`` the buffer keys' feature values (compute dtype).
         buffer_log_scale: ``[B, Hkv, b]`` their log-scales (zeros for maps without one).
         tail: :class:`~.linear_attention.LinearAttentionState` (``[B, H, m, dv]``, ``[B, H, m]``, ``[B, H]``)
@@ -120,7 +134,8 @@ class WindowAttentionState(NamedTuple):
 
     sink_key: torch.Tensor
     sink_value: torch.Tensor
-    sink_keep: torch.Tensor
+    sink_position: torch.Tensor
+    sink_valid: torch.Tensor
     buffer_key: torch.Tensor
     buffer_value: torch.Tensor
     buffer_keep: torch.Tensor
@@ -134,13 +149,13 @@ class WindowAttentionState(NamedTuple):
 
     @property
     def buffer_start(self) -> int:
-        """Position of the first buffer token (the first token not folded, not a sink)."""
+        """Position of the first buffer token (the first token not folded)."""
         return self.seen - self.buffer_key.shape[2]
 
     @property
     def folded(self) -> int:
-        """Number of tokens folded into the tail sums."""
-        return self.buffer_start - self.sink_key.shape[2]
+        """Number of positions before the buffer: folded into the tail sums, unless padding or a row's sink."""
+        return self.buffer_start
 
     def rollback_capacity(self) -> int:
         """How many of the last tokens :meth:`rollback` can drop exactly (``>= max_rollback`` after any call).
@@ -148,7 +163,7 @@ class WindowAttentionState(NamedTuple):
         After dropping ``r`` tokens the next query sits at ``seen - r``: every folded token must still be in its
         tail, ``buffer_start - 1 <= seen - r - window``, and exist, ``buffer_start <= seen - r``.
         """
-        if self.folded == 0:
+        if self.buffer_start == 0:
             return self.seen
         return self.seen - self.buffer_start - max(self.window - 1, 0)
 
@@ -163,10 +178,9 @@ class WindowAttentionState(NamedTuple):
         if tokens == 0:
             return self
         seen = self.seen - tokens
-        sinks, buffer = min(self.sink_key.shape[2], seen), max(seen - self.buffer_start, 0)
+        buffer = max(seen - self.buffer_start, 0)
         return self._replace(
-            sink_key=self.sink_key[:, :, :sinks], sink_value=self.sink_value[:, :, :sinks],
-            sink_keep=self.sink_keep[:, :sinks], buffer_key=self.buffer_key[:, :, :buffer],
+            sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
             buffer_features=self.buffer_features[:, :, :buffer], buffer_log_scale=self.buffer_log_scale[:, :, :buffer],
             seen=seen,
@@ -183,7 +197,7 @@ class WindowAttentionState(NamedTuple):
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-_STATE_TENSORS = WindowAttentionState._fields[:8]  # the sink and buffer tensors (batch first)
+_STATE_TENSORS = WindowAttentionState._fields[:9]  # the sink and buffer tensors (batch first)
 
 
 def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful=False):
@@ -315,16 +329,17 @@ def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_
     return torch.cat(tails, dim=2), query_max
 
 
-def _exact_block(query_block, key, value_ones, scores_scale, key_index, allowed, softmax_weight):
-    """Scores of the queries ``query_block`` ``[B, H, C, d]`` against the keys ``key_index`` and the masked tile.
+def _exact_block(query_block, key_block, value_ones_block, scores_scale, allowed, softmax_weight):
+    """Scores of the queries ``query_block`` ``[B, H, C, d]`` against the keys ``key_block`` ``[B, H, n, d]`` (values
+    and a ones column ``value_ones_block`` ``[B, H, n, dv + 1]``), ``allowed`` ``[B, 1 or H, C, n]``.
 
     Returns the row maximum ``c`` ``[B, H, C]`` (0 for rows without keys) and a closure that, given
     the row offset ``rho`` ``[B, H, C]``, returns ``sum_j gamma exp(s_ij - c_i - rho_i) [v_j, 1]``.
     """
-    if key_index.numel() == 0:  # no exact key for these queries (window 0, no sinks)
+    if key_block.shape[2] == 0:  # no exact key for these queries (window 0, no sinks)
         row_max = query_block.new_zeros(query_block.shape[:-1])
-        return row_max, lambda rho: value_ones.new_zeros(row_max.shape + value_ones.shape[-1:])
-    scores = torch.matmul(query_block, key[:, :, key_index].transpose(-1, -2)) * scores_scale
+        return row_max, lambda rho: value_ones_block.new_zeros(row_max.shape + value_ones_block.shape[-1:])
+    scores = torch.matmul(query_block, key_block.transpose(-1, -2)) * scores_scale
     scores = scores.masked_fill(~allowed, float("-inf"))
     # Not detached: in learned mode c_i is part of the definition (gamma exp(s - c) against an unscaled tail).
     row_max = scores.amax(dim=-1)
@@ -334,31 +349,69 @@ def _exact_block(query_block, key, value_ones, scores_scale, key_index, allowed,
         weights = (scores - (row_max + rho)[..., None]).exp()
         if softmax_weight is not None:
             weights = weights * softmax_weight[None, :, None, None]
-        return torch.matmul(weights, value_ones[:, :, key_index])
+        return torch.matmul(weights, value_ones_block)
 
     return row_max, weighted
 
 
+def _row_sinks(key, value, keep, sinks, initial_state, seen):
+    """Each row's sinks after the new tokens: its first ``sinks`` unpadded tokens, stored or new.
+
+    Args:
+        key: ``[B, Hkv, L, d]``, value ``[B, Hkv, L, dv]``, keep ``[B, L]``: the new tokens (positions
+            ``seen..seen+L-1``).
+        initial_state: the :class:`WindowAttentionState` before them, or ``None``.
+
+    Returns:
+        ``(sink_key [B, Hkv, sinks, d], sink_value [B, Hkv, sinks, dv], sink_position [B, sinks] long,
+        sink_valid [B, sinks] bool, is_sink [B, L] bool)``: the slots (gathered, so gradients reach the new keys)
+        and which new tokens are sinks.
+    """
+    batch, kv_heads, length, _ = key.shape
+    positions = torch.arange(seen, seen + length, device=key.device)
+    if initial_state is None:
+        stored_key, stored_value = key[:, :, :0], value[:, :, :0]
+        stored_position = positions.new_zeros(batch, 0)
+        filled = positions.new_zeros(batch)
+    else:
+        stored_key = initial_state.sink_key.to(key.dtype)
+        stored_value = initial_state.sink_value.to(value.dtype)
+        stored_position = initial_state.sink_position
+        filled = initial_state.sink_valid.sum(-1)
+    stored = stored_key.shape[2]  # `sinks` slots in a state, none before it
+    rank = filled[:, None] + keep.long().cumsum(-1)  # 1-based count of the row's unpadded tokens so far
+    is_sink = keep & (rank <= sinks)
+    # Slot t takes candidate index[t] among [stored slots, new tokens]: a stored slot keeps its token, the new
+    # sink of rank r fills slot r - 1 (non-sinks go to a discarded extra column).
+    index = torch.arange(sinks, device=key.device).clamp_max(max(stored - 1, 0)).repeat(batch, 1)
+    index = torch.cat([index, index.new_zeros(batch, 1)], dim=1)
+    index = index.scatter(1, torch.where(is_sink, rank - 1, sinks), (stored + torch.arange(length, device=key.device))
+                          .repeat(batch, 1))[:, :sinks]
+    sink_valid = torch.arange(sinks, device=key.device)[None, :] < (filled + keep.sum(-1))[:, None]
+
+    def gather(stored_tensor, new_tensor):
+        candidates = torch.cat([stored_tensor, new_tensor], dim=2)
+        return candidates.gather(2, index[:, None, :, None].expand(batch, kv_heads, sinks, candidates.shape[-1]))
+
+    sink_position = torch.cat([stored_position, positions.repeat(batch, 1)], dim=1).gather(1, index)
+    return gather(stored_key, key), gather(stored_value, value), sink_position, sink_valid, is_sink
+
+
 def _local_sequence(key, value, keep, k_features, initial_state):
-    """The keys the new queries can see exactly or through the buffer: ``[sinks, buffer, new]`` (or the new
-    tokens alone). Returns keys, values (input dtype), keep ``[B, L']``, key feature values ``[B, Hkv, L', m]``,
-    log-scales ``[B, Hkv, L']`` and the number of stored sink tokens put in front."""
+    """The keys the new queries can see in their band or through the buffer: ``[buffer, new]`` (or the new
+    tokens alone). Returns keys, values (input dtype), keep ``[B, L']``, key feature values ``[B, Hkv, L', m]``
+    and log-scales ``[B, Hkv, L']``."""
     values, log_scale = k_features.values, k_features.log_scale
     log_scale = values.new_zeros(values.shape[:-1]) if log_scale is None else log_scale
     if initial_state is None:
-        return key, value, keep, values, log_scale, 0
+        return key, value, keep, values, log_scale
     state = initial_state
-    stored_sinks = state.sink_key.shape[2]
-    sink_shape = values.shape[:2] + (stored_sinks,)
     return (
-        torch.cat([state.sink_key.to(key.dtype), state.buffer_key.to(key.dtype), key], dim=2),
-        torch.cat([state.sink_value.to(value.dtype), state.buffer_value.to(value.dtype), value], dim=2),
-        torch.cat([state.sink_keep, state.buffer_keep, keep], dim=1),
-        # Sinks never enter a tail: zero placeholder features.
-        torch.cat([values.new_zeros(sink_shape + (values.shape[-1],)), state.buffer_features.to(values.dtype), values],
-                  dim=2),
-        torch.cat([values.new_zeros(sink_shape), state.buffer_log_scale.to(values.dtype), log_scale], dim=2),
-        stored_sinks,
+        torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
+        torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
+        torch.cat([state.buffer_keep, keep], dim=1),
+        torch.cat([state.buffer_features.to(values.dtype), values], dim=2),
+        torch.cat([state.buffer_log_scale.to(values.dtype), log_scale], dim=2),
     )
 
 
@@ -389,8 +442,8 @@ def window_linear_attention(
         feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
             window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
-        sinks: the first ``sinks`` keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0`` when decoding
-            with a state, since the first calls may be shorter than ``sinks``).
+        sinks: each row's first ``sinks`` unpadded keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0``
+            when decoding with a state, since the first calls may be shorter than ``sinks``).
         causal: causal (default) or bidirectional.
         softmax_weight: ``None`` (calibrated mode) or ``gamma`` ``[H]`` in (0, 1) (learned mode).
         key_padding_mask: ``[B, L]``, ``True``/1 = token (the new tokens only when ``initial_state`` is given).
@@ -439,19 +492,23 @@ def window_linear_attention(
         else:
             q_features, k_features = feature_map(query * root, key.to(dtype) * root)
         new_keep = torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None else mask
-        local_key, local_value, keep, key_values, key_log_scale, stored_sinks = _local_sequence(
-            key, value, new_keep, k_features, initial_state
+        sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, new_keep, sinks,
+                                                                              initial_state, seen)
+        # The band and the tail skip the row's sinks (attended through the sink slots): `keep` marks the others.
+        local_key, local_value, keep, key_values, key_log_scale = _local_sequence(
+            key, value, new_keep & ~is_sink, k_features, initial_state
         )
         length = local_key.shape[2]
         query_start = length - q_len
-        # Local order: the sink tokens (positions < sinks), then consecutive positions.
-        sink_count = min(sinks, seen + q_len)
+        first = 0 if initial_state is None else initial_state.buffer_start  # position of local index 0
         phi_k, log_k = _repeat_kv(key_values, groups), _repeat_kv(key_log_scale, groups)
         key_all = _repeat_kv(local_key.to(dtype), groups)
         value_ones = _with_ones_column(_repeat_kv(local_value.to(dtype), groups))
         value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
+        sink_key_all = _repeat_kv(sink_key.to(dtype), groups)
+        sink_value_ones = _with_ones_column(_repeat_kv(sink_value.to(dtype), groups))
         positions = torch.arange(length, device=device)
-        eligible = keep & (positions >= sink_count)[None, :]
+        eligible = keep
         phi_q = q_features.values
         log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
         tail_init = None
@@ -468,23 +525,23 @@ def window_linear_attention(
             tails.append((right.flip(2), right_max.flip(2)))
 
         outputs = []
-        sink_index = positions[:sink_count]
         for start in range(query_start, length, chunk_size):
             end = min(start + chunk_size, length)
             rows = positions[start:end, None]
             block = slice(start - query_start, end - query_start)
+            band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
+            cols = positions[None, band]
+            in_band = (rows - cols).abs() < window
+            sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
             if causal:
-                band = positions[max(sink_count, start - window + 1):end]
-            else:
-                band = positions[max(sink_count, start - window + 1):min(length, end + window - 1)]
-            key_index = torch.cat([sink_index, band])
-            cols = key_index[None, :]
-            exact = (cols < sink_count) | ((rows - cols).abs() < window)
-            if causal:
-                exact = exact & (cols <= rows)
-            allowed = exact[None, None] & keep[:, None, None, key_index]
-            row_max, weighted = _exact_block(query[:, :, block], key_all, value_ones, scaling, key_index, allowed,
-                                             gamma)
+                in_band = in_band & (cols <= rows)
+                sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
+            allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
+                                 in_band[None, None] & keep[:, None, None, band]], dim=-1)
+            row_max, weighted = _exact_block(
+                query[:, :, block], torch.cat([sink_key_all, key_all[:, :, band]], dim=2),
+                torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, gamma,
+            )
             # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
             log_factors = []
             for _, tail_max in tails:
@@ -497,30 +554,47 @@ def window_linear_attention(
             outputs.append(total)
         total = torch.cat(outputs, dim=2)
         out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
-        if not causal and sinks > 0:  # sink queries: exact softmax over every key
-            scores = torch.matmul(query[:, :, :sinks], key_all.transpose(-1, -2)) * scaling
-            scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-            sink_out = torch.matmul(torch.softmax(scores, dim=-1), value_ones[..., :-1])
-            out = torch.cat([sink_out, out[:, :, sinks:]], dim=2)
+        if not causal and sinks > 0:
+            out = _with_sink_queries(out, query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
+                                     sink_position, sink_valid, scaling)
         if not return_state:
             return out.to(out_dtype)
         state = _next_state(
             local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible, tail_init,
-            seen=seen + q_len, first=seen - (0 if initial_state is None else initial_state.buffer_key.shape[2]),
-            stored_sinks=stored_sinks, sink_count=sink_count, window=window, sinks=sinks, max_rollback=max_rollback,
+            (sink_key, sink_value, sink_position, sink_valid), seen=seen + q_len, first=first, window=window,
+            sinks=sinks, max_rollback=max_rollback,
         )
     return out.to(out_dtype), state
 
 
+def _with_sink_queries(out, query, key, value, keep, sink_position, sink_valid, scaling):
+    """Bidirectional: ``out`` ``[B, H, L, dv]`` with each row's sink queries replaced by exact softmax over every
+    unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, H, L, d]``, ``keep`` ``[B, L]``; sinks are
+    exact both ways). ``O(sinks L d)``."""
+    batch, heads, length, _ = query.shape
+    index = sink_position[:, None, :, None]
+    sink_query = query.gather(2, index.expand(-1, heads, -1, query.shape[-1]))  # [B, H, s, d]
+    scores = torch.matmul(sink_query, key.transpose(-1, -2)) * scaling
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    sink_out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, H, s, dv]
+    # Unfilled slots write to an extra position that is dropped.
+    target = torch.where(sink_valid, sink_position, length)[:, None, :, None].expand(-1, heads, -1, out.shape[-1])
+    padded = torch.cat([out, out.new_zeros(batch, heads, 1, out.shape[-1])], dim=2)
+    replaced = padded.scatter(2, target, sink_out.to(out.dtype))[:, :, :length]
+    is_sink_query = torch.zeros(batch, length + 1, dtype=torch.bool, device=out.device).scatter(
+        1, torch.where(sink_valid, sink_position, length), True)[:, :length]
+    return torch.where(is_sink_query[:, None, :, None], replaced, out)
+
+
 def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible,
-                tail_init, *, seen, first, stored_sinks, sink_count, window, sinks, max_rollback):
-    """The :class:`WindowAttentionState` after the local sequence ``[stored sinks, positions first..seen-1]``:
-    keeps the sinks and the last ``window + max_rollback`` tokens, folds the older ones into the tail sums."""
+                tail_init, row_sinks, *, seen, first, window, sinks, max_rollback):
+    """The :class:`WindowAttentionState` after the local sequence (positions ``first..seen-1``) and the sink slots
+    ``row_sinks`` (key, value, position, valid): keeps the last ``window + max_rollback`` tokens, folds the older
+    ones into the tail sums."""
     length = local_key.shape[2]
     batch, heads, _, features = phi_k.shape
-    shift = first - stored_sinks  # local index of position p >= first: p - shift
-    fold_start = max(first, sinks) - shift
-    fold_end = min(max(sinks, seen - window - max_rollback, first), seen) - shift
+    fold_start = 0
+    fold_end = min(max(seen - window - max_rollback, first), seen) - first
     if tail_init is None:
         kv = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
         stabilizer = value_ones.new_full((batch, heads), torch.finfo(value_ones.dtype).min)
@@ -532,11 +606,12 @@ def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, 
         key_weights = phi_k[:, :, :fold_end] * eligible[:, None, :fold_end, None]
         kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale, value_ones, fold_start, fold_end, new_max)
         stabilizer = new_max
-    buffer = slice(max(fold_end, sink_count), length)
+    buffer = slice(fold_end, length)
+    sink_key, sink_value, sink_position, sink_valid = row_sinks
     # Copies, so that the state does not keep the whole input sequence alive through views.
     return WindowAttentionState(
-        sink_key=local_key[:, :, :sink_count].clone(), sink_value=local_value[:, :, :sink_count].clone(),
-        sink_keep=keep[:, :sink_count].clone(), buffer_key=local_key[:, :, buffer].clone(),
+        sink_key=sink_key.clone(), sink_value=sink_value.clone(), sink_position=sink_position.clone(),
+        sink_valid=sink_valid.clone(), buffer_key=local_key[:, :, buffer].clone(),
         buffer_value=local_value[:, :, buffer].clone(), buffer_keep=keep[:, buffer].clone(),
         buffer_features=key_values[:, :, buffer].clone(), buffer_log_scale=key_log_scale[:, :, buffer].clone(),
         tail=LinearAttentionState(kv[..., :-1].clone(), kv[..., -1].clone(), stabilizer),

@@ -70,7 +70,9 @@ def test_consecutive_calls_equal_one_pass_and_the_reference(name, learned, split
     out, state = _run(q, k, v, fm, SPLITS[split], mask, max_rollback=3, **kwargs)
     expected = reference_window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
     _assert_close_on_tokens(out, expected, mask, rtol=1e-8, atol=1e-8)
-    assert state.seen == 31 and state.folded == 31 - 2 - 7 and state.buffer_key.shape[2] == 7
+    # Every position before the buffer is folded (the rows' sinks and padding into nothing).
+    assert state.seen == 31 and state.folded == 31 - 7 and state.buffer_key.shape[2] == 7
+    assert state.sink_position.tolist() == [[0, 1], [4, 5]] and state.sink_valid.all()
 
 
 @pytest.mark.parametrize("window, sinks", [(0, 0), (0, 3), (1, 0), (6, 5), (40, 2)])

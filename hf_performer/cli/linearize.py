@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
         "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
         "window": "exact-softmax keys per query: the last W tokens (default: 64)",
-        "sinks": "first tokens always attended exactly (default: 4)",
+        "sinks": "first unpadded tokens of each row always attended exactly (default: 4)",
     })
     hybrid.add_argument("--no-tail", action="store_true", default=None,
                         help="the ablation: sinks + window exact softmax only, no linear tail (no transfer stage)")

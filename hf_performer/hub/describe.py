@@ -25,7 +25,8 @@ def _card_data(name: str) -> dict:
 
 WINDOW_SETTING_MEANINGS = {
     "window": "sliding window of exact softmax attention (keys i-window+1..i; encoders: abs(i-j) < window); 0: none",
-    "sinks": "first tokens always attended with exact softmax (attention sinks; [CLS] for encoders); 0: none",
+    "sinks": "first unpadded tokens of each row always attended with exact softmax (attention sinks; [CLS] for "
+             "encoders); 0: none",
     "softmax_weight": "weight of the exact terms against the linear tail (`calibrated`: 1, tail on the softmax scale; "
     "`learned`: a trained gamma per head; `auto`: learned for learned maps)",
     "layer_windows": "per-layer overrides of window / sinks",
