@@ -109,8 +109,10 @@ mapfile -t CMD_D < <(finetune_args "$MODEL" "$OUT/d_favor_direct" --attention fa
 joined() { printf ' %q' "$@" | cut -c2-; }
 
 log "$TASK recovery table: MODEL=$MODEL OUT=$OUT RUNS='$RUNS'"
-log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR, length $MAX_LENGTH, seed $SEED;" \
-    "transfer: $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features, softmax layers: ${KEEP_SOFTMAX_LAYERS:-none}), $TRANSFER_STEPS steps x $TRANSFER_BATCH of $TRANSFER_SAMPLES rows, lr $TRANSFER_LR"
+log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR, length $MAX_LENGTH, seed $SEED"
+wanted e && log "transfer (e): $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features, softmax layers:" \
+    "${KEEP_SOFTMAX_LAYERS:-none}${HYBRID_ARGS:+, $HYBRID_ARGS}), $TRANSFER_STEPS steps x $TRANSFER_BATCH of" \
+    "$TRANSFER_SAMPLES rows, lr $TRANSFER_LR"
 
 wanted a && run_step a_softmax "$OUT/a_softmax/metrics.json" "${CMD_A[@]}"
 if wanted b; then
