@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     parser.add_argument("--validation-file", required=True)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--max-eval-samples", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the --max-eval-samples subset (hf-performer evaluate's --seed; the IMDB recovery "
+                             "table used 42)")
     parser.add_argument("--clusters", default="1,2,4,8,16,32", help="comma-separated cluster counts")
     parser.add_argument("--improved-clusters", default=None,
                         help="comma-separated cluster counts of the improved rows (default: --clusters)")
@@ -74,7 +77,7 @@ def main(argv=None) -> int:
 
     spec = get_task(args.task)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    dataset = load_task_split(spec, "validation", args.validation_file, args.max_eval_samples, 0)
+    dataset = load_task_split(spec, "validation", args.validation_file, args.max_eval_samples, args.seed)
     tokenized = tokenize_task_dataset(dataset, tokenizer, spec, args.max_length)
     lengths = [len(ids) for ids in tokenized["input_ids"]]
     loader = DataLoader(tokenized, batch_size=args.batch_size, collate_fn=DataCollatorWithPadding(tokenizer))
@@ -111,7 +114,7 @@ def main(argv=None) -> int:
         agreement_metric="Pearson r with the softmax model's predictions" if spec.is_regression
         else "fraction of examples where the prediction equals the softmax model's",
         settings=dict(model=_relative(args.model), validation_file=_relative(args.validation_file),
-                      max_length=args.max_length, num_examples=len(lengths), mean_tokens=float(np.mean(lengths)),
+                      max_length=args.max_length, num_examples=len(lengths), subset_seed=args.seed, mean_tokens=float(np.mean(lengths)),
                       max_tokens=int(max(lengths)), clusters=clusters, improved_clusters=improved_clusters, topk=args.topk, extra_topk=extra_topk,
                       headline_clusters=args.headline_clusters, hash_bits=63, iterations=10),
         command="python benchmarks/scripts/clustered_zero_shot.py " + " ".join(
