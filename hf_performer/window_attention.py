@@ -1,6 +1,6 @@
 """Sink + sliding-window softmax attention with a linear-attention tail and one shared normaliser.
 
-The operator only (no cache, model integration or training yet). Layouts as
+The operator, its decoding state and its memory-bounded training path. Layouts as
 :func:`~.linear_attention.linear_attention`: queries ``[B, H, L, d]``, keys and values ``[B, Hkv, L, d]``
 (``Hkv`` divides ``H``). With scores ``s_ij = scaling * q_i.k_j``, features ``phi`` of
 ``sqrt(scaling) q`` and ``sqrt(scaling) k``, an exact key set ``E(i)`` and a tail key set ``T(i)``:
@@ -508,7 +508,6 @@ def window_linear_attention(
         sink_key_all = _repeat_kv(sink_key.to(dtype), groups)
         sink_value_ones = _with_ones_column(_repeat_kv(sink_value.to(dtype), groups))
         positions = torch.arange(length, device=device)
-        eligible = keep
         phi_q = q_features.values
         log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
         tail_init = None
@@ -518,10 +517,10 @@ def window_linear_attention(
 
         tails = []  # (tail sums, their log-scale) per direction; none without a feature map
         if feature_map is not None:
-            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, eligible, window, chunk_size, tail_init))
+            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, keep, window, chunk_size, tail_init))
         if tails and not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
             right, right_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_k, value_ones)),
-                                            eligible.flip(1), max(window, 1), chunk_size)
+                                            keep.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))
 
         outputs = []
@@ -560,7 +559,7 @@ def window_linear_attention(
         if not return_state:
             return out.to(out_dtype)
         state = _next_state(
-            local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible, tail_init,
+            local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, tail_init,
             (sink_key, sink_value, sink_position, sink_valid), seen=seen + q_len, first=first, window=window,
             sinks=sinks, max_rollback=max_rollback,
         )
@@ -586,25 +585,24 @@ def _with_sink_queries(out, query, key, value, keep, sink_position, sink_valid, 
     return torch.where(is_sink_query[:, None, :, None], replaced, out)
 
 
-def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, eligible,
-                tail_init, row_sinks, *, seen, first, window, sinks, max_rollback):
+def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, tail_init,
+                row_sinks, *, seen, first, window, sinks, max_rollback):
     """The :class:`WindowAttentionState` after the local sequence (positions ``first..seen-1``) and the sink slots
     ``row_sinks`` (key, value, position, valid): keeps the last ``window + max_rollback`` tokens, folds the older
     ones into the tail sums."""
     length = local_key.shape[2]
     batch, heads, _, features = phi_k.shape
-    fold_start = 0
     fold_end = min(max(seen - window - max_rollback, first), seen) - first
     if tail_init is None:
         kv = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
         stabilizer = value_ones.new_full((batch, heads), torch.finfo(value_ones.dtype).min)
     else:
         kv, stabilizer = tail_init
-    if fold_end > fold_start:
-        masked_log_scale, running_max = _running_key_max(log_k, eligible, stabilizer)
+    if fold_end > 0:  # fold the local tokens [0, fold_end) (padding and sinks are not kept)
+        masked_log_scale, running_max = _running_key_max(log_k, keep, stabilizer)
         new_max = running_max[..., fold_end - 1]
-        key_weights = phi_k[:, :, :fold_end] * eligible[:, None, :fold_end, None]
-        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale, value_ones, fold_start, fold_end, new_max)
+        key_weights = phi_k[:, :, :fold_end] * keep[:, None, :fold_end, None]
+        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale, value_ones, 0, fold_end, new_max)
         stabilizer = new_max
     buffer = slice(fold_end, length)
     sink_key, sink_value, sink_position, sink_valid = row_sinks
@@ -639,22 +637,22 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them) under activation checkpointing: autograd keeps the segments' inputs and the small states
     between them, and the backward recomputes one segment at a time. Peak memory is then one segment's graph
-    instead of the whole sequence's (at 4096 tokens, 12 heads, ``d`` 64, Hedgehog tail: 838 -> 217 MiB of extra
-    peak for forward + backward), and the smaller working set also runs faster on the CPU."""
+    instead of the whole sequence's (at 4096 tokens, 12 heads, ``d`` 64, Hedgehog tail: 789 -> 226 MiB of extra
+    peak for forward + backward; ``benchmarks/results/attention_memory_window.json``), and no slower."""
     # torch.split, not slicing: the backward of a slice writes a zero tensor of the whole input per segment
     # (quadratic traffic in the number of segments); split's backward concatenates the segments' gradients once.
     pieces = [tensor.split(GRADIENT_SEGMENT_LENGTH, dim=2) for tensor in (query, key, value)]
     masks = ([None] * len(pieces[0]) if key_padding_mask is None
              else key_padding_mask.split(GRADIENT_SEGMENT_LENGTH, dim=1))
+
+    def segment(q, k, v, gamma, segment_mask, previous):
+        return window_linear_attention(
+            q, k, v, feature_map, window=window, sinks=sinks, causal=True, softmax_weight=gamma,
+            key_padding_mask=segment_mask, scaling=scaling, initial_state=previous, return_state=True,
+            max_rollback=max_rollback, chunk_size=chunk_size, eps=eps)
+
     outputs, state = [], initial_state
     for segment_query, segment_key, segment_value, mask in zip(*pieces, masks):
-
-        def segment(q, k, v, gamma, segment_mask, previous):
-            return window_linear_attention(
-                q, k, v, feature_map, window=window, sinks=sinks, causal=True, softmax_weight=gamma,
-                key_padding_mask=segment_mask, scaling=scaling, initial_state=previous, return_state=True,
-                max_rollback=max_rollback, chunk_size=chunk_size, eps=eps)
-
         # Each segment is at most GRADIENT_SEGMENT_LENGTH long, so the call inside does not segment again.
         out, state = checkpoint(segment, segment_query, segment_key, segment_value, softmax_weight, mask, state,
                                 use_reentrant=False)

@@ -94,14 +94,9 @@ def summarize_speed(result: dict) -> dict:
         if sdpa and record["implementation"] != "sdpa":
             by_mode = summary["speedup_vs_sdpa_by_implementation"].setdefault(record["implementation"], {})
             by_mode.setdefault(record["mode"], {})[str(record["length"])] = sdpa["seconds"] / record["seconds"]
+    favor = summary["speedup_vs_sdpa_by_implementation"].get("favor", {})
     for mode in {r["mode"] for r in records}:
-        speedups = {}
-        for record in records:
-            if record["mode"] == mode and record["implementation"] == "favor":
-                sdpa = _lookup(records, mode=mode, implementation="sdpa", length=record["length"])
-                if sdpa:
-                    speedups[str(record["length"])] = sdpa["seconds"] / record["seconds"]
-        summary["speedup_vs_sdpa"][mode] = speedups
+        summary["speedup_vs_sdpa"][mode] = favor.get(mode, {})
         summary["crossover_length_vs_sdpa"][mode] = crossover_length(records, mode)
     return summary
 
