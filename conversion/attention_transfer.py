@@ -50,6 +50,8 @@ from hf_performer.window_attention import window_linear_attention
 
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
 LOSSES = ("weights", "output", "both")
+SCHEDULES = ("constant", "cosine")
+"""Learning-rate schedules of :func:`transfer_attention`."""
 
 TRANSFER_FILE_NAME = "attention_transfer.json"
 """The record of an attention transfer (``hf-performer distill`` writes it next to ``conversion_report.json``);
@@ -403,6 +405,7 @@ class AttentionTransferResult:
     loss: str
     learning_rate: float
     layers: list[int]
+    schedule: str = "constant"
     history: list[dict] = field(default_factory=list)
     stop_reason: str | None = None
     output_loss_factor: float = 1.0
@@ -460,6 +463,7 @@ def transfer_attention(
     progress: bool = True,
     output_loss_factor: float = 1.0,
     deadline: float | None = None,
+    schedule: str = "constant",
 ) -> AttentionTransferResult:
     """Train the learned feature maps of ``model`` to mimic its own softmax attention.
 
@@ -469,7 +473,7 @@ def transfer_attention(
             restored to their ``requires_grad`` afterwards.
         batches: model inputs (``input_ids``, ``attention_mask``, ...; no labels needed), cycled through for ``steps``
             optimizer steps in the given order.
-        steps: optimizer steps (AdamW on the feature-map parameters only, constant learning rate).
+        steps: optimizer steps (AdamW on the feature-map parameters only).
         learning_rate: AdamW learning rate (Hedgehog and LoLCATs use 1e-2).
         loss: ``"weights"``, ``"output"`` or ``"both"`` (see the module docstring).
         evaluation_batches: batches on which each layer's losses are measured before and after (default: ``batches``
@@ -478,6 +482,8 @@ def transfer_attention(
         output_loss_factor: the output loss is multiplied by it (LoLCATs: 1000).
         deadline: a ``time.time()`` after which no further step starts (``result.stop_reason`` says so; the
             history holds the steps done).
+        schedule: ``"constant"`` learning rate, or ``"cosine"``: decayed from ``learning_rate`` to 0 over ``steps``
+            (no warmup; a run stopped by ``deadline`` ends before the decay does).
 
     Returns:
         An :class:`AttentionTransferResult`.
@@ -489,6 +495,8 @@ def transfer_attention(
         raise AttentionTransferError(f"unknown loss {loss!r}; accepted: {', '.join(LOSSES)}")
     if steps < 1:
         raise AttentionTransferError(f"steps must be >= 1, got {steps}")
+    if schedule not in SCHEDULES:
+        raise AttentionTransferError(f"unknown learning-rate schedule {schedule!r}; accepted: {', '.join(SCHEDULES)}")
     if not batches:
         raise AttentionTransferError("attention transfer needs at least one batch of inputs")
     feature_maps = trainable_feature_maps(model)
@@ -510,7 +518,7 @@ def transfer_attention(
     for p, _ in saved_flags:
         p.requires_grad_(id(p) in trainable)
 
-    result = AttentionTransferResult(steps=steps, loss=loss, learning_rate=learning_rate,
+    result = AttentionTransferResult(steps=steps, loss=loss, learning_rate=learning_rate, schedule=schedule,
                                      layers=sorted(feature_maps), output_loss_factor=output_loss_factor)
     try:
         result.layer_losses_before = measure_transfer_losses(model, evaluation_batches)
@@ -523,13 +531,16 @@ def transfer_attention(
                     result.stop_reason = f"time limit reached after {step} of {steps} steps"
                     break
                 batch = batches[step % len(batches)]
+                rate = scheduled_learning_rate(learning_rate, step, steps, schedule)
+                for group in optimizer.param_groups:
+                    group["lr"] = rate
                 optimizer.zero_grad(set_to_none=True)
                 with collect_transfer_losses(backward=(loss, output_loss_factor)) as layers:
                     _run_backbone(model, batch)  # each layer's backward runs inside (see _Collector.add)
                 total = _combine(layers, loss, output_loss_factor)
                 optimizer.step()
                 value = float(total.detach()) / len(layers)
-                result.history.append({"step": step + 1, "loss_per_layer": value,
+                result.history.append({"step": step + 1, "loss_per_layer": value, "learning_rate": rate,
                                        "time_s": round(time.perf_counter() - loop_started, 3),
                                        "cpu_s": round(time.process_time() - cpu_started, 3)})
                 bar.set_postfix(loss=f"{value:.4f}")
@@ -542,6 +553,14 @@ def transfer_attention(
     return result
 
 
+def scheduled_learning_rate(peak: float, step: int, steps: int, schedule: str) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) of ``steps``: ``peak`` throughout for ``"constant"``,
+    ``peak * (1 + cos(pi * step / steps)) / 2`` for ``"cosine"`` (``peak`` at the first step, -> 0 at the end)."""
+    if schedule == "constant":
+        return peak
+    return peak * 0.5 * (1.0 + math.cos(math.pi * step / steps))
+
+
 def _progress(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
@@ -550,6 +569,7 @@ def _progress(total: int, enabled: bool):
 
 __all__ = [
     "LOSSES",
+    "SCHEDULES",
     "TRANSFER_ATTN_IMPLEMENTATION",
     "AttentionTransferError",
     "AttentionTransferResult",
@@ -561,6 +581,7 @@ __all__ = [
     "measure_transfer_losses",
     "softmax_attention_weights",
     "teacher_forcing",
+    "scheduled_learning_rate",
     "trainable_feature_maps",
     "transfer_attention",
     "transfer_losses",

@@ -65,6 +65,7 @@ class LinearizeSettings:
     transfer_length: int = 1024
     transfer_batch_size: int = 8
     transfer_learning_rate: float = 1e-2
+    transfer_schedule: str = "constant"
     lora_steps: int = 200
     block_size: int = 1024
     batch_size: int = 8
@@ -96,6 +97,8 @@ class LinearizeSettings:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)}")
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
+        if self.transfer_schedule not in ("constant", "cosine"):
+            raise RecipeError(f"--transfer-schedule {self.transfer_schedule!r} is not known; accepted: constant, cosine")
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
         from ..favor_settings import feature_map_kind
@@ -313,7 +316,8 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(folder)
     result = transfer_attention(model, batches, steps=settings.transfer_steps,
-                                learning_rate=settings.transfer_learning_rate, loss="output",
+                                learning_rate=settings.transfer_learning_rate, schedule=settings.transfer_schedule,
+                                loss="output",
                                 output_loss_factor=OUTPUT_LOSS_FACTOR, evaluation_batches=[],
                                 progress=settings.progress, deadline=deadline)
     target = area.file("transferred")
@@ -332,7 +336,8 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
         details={"steps_requested": settings.transfer_steps, "steps_done": done, "sequences": len(batches) *
                  settings.transfer_batch_size, "loss": f"mean over layers of {OUTPUT_LOSS_FACTOR:g} x MSE of the "
                  "per-head attention outputs (before o_proj), teacher forcing", "layers": result.layers,
-                 "trained": "feature maps and softmax weights (gamma) only", "curve": curve},
+                 "trained": "feature maps and softmax weights (gamma) only", "schedule": settings.transfer_schedule,
+                 "curve": curve},
     )
 
 

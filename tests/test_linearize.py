@@ -5,6 +5,8 @@ Tiny random Llama (GQA) and GPT-2 models from conftest, saved to tmp_path with a
 few hundred characters of text.
 """
 
+import math
+
 import torch
 
 from hf_performer.conversion.attention_transfer import sdpa_teacher_output, window_layer_transfer_losses
@@ -297,6 +299,28 @@ def test_transfer_trains_only_maps_and_gamma_and_lora_leaves_them_unchanged(tiny
     losses = [point["loss"] for point in transfer["details"]["curve"]]
     assert transfer["details"]["steps_done"] == 6 and losses[-1] < losses[0]
     assert transfer["tokens_seen"] == 6 * 2 * 16
+    assert transfer["details"]["schedule"] == "constant"
+
+
+def test_cosine_transfer_schedule_decays_the_rate_to_zero(tiny_models, tmp_path, monkeypatch):
+    import hf_performer.conversion.attention_transfer as attention_transfer
+
+    rates = []
+    original = attention_transfer.scheduled_learning_rate
+
+    def recording(peak, step, steps, schedule):
+        rates.append(original(peak, step, steps, schedule))
+        return rates[-1]
+
+    monkeypatch.setattr(attention_transfer, "scheduled_learning_rate", recording)
+    argv = _argv(tiny_models, "llama", tmp_path / "hybrid", *_hybrid_flags(steps=4), "--transfer-learning-rate",
+                 "2e-2", "--transfer-schedule", "cosine")
+    assert _run(argv, stop_after="transfer") == 0
+    assert rates == pytest.approx([2e-2, 2e-2 * (1 + math.cos(math.pi / 4)) / 2, 1e-2,
+                                   2e-2 * (1 + math.cos(3 * math.pi / 4)) / 2])
+    state = json.loads((tmp_path / ".hybrid.linearize" / "run.json").read_text())
+    assert state["stages"]["transfer"]["details"]["schedule"] == "cosine"
+    assert state["settings"]["transfer_schedule"] == "cosine"
 
 
 def test_transfer_loss_is_zero_when_the_window_covers_the_sequence_in_a_model(tiny_models):

@@ -111,8 +111,8 @@ def read_linearize(folder: str, arm: str) -> dict:
         "kind": record.get("kind"),
         "settings": {key: settings.get(key) for key in (
             "source", "train_files", "max_train_chars", "feature_map", "window", "sinks", "linear_tail",
-            "transfer_steps", "transfer_length", "transfer_batch_size", "transfer_learning_rate", "lora_steps",
-            "block_size", "batch_size", "gradient_accumulation_steps", "learning_rate", "lora_r", "lora_alpha",
+            "transfer_steps", "transfer_length", "transfer_batch_size", "transfer_learning_rate", "transfer_schedule",
+            "lora_steps", "block_size", "batch_size", "gradient_accumulation_steps", "learning_rate", "lora_r", "lora_alpha",
             "baseline", "seed", "time_limit") if key in settings},
         "stages": stage_rows,
         "tokens_seen": record.get("tokens_seen"),

@@ -31,7 +31,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 # The variables a caller may set (recorded in the result's command when set)
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
-    WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR LORA_STEPS BLOCK BATCH LR SEED
+    WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
     CONTEXT_ARMS PASSKEY_ARMS TITLE
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
@@ -82,6 +82,7 @@ FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
 WINDOW="${WINDOW:-64}"
 SINKS="${SINKS:-4}"
 TRANSFER_LR="${TRANSFER_LR:-1e-2}"
+TRANSFER_SCHEDULE="${TRANSFER_SCHEDULE:-constant}"   # or cosine (decay to 0 over the transfer steps)
 LR="${LR:-1e-4}"
 SEED="${SEED:-0}"
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
@@ -105,7 +106,7 @@ PIPELINE_START=$SECONDS
 source "$REPO/benchmarks/scripts/pipeline_steps.sh"
 
 log "window hybrid ($PROFILE profile): SMOL=$SMOL OUT=$OUT"
-log "transfer $TRANSFER_STEPS steps x $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR); LoRA $LORA_STEPS" \
+log "transfer $TRANSFER_STEPS steps x $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, $TRANSFER_SCHEDULE); LoRA $LORA_STEPS" \
     "steps x $BATCH x $BLOCK tokens (lr $LR); window $WINDOW, sinks $SINKS, $FEATURE_MAP; eval: context 1024 on" \
     "$EVAL_CHARS chars (trained), $ZS_EVAL_CHARS chars (zero-shot); contexts $EXTRA_CONTEXTS on $EXTRA_CHARS chars" \
     "for $CONTEXT_ARMS;" \
@@ -156,7 +157,8 @@ linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data and L
         --block-size "$BLOCK" --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --no-progress "$@"
 }
 HYBRID_ARGS=(--feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH"
-             --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR")
+             --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR"
+             --transfer-schedule "$TRANSFER_SCHEDULE")
 
 perplexity() {  # perplexity MODEL OUTPUT.json CONTEXT CHARS [--position-ranges ...]
     local model="$1" output="$2" context="$3" chars="$4"
@@ -242,7 +244,7 @@ predictions); contexts $EXTRA_CONTEXTS on the first $EXTRA_CHARS characters for 
 $PASSKEY_TRIALS seeded trials each, filler ${PASSKEY_FILLER:+$(basename "$PASSKEY_FILLER")}${PASSKEY_FILLER:-classic \
 repeated sentences}. Training text: $(basename "$TRAIN_FILE")${IMDB_TEXT:+ + $IMDB_REVIEWS IMDB train reviews}. \
 hf-performer linearize: $FEATURE_MAP tail, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
-$TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
+$TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, $TRANSFER_SCHEDULE, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
 tokens (lr $LR), identical for the three trained arms; seed $SEED."
 
 NOTES=()

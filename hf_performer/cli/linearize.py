@@ -34,11 +34,11 @@ STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
 CONVERSION_FLAGS = ("feature_map", "nb_features", "window", "sinks", "no_tail", "transfer_steps", "transfer_length",
-                    "transfer_batch_size", "transfer_learning_rate")
+                    "transfer_batch_size", "transfer_learning_rate", "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
 DEFAULTS = {"feature_map": "hedgehog", "window": 64, "sinks": 4, "transfer_steps": 200, "transfer_length": 1024,
-            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2}
+            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2, "transfer_schedule": "constant"}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -70,7 +70,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hybrid.add_argument("--transfer-steps", type=int, default=None, help="optimizer steps, 0 = skip (default: 200)")
     hybrid.add_argument("--transfer-length", type=int, default=None, help="tokens per sequence (default: 1024)")
     hybrid.add_argument("--transfer-batch-size", type=int, default=None, help="sequences per step (default: 8)")
-    hybrid.add_argument("--transfer-learning-rate", type=float, default=None, help="AdamW, constant (default: 1e-2)")
+    hybrid.add_argument("--transfer-learning-rate", type=float, default=None, help="AdamW peak rate (default: 1e-2)")
+    hybrid.add_argument("--transfer-schedule", choices=("constant", "cosine"), default=None,
+                        help="learning rate over the transfer steps: constant, or cosine decay to 0 (default: "
+                             "constant)")
 
     lora = parser.add_argument_group("LoRA fine-tuning (the recipes' loop)")
     lora.add_argument("--lora-steps", type=int, default=200, help="optimizer steps, 0 = skip (default: 200)")
