@@ -192,6 +192,26 @@ def test_resume_skips_finished_stages_and_continues_lora_from_its_checkpoint(tin
     assert [point["step"] for point in lora["curve"]] == [1, 2, 3]
 
 
+def test_stop_after_flag_keeps_the_transferred_model_loadable_and_the_same_command_continues(tiny_models, tmp_path,
+                                                                                              capsys):
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.cli import main as cli_main
+
+    output = tmp_path / "hybrid"
+    argv = _argv(tiny_models, "llama", output, *_hybrid_flags(steps=2))
+    assert cli_main([*argv, "--stop-after", "transfer"]) == 0
+    transferred = tmp_path / ".hybrid.linearize" / "transferred"
+    assert f"stopped after stage transfer (its model: {transferred})" in capsys.readouterr().out
+    assert not output.exists()
+    model = AutoModelForCausalLM.from_pretrained(transferred)
+    assert model(torch.tensor([[1, 2, 3, 4, 5]])).logits.isfinite().all()
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "stage transfer already finished" in out and "stage lora done" in out
+    assert json.loads((output / "linearize.json").read_text())["stages"]["transfer"]["details"]["steps_done"] == 2
+
+
 def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, tmp_path, capsys):
     output = tmp_path / "between"
     argv = _argv(tiny_models, "gpt2", output, "--baseline", "softmax")

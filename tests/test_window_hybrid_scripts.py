@@ -101,17 +101,18 @@ def _linearize_record(kind, transfer_tokens, lora_losses, tokens_per_step=2048):
 
 @pytest.fixture
 def experiment(tmp_path, records):
-    """All six arms: hybrid + LoRA 1.08x softmax + LoRA, window-only 1.3x at the far positions."""
+    """All seven arms: hybrid + LoRA 1.08x softmax + LoRA, window-only 1.3x at the far positions; the hybrid after
+    its transfer (evaluation records only, no linearize folder) 1.6x softmax zero-shot."""
     runs = tmp_path / "runs"
     (runs / "eval").mkdir(parents=True)
     factors = {"softmax_zeroshot": (1.0, None), "hybrid_zeroshot": (1.9, None), "window_zeroshot": (1.95, 2.2),
-               "softmax_lora": (0.9, None), "hybrid_lora": (0.9 * 1.08, None), "window_lora": (0.9 * 1.2, 0.9 * 1.3)}
+               "softmax_lora": (0.9, None), "hybrid_transfer": (1.6, None), "hybrid_lora": (0.9 * 1.08, None), "window_lora": (0.9 * 1.2, 0.9 * 1.3)}
     losses = {"softmax_lora": [3.0, 2.9, 2.8], "hybrid_lora": [3.5, 3.2, 2.9], "window_lora": [3.6, 3.3, 3.1]}
     kinds = {"hybrid_zeroshot": "hybrid", "window_zeroshot": "window-only", "softmax_lora": "baseline-softmax",
              "hybrid_lora": "hybrid", "window_lora": "window-only"}
     argv = []
     for arm, (factor, far) in factors.items():
-        if arm != "softmax_zeroshot":
+        if arm not in ("softmax_zeroshot", "hybrid_transfer"):
             (runs / arm).mkdir()
             transfer = 4096 if arm == "hybrid_lora" else 0
             record = _linearize_record(kinds[arm], transfer, losses.get(arm, []))
@@ -119,6 +120,8 @@ def experiment(tmp_path, records):
             argv += ["--arm", f"{arm}={runs / arm}"]
         for name in ("ctx1024", "ctx256", "passkey"):
             if name == "ctx256" and arm not in ("softmax_lora", "hybrid_lora"):
+                continue
+            if name == "passkey" and arm == "hybrid_transfer":
                 continue
             record = records[name] if name == "passkey" else _scaled(records[name], factor, far)
             if name == "passkey" and arm == "hybrid_lora":
@@ -163,8 +166,9 @@ def test_collect_every_arm(experiment, records, capsys):
     assert passkey[("hybrid_lora", 128)] == 1.0 and len(passkey) == 12
     assert arms["softmax_lora"]["passkey"]["cells"][0]["depth"] == 0.5
     curve = record["ratio_vs_tokens_seen"]
-    assert [p["tokens_seen"] for p in curve["evaluated"]] == [0, 4096 + 3 * 2048]
-    assert curve["evaluated"][1]["ratio"] == pytest.approx(1.08)
+    assert [p["tokens_seen"] for p in curve["evaluated"]] == [0, 4096, 4096 + 3 * 2048]
+    assert [p["ratio"] for p in curve["evaluated"]] == pytest.approx([1.9, 1.6, 1.08])
+    assert record["ratios"]["window_zeroshot_to_hybrid_transfer_1024"]["ratio"] == pytest.approx(1.95 / 1.6)
     assert [p["tokens_seen"] for p in curve["training_loss"]] == [4096 + 2048, 4096 + 4096, 4096 + 6144]
     assert curve["training_loss"][0]["ratio"] == pytest.approx(math.exp(0.5))
     assert arms["hybrid_lora"]["tokens_seen"] == 4096 + 3 * 2048

@@ -12,6 +12,8 @@ Arms (any subset; the comparisons need both of their arms):
 * ``hybrid_zeroshot`` / ``window_zeroshot``: ``hf-performer linearize ... --transfer-steps 0 --lora-steps 0`` (with
   ``--no-tail`` for window-only: sinks + window exact softmax, no linear tail): converted, not trained;
 * ``softmax_lora``: ``linearize --baseline softmax``: the softmax model given the same LoRA budget (the fair baseline);
+* ``hybrid_transfer``: ``hybrid_lora``'s model after the attention transfer, before LoRA (``linearize --stop-after
+  transfer``; evaluation records only);
 * ``hybrid_lora``: ``linearize``: attention transfer of the tail, then LoRA;
 * ``window_lora``: ``linearize --no-tail``: window-only, the same LoRA budget (the tail ablation).
 
@@ -52,13 +54,16 @@ ARMS = {
     "hybrid_zeroshot": "hybrid (sinks + window + linear tail), converted, no training",
     "window_zeroshot": "window-only (sinks + window), converted, no training",
     "softmax_lora": "softmax + LoRA (the baseline: same LoRA budget)",
+    "hybrid_transfer": "hybrid after attention transfer, before LoRA",
     "hybrid_lora": "hybrid: attention transfer + LoRA",
     "window_lora": "window-only + LoRA (tail ablation, same LoRA budget)",
 }
 SHORT_LABELS = {"softmax_zeroshot": "softmax\n0-shot", "hybrid_zeroshot": "hybrid\n0-shot",
                 "window_zeroshot": "window\n0-shot", "softmax_lora": "softmax\n+LoRA",
+                "hybrid_transfer": "hybrid\ntransfer",
                 "hybrid_lora": "hybrid\ntransfer+LoRA", "window_lora": "window\n+LoRA"}
 COLOURS = {"softmax_zeroshot": "#9ecae1", "softmax_lora": "#3182bd", "hybrid_zeroshot": "#bcbddc",
+           "hybrid_transfer": "#9e9ac8",
            "hybrid_lora": "#756bb1", "window_zeroshot": "#fdae6b", "window_lora": "#e6550d"}
 
 
@@ -221,7 +226,8 @@ def target_check(ratio: dict, threshold: float, stretch: float) -> dict:
 def tokens_curve(arms: dict, ratios: dict) -> dict:
     """The hybrid's perplexity ratio to softmax against the hybrid's tokens seen.
 
-    Evaluated points: zero-shot (no tokens) and after transfer + LoRA (all its tokens), at context 1024. Between
+    Evaluated points: zero-shot (no tokens), after the transfer alone (its tokens, against softmax zero-shot) and
+    after transfer + LoRA (all its tokens, against softmax + LoRA), at context 1024. Between
     them, each LoRA step's training loss of the two arms (same data, same order, same steps):
     ``exp(loss_hybrid - loss_softmax)``, the ratio of their training-batch perplexities, placed at the hybrid's
     tokens seen (transfer tokens + LoRA tokens)."""
@@ -232,6 +238,10 @@ def tokens_curve(arms: dict, ratios: dict) -> dict:
         points.append({"tokens_seen": 0, "ratio": zero_shot["ratio"], "source": "evaluation, zero-shot"})
     training = []
     hybrid_run, softmax_run = hybrid.get("linearize"), softmax.get("linearize")
+    transferred = ratios.get("hybrid_transfer_to_softmax_zeroshot_1024") or {}
+    if transferred.get("ratio") is not None and hybrid_run:
+        points.append({"tokens_seen": hybrid_run["transfer_tokens_seen"], "ratio": transferred["ratio"],
+                       "source": "evaluation, after the attention transfer (before LoRA) vs softmax zero-shot"})
     if hybrid_run and softmax_run:
         softmax_loss = {p["step"]: p["loss"] for p in softmax_run["lora_loss_curve"]}
         for point in hybrid_run["lora_loss_curve"]:  # linearize.json counts tokens over its stages (transfer first)
@@ -244,7 +254,8 @@ def tokens_curve(arms: dict, ratios: dict) -> dict:
         points.append({"tokens_seen": hybrid_run["tokens_seen"], "ratio": final["ratio"],
                        "source": "evaluation, after transfer + LoRA"})
     return {"what": "perplexity of the hybrid / perplexity of softmax against the hybrid's training tokens "
-                    "(transfer + LoRA); evaluated points at context 1024 (zero-shot vs zero-shot, final vs the "
+                    "(transfer + LoRA); evaluated points at context 1024 (zero-shot vs zero-shot, transferred vs softmax "
+                    "zero-shot, final vs the "
                     "softmax baseline after the same LoRA) and the per-step training-loss ratio of the two LoRA runs",
             "evaluated": points, "training_loss": training}
 
@@ -304,6 +315,7 @@ def build_record(args: argparse.Namespace) -> dict:
     for context in contexts:
         for numerator, denominator in (("hybrid_lora", "softmax_lora"), ("window_lora", "softmax_lora"),
                                        ("hybrid_zeroshot", "softmax_zeroshot"),
+                                       ("hybrid_transfer", "softmax_zeroshot"), ("window_zeroshot", "hybrid_transfer"),
                                        ("window_zeroshot", "softmax_zeroshot"), ("window_lora", "hybrid_lora"),
                                        ("window_zeroshot", "hybrid_zeroshot")):
             row = ratio_row(arms, numerator, denominator, context)

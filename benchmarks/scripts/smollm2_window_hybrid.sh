@@ -7,11 +7,13 @@
 #   LORA_STEPS=100 OUT=/data/runs bash benchmarks/scripts/smollm2_window_hybrid.sh   # any budget is a variable
 #
 # Arms (hf-performer linearize folders under $OUT; softmax zero-shot is the source model itself):
-# ARM_NAMES (default: all six) runs a subset:
+# ARM_NAMES (default: all seven) runs a subset:
 #   softmax_zeroshot   $SMOL, no training
 #   hybrid_zeroshot    linearize --transfer-steps 0 --lora-steps 0            (converted: sinks + window + tail)
 #   window_zeroshot    linearize --no-tail --transfer-steps 0 --lora-steps 0  (converted: sinks + window only)
 #   softmax_lora       linearize --baseline softmax  (the same LoRA budget on the softmax model: the fair baseline)
+#   hybrid_transfer    hybrid_lora's model after its attention transfer, before LoRA (linearize --stop-after transfer,
+#                      then the same command continues: no extra training)
 #   hybrid_lora        linearize                      (attention transfer of the tail, then LoRA)
 #   window_lora        linearize --no-tail            (the tail ablation: the same LoRA budget)
 #
@@ -88,7 +90,7 @@ SEED="${SEED:-0}"
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
 
 # Evaluation
-ARM_NAMES="${ARM_NAMES:-softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
+ARM_NAMES="${ARM_NAMES:-softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_transfer hybrid_lora window_lora}"
 EVAL_BATCH="${EVAL_BATCH:-2}"              # windows (or passkey prompts) per forward pass
 POSITION_RANGES="${POSITION_RANGES:-0:512 512:1024}"
 EXTRA_CONTEXTS="${EXTRA_CONTEXTS:-256 2048}"
@@ -181,9 +183,9 @@ ARMS=($ARM_NAMES)
 wants() { [[ " $ARM_NAMES " == *" $1 "* ]]; }
 for arm in "${ARMS[@]}"; do
     case "$arm" in
-        softmax_zeroshot|hybrid_zeroshot|window_zeroshot|softmax_lora|hybrid_lora|window_lora) ;;
+        softmax_zeroshot|hybrid_zeroshot|window_zeroshot|softmax_lora|hybrid_transfer|hybrid_lora|window_lora) ;;
         *) log "unknown arm '$arm' in ARM_NAMES; accepted: softmax_zeroshot hybrid_zeroshot window_zeroshot" \
-               "softmax_lora hybrid_lora window_lora"; exit 2 ;;
+               "softmax_lora hybrid_transfer hybrid_lora window_lora"; exit 2 ;;
     esac
 done
 
@@ -200,6 +202,21 @@ if wants softmax_lora; then
     run_step linearize_softmax_lora "$OUT/softmax_lora/linearize.json" \
         linearize softmax_lora --baseline softmax --lora-steps "$LORA_STEPS"
 fi
+transferred_model() {  # hybrid_lora's run up to its transfer stage; its transferred model becomes the arm's folder
+    linearize hybrid_lora "${HYBRID_ARGS[@]}" --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS" \
+        --stop-after transfer
+    rm -rf "$OUT/hybrid_transfer.partial"
+    cp -a "$OUT/.hybrid_lora.linearize/transferred" "$OUT/hybrid_transfer.partial"
+    mv "$OUT/hybrid_transfer.partial" "$OUT/hybrid_transfer"
+}
+if wants hybrid_transfer; then
+    if [[ -e "$OUT/hybrid_lora/linearize.json" && ! -e "$OUT/hybrid_transfer/config.json" ]]; then
+        log "hybrid_transfer: hybrid_lora already finished without it (its staging area is gone); delete" \
+            "$OUT/hybrid_lora to redo both, or drop hybrid_transfer from ARM_NAMES"
+        exit 1
+    fi
+    run_step linearize_hybrid_transfer "$OUT/hybrid_transfer/config.json" transferred_model
+fi
 if wants hybrid_lora; then
     run_step linearize_hybrid_lora "$OUT/hybrid_lora/linearize.json" \
         linearize hybrid_lora "${HYBRID_ARGS[@]}" --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
@@ -210,13 +227,15 @@ if wants window_lora; then
 fi
 
 model_of() { if [[ "$1" == softmax_zeroshot ]]; then echo "$SMOL"; else echo "$OUT/$1"; fi; }
-chars_of() { if [[ "$1" == *_zeroshot ]]; then echo "$ZS_EVAL_CHARS"; else echo "$EVAL_CHARS"; fi; }
+chars_of() { if [[ "$1" == *_zeroshot || "$1" == hybrid_transfer ]]; then echo "$ZS_EVAL_CHARS"; else echo "$EVAL_CHARS"; fi; }
 # shellcheck disable=SC2206 # space-separated on purpose
 POSITION_ARGS=(--position-ranges $POSITION_RANGES)
 
 COLLECT_ARGS=()
 for arm in "${ARMS[@]}"; do
-    if [[ "$arm" != softmax_zeroshot ]]; then COLLECT_ARGS+=(--arm "$arm=$OUT/$arm"); fi
+    if [[ "$arm" == *_lora || "$arm" == hybrid_zeroshot || "$arm" == window_zeroshot ]]; then
+        COLLECT_ARGS+=(--arm "$arm=$OUT/$arm")  # a linearize output folder (linearize.json)
+    fi
     output="$OUT/eval/${arm}_ctx1024.json"
     run_step "eval_${arm}_ctx1024" "$output" \
         perplexity "$(model_of "$arm")" "$output" 1024 "$(chars_of "$arm")" "${POSITION_ARGS[@]}"

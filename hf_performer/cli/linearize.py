@@ -98,6 +98,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="stop the training stages after MINUTES in all (the record says the steps done and why)")
     run.add_argument("--overwrite", action="store_true",
                      help="start over: replace OUTPUT and discard an interrupted run's staging area")
+    run.add_argument("--stop-after", choices=("convert", "transfer", "lora"), default=None, metavar="STAGE",
+                     help="stop once STAGE (convert, transfer or lora) is finished, keeping its model in the staging "
+                          "area (.OUTPUT.linearize/converted, transferred or lora) for a look; rerun the same command "
+                          "without it to continue")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run_linearize_command)
     return parser
@@ -141,6 +145,7 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     from ..tasks.data import DataError
 
     settings = settings_from_args(args)
+    stop_after = stop_after or getattr(args, "stop_after", None)
     try:
         settings.check()
     except RecipeError as error:
@@ -161,7 +166,10 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
 
         if not PartialState().is_main_process:
             return 0
-        print(f"linearize: stopped after stage {stop_after}; rerun the same command to continue")
+        stage_model = {"convert": "converted", "transfer": "transferred", "lora": "lora"}[stop_after]
+        kept = os.path.join(staging, stage_model)
+        where = f" (its model: {kept})" if os.path.isdir(kept) else ""
+        print(f"linearize: stopped after stage {stop_after}{where}; rerun the same command to continue")
         return 0
     with staged_folder(output) as folder:
         final = os.path.join(staging, "final")
