@@ -68,6 +68,7 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+from .window_tail import _fold_keys, _merge_tail_sums, _running_key_max, _tail_prefix, _tail_sum
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -253,82 +254,6 @@ def _check_state_arguments(query, key, value, feature_map, window, sinks, causal
     return max_rollback
 
 
-def _running_key_max(log_scale_k, eligible, start_max):
-    """Key log-scales ``[B, H, L]`` with non-eligible keys at ``-inf``, and their running maximum (detached,
-    at least ``start_max`` ``[B, H]``, the stabiliser of the keys before the sequence)."""
-    floor = torch.finfo(log_scale_k.dtype).min
-    masked_log_scale = log_scale_k.masked_fill(~eligible[:, None, :], float("-inf"))
-    running_max = torch.maximum(masked_log_scale.detach().cummax(dim=-1).values, start_max[..., None])
-    return masked_log_scale, running_max.clamp_min(floor)
-
-
-def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, start, end, new_max):
-    """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys ``[start, end)``,
-    relative to ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
-    rescale = (masked_log_scale[..., start:end] - new_max[..., None]).exp()  # [B, H, n]
-    added = torch.matmul((key_weights[:, :, start:end] * rescale[..., None]).transpose(-1, -2),
-                         value_ones[:, :, start:end])
-    return state * (state_max - new_max).exp()[..., None, None] + added
-
-
-def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_size, initial=None):
-    """Per query ``i`` the linear tail over the eligible keys ``j <= i - offset``, stabilised.
-
-    Args:
-        phi_q: feature values ``[B, H, Lq, m]`` of the queries at the last ``Lq`` of the ``L`` key positions
-            (their log-scale is applied by the caller).
-        phi_k: key feature values ``[B, H, L, m]``.
-        log_scale_k: key log-scales ``[B, H, L]`` (zeros for maps without one).
-        value_ones: ``[B, H, L, dv + 1]`` (values and a column of ones).
-        eligible: ``[B, L]`` bool, keys that may enter the tail (unpadded, not sinks).
-        offset: ``>= 0``; query ``i`` uses keys ``j <= i - offset``.
-        initial: ``None`` or ``(state [B, H, m, dv + 1], stabiliser [B, H])``, sums over keys before the
-            sequence that are in every query's tail.
-
-    Returns:
-        ``tail`` ``[B, H, Lq, dv + 1]`` = ``sum_j phi_q_i.phi_k_j exp(lk_j - K_i) [v_j, 1]`` and ``K``
-        ``[B, H, Lq]``, the detached maximum of ``lk_j`` over those keys (``finfo.min`` if none).
-    """
-    batch, heads, length, features = phi_k.shape
-    query_start = length - phi_q.shape[2]
-    if initial is None:
-        state = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
-        state_max = value_ones.new_full((batch, heads), torch.finfo(phi_k.dtype).min)
-    else:
-        state, state_max = initial
-    masked_log_scale, running_max = _running_key_max(log_scale_k, eligible, state_max)
-    positions = torch.arange(length, device=phi_q.device)
-    # K_i = running_max[i - offset], the initial stabiliser before any key of the sequence.
-    last_key = positions[query_start:] - offset
-    query_max = torch.where(last_key >= 0, running_max[..., last_key.clamp_min(0)], state_max[..., None])
-    key_weights = phi_k * eligible[:, None, :, None]
-    state_end = 0  # the state holds the keys [0, state_end)
-    tails = []
-    for start in range(query_start, length, chunk_size):
-        end = min(start + chunk_size, length)
-        rows = slice(start - query_start, end - query_start)
-        # First key the state does not hold. Continuing a state, the first block takes the recent keys as
-        # a tile (one decoded token: O(L m), not O(L m dv)).
-        boundary = state_end if 0 < query_start == start else min(max(start - offset + 1, 0), length)
-        if boundary > state_end:  # fold keys [state_end, boundary) into the state
-            new_max = running_max[..., boundary - 1]
-            state = _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, state_end, boundary,
-                               new_max)
-            state_max, state_end = new_max, boundary
-        k_max = query_max[:, :, rows]  # [B, H, C]
-        out = torch.matmul(phi_q[:, :, rows], state) * (state_max[..., None] - k_max).exp()[..., None]
-        tile_end = min(max(end - offset, 0), length)  # keys [state_end, tile_end) are needed by some query
-        if tile_end > state_end:
-            keys = positions[state_end:tile_end]
-            allowed = keys[None, :] <= positions[start:end, None] - offset  # [C, n]
-            decay = (masked_log_scale[:, :, None, state_end:tile_end] - k_max[..., None]).exp()  # [B, H, C, n]
-            decay = decay.masked_fill(~allowed, 0.0)
-            tile = torch.matmul(phi_q[:, :, rows], key_weights[:, :, state_end:tile_end].transpose(-1, -2))
-            out = out + torch.matmul(tile * decay, value_ones[:, :, state_end:tile_end])
-        tails.append(out)
-    return torch.cat(tails, dim=2), query_max
-
-
 def _exact_block(query_block, key_block, value_ones_block, scores_scale, allowed, softmax_weight):
     """Scores of the queries ``query_block`` ``[B, H, C, d]`` against the keys ``key_block`` ``[B, H, n, d]`` (values
     and a ones column ``value_ones_block`` ``[B, H, n, dv + 1]``), ``allowed`` ``[B, 1 or H, C, n]``.
@@ -352,6 +277,49 @@ def _exact_block(query_block, key_block, value_ones_block, scores_scale, allowed
         return torch.matmul(weights, value_ones_block)
 
     return row_max, weighted
+
+
+def _exact_plus_tails(query, log_q, tails, key, value_ones, keep, sink_key, sink_value_ones, sink_valid,
+                      sink_position, *, query_start, first, window, causal, scaling, softmax_weight, chunk_size, eps):
+    """The outputs ``[B, H, Lq, dv]`` of the queries ``query`` ``[B, H, Lq, d]`` at the local positions
+    ``query_start..query_start+Lq-1`` of the keys ``key`` ``[B, H, L, d]`` (``value_ones`` ``[B, H, L, dv + 1]``,
+    zero where ``keep`` ``[B, L]`` is False), local position 0 at absolute position ``first``: the exact tiles
+    (the sink slots ``sink_key`` ``[B, H, s, d]`` / ``sink_value_ones``, ``sink_valid`` / ``sink_position``
+    ``[B, s]``, and the band) and the ``tails`` (pairs of sums ``[B, H, Lq, dv + 1]`` and their log-scales
+    ``[B, H, Lq]``) with one normaliser; ``log_q`` ``[B, H, Lq]`` are the query feature log-scales."""
+    length = key.shape[2]
+    query_end = query_start + query.shape[2]
+    positions = torch.arange(length, device=query.device)
+    outputs = []
+    for start in range(query_start, query_end, chunk_size):
+        end = min(start + chunk_size, query_end)
+        rows = positions[start:end, None]
+        block = slice(start - query_start, end - query_start)
+        band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
+        cols = positions[None, band]
+        in_band = (rows - cols).abs() < window
+        sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
+        if causal:
+            in_band = in_band & (cols <= rows)
+            sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
+        allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
+                             in_band[None, None] & keep[:, None, None, band]], dim=-1)
+        row_max, weighted = _exact_block(
+            query[:, :, block], torch.cat([sink_key, key[:, :, band]], dim=2),
+            torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, softmax_weight,
+        )
+        # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
+        log_factors = []
+        for _, tail_max in tails:
+            u = log_q[:, :, block] + tail_max[:, :, block]
+            log_factors.append(u - row_max if softmax_weight is None else u)
+        rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
+        total = weighted(rho)
+        for (tail, _), u in zip(tails, log_factors):
+            total = total + tail[:, :, block] * (u - rho).exp()[..., None]
+        outputs.append(total)
+    total = torch.cat(outputs, dim=2)
+    return total[..., :-1] / _safe_denominator(total[..., -1:], eps)
 
 
 def _row_sinks(key, value, keep, sinks, initial_state, seen):
@@ -469,7 +437,11 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
                                               max_rollback)
-    if _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal):
+    if not causal and not stateful and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
+        return _segmented_bidirectional(
+            query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
+            key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size, eps=eps)
+    if causal and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
         return _segmented_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
             key_padding_mask=key_padding_mask, scaling=scaling, initial_state=initial_state,
@@ -507,7 +479,6 @@ def window_linear_attention(
         value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
         sink_key_all = _repeat_kv(sink_key.to(dtype), groups)
         sink_value_ones = _with_ones_column(_repeat_kv(sink_value.to(dtype), groups))
-        positions = torch.arange(length, device=device)
         phi_q = q_features.values
         log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
         tail_init = None
@@ -523,36 +494,9 @@ def window_linear_attention(
                                             keep.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))
 
-        outputs = []
-        for start in range(query_start, length, chunk_size):
-            end = min(start + chunk_size, length)
-            rows = positions[start:end, None]
-            block = slice(start - query_start, end - query_start)
-            band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
-            cols = positions[None, band]
-            in_band = (rows - cols).abs() < window
-            sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
-            if causal:
-                in_band = in_band & (cols <= rows)
-                sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
-            allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
-                                 in_band[None, None] & keep[:, None, None, band]], dim=-1)
-            row_max, weighted = _exact_block(
-                query[:, :, block], torch.cat([sink_key_all, key_all[:, :, band]], dim=2),
-                torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, gamma,
-            )
-            # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
-            log_factors = []
-            for _, tail_max in tails:
-                u = log_q[:, :, block] + tail_max[:, :, block]
-                log_factors.append(u - row_max if gamma is None else u)
-            rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
-            total = weighted(rho)
-            for (tail, _), u in zip(tails, log_factors):
-                total = total + tail[:, :, block] * (u - rho).exp()[..., None]
-            outputs.append(total)
-        total = torch.cat(outputs, dim=2)
-        out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
+        out = _exact_plus_tails(query, log_q, tails, key_all, value_ones, keep, sink_key_all, sink_value_ones,
+                                sink_valid, sink_position, query_start=query_start, first=first, window=window,
+                                causal=causal, scaling=scaling, softmax_weight=gamma, chunk_size=chunk_size, eps=eps)
         if not causal and sinks > 0:
             out = _with_sink_queries(out, query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
                                      sink_position, sink_valid, scaling)
@@ -620,10 +564,10 @@ def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, 
 # ------------------------------------------------------------------------------------ memory-bounded training
 
 
-def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal) -> bool:
-    """Whether a call runs in checkpointed segments: causal, gradients wanted, longer than one segment, and a map
-    whose recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
-    if not causal or not torch.is_grad_enabled() or query.shape[2] <= GRADIENT_SEGMENT_LENGTH:
+def _segmented_for_gradients(query, key, value, feature_map, softmax_weight) -> bool:
+    """Whether a call runs in checkpointed segments: gradients wanted, longer than one segment, and a map whose
+    recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
+    if not torch.is_grad_enabled() or query.shape[2] <= GRADIENT_SEGMENT_LENGTH:
         return False
     tensors = [query, key, value, softmax_weight] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -659,3 +603,106 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         outputs.append(out)
     out = torch.cat(outputs, dim=2)
     return (out, state) if return_state else out
+
+
+def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
+                             scaling, chunk_size, eps):
+    """A bidirectional call that needs gradients, as checkpointed segments of :data:`GRADIENT_SEGMENT_LENGTH`
+    queries: the outputs and gradients of one pass, with the backward recomputing one segment's graph at a time.
+
+    Segment ``[s, e)`` attends to its local keys ``[s - window + 1, e + window - 1)`` (the band's halo) directly;
+    the rest of its tail comes from two tail sums (:mod:`.window_tail`): the left one over the eligible keys before
+    ``s - window + 1`` and the right one over those from ``e + window - 1``. The keys are cut at every such boundary
+    into spans; each span's tail sum is computed once (checkpointed, ``[B, Hkv, m, dv + 1]``) and the prefix /
+    suffix merges of those small sums carry the gradients back to every span's keys, values and map parameters.
+    Each row's sinks are gathered from the whole sequence first, and the sink queries' exact rows (``O(sinks L)``)
+    are one more checkpointed step. Inputs as :func:`window_linear_attention`; returns ``[B, H, L, dv]``."""
+    batch, heads, length, head_dim = query.shape
+    groups = heads // key.shape[1]
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    dtype = compute_dtype_for(query)
+    mask = _as_bool_mask(key_padding_mask)
+    unpadded = torch.ones(batch, length, dtype=torch.bool, device=query.device) if mask is None else mask
+    with _no_autocast(query.device.type):
+        sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, unpadded, sinks, None, 0)
+    keep = unpadded & ~is_sink  # the band and the tail skip the row's sinks
+    halo = max(window, 1) - 1
+    segments = [(start, min(start + GRADIENT_SEGMENT_LENGTH, length))
+                for start in range(0, length, GRADIENT_SEGMENT_LENGTH)]
+    local = [(max(start - halo, 0), min(end + halo, length)) for start, end in segments]
+    cuts = sorted({0, length} | {bound for span in local for bound in span})
+    piece = {cut: index for index, cut in enumerate(cuts)}  # span index starting at a cut
+    # torch.split, not slicing (see _segmented_window_attention); a segment concatenates its spans.
+    sizes = [end - start for start, end in zip(cuts, cuts[1:])]
+    key_spans, value_spans = key.split(sizes, dim=2), value.split(sizes, dim=2)
+
+    def span_tail_sum(span_key, span_value, eligible):
+        with _no_autocast(query.device.type):
+            features = feature_map.key_features(span_key.to(dtype) * scaling**0.5)
+            log_scale = features.values.new_zeros(features.values.shape[:-1]) if features.log_scale is None \
+                else features.log_scale
+            value_ones = _with_ones_column(span_value.to(dtype)).masked_fill(~eligible[:, None, :, None], 0.0)
+            return _tail_sum(features.values, log_scale, value_ones, eligible)
+
+    if feature_map is not None:
+        sums = [checkpoint(span_tail_sum, span_key, span_value, keep[:, start:end], use_reentrant=False)
+                for span_key, span_value, start, end in zip(key_spans, value_spans, cuts, cuts[1:])]
+        empty = (torch.zeros_like(sums[0][0]), torch.full_like(sums[0][1], torch.finfo(dtype).min))
+        before, after = [empty], [empty]  # tail sums over the spans before / from each cut (after: reversed)
+        for span_sum, later_sum in zip(sums, reversed(sums)):
+            before.append(_merge_tail_sums(before[-1], span_sum))
+            after.append(_merge_tail_sums(later_sum, after[-1]))
+        after.reverse()
+
+    def segment(segment_query, span_keys, span_values, gamma, segment_keep, left, right, query_start):
+        with _no_autocast(query.device.type):
+            segment_query = segment_query.to(dtype)
+            segment_key = torch.cat(span_keys, dim=2).to(dtype)
+            segment_value = torch.cat(span_values, dim=2).to(dtype)
+            key_all = _repeat_kv(segment_key, groups)
+            value_ones = _with_ones_column(_repeat_kv(segment_value, groups))
+            value_ones = value_ones.masked_fill(~segment_keep[:, None, :, None], 0.0)
+            log_q, tails = segment_query.new_zeros(segment_query.shape[:-1]), []
+            if feature_map is not None:
+                root = scaling**0.5
+                q_features = feature_map.query_features(segment_query * root)
+                k_features = feature_map.key_features(segment_key * root)
+                if q_features.log_scale is not None:
+                    log_q = q_features.log_scale
+                log_k = (k_features.values.new_zeros(k_features.values.shape[:-1]) if k_features.log_scale is None
+                         else k_features.log_scale)
+                phi_q, phi_k, log_k = q_features.values, _repeat_kv(k_features.values, groups), _repeat_kv(log_k, groups)
+                left, right = ((_repeat_kv(state, groups), _repeat_kv(state_max, groups))
+                               for state, state_max in (left, right))
+                query_end = query_start + segment_query.shape[2]
+                before_end = slice(None, query_end)
+                tails.append(_tail_prefix(phi_q, phi_k[:, :, before_end], log_k[..., before_end],
+                                          value_ones[:, :, before_end], segment_keep[:, before_end], window,
+                                          chunk_size, left))
+                from_start = slice(query_start, None)  # keys j >= i + max(window, 1), on the reversed sequence
+                right_tail, right_max = _tail_prefix(
+                    *(t.flip(2) for t in (phi_q, phi_k[:, :, from_start], log_k[..., from_start],
+                                          value_ones[:, :, from_start])),
+                    segment_keep[:, from_start].flip(1), max(window, 1), chunk_size, right)
+                tails.append((right_tail.flip(2), right_max.flip(2)))
+            return _exact_plus_tails(
+                segment_query, log_q, tails, key_all, value_ones, segment_keep, _repeat_kv(sink_key.to(dtype), groups),
+                _with_ones_column(_repeat_kv(sink_value.to(dtype), groups)), sink_valid, sink_position,
+                query_start=query_start, first=0, window=window, causal=False, scaling=scaling,
+                softmax_weight=None if gamma is None else gamma.to(dtype), chunk_size=chunk_size, eps=eps)
+
+    outputs = []
+    for segment_query, (start, _), (low, high) in zip(query.split(GRADIENT_SEGMENT_LENGTH, dim=2), segments, local):
+        spans = slice(piece[low], piece[high])
+        left, right = (before[piece[low]], after[piece[high]]) if feature_map is not None else (None, None)
+        outputs.append(checkpoint(segment, segment_query, key_spans[spans], value_spans[spans], softmax_weight,
+                                  keep[:, low:high], left, right, start - low, use_reentrant=False))
+    out = torch.cat(outputs, dim=2)
+    if sinks > 0:
+        def sink_queries(out, query, key, value):
+            with _no_autocast(query.device.type):
+                return _with_sink_queries(out, query.to(dtype), _repeat_kv(key.to(dtype), groups),
+                                          _repeat_kv(value.to(dtype), groups), unpadded, sink_position, sink_valid,
+                                          scaling)
+        out = checkpoint(sink_queries, out, query, key, value, use_reentrant=False)
+    return out.to(value.dtype)
