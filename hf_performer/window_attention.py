@@ -358,7 +358,8 @@ def _row_sinks(key, value, keep, sinks, initial_state, seen):
     sink_valid = torch.arange(sinks, device=key.device)[None, :] < (filled + keep.sum(-1))[:, None]
 
     def gather(stored_tensor, new_tensor):
-        candidates = torch.cat([stored_tensor, new_tensor], dim=2)
+        # Without stored slots, gather from the input itself: autograd then saves no copy of the sequence.
+        candidates = torch.cat([stored_tensor, new_tensor], dim=2) if stored else new_tensor
         return candidates.gather(2, index[:, None, :, None].expand(batch, kv_heads, sinks, candidates.shape[-1]))
 
     sink_position = torch.cat([stored_position, positions.repeat(batch, 1)], dim=1).gather(1, index)
@@ -498,8 +499,9 @@ def window_linear_attention(
                                 sink_valid, sink_position, query_start=query_start, first=first, window=window,
                                 causal=causal, scaling=scaling, softmax_weight=gamma, chunk_size=chunk_size, eps=eps)
         if not causal and sinks > 0:
-            out = _with_sink_queries(out, query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
-                                     sink_position, sink_valid, scaling)
+            sink_out = _sink_query_rows(query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
+                                        sink_position, scaling)
+            out = _with_sink_queries(out, sink_out, sink_position, sink_valid)
         if not return_state:
             return out.to(out_dtype)
         state = _next_state(
@@ -510,16 +512,22 @@ def window_linear_attention(
     return out.to(out_dtype), state
 
 
-def _with_sink_queries(out, query, key, value, keep, sink_position, sink_valid, scaling):
-    """Bidirectional: ``out`` ``[B, H, L, dv]`` with each row's sink queries replaced by exact softmax over every
-    unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, H, L, d]``, ``keep`` ``[B, L]``; sinks are
-    exact both ways). ``O(sinks L d)``."""
-    batch, heads, length, _ = query.shape
+def _sink_query_rows(query, key, value, keep, sink_position, scaling):
+    """Bidirectional: the outputs ``[B, H, s, dv]`` of each row's sink queries (``sink_position`` ``[B, s]``), exact
+    softmax over every unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, H, L, d]``, ``keep``
+    ``[B, L]``; sinks are exact both ways). ``O(sinks L d)``."""
+    heads = query.shape[1]
     index = sink_position[:, None, :, None]
     sink_query = query.gather(2, index.expand(-1, heads, -1, query.shape[-1]))  # [B, H, s, d]
     scores = torch.matmul(sink_query, key.transpose(-1, -2)) * scaling
     scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    sink_out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, H, s, dv]
+    return torch.matmul(torch.softmax(scores, dim=-1), value)
+
+
+def _with_sink_queries(out, sink_out, sink_position, sink_valid):
+    """``out`` ``[B, H, L, dv]`` with each row's valid sink slots' rows (``sink_valid`` ``[B, s]``) replaced by
+    ``sink_out`` ``[B, H, s, dv]`` (:func:`_sink_query_rows`)."""
+    batch, heads, length, _ = out.shape
     # Unfilled slots write to an extra position that is dropped.
     target = torch.where(sink_valid, sink_position, length)[:, None, :, None].expand(-1, heads, -1, out.shape[-1])
     padded = torch.cat([out, out.new_zeros(batch, heads, 1, out.shape[-1])], dim=2)
@@ -691,18 +699,24 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
                 query_start=query_start, first=0, window=window, causal=False, scaling=scaling,
                 softmax_weight=None if gamma is None else gamma.to(dtype), chunk_size=chunk_size, eps=eps)
 
+    sink_out = None
+    if sinks > 0:
+        def sink_query_rows(query, key, value):
+            with _no_autocast(query.device.type):
+                return _sink_query_rows(query.to(dtype), _repeat_kv(key.to(dtype), groups),
+                                        _repeat_kv(value.to(dtype), groups), unpadded, sink_position, scaling)
+        sink_out = checkpoint(sink_query_rows, query, key, value, use_reentrant=False)
+
     outputs = []
-    for segment_query, (start, _), (low, high) in zip(query.split(GRADIENT_SEGMENT_LENGTH, dim=2), segments, local):
+    for segment_query, (start, end), (low, high) in zip(query.split(GRADIENT_SEGMENT_LENGTH, dim=2), segments,
+                                                          local):
         spans = slice(piece[low], piece[high])
         left, right = (before[piece[low]], after[piece[high]]) if feature_map is not None else (None, None)
-        outputs.append(checkpoint(segment, segment_query, key_spans[spans], value_spans[spans], softmax_weight,
-                                  keep[:, low:high], left, right, start - low, use_reentrant=False))
+        out = checkpoint(segment, segment_query, key_spans[spans], value_spans[spans], softmax_weight,
+                         keep[:, low:high], left, right, start - low, use_reentrant=False)
+        if sink_out is not None:  # the segment's sink queries take their exact rows
+            here = sink_valid & (sink_position >= start) & (sink_position < end)
+            out = _with_sink_queries(out, sink_out, sink_position - start, here)
+        outputs.append(out)
     out = torch.cat(outputs, dim=2)
-    if sinks > 0:
-        def sink_queries(out, query, key, value):
-            with _no_autocast(query.device.type):
-                return _with_sink_queries(out, query.to(dtype), _repeat_kv(key.to(dtype), groups),
-                                          _repeat_kv(value.to(dtype), groups), unpadded, sink_position, sink_valid,
-                                          scaling)
-        out = checkpoint(sink_queries, out, query, key, value, use_reentrant=False)
     return out.to(value.dtype)
