@@ -51,7 +51,6 @@ This module imports only ``torch`` and its siblings ``feature_maps`` and ``linea
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -69,7 +68,8 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
-from .window_tail import _fold_keys, _merge_tail_sums, _running_key_max, _tail_prefix, _tail_sum
+from .window_segments import SegmentPlan, segmented_bidirectional
+from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_sum
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -616,78 +616,67 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
 
 def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
                              scaling, chunk_size, eps):
-    """A bidirectional call that needs gradients, as recomputed segments of :data:`GRADIENT_SEGMENT_LENGTH` queries
-    (:class:`_Recomputed`): the outputs and gradients of one pass, the backward rebuilding one segment's graph at a
-    time.
+    """A bidirectional call that needs gradients, as segments of :data:`GRADIENT_SEGMENT_LENGTH` queries run by
+    :func:`~.window_segments.segmented_bidirectional` (no graph in the forward; the backward recomputes one piece at
+    a time): the outputs and gradients of one pass.
 
     Segment ``[s, e)`` attends to its local keys ``[s - window + 1, e + window - 1)`` (the band's halo) directly;
     the rest of its tail comes from two tail sums (:mod:`.window_tail`): the left one over the eligible keys before
     ``s - window + 1`` and the right one over those from ``e + window - 1``. The keys are cut at every such boundary
-    into spans; each span's tail sum is computed once (recomputed, ``[B, Hkv, m, dv + 1]``) and the prefix /
-    suffix merges of those small sums carry the gradients back to every span's keys, values and map parameters.
-    Each row's sinks are gathered from the whole sequence first, and the sink queries' exact rows (``O(sinks L)``)
-    are one more recomputed step. Inputs as :func:`window_linear_attention`; returns ``[B, H, L, dv]``."""
+    into spans; each span's tail sum ``[B, Hkv, m, dv + 1]`` is computed once, and the prefix / suffix merges of
+    those small sums carry the gradients back to every span's keys, values and map parameters. Each row's sinks are
+    gathered from the whole sequence first; the sink queries' exact rows (``O(sinks L)``) are computed once and
+    placed by the segments holding them. Inputs as :func:`window_linear_attention`; returns ``[B, H, L, dv]``."""
     batch, heads, length, head_dim = query.shape
     groups = heads // key.shape[1]
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    root = scaling**0.5
     dtype = compute_dtype_for(query)
     device_type = query.device.type
-    parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
     mask = _as_bool_mask(key_padding_mask)
     unpadded = torch.ones(batch, length, dtype=torch.bool, device=query.device) if mask is None else mask
-    with _no_autocast(device_type):
+    with torch.no_grad(), _no_autocast(device_type):
         sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, unpadded, sinks, None, 0)
     keep = unpadded & ~is_sink  # the band and the tail skip the row's sinks
     halo = max(window, 1) - 1
     segments = [(start, min(start + GRADIENT_SEGMENT_LENGTH, length))
                 for start in range(0, length, GRADIENT_SEGMENT_LENGTH)]
     local = [(max(start - halo, 0), min(end + halo, length)) for start, end in segments]
-    cuts = sorted({0, length} | {bound for span in local for bound in span})
-    piece = {cut: index for index, cut in enumerate(cuts)}  # span index starting at a cut
-    # torch.split, not slicing (see _segmented_window_attention); a segment concatenates its spans.
-    sizes = [end - start for start, end in zip(cuts, cuts[1:])]
-    key_spans, value_spans = key.split(sizes, dim=2), value.split(sizes, dim=2)
 
-    def span_tail_sum(span_key, span_value, eligible):
+    def key_features(segment_key):
+        features = feature_map.key_features(segment_key * root)
+        log_scale = features.values.new_zeros(features.values.shape[:-1]) if features.log_scale is None \
+            else features.log_scale
+        return features.values, log_scale
+
+    def span_sum(span_key, span_value, start, end):
         with _no_autocast(device_type):
-            features = feature_map.key_features(span_key.to(dtype) * scaling**0.5)
-            log_scale = features.values.new_zeros(features.values.shape[:-1]) if features.log_scale is None \
-                else features.log_scale
+            eligible = keep[:, start:end]
             value_ones = _with_ones_column(span_value.to(dtype)).masked_fill(~eligible[:, None, :, None], 0.0)
-            return _tail_sum(features.values, log_scale, value_ones, eligible)
+            return _tail_sum(*key_features(span_key.to(dtype)), value_ones, eligible)
 
-    if feature_map is not None:
-        sums = [_Recomputed.apply(span_tail_sum, len(parameters), span_key, span_value, keep[:, start:end],
-                                  *parameters)
-                for span_key, span_value, start, end in zip(key_spans, value_spans, cuts, cuts[1:])]
-        empty = (torch.zeros_like(sums[0][0]), torch.full_like(sums[0][1], torch.finfo(dtype).min))
-        before, after = [empty], [empty]  # tail sums over the spans before / from each cut (after: reversed)
-        for span_sum, later_sum in zip(sums, reversed(sums)):
-            before.append(_merge_tail_sums(before[-1], span_sum))
-            after.append(_merge_tail_sums(later_sum, after[-1]))
-        after.reverse()
-
-    def segment(query_start, spans, segment_query, gamma, segment_keep, segment_sink_key, segment_sink_value,
-                left_sum, left_max, right_sum, right_max, *span_keys_values):
+    def sink_rows(query, key, value):
         with _no_autocast(device_type):
-            segment_query = segment_query.to(dtype)
-            segment_key = torch.cat(span_keys_values[:spans], dim=2).to(dtype)
-            segment_value = torch.cat(span_keys_values[spans:], dim=2).to(dtype)
-            key_all = _repeat_kv(segment_key, groups)
-            value_ones = _with_ones_column(_repeat_kv(segment_value, groups))
+            return _sink_query_rows(query.to(dtype), _repeat_kv(key.to(dtype), groups),
+                                    _repeat_kv(value.to(dtype), groups), unpadded, sink_position, scaling)
+
+    def segment(segment_query, segment_key, segment_value, gamma, slot_key, slot_value, rows, left, right, start,
+                end, low):
+        query_start = start - low
+        segment_keep = keep[:, low:low + segment_key.shape[2]]
+        with _no_autocast(device_type):
+            segment_query, segment_key = segment_query.to(dtype), segment_key.to(dtype)
+            value_ones = _with_ones_column(_repeat_kv(segment_value.to(dtype), groups))
             value_ones = value_ones.masked_fill(~segment_keep[:, None, :, None], 0.0)
             log_q, tails = segment_query.new_zeros(segment_query.shape[:-1]), []
             if feature_map is not None:
-                root = scaling**0.5
                 q_features = feature_map.query_features(segment_query * root)
-                k_features = feature_map.key_features(segment_key * root)
                 if q_features.log_scale is not None:
                     log_q = q_features.log_scale
-                log_k = (k_features.values.new_zeros(k_features.values.shape[:-1]) if k_features.log_scale is None
-                         else k_features.log_scale)
-                phi_q, phi_k, log_k = q_features.values, _repeat_kv(k_features.values, groups), _repeat_kv(log_k, groups)
-                left = (_repeat_kv(left_sum, groups), _repeat_kv(left_max, groups))
-                right = (_repeat_kv(right_sum, groups), _repeat_kv(right_max, groups))
+                phi_q = q_features.values
+                phi_k, log_k = (_repeat_kv(t, groups) for t in key_features(segment_key))
+                left, right = ((_repeat_kv(state, groups), _repeat_kv(state_max, groups))
+                               for state, state_max in (left, right))
                 before_end = slice(None, query_start + segment_query.shape[2])
                 tails.append(_tail_prefix(phi_q, phi_k[:, :, before_end], log_k[..., before_end],
                                           value_ones[:, :, before_end], segment_keep[:, before_end], window,
@@ -698,85 +687,21 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
                                           value_ones[:, :, from_start])),
                     segment_keep[:, from_start].flip(1), max(window, 1), chunk_size, right)
                 tails.append((right_tail.flip(2), right_max.flip(2)))
-            return _exact_plus_tails(
-                segment_query, log_q, tails, key_all, value_ones, segment_keep,
-                _repeat_kv(segment_sink_key.to(dtype), groups),
-                _with_ones_column(_repeat_kv(segment_sink_value.to(dtype), groups)), sink_valid, sink_position,
-                query_start=query_start, first=0, window=window, causal=False, scaling=scaling,
-                softmax_weight=None if gamma is None else gamma.to(dtype), chunk_size=chunk_size, eps=eps)
+            out = _exact_plus_tails(
+                segment_query, log_q, tails, _repeat_kv(segment_key, groups), value_ones, segment_keep,
+                _repeat_kv(slot_key.to(dtype), groups), _with_ones_column(_repeat_kv(slot_value.to(dtype), groups)),
+                sink_valid, sink_position, query_start=query_start, first=0, window=window, causal=False,
+                scaling=scaling, softmax_weight=None if gamma is None else gamma.to(dtype), chunk_size=chunk_size,
+                eps=eps)
+        if rows is None:
+            return out
+        here = sink_valid & (sink_position >= start) & (sink_position < end)  # this segment's sink queries
+        return _with_sink_queries(out, rows, sink_position - start, here)
 
-    sink_out = None
-    if sinks > 0:
-        def sink_query_rows(query, key, value):
-            with _no_autocast(device_type):
-                return _sink_query_rows(query.to(dtype), _repeat_kv(key.to(dtype), groups),
-                                        _repeat_kv(value.to(dtype), groups), unpadded, sink_position, scaling)
-        sink_out = _Recomputed.apply(sink_query_rows, 0, query, key, value)
-
-    out = query.new_empty(batch, heads, length, value.shape[-1], dtype=dtype)
-    for segment_query, (start, end), (low, high) in zip(query.split(GRADIENT_SEGMENT_LENGTH, dim=2), segments,
-                                                          local):
-        spans = slice(piece[low], piece[high])
-        states = (*before[piece[low]], *after[piece[high]]) if feature_map is not None else (None,) * 4
-        function = partial(segment, start - low, spans.stop - spans.start)
-        segment_out = _Recomputed.apply(function, len(parameters), segment_query, softmax_weight, keep[:, low:high],
-                                        sink_key, sink_value, *states, *key_spans[spans], *value_spans[spans],
-                                        *parameters)
-        if sink_out is not None:  # the segment's sink queries take their exact rows
-            here = sink_valid & (sink_position >= start) & (sink_position < end)
-            segment_out = _with_sink_queries(segment_out, sink_out, sink_position - start, here)
-        out = _WriteSegment.apply(out, segment_out, start)
-    return out.to(value.dtype)
-
-
-class _Recomputed(torch.autograd.Function):
-    """``apply(function, count, *tensors, *parameters)``: ``function(*tensors)`` (``None`` allowed among them)
-    computed without a graph and recomputed with one in the backward, like :func:`torch.utils.checkpoint.checkpoint`;
-    the last ``count`` arguments are the trainable tensors the function reads without taking them as arguments (a
-    feature map's parameters), which get their gradients too. Unlike the
-    non-reentrant ``checkpoint`` (which records every operation's graph node in the forward and only drops the saved
-    tensors), the forward leaves nothing on the heap but the output: thousands of small long-lived nodes per
-    segment would otherwise sit between the segments' freed temporaries, and the heap (the resident set) would
-    grow with every segment. First-order gradients only."""
-
-    @staticmethod
-    def forward(ctx, function, parameter_count, *tensors_and_parameters):
-        ctx.function, ctx.parameter_count = function, parameter_count
-        ctx.save_for_backward(*tensors_and_parameters)
-        with torch.no_grad():
-            return function(*tensors_and_parameters[:len(tensors_and_parameters) - parameter_count])
-
-    @staticmethod
-    def backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        split = len(saved) - ctx.parameter_count
-        tensors = [None if t is None else t.detach().requires_grad_(t.requires_grad) for t in saved[:split]]
-        parameters = list(saved[split:])
-        with torch.enable_grad():
-            outputs = ctx.function(*tensors)
-        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-        pairs = [(out, grad) for out, grad in zip(outputs, grads) if grad is not None and out.requires_grad]
-        wanted = [t for t in tensors if t is not None and t.requires_grad] + parameters
-        found = iter(torch.autograd.grad([out for out, _ in pairs], wanted, [grad for _, grad in pairs],
-                                         allow_unused=True) if pairs and wanted else [None] * len(wanted))
-        tensor_grads = [next(found) if t is not None and t.requires_grad else None for t in tensors]
-        return (None, None, *tensor_grads, *found)
-
-
-class _WriteSegment(torch.autograd.Function):
-    """``out[:, :, start:start + n] = segment`` in place (``out`` ``[B, H, L, dv]``, ``segment`` ``[B, H, n, dv]``),
-    for segments that do not overlap. Unlike keeping the segments for one ``torch.cat``, no segment output outlives
-    its step: each one would otherwise stay allocated between the next segments' freed temporaries, and the
-    allocator's heap (what the resident set measures) grows by a segment's temporaries per segment."""
-
-    @staticmethod
-    def forward(ctx, out, segment, start):
-        ctx.segment = slice(start, start + segment.shape[2])
-        out[:, :, ctx.segment] = segment
-        ctx.mark_dirty(out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        # The other segments' writes do not read this one's rows: the gradient passes through whole.
-        return grad, grad[:, :, ctx.segment], None
+    plan = SegmentPlan(
+        segments=segments, local=local, cuts=sorted({0, length} | {bound for span in local for bound in span}),
+        sink_key=sink_key, sink_value=sink_value, sink_position=sink_position,
+        span_sum=None if feature_map is None else span_sum, segment=segment,
+        sink_rows=sink_rows if sinks > 0 else None)
+    parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
+    return segmented_bidirectional(plan, query, key, value, softmax_weight, parameters).to(value.dtype)
