@@ -513,16 +513,47 @@ def window_linear_attention(
     return out.to(out_dtype), state
 
 
-def _sink_query_rows(query, key, value, keep, sink_position, scaling):
+def _sink_query_rows(query, key, value, keep, sink_position, scaling, probabilities=False):
     """Bidirectional: the outputs ``[B, H, s, dv]`` of each row's sink queries (``sink_position`` ``[B, s]``), exact
-    softmax over every unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, H, L, d]``, ``keep``
-    ``[B, L]``; sinks are exact both ways). ``O(sinks L d)``."""
-    heads = query.shape[1]
+    softmax over every unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, .]``, ``keep``
+    ``[B, L]``; sinks are exact both ways). ``O(sinks L d)``; the query heads of a key head are one matmul (no
+    repeated keys). With ``probabilities``, also the sink queries ``[B, Hkv, g s, d]`` and the softmax
+    ``[B, Hkv, g s, L]`` (``g = H / Hkv``)."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
     index = sink_position[:, None, :, None]
-    sink_query = query.gather(2, index.expand(-1, heads, -1, query.shape[-1]))  # [B, H, s, d]
+    sink_query = query.gather(2, index.expand(-1, heads, -1, head_dim)).reshape(batch, kv_heads, -1, head_dim)
     scores = torch.matmul(sink_query, key.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), value)
+    weights = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+    rows = torch.matmul(weights, value).reshape(batch, heads, -1, value.shape[-1])
+    return (rows, sink_query, weights) if probabilities else rows
+
+
+def _add_sink_query_rows_grad(grad_rows, query, key, value, keep, sink_position, scaling, grad_query, grad_key,
+                              grad_value):
+    """The backward of :func:`_sink_query_rows` (same arguments, ``grad_rows`` ``[B, H, s, dv]``), added in place
+    into ``grad_query`` / ``grad_key`` / ``grad_value`` (shaped as the inputs; ``None`` when not wanted) without a
+    temporary of the inputs' size: the keys' and values' gradients are accumulated by ``baddbmm_``."""
+    rows, sink_query, weights = _sink_query_rows(query, key, value, keep, sink_position, scaling, True)
+    batch, kv_heads = key.shape[:2]
+    grad_rows = grad_rows.to(rows.dtype)
+    flat_grad = grad_rows.reshape(batch * kv_heads, -1, rows.shape[-1])  # [B Hkv, g s, dv]
+    # softmax backward: dS = P * (dP - sum(dO * O)), dP = dO V^T
+    grad_scores = torch.matmul(grad_rows.reshape(batch, kv_heads, -1, rows.shape[-1]), value.transpose(-1, -2))
+    grad_scores = weights * (grad_scores - (grad_rows * rows).sum(-1).reshape(batch, kv_heads, -1, 1)) * scaling
+    for target, left, right in ((grad_value, weights, flat_grad), (grad_key, grad_scores, sink_query)):
+        if target is None:
+            continue
+        left = left.reshape(batch * kv_heads, -1, left.shape[-1]).transpose(1, 2)  # [B Hkv, L, g s]
+        right = right.reshape(batch * kv_heads, -1, right.shape[-1])
+        if target.dtype == left.dtype and target.is_contiguous():
+            target.view(batch * kv_heads, *target.shape[2:]).baddbmm_(left, right)
+        else:
+            target += torch.bmm(left, right).view(target.shape).to(target.dtype)
+    if grad_query is not None:
+        grad_sink_query = torch.matmul(grad_scores, key).reshape(grad_rows.shape[:3] + (key.shape[-1],))
+        index = sink_position[:, None, :, None].expand(-1, grad_query.shape[1], -1, grad_query.shape[-1])
+        grad_query.scatter_add_(2, index, grad_sink_query.to(grad_query.dtype))
 
 
 def _with_sink_queries(out, sink_out, sink_position, sink_valid):
@@ -657,8 +688,12 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
 
     def sink_rows(query, key, value):
         with _no_autocast(device_type):
-            return _sink_query_rows(query.to(dtype), _repeat_kv(key.to(dtype), groups),
-                                    _repeat_kv(value.to(dtype), groups), unpadded, sink_position, scaling)
+            return _sink_query_rows(query.to(dtype), key.to(dtype), value.to(dtype), unpadded, sink_position, scaling)
+
+    def add_sink_rows_grad(grad_rows, query, key, value, grad_query, grad_key, grad_value):
+        with _no_autocast(device_type):
+            _add_sink_query_rows_grad(grad_rows, query.to(dtype), key.to(dtype), value.to(dtype), unpadded,
+                                      sink_position, scaling, grad_query, grad_key, grad_value)
 
     def segment(segment_query, segment_key, segment_value, gamma, slot_key, slot_value, rows, left, right, start,
                 end, low):
@@ -702,6 +737,6 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
         segments=segments, local=local, cuts=sorted({0, length} | {bound for span in local for bound in span}),
         sink_key=sink_key, sink_value=sink_value, sink_position=sink_position,
         span_sum=None if feature_map is None else span_sum, segment=segment,
-        sink_rows=sink_rows if sinks > 0 else None)
+        sink_rows=sink_rows if sinks > 0 else None, add_sink_rows_grad=add_sink_rows_grad)
     parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
     return segmented_bidirectional(plan, query, key, value, softmax_weight, parameters).to(value.dtype)

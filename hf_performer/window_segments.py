@@ -41,6 +41,8 @@ class SegmentPlan(NamedTuple):
             keys / values ``[B, Hkv, high - low, .]``, ``left`` / ``right`` the tail sums before ``low`` / from
             ``high`` (``None`` without a tail), ``sink_rows`` as below (``None`` without sinks).
         sink_rows: ``(query, key, value) -> [B, H, s, dv]``, the sink queries' exact rows (``None``: no sinks).
+        add_sink_rows_grad: ``(grad_rows, query, key, value, grad_query, grad_key, grad_value)``, the backward of
+            ``sink_rows``, added in place into the three gradients (``None`` where not wanted).
     """
 
     segments: list
@@ -52,6 +54,7 @@ class SegmentPlan(NamedTuple):
     span_sum: Callable | None
     segment: Callable
     sink_rows: Callable | None
+    add_sink_rows_grad: Callable
 
 
 def segmented_bidirectional(plan: SegmentPlan, query, key, value, softmax_weight, parameters):
@@ -167,17 +170,8 @@ class _SegmentedBidirectional(torch.autograd.Function):
                     parameter_grads = _add(parameter_grads, found)
             extra_grad = dict(zip(map(id, extra), extra_grads))
             rows_grad = extra_grad.get(id(sink_rows))
-            if rows_grad is not None:  # the sink queries' rows: every key
-                full = [_leaf(query, need_q), _leaf(key, need_k), _leaf(value, need_v)]
-                rows = plan.sink_rows(*full)
-                wanted = [t for t in full if t.requires_grad] + parameters
-                found = list(torch.autograd.grad(rows, wanted, rows_grad, allow_unused=True))
-                for target, tensor in zip((grad_query, grad_key, grad_value), full):
-                    if tensor.requires_grad:
-                        found_grad = found.pop(0)
-                        if found_grad is not None:
-                            target += found_grad
-                parameter_grads = _add(parameter_grads, found)
+        if rows_grad is not None:  # the sink queries' rows: every key, accumulated in place
+            plan.add_sink_rows_grad(rows_grad, query, key, value, grad_query, grad_key, grad_value)
         index = plan.sink_position[:, None, :, None]
         for target, slots in ((grad_key, sink_key), (grad_value, sink_value)):
             slot_grad = extra_grad.get(id(slots))
