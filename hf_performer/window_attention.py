@@ -45,7 +45,15 @@ Stabilisers: keys' feature log-scales share a running maximum ``K_i`` over the t
 ``i`` (past keys only in the causal case, so appending tokens never changes earlier outputs); each
 row is rescaled by one detached constant that cancels between numerator and denominator.
 
-This module imports only ``torch`` and its siblings ``feature_maps`` and ``linear_attention``.
+Training memory: a call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments
+of that many queries, so that the backward holds one segment's graph at a time (the outputs and gradients of one
+pass). Causal: checkpointed segments, each continuing the previous one's :class:`WindowAttentionState`
+(:func:`_segmented_window_attention`). Bidirectional: each segment reads its band's halo and two small tail sums
+(the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
+redraws in training mode keeps the one pass.
+
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail`` and
+``window_segments``.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ SOFTMAX_WEIGHT_INIT = 0.1
 """gamma at initialisation (LoLCATs: sigmoid(w) with w = logit(0.1) = -2.1972)."""
 
 GRADIENT_SEGMENT_LENGTH = 512
-"""Causal calls that need gradients run in segments of this many tokens (:func:`_segmented_for_gradients`)."""
+"""Calls that need gradients run in segments of this many queries (:func:`_segmented_for_gradients`)."""
 
 
 class SoftmaxWeight(nn.Module):
@@ -404,6 +412,10 @@ def window_linear_attention(
     eps: float = 1e-12,
 ):
     """Sink + sliding-window exact softmax with a linear tail, one shared normaliser (module docstring).
+
+    A call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments, causal or
+    bidirectional, with the outputs and gradients of one pass and the memory of one segment's graph (module
+    docstring, "Training memory").
 
     Args:
         query: ``[B, H, L, d]``.

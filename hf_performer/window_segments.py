@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .window_tail import _merge_tail_sums
 
@@ -104,6 +105,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         plan = ctx.plan
         query, key, value, softmax_weight, *parameters = ctx.saved_tensors
@@ -141,7 +143,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
                             target[:, :, piece_range[0]:piece_range[1]] += found_grad
                 extra_grads = _add(extra_grads, found[:len(extra)])
                 found = found[len(extra):]
-                for state, state_leaf in zip(states, (s for s in state_leaves)):
+                for state in states:
                     if state is None:
                         continue
                     found_grad = found.pop(0)
