@@ -262,3 +262,39 @@ def test_when_bidirectional_segments(monkeypatch):
     assert calls == []  # a map that may redraw between the forward and the recomputation: one pass
     window_linear_attention(q, k, v, redrawing.eval(), **arguments)
     assert calls == [4]
+
+
+def test_a_converted_encoder_trains_through_the_segments(monkeypatch):
+    """End to end: a tiny BERT converted to the bidirectional hybrid (Hedgehog tail, learned gamma, a sink), padded
+    on both sides; the masked-LM loss's gradients of every parameter are the same through the segments."""
+    from transformers import BertForMaskedLM
+
+    from conftest import tiny_bert_config
+    from hf_performer import convert_to_performer
+    from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
+
+    torch.manual_seed(0)
+    performer = convert_to_performer(BertForMaskedLM(tiny_bert_config()).eval(), feature_map="hedgehog", window=3,
+                                      sinks=1).double().eval()  # eval: no dropout, the gradients still flow
+    ids = torch.randint(5, 99, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -5:] = 0
+
+    def gradients():
+        performer.zero_grad()
+        out = performer(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        out.loss.backward()
+        return out.loss.detach(), {name: p.grad.clone() for name, p in performer.named_parameters()
+                                   if p.grad is not None}
+
+    loss, expected = gradients()  # 20 <= 512 tokens: one pass
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    calls = _bidirectional_calls(monkeypatch)
+    segmented_loss, got = gradients()
+    assert calls and set(calls) == {3}  # every layer, ceil(20 / 8) segments
+    torch.testing.assert_close(segmented_loss, loss, rtol=1e-10, atol=1e-10)
+    assert got.keys() == expected.keys()
+    assert any(SOFTMAX_WEIGHT_ATTRIBUTE in name for name in got) and any(FEATURE_MAP_ATTRIBUTE in name for name in got)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
