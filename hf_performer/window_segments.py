@@ -65,7 +65,7 @@ def segmented_bidirectional(plan: SegmentPlan, query, key, value, softmax_weight
     return _SegmentedBidirectional.apply(plan, query, key, value, softmax_weight, *parameters)
 
 
-def _tail_states(plan, sums):
+def _tail_states(sums):
     """The tail sums over the spans before each cut (``before[i]``: spans ``< i``) and from it (``after[i]``)."""
     empty = (torch.zeros_like(sums[0][0]), torch.full_like(sums[0][1], torch.finfo(sums[0][1].dtype).min))
     before, after = [empty], [empty]
@@ -81,6 +81,10 @@ def _leaf(tensor, wanted=True):
 
 
 class _SegmentedBidirectional(torch.autograd.Function):
+    """See :func:`segmented_bidirectional`. The forward keeps the inputs, the span sums and the sink rows (small);
+    the backward replays the merges from leaf span sums, then per segment recomputes its output with leaf pieces of
+    the inputs and its two tail sums, then per span its sum, and finally the sink rows' and sink slots' parts."""
+
     @staticmethod
     def forward(ctx, plan, query, key, value, softmax_weight, *parameters):
         ctx.plan = plan
@@ -90,7 +94,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
         if plan.span_sum is not None:
             sums = [plan.span_sum(key[:, :, start:end], value[:, :, start:end], start, end)
                     for start, end in zip(plan.cuts, plan.cuts[1:])]
-            before, after = _tail_states(plan, sums)
+            before, after = _tail_states(sums)
         sink_rows = None if plan.sink_rows is None else plan.sink_rows(query, key, value)
         ctx.sums, ctx.sink_rows = sums, sink_rows
         out = None
@@ -108,8 +112,8 @@ class _SegmentedBidirectional(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         plan = ctx.plan
-        query, key, value, softmax_weight, *parameters = ctx.saved_tensors
-        parameters = [p for p in parameters if p.requires_grad]
+        query, key, value, softmax_weight, *all_parameters = ctx.saved_tensors
+        parameters = [p for p in all_parameters if p.requires_grad]
         need_q, need_k, need_v = ctx.needs_input_grad[1:4]
         grad_query = torch.zeros_like(query) if need_q else None
         grad_key = torch.zeros_like(key) if need_k else None
@@ -121,7 +125,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
         with torch.enable_grad():
             if ctx.sums is not None:  # the merges again, from leaf span sums (small)
                 sum_leaves = [(_leaf(span_sum), span_max) for span_sum, span_max in ctx.sums]
-                before, after = _tail_states(plan, sum_leaves)
+                before, after = _tail_states(sum_leaves)
             state_grads = {}  # id of a merged state -> (state, its gradient)
             extra = [t for t in (gamma, sink_key, sink_value, sink_rows) if t is not None and t.requires_grad]
             extra_grads = [None] * len(extra)
@@ -135,12 +139,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
                 wanted = ([t for t in pieces if t.requires_grad] + extra
                           + [s[0] for s in state_leaves if s is not None] + parameters)
                 found = list(torch.autograd.grad(out, wanted, grad[:, :, start:end], allow_unused=True))
-                for target, piece_range, tensor in zip((grad_query, grad_key, grad_value),
-                                                       ((start, end), (low, high), (low, high)), pieces):
-                    if tensor.requires_grad:
-                        found_grad = found.pop(0)
-                        if found_grad is not None:
-                            target[:, :, piece_range[0]:piece_range[1]] += found_grad
+                _add_pieces(found, pieces, (grad_query, grad_key, grad_value), ((start, end), (low, high), (low, high)))
                 extra_grads = _add(extra_grads, found[:len(extra)])
                 found = found[len(extra):]
                 for state in states:
@@ -164,11 +163,7 @@ class _SegmentedBidirectional(torch.autograd.Function):
                     span_sum, _ = plan.span_sum(*span, start, end)
                     wanted = [t for t in span if t.requires_grad] + parameters
                     found = list(torch.autograd.grad(span_sum, wanted, sum_grad, allow_unused=True))
-                    for target, tensor in zip((grad_key, grad_value), span):
-                        if tensor.requires_grad:
-                            found_grad = found.pop(0)
-                            if found_grad is not None:
-                                target[:, :, start:end] += found_grad
+                    _add_pieces(found, span, (grad_key, grad_value), ((start, end),) * 2)
                     parameter_grads = _add(parameter_grads, found)
             extra_grad = dict(zip(map(id, extra), extra_grads))
             rows_grad = extra_grad.get(id(sink_rows))
@@ -182,7 +177,17 @@ class _SegmentedBidirectional(torch.autograd.Function):
         grad_gamma = None if gamma is None else extra_grad.get(id(gamma))
         all_parameter_grads = iter(parameter_grads)
         return (None, grad_query, grad_key, grad_value, grad_gamma,
-                *(next(all_parameter_grads) if p.requires_grad else None for p in ctx.saved_tensors[4:]))
+                *(next(all_parameter_grads) if p.requires_grad else None for p in all_parameters))
+
+
+def _add_pieces(found, pieces, targets, ranges):
+    """Pop from ``found`` the gradients of the ``pieces`` that require one (in order) and add each into its
+    ``target`` ``[B, H, L, .]`` at positions ``range`` (``(start, end)``)."""
+    for piece, target, (start, end) in zip(pieces, targets, ranges):
+        if piece.requires_grad:
+            piece_grad = found.pop(0)
+            if piece_grad is not None:
+                target[:, :, start:end] += piece_grad
 
 
 def _add(totals, new):
