@@ -673,7 +673,8 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
 
     Extra peak memory of forward + backward at 4k / 8k / 16k tokens (12 heads, ``d`` 64, window 64, 4 sinks,
     Hedgehog tail): 1,198 / 2,331 / 4,139 MiB in one pass -> 257 / 346 / 510 MiB, SDPA's 3.5x / 2.4x / 1.8x
-    (``benchmarks/results/attention_memory_window.json``)."""
+    (``benchmarks/results/attention_memory_window.json``); and faster (fwd+bwd 0.51x / 0.20x of the one pass's time
+    at 4k / 8k, benchmarks/README.md)."""
     batch, heads, length, head_dim = query.shape
     groups = heads // key.shape[1]
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
