@@ -45,7 +45,15 @@ Stabilisers: keys' feature log-scales share a running maximum ``K_i`` over the t
 ``i`` (past keys only in the causal case, so appending tokens never changes earlier outputs); each
 row is rescaled by one detached constant that cancels between numerator and denominator.
 
-This module imports only ``torch`` and its siblings ``feature_maps`` and ``linear_attention``.
+Training memory: a call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments
+of that many queries, so that the backward holds one segment's graph at a time (the outputs and gradients of one
+pass). Causal: checkpointed segments, each continuing the previous one's :class:`WindowAttentionState`
+(:func:`_segmented_window_attention`). Bidirectional: each segment reads its band's halo and two small tail sums
+(the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
+redraws in training mode keeps the one pass.
+
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail`` and
+``window_segments``.
 """
 
 from __future__ import annotations
@@ -68,13 +76,15 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+from .window_segments import SegmentPlan, segmented_bidirectional
+from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_sum
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
 """gamma at initialisation (LoLCATs: sigmoid(w) with w = logit(0.1) = -2.1972)."""
 
 GRADIENT_SEGMENT_LENGTH = 512
-"""Causal calls that need gradients run in segments of this many tokens (:func:`_segmented_for_gradients`)."""
+"""Calls that need gradients run in segments of this many queries (:func:`_segmented_for_gradients`)."""
 
 
 class SoftmaxWeight(nn.Module):
@@ -253,82 +263,6 @@ def _check_state_arguments(query, key, value, feature_map, window, sinks, causal
     return max_rollback
 
 
-def _running_key_max(log_scale_k, eligible, start_max):
-    """Key log-scales ``[B, H, L]`` with non-eligible keys at ``-inf``, and their running maximum (detached,
-    at least ``start_max`` ``[B, H]``, the stabiliser of the keys before the sequence)."""
-    floor = torch.finfo(log_scale_k.dtype).min
-    masked_log_scale = log_scale_k.masked_fill(~eligible[:, None, :], float("-inf"))
-    running_max = torch.maximum(masked_log_scale.detach().cummax(dim=-1).values, start_max[..., None])
-    return masked_log_scale, running_max.clamp_min(floor)
-
-
-def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, start, end, new_max):
-    """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys ``[start, end)``,
-    relative to ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
-    rescale = (masked_log_scale[..., start:end] - new_max[..., None]).exp()  # [B, H, n]
-    added = torch.matmul((key_weights[:, :, start:end] * rescale[..., None]).transpose(-1, -2),
-                         value_ones[:, :, start:end])
-    return state * (state_max - new_max).exp()[..., None, None] + added
-
-
-def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_size, initial=None):
-    """Per query ``i`` the linear tail over the eligible keys ``j <= i - offset``, stabilised.
-
-    Args:
-        phi_q: feature values ``[B, H, Lq, m]`` of the queries at the last ``Lq`` of the ``L`` key positions
-            (their log-scale is applied by the caller).
-        phi_k: key feature values ``[B, H, L, m]``.
-        log_scale_k: key log-scales ``[B, H, L]`` (zeros for maps without one).
-        value_ones: ``[B, H, L, dv + 1]`` (values and a column of ones).
-        eligible: ``[B, L]`` bool, keys that may enter the tail (unpadded, not sinks).
-        offset: ``>= 0``; query ``i`` uses keys ``j <= i - offset``.
-        initial: ``None`` or ``(state [B, H, m, dv + 1], stabiliser [B, H])``, sums over keys before the
-            sequence that are in every query's tail.
-
-    Returns:
-        ``tail`` ``[B, H, Lq, dv + 1]`` = ``sum_j phi_q_i.phi_k_j exp(lk_j - K_i) [v_j, 1]`` and ``K``
-        ``[B, H, Lq]``, the detached maximum of ``lk_j`` over those keys (``finfo.min`` if none).
-    """
-    batch, heads, length, features = phi_k.shape
-    query_start = length - phi_q.shape[2]
-    if initial is None:
-        state = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
-        state_max = value_ones.new_full((batch, heads), torch.finfo(phi_k.dtype).min)
-    else:
-        state, state_max = initial
-    masked_log_scale, running_max = _running_key_max(log_scale_k, eligible, state_max)
-    positions = torch.arange(length, device=phi_q.device)
-    # K_i = running_max[i - offset], the initial stabiliser before any key of the sequence.
-    last_key = positions[query_start:] - offset
-    query_max = torch.where(last_key >= 0, running_max[..., last_key.clamp_min(0)], state_max[..., None])
-    key_weights = phi_k * eligible[:, None, :, None]
-    state_end = 0  # the state holds the keys [0, state_end)
-    tails = []
-    for start in range(query_start, length, chunk_size):
-        end = min(start + chunk_size, length)
-        rows = slice(start - query_start, end - query_start)
-        # First key the state does not hold. Continuing a state, the first block takes the recent keys as
-        # a tile (one decoded token: O(L m), not O(L m dv)).
-        boundary = state_end if 0 < query_start == start else min(max(start - offset + 1, 0), length)
-        if boundary > state_end:  # fold keys [state_end, boundary) into the state
-            new_max = running_max[..., boundary - 1]
-            state = _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, state_end, boundary,
-                               new_max)
-            state_max, state_end = new_max, boundary
-        k_max = query_max[:, :, rows]  # [B, H, C]
-        out = torch.matmul(phi_q[:, :, rows], state) * (state_max[..., None] - k_max).exp()[..., None]
-        tile_end = min(max(end - offset, 0), length)  # keys [state_end, tile_end) are needed by some query
-        if tile_end > state_end:
-            keys = positions[state_end:tile_end]
-            allowed = keys[None, :] <= positions[start:end, None] - offset  # [C, n]
-            decay = (masked_log_scale[:, :, None, state_end:tile_end] - k_max[..., None]).exp()  # [B, H, C, n]
-            decay = decay.masked_fill(~allowed, 0.0)
-            tile = torch.matmul(phi_q[:, :, rows], key_weights[:, :, state_end:tile_end].transpose(-1, -2))
-            out = out + torch.matmul(tile * decay, value_ones[:, :, state_end:tile_end])
-        tails.append(out)
-    return torch.cat(tails, dim=2), query_max
-
-
 def _exact_block(query_block, key_block, value_ones_block, scores_scale, allowed, softmax_weight):
     """Scores of the queries ``query_block`` ``[B, H, C, d]`` against the keys ``key_block`` ``[B, H, n, d]`` (values
     and a ones column ``value_ones_block`` ``[B, H, n, dv + 1]``), ``allowed`` ``[B, 1 or H, C, n]``.
@@ -352,6 +286,49 @@ def _exact_block(query_block, key_block, value_ones_block, scores_scale, allowed
         return torch.matmul(weights, value_ones_block)
 
     return row_max, weighted
+
+
+def _exact_plus_tails(query, log_q, tails, key, value_ones, keep, sink_key, sink_value_ones, sink_valid,
+                      sink_position, *, query_start, first, window, causal, scaling, softmax_weight, chunk_size, eps):
+    """The outputs ``[B, H, Lq, dv]`` of the queries ``query`` ``[B, H, Lq, d]`` at the local positions
+    ``query_start..query_start+Lq-1`` of the keys ``key`` ``[B, H, L, d]`` (``value_ones`` ``[B, H, L, dv + 1]``,
+    zero where ``keep`` ``[B, L]`` is False), local position 0 at absolute position ``first``: the exact tiles
+    (the sink slots ``sink_key`` ``[B, H, s, d]`` / ``sink_value_ones``, ``sink_valid`` / ``sink_position``
+    ``[B, s]``, and the band) and the ``tails`` (pairs of sums ``[B, H, Lq, dv + 1]`` and their log-scales
+    ``[B, H, Lq]``) with one normaliser; ``log_q`` ``[B, H, Lq]`` are the query feature log-scales."""
+    length = key.shape[2]
+    query_end = query_start + query.shape[2]
+    positions = torch.arange(length, device=query.device)
+    outputs = []
+    for start in range(query_start, query_end, chunk_size):
+        end = min(start + chunk_size, query_end)
+        rows = positions[start:end, None]
+        block = slice(start - query_start, end - query_start)
+        band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
+        cols = positions[None, band]
+        in_band = (rows - cols).abs() < window
+        sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
+        if causal:
+            in_band = in_band & (cols <= rows)
+            sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
+        allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
+                             in_band[None, None] & keep[:, None, None, band]], dim=-1)
+        row_max, weighted = _exact_block(
+            query[:, :, block], torch.cat([sink_key, key[:, :, band]], dim=2),
+            torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, softmax_weight,
+        )
+        # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
+        log_factors = []
+        for _, tail_max in tails:
+            u = log_q[:, :, block] + tail_max[:, :, block]
+            log_factors.append(u - row_max if softmax_weight is None else u)
+        rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
+        total = weighted(rho)
+        for (tail, _), u in zip(tails, log_factors):
+            total = total + tail[:, :, block] * (u - rho).exp()[..., None]
+        outputs.append(total)
+    total = torch.cat(outputs, dim=2)
+    return total[..., :-1] / _safe_denominator(total[..., -1:], eps)
 
 
 def _row_sinks(key, value, keep, sinks, initial_state, seen):
@@ -390,7 +367,8 @@ def _row_sinks(key, value, keep, sinks, initial_state, seen):
     sink_valid = torch.arange(sinks, device=key.device)[None, :] < (filled + keep.sum(-1))[:, None]
 
     def gather(stored_tensor, new_tensor):
-        candidates = torch.cat([stored_tensor, new_tensor], dim=2)
+        # Without stored slots, gather from the input itself: autograd then saves no copy of the sequence.
+        candidates = torch.cat([stored_tensor, new_tensor], dim=2) if stored else new_tensor
         return candidates.gather(2, index[:, None, :, None].expand(batch, kv_heads, sinks, candidates.shape[-1]))
 
     sink_position = torch.cat([stored_position, positions.repeat(batch, 1)], dim=1).gather(1, index)
@@ -435,6 +413,10 @@ def window_linear_attention(
 ):
     """Sink + sliding-window exact softmax with a linear tail, one shared normaliser (module docstring).
 
+    A call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments, causal or
+    bidirectional, with the outputs and gradients of one pass and the memory of one segment's graph (module
+    docstring, "Training memory").
+
     Args:
         query: ``[B, H, L, d]``.
         key: ``[B, Hkv, L, d]`` with ``H % Hkv == 0``.
@@ -469,7 +451,11 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
                                               max_rollback)
-    if _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal):
+    if not causal and not stateful and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
+        return _segmented_bidirectional(
+            query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
+            key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size, eps=eps)
+    if causal and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
         return _segmented_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
             key_padding_mask=key_padding_mask, scaling=scaling, initial_state=initial_state,
@@ -507,7 +493,6 @@ def window_linear_attention(
         value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
         sink_key_all = _repeat_kv(sink_key.to(dtype), groups)
         sink_value_ones = _with_ones_column(_repeat_kv(sink_value.to(dtype), groups))
-        positions = torch.arange(length, device=device)
         phi_q = q_features.values
         log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
         tail_init = None
@@ -523,39 +508,13 @@ def window_linear_attention(
                                             keep.flip(1), max(window, 1), chunk_size)
             tails.append((right.flip(2), right_max.flip(2)))
 
-        outputs = []
-        for start in range(query_start, length, chunk_size):
-            end = min(start + chunk_size, length)
-            rows = positions[start:end, None]
-            block = slice(start - query_start, end - query_start)
-            band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
-            cols = positions[None, band]
-            in_band = (rows - cols).abs() < window
-            sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
-            if causal:
-                in_band = in_band & (cols <= rows)
-                sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
-            allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
-                                 in_band[None, None] & keep[:, None, None, band]], dim=-1)
-            row_max, weighted = _exact_block(
-                query[:, :, block], torch.cat([sink_key_all, key_all[:, :, band]], dim=2),
-                torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, gamma,
-            )
-            # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
-            log_factors = []
-            for _, tail_max in tails:
-                u = log_q[:, :, block] + tail_max[:, :, block]
-                log_factors.append(u - row_max if gamma is None else u)
-            rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
-            total = weighted(rho)
-            for (tail, _), u in zip(tails, log_factors):
-                total = total + tail[:, :, block] * (u - rho).exp()[..., None]
-            outputs.append(total)
-        total = torch.cat(outputs, dim=2)
-        out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
+        out = _exact_plus_tails(query, log_q, tails, key_all, value_ones, keep, sink_key_all, sink_value_ones,
+                                sink_valid, sink_position, query_start=query_start, first=first, window=window,
+                                causal=causal, scaling=scaling, softmax_weight=gamma, chunk_size=chunk_size, eps=eps)
         if not causal and sinks > 0:
-            out = _with_sink_queries(out, query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
-                                     sink_position, sink_valid, scaling)
+            sink_out = _sink_query_rows(query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
+                                        sink_position, scaling)
+            out = _with_sink_queries(out, sink_out, sink_position, sink_valid)
         if not return_state:
             return out.to(out_dtype)
         state = _next_state(
@@ -566,16 +525,53 @@ def window_linear_attention(
     return out.to(out_dtype), state
 
 
-def _with_sink_queries(out, query, key, value, keep, sink_position, sink_valid, scaling):
-    """Bidirectional: ``out`` ``[B, H, L, dv]`` with each row's sink queries replaced by exact softmax over every
-    unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, H, L, d]``, ``keep`` ``[B, L]``; sinks are
-    exact both ways). ``O(sinks L d)``."""
-    batch, heads, length, _ = query.shape
+def _sink_query_rows(query, key, value, keep, sink_position, scaling, probabilities=False):
+    """Bidirectional: the outputs ``[B, H, s, dv]`` of each row's sink queries (``sink_position`` ``[B, s]``), exact
+    softmax over every unpadded key (``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, .]``, ``keep``
+    ``[B, L]``; sinks are exact both ways). ``O(sinks L d)``; the query heads of a key head are one matmul (no
+    repeated keys). With ``probabilities``, also the sink queries ``[B, Hkv, g s, d]`` and the softmax
+    ``[B, Hkv, g s, L]`` (``g = H / Hkv``)."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads = key.shape[1]
     index = sink_position[:, None, :, None]
-    sink_query = query.gather(2, index.expand(-1, heads, -1, query.shape[-1]))  # [B, H, s, d]
+    sink_query = query.gather(2, index.expand(-1, heads, -1, head_dim)).reshape(batch, kv_heads, -1, head_dim)
     scores = torch.matmul(sink_query, key.transpose(-1, -2)) * scaling
-    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
-    sink_out = torch.matmul(torch.softmax(scores, dim=-1), value)  # [B, H, s, dv]
+    weights = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+    rows = torch.matmul(weights, value).reshape(batch, heads, -1, value.shape[-1])
+    return (rows, sink_query, weights) if probabilities else rows
+
+
+def _add_sink_query_rows_grad(grad_rows, query, key, value, keep, sink_position, scaling, grad_query, grad_key,
+                              grad_value):
+    """The backward of :func:`_sink_query_rows` (same arguments, ``grad_rows`` ``[B, H, s, dv]``), added in place
+    into ``grad_query`` / ``grad_key`` / ``grad_value`` (shaped as the inputs; ``None`` when not wanted) without a
+    temporary of the inputs' size: the keys' and values' gradients are accumulated by ``baddbmm_``."""
+    rows, sink_query, weights = _sink_query_rows(query, key, value, keep, sink_position, scaling, True)
+    batch, kv_heads = key.shape[:2]
+    grad_rows = grad_rows.to(rows.dtype)
+    flat_grad = grad_rows.reshape(batch * kv_heads, -1, rows.shape[-1])  # [B Hkv, g s, dv]
+    # softmax backward: dS = P * (dP - sum(dO * O)), dP = dO V^T
+    grad_scores = torch.matmul(grad_rows.reshape(batch, kv_heads, -1, rows.shape[-1]), value.transpose(-1, -2))
+    grad_scores = weights * (grad_scores - (grad_rows * rows).sum(-1).reshape(batch, kv_heads, -1, 1)) * scaling
+    for target, left, right in ((grad_value, weights, flat_grad), (grad_key, grad_scores, sink_query)):
+        if target is None:
+            continue
+        left = left.reshape(batch * kv_heads, -1, left.shape[-1]).transpose(1, 2)  # [B Hkv, L, g s]
+        right = right.reshape(batch * kv_heads, -1, right.shape[-1])
+        if target.dtype == left.dtype and target.is_contiguous():
+            target.view(batch * kv_heads, *target.shape[2:]).baddbmm_(left, right)
+        else:
+            target += torch.bmm(left, right).view(target.shape).to(target.dtype)
+    if grad_query is not None:
+        grad_sink_query = torch.matmul(grad_scores, key).reshape(grad_rows.shape[:3] + (key.shape[-1],))
+        index = sink_position[:, None, :, None].expand(-1, grad_query.shape[1], -1, grad_query.shape[-1])
+        grad_query.scatter_add_(2, index, grad_sink_query.to(grad_query.dtype))
+
+
+def _with_sink_queries(out, sink_out, sink_position, sink_valid):
+    """``out`` ``[B, H, L, dv]`` with each row's valid sink slots' rows (``sink_valid`` ``[B, s]``) replaced by
+    ``sink_out`` ``[B, H, s, dv]`` (:func:`_sink_query_rows`)."""
+    batch, heads, length, _ = out.shape
     # Unfilled slots write to an extra position that is dropped.
     target = torch.where(sink_valid, sink_position, length)[:, None, :, None].expand(-1, heads, -1, out.shape[-1])
     padded = torch.cat([out, out.new_zeros(batch, heads, 1, out.shape[-1])], dim=2)
@@ -620,10 +616,10 @@ def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, 
 # ------------------------------------------------------------------------------------ memory-bounded training
 
 
-def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal) -> bool:
-    """Whether a call runs in checkpointed segments: causal, gradients wanted, longer than one segment, and a map
-    whose recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
-    if not causal or not torch.is_grad_enabled() or query.shape[2] <= GRADIENT_SEGMENT_LENGTH:
+def _segmented_for_gradients(query, key, value, feature_map, softmax_weight) -> bool:
+    """Whether a call runs in checkpointed segments: gradients wanted, longer than one segment, and a map whose
+    recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
+    if not torch.is_grad_enabled() or query.shape[2] <= GRADIENT_SEGMENT_LENGTH:
         return False
     tensors = [query, key, value, softmax_weight] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -659,3 +655,105 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         outputs.append(out)
     out = torch.cat(outputs, dim=2)
     return (out, state) if return_state else out
+
+
+def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
+                             scaling, chunk_size, eps):
+    """A bidirectional call that needs gradients, as segments of :data:`GRADIENT_SEGMENT_LENGTH` queries run by
+    :func:`~.window_segments.segmented_bidirectional` (no graph in the forward; the backward recomputes one piece at
+    a time): the outputs and gradients of one pass.
+
+    Segment ``[s, e)`` attends to its local keys ``[s - window + 1, e + window - 1)`` (the band's halo) directly;
+    the rest of its tail comes from two tail sums (:mod:`.window_tail`): the left one over the eligible keys before
+    ``s - window + 1`` and the right one over those from ``e + window - 1``. The keys are cut at every such boundary
+    into spans; each span's tail sum ``[B, Hkv, m, dv + 1]`` is computed once, and the prefix / suffix merges of
+    those small sums carry the gradients back to every span's keys, values and map parameters. Each row's sinks are
+    gathered from the whole sequence first; the sink queries' exact rows (``O(sinks L)``) are computed once and
+    placed by the segments holding them. Inputs as :func:`window_linear_attention`; returns ``[B, H, L, dv]``.
+
+    Extra peak memory of forward + backward at 4k / 8k / 16k tokens (12 heads, ``d`` 64, window 64, 4 sinks,
+    Hedgehog tail): 1,198 / 2,331 / 4,139 MiB in one pass -> 257 / 346 / 510 MiB, SDPA's 3.5x / 2.4x / 1.8x
+    (``benchmarks/results/attention_memory_window.json``); and faster (fwd+bwd 0.51x / 0.20x of the one pass's time
+    at 4k / 8k, benchmarks/README.md)."""
+    batch, heads, length, head_dim = query.shape
+    groups = heads // key.shape[1]
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    root = scaling**0.5
+    dtype = compute_dtype_for(query)
+    device_type = query.device.type
+    mask = _as_bool_mask(key_padding_mask)
+    unpadded = torch.ones(batch, length, dtype=torch.bool, device=query.device) if mask is None else mask
+    with torch.no_grad(), _no_autocast(device_type):
+        sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, unpadded, sinks, None, 0)
+    keep = unpadded & ~is_sink  # the band and the tail skip the row's sinks
+    halo = max(window, 1) - 1
+    segments = [(start, min(start + GRADIENT_SEGMENT_LENGTH, length))
+                for start in range(0, length, GRADIENT_SEGMENT_LENGTH)]
+    local = [(max(start - halo, 0), min(end + halo, length)) for start, end in segments]
+
+    def key_features(segment_key):
+        features = feature_map.key_features(segment_key * root)
+        log_scale = features.values.new_zeros(features.values.shape[:-1]) if features.log_scale is None \
+            else features.log_scale
+        return features.values, log_scale
+
+    def span_sum(span_key, span_value, start, end):
+        with _no_autocast(device_type):
+            eligible = keep[:, start:end]
+            value_ones = _with_ones_column(span_value.to(dtype)).masked_fill(~eligible[:, None, :, None], 0.0)
+            return _tail_sum(*key_features(span_key.to(dtype)), value_ones, eligible)
+
+    def sink_rows(query, key, value):
+        with _no_autocast(device_type):
+            return _sink_query_rows(query.to(dtype), key.to(dtype), value.to(dtype), unpadded, sink_position, scaling)
+
+    def add_sink_rows_grad(grad_rows, query, key, value, grad_query, grad_key, grad_value):
+        with _no_autocast(device_type):
+            _add_sink_query_rows_grad(grad_rows, query.to(dtype), key.to(dtype), value.to(dtype), unpadded,
+                                      sink_position, scaling, grad_query, grad_key, grad_value)
+
+    def segment(segment_query, segment_key, segment_value, gamma, slot_key, slot_value, rows, left, right, start,
+                end, low):
+        query_start = start - low
+        segment_keep = keep[:, low:low + segment_key.shape[2]]
+        with _no_autocast(device_type):
+            segment_query, segment_key = segment_query.to(dtype), segment_key.to(dtype)
+            value_ones = _with_ones_column(_repeat_kv(segment_value.to(dtype), groups))
+            value_ones = value_ones.masked_fill(~segment_keep[:, None, :, None], 0.0)
+            log_q, tails = segment_query.new_zeros(segment_query.shape[:-1]), []
+            if feature_map is not None:
+                q_features = feature_map.query_features(segment_query * root)
+                if q_features.log_scale is not None:
+                    log_q = q_features.log_scale
+                phi_q = q_features.values
+                phi_k, log_k = (_repeat_kv(t, groups) for t in key_features(segment_key))
+                left, right = ((_repeat_kv(state, groups), _repeat_kv(state_max, groups))
+                               for state, state_max in (left, right))
+                before_end = slice(None, query_start + segment_query.shape[2])
+                tails.append(_tail_prefix(phi_q, phi_k[:, :, before_end], log_k[..., before_end],
+                                          value_ones[:, :, before_end], segment_keep[:, before_end], window,
+                                          chunk_size, left))
+                from_start = slice(query_start, None)  # keys j >= i + max(window, 1), on the reversed sequence
+                right_tail, right_max = _tail_prefix(
+                    *(t.flip(2) for t in (phi_q, phi_k[:, :, from_start], log_k[..., from_start],
+                                          value_ones[:, :, from_start])),
+                    segment_keep[:, from_start].flip(1), max(window, 1), chunk_size, right)
+                tails.append((right_tail.flip(2), right_max.flip(2)))
+            out = _exact_plus_tails(
+                segment_query, log_q, tails, _repeat_kv(segment_key, groups), value_ones, segment_keep,
+                _repeat_kv(slot_key.to(dtype), groups), _with_ones_column(_repeat_kv(slot_value.to(dtype), groups)),
+                sink_valid, sink_position, query_start=query_start, first=0, window=window, causal=False,
+                scaling=scaling, softmax_weight=None if gamma is None else gamma.to(dtype), chunk_size=chunk_size,
+                eps=eps)
+        if rows is None:
+            return out
+        here = sink_valid & (sink_position >= start) & (sink_position < end)  # this segment's sink queries
+        return _with_sink_queries(out, rows, sink_position - start, here)
+
+    plan = SegmentPlan(
+        segments=segments, local=local, cuts=sorted({0, length} | {bound for span in local for bound in span}),
+        sink_key=sink_key, sink_value=sink_value, sink_position=sink_position,
+        span_sum=None if feature_map is None else span_sum, segment=segment,
+        sink_rows=sink_rows if sinks > 0 else None, add_sink_rows_grad=add_sink_rows_grad)
+    parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
+    return segmented_bidirectional(plan, query, key, value, softmax_weight, parameters).to(value.dtype)

@@ -1,6 +1,7 @@
-"""Causal window attention that needs gradients runs in checkpointed segments (memory bounded by one segment's
-graph): the same outputs, gradients (inputs, gamma, learned-map parameters) and final state as one pass, in float64,
-with padding and GQA; when it segments and when it does not."""
+"""Window attention that needs gradients runs in segments (memory bounded by one segment's graph): causal calls as
+checkpointed segments continuing the decoding state, bidirectional calls through window_segments (tail sums between
+segments). The same outputs, gradients (inputs, gamma, learned-map parameters) and final state as one pass and the
+float64 reference, with padding and GQA; when it segments and when it does not."""
 
 import pytest
 import torch
@@ -104,11 +105,196 @@ def test_when_it_segments(monkeypatch):
     arguments = dict(window=3, sinks=2, softmax_weight=torch.full((4,), 0.4, dtype=torch.float64), chunk_size=4)
     with torch.no_grad():  # inference: one pass
         window_linear_attention(q, k, v, hedgehog, **arguments)
-    window_linear_attention(q, k, v, hedgehog, causal=False, **arguments)  # bidirectional: one pass
+        window_linear_attention(q, k, v, hedgehog, causal=False, **arguments)
     window_linear_attention(q[:, :, :SEGMENT], k[:, :, :SEGMENT], v[:, :, :SEGMENT], hedgehog, **arguments)  # short
+    window_linear_attention(q[:, :, :SEGMENT], k[:, :, :SEGMENT], v[:, :, :SEGMENT], hedgehog, causal=False,
+                            **arguments)
     assert calls == []
     redrawing = make_feature_map("favor+", 8, nb_features=16, redraw_interval=1).double().train()
     window_linear_attention(q, k, v, redrawing, window=3, sinks=2, chunk_size=4)
     assert calls == []  # a map that may redraw between the forward and the recomputation: one pass
     window_linear_attention(q, k, v, redrawing.eval(), window=3, sinks=2, chunk_size=4)
     assert len(calls) == 4
+
+
+# ------------------------------------------------------------------------------------ bidirectional
+
+
+def _bidirectional_calls(monkeypatch):
+    calls = []
+    original = window_attention.segmented_bidirectional
+    monkeypatch.setattr(window_attention, "segmented_bidirectional",
+                        lambda plan, *a: (calls.append(len(plan.segments)), original(plan, *a))[1])
+    return calls
+
+
+def _padded_mask(length):
+    mask = torch.ones(2, length, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    mask[0, -4:] = False  # right padding
+    mask[0, 11] = False  # a hole
+    return mask
+
+
+@pytest.mark.parametrize("name, learned, window, sinks", [
+    (name, learned, window, sinks)
+    for name, learned in [("hedgehog", True), ("favor+", False), (None, False)]
+    for window in (0, 1, 64) for sinks in (0, 1, 4)
+    if name is not None or window or sinks  # no feature map needs window or sinks (a ValueError)
+])
+def test_bidirectional_segmented_equals_one_pass_and_the_reference(name, learned, window, sinks, monkeypatch):
+    q, k, v = _inputs()
+    feature_map = _map(name)
+    gamma = torch.tensor([0.1, 0.5, 0.9, 0.3], dtype=torch.float64, requires_grad=True) if learned else None
+    mask = _padded_mask(29)
+    kwargs = dict(window=window, sinks=sinks, causal=False, softmax_weight=gamma, key_padding_mask=mask, chunk_size=4)
+    tensors = [q, k, v] + ([gamma] if learned else []) + ([] if feature_map is None else list(feature_map.parameters()))
+
+    def gradients(out, valid=None):
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+        if valid is not None:  # outputs at padded positions are not defined
+            weights = weights * valid
+        return torch.autograd.grad((out * weights).sum(), tensors, retain_graph=True, allow_unused=True,
+                                   materialize_grads=True)
+
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)  # 29 <= 512 tokens: not segmented
+    expected = gradients(one_pass)
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    calls = _bidirectional_calls(monkeypatch)
+    segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
+    assert calls == [4]  # ceil(29 / 8) segments
+    torch.testing.assert_close(segmented, one_pass, rtol=1e-10, atol=1e-10)
+    for got, want in zip(gradients(segmented), expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+    valid = mask[:, None, :, None].double()
+    reference = reference_window_linear_attention(q, k, v, feature_map, window=window, sinks=sinks, causal=False,
+                                                  softmax_weight=gamma, key_padding_mask=mask)
+    torch.testing.assert_close(segmented * valid, reference * valid, rtol=1e-8, atol=1e-8)
+    for got, want in zip(gradients(segmented, valid), gradients(reference, valid)):
+        torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-8)
+
+
+def test_bidirectional_segments_when_the_window_spans_several_segments(monkeypatch):
+    """A halo longer than a segment: the local keys of a segment cover several spans, the tail sums skip them."""
+    q, k, v = _inputs(length=40)
+    feature_map = _map("hedgehog")
+    gamma = torch.full((4,), 0.3, dtype=torch.float64, requires_grad=True)
+    kwargs = dict(window=12, sinks=2, causal=False, softmax_weight=gamma, key_padding_mask=_padded_mask(40),
+                  chunk_size=4)
+    tensors = [q, k, v, gamma, *feature_map.parameters()]
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
+    expected = _gradients(one_pass, tensors)
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", 5)
+    calls = _bidirectional_calls(monkeypatch)
+    segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
+    assert calls == [8]
+    torch.testing.assert_close(segmented, one_pass, rtol=1e-10, atol=1e-10)
+    for got, want in zip(_gradients(segmented, tensors), expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def _gradcheck_bidirectional(monkeypatch, fast_mode):
+    """Float64 gradcheck of query, key, value and gamma through the segmented path (3 segments of 4 tokens, GQA,
+    a sink, right padding)."""
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", 4)
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, heads, 12, 4, generator=generator, dtype=torch.float64, requires_grad=True)
+               for heads in (2, 1, 1))
+    torch.manual_seed(0)
+    feature_map = make_feature_map("hedgehog", 4, num_heads=2, num_key_value_heads=1).double()
+    gamma = torch.tensor([0.3, 0.7], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 12, dtype=torch.bool)
+    mask[0, -2:] = False
+    calls = _bidirectional_calls(monkeypatch)
+
+    def call(query, key, value, weight):
+        out = window_linear_attention(query, key, value, feature_map, window=2, sinks=1, causal=False,
+                                      softmax_weight=weight, key_padding_mask=mask, chunk_size=2)
+        return out[:, :, :10]  # the unpadded queries
+
+    assert torch.autograd.gradcheck(call, (q, k, v, gamma), eps=1e-6, atol=1e-6, fast_mode=fast_mode)
+    assert calls and set(calls) == {3}
+
+
+def test_bidirectional_segmented_gradcheck(monkeypatch):
+    _gradcheck_bidirectional(monkeypatch, fast_mode=True)
+
+
+@pytest.mark.slow
+def test_bidirectional_segmented_gradcheck_full_jacobian(monkeypatch):
+    _gradcheck_bidirectional(monkeypatch, fast_mode=False)
+
+
+def test_bidirectional_segmented_in_float32(monkeypatch):
+    """The benchmark's dtype: the segmented outputs and gradients equal one pass to float32 rounding."""
+    q, k, v = (t.detach().float().requires_grad_() for t in _inputs(length=40))
+    torch.manual_seed(0)
+    feature_map = make_feature_map("hedgehog", 8, num_heads=4, num_key_value_heads=2)
+    gamma = torch.full((4,), 0.1)
+    kwargs = dict(window=4, sinks=4, causal=False, softmax_weight=gamma, chunk_size=4)
+    tensors = [q, k, v, *feature_map.parameters()]
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
+    expected = _gradients(one_pass, tensors)
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
+    torch.testing.assert_close(segmented, one_pass, rtol=1e-5, atol=1e-6)
+    for got, want in zip(_gradients(segmented, tensors), expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_when_bidirectional_segments(monkeypatch):
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    calls = _bidirectional_calls(monkeypatch)
+    q, k, v = _inputs()
+    hedgehog = _map("hedgehog")
+    arguments = dict(window=3, sinks=2, causal=False, chunk_size=4)
+    with torch.no_grad():  # inference: one pass
+        window_linear_attention(q, k, v, hedgehog, **arguments)
+    window_linear_attention(q[:, :, :SEGMENT], k[:, :, :SEGMENT], v[:, :, :SEGMENT], hedgehog, **arguments)  # short
+    frozen = [t.detach() for t in (q, k, v)]
+    with torch.no_grad():
+        for parameter in hedgehog.parameters():
+            parameter.requires_grad_(False)
+    window_linear_attention(*frozen, hedgehog, **arguments)  # nothing wants a gradient
+    assert calls == []
+    redrawing = make_feature_map("favor+", 8, nb_features=16, redraw_interval=1).double().train()
+    window_linear_attention(q, k, v, redrawing, **arguments)
+    assert calls == []  # a map that may redraw between the forward and the recomputation: one pass
+    window_linear_attention(q, k, v, redrawing.eval(), **arguments)
+    assert calls == [4]
+
+
+def test_a_converted_encoder_trains_through_the_segments(monkeypatch):
+    """End to end: a tiny BERT converted to the bidirectional hybrid (Hedgehog tail, learned gamma, a sink), padded
+    on both sides; the masked-LM loss's gradients of every parameter are the same through the segments."""
+    from transformers import BertForMaskedLM
+
+    from conftest import tiny_bert_config
+    from hf_performer import convert_to_performer
+    from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
+
+    torch.manual_seed(0)
+    performer = convert_to_performer(BertForMaskedLM(tiny_bert_config()).eval(), feature_map="hedgehog", window=3,
+                                      sinks=1).double().eval()  # eval: no dropout, the gradients still flow
+    ids = torch.randint(5, 99, (2, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(2, 20, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, -5:] = 0
+
+    def gradients():
+        performer.zero_grad()
+        out = performer(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+        out.loss.backward()
+        return out.loss.detach(), {name: p.grad.clone() for name, p in performer.named_parameters()
+                                   if p.grad is not None}
+
+    loss, expected = gradients()  # 20 <= 512 tokens: one pass
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    calls = _bidirectional_calls(monkeypatch)
+    segmented_loss, got = gradients()
+    assert calls and set(calls) == {3}  # every layer, ceil(20 / 8) segments
+    torch.testing.assert_close(segmented_loss, loss, rtol=1e-10, atol=1e-10)
+    assert got.keys() == expected.keys()
+    assert any(SOFTMAX_WEIGHT_ATTRIBUTE in name for name in got) and any(FEATURE_MAP_ATTRIBUTE in name for name in got)
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
