@@ -77,7 +77,7 @@ from .linear_attention import (
     _with_ones_column,
 )
 from .window_segments import SegmentPlan, segmented_bidirectional
-from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_sum
+from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_suffix, _tail_sum
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -451,11 +451,12 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
                                               max_rollback)
-    if not causal and not stateful and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
+    segmented = _segmented_for_gradients(query, key, value, feature_map, softmax_weight)
+    if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
             key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size, eps=eps)
-    if causal and _segmented_for_gradients(query, key, value, feature_map, softmax_weight):
+    if segmented:
         return _segmented_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
             key_padding_mask=key_padding_mask, scaling=scaling, initial_state=initial_state,
@@ -503,10 +504,8 @@ def window_linear_attention(
         tails = []  # (tail sums, their log-scale) per direction; none without a feature map
         if feature_map is not None:
             tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, keep, window, chunk_size, tail_init))
-        if tails and not causal:  # keys j >= i + max(window, 1), as a prefix of the reversed sequence
-            right, right_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_k, value_ones)),
-                                            keep.flip(1), max(window, 1), chunk_size)
-            tails.append((right.flip(2), right_max.flip(2)))
+        if tails and not causal:  # keys j >= i + max(window, 1)
+            tails.append(_tail_suffix(phi_q, phi_k, log_k, value_ones, keep, max(window, 1), chunk_size))
 
         out = _exact_plus_tails(query, log_q, tails, key_all, value_ones, keep, sink_key_all, sink_value_ones,
                                 sink_valid, sink_position, query_start=query_start, first=first, window=window,
@@ -733,12 +732,10 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
                 tails.append(_tail_prefix(phi_q, phi_k[:, :, before_end], log_k[..., before_end],
                                           value_ones[:, :, before_end], segment_keep[:, before_end], window,
                                           chunk_size, left))
-                from_start = slice(query_start, None)  # keys j >= i + max(window, 1), on the reversed sequence
-                right_tail, right_max = _tail_prefix(
-                    *(t.flip(2) for t in (phi_q, phi_k[:, :, from_start], log_k[..., from_start],
-                                          value_ones[:, :, from_start])),
-                    segment_keep[:, from_start].flip(1), max(window, 1), chunk_size, right)
-                tails.append((right_tail.flip(2), right_max.flip(2)))
+                from_start = slice(query_start, None)  # keys j >= i + max(window, 1)
+                tails.append(_tail_suffix(phi_q, phi_k[:, :, from_start], log_k[..., from_start],
+                                          value_ones[:, :, from_start], segment_keep[:, from_start], max(window, 1),
+                                          chunk_size, right))
             out = _exact_plus_tails(
                 segment_query, log_q, tails, _repeat_kv(segment_key, groups), value_ones, segment_keep,
                 _repeat_kv(slot_key.to(dtype), groups), _with_ones_column(_repeat_kv(slot_value.to(dtype), groups)),

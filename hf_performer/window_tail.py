@@ -4,7 +4,7 @@ With key features ``phi(k_j) = values_j exp(lk_j)`` (:class:`~.feature_maps.Feat
 holds ``sum_j values_j exp(lk_j - K) [v_j, 1]`` ``[B, H, m, dv + 1]`` with ``K`` ``[B, H]`` the (detached) maximum
 of the ``lk_j`` in the set (``finfo.min`` for an empty set): every term is ``<= ~1``, and two sums merge by
 rescaling to the larger maximum. :func:`_tail_prefix` gives each query the sum over its keys ``j <= i - offset``
-(a chunked scan); :func:`_tail_sum` and :func:`_merge_tail_sums` give the sums over spans of keys that the
+(a chunked scan), :func:`_tail_suffix` the sum over its keys ``j >= i + offset``; :func:`_tail_sum` and :func:`_merge_tail_sums` give the sums over spans of keys that the
 memory-bounded bidirectional path (:mod:`.window_segments`) carries between segments.
 
 This module imports only ``torch``.
@@ -89,6 +89,15 @@ def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_
             out = out + torch.matmul(tile * decay, value_ones[:, :, state_end:tile_end])
         tails.append(out)
     return torch.cat(tails, dim=2), query_max
+
+
+def _tail_suffix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_size, initial=None):
+    """Per query ``i`` the linear tail over the eligible keys ``j >= i + offset``: :func:`_tail_prefix` on the
+    reversed sequence. Arguments as there, except that the queries sit at the *first* ``Lq`` of the ``L`` key
+    positions and ``initial`` holds the keys *after* the sequence."""
+    tail, tail_max = _tail_prefix(*(t.flip(2) for t in (phi_q, phi_k, log_scale_k, value_ones)), eligible.flip(1),
+                                  offset, chunk_size, initial)
+    return tail.flip(2), tail_max.flip(2)
 
 
 def _tail_sum(phi_k, log_scale_k, value_ones, eligible):

@@ -97,8 +97,11 @@ class LinearizeSettings:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)}")
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
-        if self.transfer_schedule not in ("constant", "cosine"):
-            raise RecipeError(f"--transfer-schedule {self.transfer_schedule!r} is not known; accepted: constant, cosine")
+        from ..conversion.attention_transfer import SCHEDULES
+
+        if self.transfer_schedule not in SCHEDULES:
+            raise RecipeError(f"--transfer-schedule {self.transfer_schedule!r} is not known; accepted: "
+                              f"{', '.join(SCHEDULES)}")
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
         from ..favor_settings import feature_map_kind

@@ -145,7 +145,7 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     from ..tasks.data import DataError
 
     settings = settings_from_args(args)
-    stop_after = stop_after or getattr(args, "stop_after", None)
+    stop_after = stop_after or args.stop_after
     try:
         settings.check()
     except RecipeError as error:
