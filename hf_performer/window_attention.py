@@ -535,7 +535,10 @@ def _sink_query_rows(query, key, value, keep, sink_position, scaling, probabilit
     index = sink_position[:, None, :, None]
     sink_query = query.gather(2, index.expand(-1, heads, -1, head_dim)).reshape(batch, kv_heads, -1, head_dim)
     scores = torch.matmul(sink_query, key.transpose(-1, -2)) * scaling
-    weights = torch.softmax(scores.masked_fill(~keep[:, None, None, :], float("-inf")), dim=-1)
+    # A row with no unpadded key has no valid sink slot (its rows are dropped); unmasking it keeps its weights, and
+    # so the gradients of every other row, finite.
+    allowed = keep | ~keep.any(-1, keepdim=True)
+    weights = torch.softmax(scores.masked_fill(~allowed[:, None, None, :], float("-inf")), dim=-1)
     rows = torch.matmul(weights, value).reshape(batch, heads, -1, value.shape[-1])
     return (rows, sink_query, weights) if probabilities else rows
 

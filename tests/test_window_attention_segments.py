@@ -298,3 +298,23 @@ def test_a_converted_encoder_trains_through_the_segments(monkeypatch):
     assert any(SOFTMAX_WEIGHT_ATTRIBUTE in name for name in got) and any(FEATURE_MAP_ATTRIBUTE in name for name in got)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-8, atol=1e-10, msg=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("segment_length", [SEGMENT, 512])
+def test_a_fully_padded_row_gives_zeros_and_finite_gradients(causal, segment_length, monkeypatch):
+    """A batch row with no unpadded token (e.g. an all-padding sequence in an evenly split batch) must not turn the
+    other rows' gradients, or the weights', into NaN: its outputs are zeros, every gradient finite."""
+    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", segment_length)
+    q, k, v = _inputs()
+    feature_map = _map("hedgehog")
+    mask = torch.ones(2, 29, dtype=torch.bool)
+    mask[1] = False
+    out = window_linear_attention(q, k, v, feature_map, window=3, sinks=2, causal=causal, key_padding_mask=mask,
+                                  chunk_size=4)
+    gradients = _gradients(out, [q, k, v, *feature_map.parameters()])
+    assert torch.equal(out[1], torch.zeros_like(out[1]))
+    assert all(torch.isfinite(gradient).all() for gradient in gradients)
+    alone = window_linear_attention(*(t[:1] for t in (q, k, v)), feature_map, window=3, sinks=2, causal=causal,
+                                    key_padding_mask=mask[:1], chunk_size=4)
+    torch.testing.assert_close(out[:1], alone)
