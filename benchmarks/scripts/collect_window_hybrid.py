@@ -386,6 +386,30 @@ def _portable_argument(value: str) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _readable_top(values: list[float], spread: float = 20.0) -> float | None:
+    """The top of a linear axis that keeps the values within ``spread`` x the smallest readable: ``None`` when all
+    are (no clipping), else 1.25 x the largest of them; the rest (e.g. an untrained tail, orders of magnitude off)
+    are drawn clipped at the top and labelled by :func:`_mark_off_scale`."""
+    positive = [value for value in values if value and value > 0]
+    if not positive or max(positive) <= spread * min(positive):
+        return None
+    return 1.25 * max(value for value in positive if value <= spread * min(positive))
+
+
+def _mark_off_scale(axis, points: list[tuple[float, float]], top: float, marker: bool = False) -> None:
+    """Label each ``(x, value)`` above ``top`` at the top of ``axis`` with its value, written down the clipped bar
+    (or, with ``marker``, beside a triangle at the top: a point)."""
+    for x, value in points:
+        if value <= top:
+            continue
+        if marker:
+            axis.plot([x], [top], "^", color="#b30000", clip_on=False)
+            axis.annotate(f" {value:.3g} (off scale)", (x, top), ha="left", va="top", fontsize=7, color="#b30000")
+        else:
+            axis.annotate(f"{value:.3g} (off scale)", (x, top * 0.98), ha="center", va="top", rotation=90,
+                          fontsize=7, color="#b30000")
+
+
 def plot(record: dict, path: str) -> str:
     import matplotlib
 
@@ -400,9 +424,15 @@ def plot(record: dict, path: str) -> str:
     values = [arms[name]["perplexity"]["1024"]["perplexity"] for name in names]
     bars = bars_axis.bar(range(len(names)), values, color=[COLOURS[name] for name in names])
     bars_axis.set_xticks(range(len(names)), [SHORT_LABELS[name] for name in names], fontsize=8)
+    top = _readable_top(values)
     for bar, value in zip(bars, values):
-        bars_axis.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, value), ha="center", va="bottom",
-                           fontsize=8)
+        if top is None or value <= top:
+            bars_axis.annotate(f"{value:.3g}", (bar.get_x() + bar.get_width() / 2, value), ha="center",
+                               va="bottom", fontsize=8)
+    if top is not None:
+        bars_axis.set_ylim(0, top)
+        _mark_off_scale(bars_axis, [(bar.get_x() + bar.get_width() / 2, value) for bar, value in zip(bars, values)],
+                        top)
     target = record["target"]
     softmax = arms.get("softmax_lora", {}).get("perplexity", {}).get("1024")
     if softmax:
@@ -410,8 +440,6 @@ def plot(record: dict, path: str) -> str:
             bars_axis.axhline(ratio * softmax["perplexity"], color="#756bb1", linestyle=style, linewidth=1,
                               label=f"{ratio:g} x softmax + LoRA")
         bars_axis.legend(fontsize=7)
-    if values and max(values) / min(values) > 20:
-        bars_axis.set_yscale("log")
     ratio_text = "-" if target["ratio"] is None else f"{target['ratio']:.3f}"
     bars_axis.set_title(f"perplexity, context 1024 (stride 512)\nhybrid+LoRA / softmax+LoRA = {ratio_text}: target "
                         f"{target['status']}", fontsize=9)
@@ -422,15 +450,20 @@ def plot(record: dict, path: str) -> str:
     ranges = sorted({key for name in split for key in arms[name]["perplexity"]["1024"]["position_ranges"]},
                     key=lambda key: int(key.split(":")[0]))
     width = 0.8 / max(len(ranges), 1)
+    placed = []
     for index, key in enumerate(ranges):
         heights = [arms[name]["perplexity"]["1024"]["position_ranges"].get(key, {}).get("perplexity") or 0
                    for name in split]
-        far_axis.bar([x + (index - (len(ranges) - 1) / 2) * width for x in range(len(split))], heights, width,
-                     label=f"window positions {key}", alpha=0.9 if key == far else 0.5)
+        places = [x + (index - (len(ranges) - 1) / 2) * width for x in range(len(split))]
+        far_axis.bar(places, heights, width, label=f"window positions {key}", alpha=0.9 if key == far else 0.5)
+        placed += zip(places, heights)
+    far_top = _readable_top([height for _, height in placed])
+    if far_top is not None:
+        far_axis.set_ylim(0, far_top)
+        _mark_off_scale(far_axis, placed, far_top)
     far_axis.set_xticks(range(len(split)), [SHORT_LABELS[name] for name in split], fontsize=8)
     far_axis.set_title("perplexity by position inside each 1024-token window\n(the tail serves positions far "
                        "beyond the 64-token window)", fontsize=9)
-    far_axis.set_yscale("log")  # an untrained tail is orders of magnitude off; trained arms stay readable
     if ranges:
         far_axis.legend(fontsize=7)
 
@@ -456,8 +489,13 @@ def plot(record: dict, path: str) -> str:
     curve_axis.axhline(target["threshold_ratio"], color="black", linestyle="--", linewidth=1,
                        label=f"target {target['threshold_ratio']:g}x")
     curve_axis.set_xlabel("hybrid training tokens (transfer + LoRA)")
-    curve_axis.set_ylabel("perplexity ratio hybrid / softmax (log)")
-    curve_axis.set_yscale("log")
+    curve_axis.set_ylabel("perplexity ratio hybrid / softmax")
+    ratios = [p["ratio"] for p in curve["training_loss"] + curve["evaluated"]] + [target["threshold_ratio"]]
+    curve_top = _readable_top(ratios, spread=5.0)
+    if curve_top is not None:
+        curve_axis.set_ylim(min(1.0, min(ratios)) * 0.95, curve_top)
+        _mark_off_scale(curve_axis, [(p["tokens_seen"], p["ratio"]) for p in curve["evaluated"]], curve_top,
+                        marker=True)
     curve_axis.set_title("ratio against tokens seen", fontsize=9)
     curve_axis.legend(fontsize=7)
 
