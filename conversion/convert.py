@@ -29,7 +29,12 @@ from hf_performer.configuration_performer import (
     check_source_architecture,
 )
 from hf_performer.clustered_attention import ClusteredAttentionError
-from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE
+from hf_performer.favor_attention import (
+    FEATURE_MAP_ATTRIBUTE,
+    SOFTMAX_WEIGHT_ATTRIBUTE,
+    find_attention_modules,
+    layer_index_of,
+)
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
@@ -316,6 +321,32 @@ def convert_to_performer(
     # Saved in config.json (meant for the Hub): no local path.
     performer.config.source_config._name_or_path = public_source_name(performer.config.name_or_path)
     return performer.eval()
+
+
+def keep_softmax_attention(model: PerformerPreTrainedModel, layers: Iterable[int]) -> list[int]:
+    """Put the attention of ``layers`` of a converted model back on exact softmax: they join
+    ``favor_settings["softmax_layers"]`` and lose their feature maps and softmax weights (so that the folder saved
+    next holds no weight its config does not use); every other weight is unchanged.
+
+    Returns:
+        The model's softmax layers, sorted.
+
+    Raises:
+        ConversionError: a layer index the model does not have.
+    """
+    layers = {int(layer) for layer in layers}
+    indices = {layer_index_of(module) for _, module in find_attention_modules(model)}
+    missing = sorted(layers - indices)
+    if missing:
+        raise ConversionError(f"layers {missing} do not exist: the model's attention layers are "
+                              f"{min(indices)}..{max(indices)}")
+    combined = sorted(set(model.config.favor_settings.get("softmax_layers", [])) | layers)
+    model.config.softmax_layers = combined  # a new favor_settings dict: every module resolves its settings again
+    for _, module in find_attention_modules(model):
+        if layer_index_of(module) in layers:
+            for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
+                module._modules.pop(attribute, None)
+    return combined
 
 
 def _classes_for(task: str, config) -> list[type]:

@@ -10,10 +10,14 @@ the last finished stage (and the LoRA stage from its last checkpoint):
 2. ``transfer``: attention transfer of the tail (:func:`~hf_performer.conversion.attention_transfer.transfer_attention`
    with the window-output loss, x1000): only the maps and gamma train, every layer is fed the teacher's hidden
    states; packed ``transfer_length``-token sequences of the training text;
-3. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
+3. ``select`` (only with ``softmax_worst`` K > 0): each layer's transfer loss is measured on the first
+   :data:`SELECT_SEQUENCES` training sequences (teacher forcing) and the K layers the tail fits worst go back to exact
+   softmax (:func:`~hf_performer.conversion.keep_softmax_attention`): a trade of the constant decoding memory of those
+   layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such layers up front instead;
+4. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
    resume) with PEFT LoRA on the attention projections (maps and gamma frozen, asserted by
    :func:`~hf_performer.recipes.model.apply_lora`) on packed ``block_size``-token blocks, then merged;
-4. ``evaluate``: perplexity of the merged model with the protocol of :mod:`hf_performer.tasks.evaluation`
+5. ``evaluate``: perplexity of the merged model with the protocol of :mod:`hf_performer.tasks.evaluation`
    (windows of ``eval_context`` tokens every ``eval_context // 2``).
 
 ``baseline="softmax"`` skips 1 and 2 and runs the same LoRA stage and evaluation on the softmax model (identical
@@ -36,7 +40,11 @@ LINEARIZE_FILE = "linearize.json"
 """The record of a linearize run in its output folder: settings, every stage, the final perplexity, the curve."""
 RUN_FILE = "run.json"
 """The staging area's record: the run's settings and the finished stages (what a resumed run reads)."""
-STAGES = ("convert", "transfer", "lora", "evaluate")
+STAGES = ("convert", "transfer", "select", "lora", "evaluate")
+STAGE_FOLDERS = {"convert": "converted", "transfer": "transferred", "select": "selected", "lora": "lora"}
+"""The staging-area folder of the model each stage writes (``evaluate`` writes none)."""
+SELECT_SEQUENCES = 2
+"""Training sequences (of ``transfer_length`` tokens) the ``select`` stage measures each layer's transfer loss on."""
 OUTPUT_LOSS_FACTOR = 1000.0
 """The attention-transfer loss is ``OUTPUT_LOSS_FACTOR x`` the mean squared error of the outputs (LoLCATs)."""
 FEATURE_MAP_OPTIONS = {"init": "identity", "tie_qk": False}
@@ -61,6 +69,8 @@ class LinearizeSettings:
     window: int = 64
     sinks: int = 4
     linear_tail: bool = True
+    softmax_layers: list[int] = field(default_factory=list)
+    softmax_worst: int = 0
     transfer_steps: int = 200
     transfer_length: int = 1024
     transfer_batch_size: int = 8
@@ -88,7 +98,7 @@ class LinearizeSettings:
         """Raise :class:`RecipeError` (one line: what is wrong, what is accepted) on bad values or missing files."""
         if self.baseline not in (None, "softmax"):
             raise RecipeError(f"--baseline {self.baseline!r} is not known; accepted: softmax")
-        for name in ("window", "sinks", "transfer_steps", "lora_steps"):
+        for name in ("window", "sinks", "transfer_steps", "lora_steps", "softmax_worst"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)}")
         for name in ("transfer_length", "transfer_batch_size", "block_size", "batch_size", "eval_context",
@@ -102,6 +112,8 @@ class LinearizeSettings:
         if self.transfer_schedule not in SCHEDULES:
             raise RecipeError(f"--transfer-schedule {self.transfer_schedule!r} is not known; accepted: "
                               f"{', '.join(SCHEDULES)}")
+        if any(not isinstance(layer, int) or layer < 0 for layer in self.softmax_layers):
+            raise RecipeError(f"--softmax-layers takes layer indices >= 0, got {self.softmax_layers}")
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
         from ..favor_settings import feature_map_kind
@@ -273,10 +285,11 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
             source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
             seed=settings.seed, feature_map_options=dict(FEATURE_MAP_OPTIONS), window=settings.window,
             sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+            keep_softmax_layers=settings.softmax_layers,
         )
     except (ConversionError, ValueError, TypeError) as error:
         raise RecipeError(str(error)) from None
-    folder = area.file("converted")
+    folder = area.file(STAGE_FOLDERS["convert"])
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -286,12 +299,9 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
 
 def _model_folder(settings: LinearizeSettings, area: StagingArea, state: dict, before: str) -> str:
     """The folder of the model the stage ``before`` starts from: the last stage that wrote one."""
-    order = {"transfer": ("converted",), "lora": ("transferred", "converted"),
-             "evaluate": ("lora", "transferred", "converted")}[before]
-    for name in order:
-        stage = {"converted": "convert", "transferred": "transfer", "lora": "lora"}[name]
-        if state["stages"].get(stage, {}).get("status") == "done":
-            return area.file(name)
+    for stage in reversed(STAGES[:STAGES.index(before)]):
+        if stage in STAGE_FOLDERS and state["stages"].get(stage, {}).get("status") == "done":
+            return area.file(STAGE_FOLDERS[stage])
     return settings.source
 
 
@@ -323,7 +333,7 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
                                 loss="output",
                                 output_loss_factor=OUTPUT_LOSS_FACTOR, evaluation_batches=[],
                                 progress=settings.progress, deadline=deadline)
-    target = area.file("transferred")
+    target = area.file(STAGE_FOLDERS["transfer"])
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
@@ -387,6 +397,51 @@ class _LossLog:
         return points
 
 
+def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) -> StageRecord:
+    """With ``softmax_worst`` K > 0: put the K layers with the largest transfer loss back on exact softmax; saved in
+    ``selected/`` with every layer's loss in the record."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion import ConversionError, keep_softmax_attention
+    from ..conversion.attention_transfer import measure_transfer_losses
+    from ..tasks.data import tokenize_lm_text
+
+    if settings.baseline:
+        return StageRecord("select", "skipped", "--baseline softmax: every layer is softmax")
+    if settings.softmax_worst == 0:
+        return StageRecord("select", "skipped", "--softmax-worst 0: no layer goes back to softmax")
+    started = time.perf_counter()
+    folder = _model_folder(settings, area, state, "select")
+    tokenizer = _load_tokenizer(folder)
+    text = read_training_text(settings.train_files, settings.max_train_chars)
+    batches = transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length, 1, settings.seed)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        measured = measure_transfer_losses(model, batches[:SELECT_SEQUENCES])
+    losses = {layer: OUTPUT_LOSS_FACTOR * entry["output_squared_error"] for layer, entry in measured.items()}
+    if settings.softmax_worst > len(losses):
+        raise RecipeError(f"--softmax-worst {settings.softmax_worst} is more than the {len(losses)} layers with a "
+                          "window / tail; accepted: 0 to " + str(len(losses)))
+    worst = sorted(sorted(losses, key=losses.get, reverse=True)[:settings.softmax_worst])
+    try:
+        softmax_layers = keep_softmax_attention(model, worst)
+    except ConversionError as error:
+        raise RecipeError(str(error)) from None
+    target = area.file(STAGE_FOLDERS["select"])
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    return StageRecord(
+        "select", "done", wall_time_s=round(time.perf_counter() - started, 2),
+        details={"loss": f"{OUTPUT_LOSS_FACTOR:g} x MSE of each layer's attention output against exact softmax, "
+                         f"teacher forcing, on the first {min(SELECT_SEQUENCES, len(batches))} training sequences "
+                         f"of {settings.transfer_length} tokens",
+                 "layer_losses": {str(layer): round(value, 4) for layer, value in sorted(losses.items())},
+                 "worst_layers": worst, "softmax_layers": softmax_layers},
+    )
+
+
 def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:
     """The recipe's LoRA fine-tuning (merged at the end) in ``lora/``, resumed from its last checkpoint."""
     from accelerate import PartialState
@@ -397,7 +452,7 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     if settings.lora_steps == 0:
         return StageRecord("lora", "skipped", "--lora-steps 0")
     started = time.perf_counter()
-    folder = area.file("lora")
+    folder = area.file(STAGE_FOLDERS["lora"])
     model = _model_folder(settings, area, state, "lora")
     processes = PartialState()
     train_text = area.file("train.txt")
@@ -518,6 +573,7 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
     runners = {
         "convert": lambda: stage_convert(settings, area),
         "transfer": lambda: stage_transfer(settings, area, state, deadline),
+        "select": lambda: stage_select(settings, area, state),
         "lora": lambda: stage_lora(settings, area, state, deadline),
         "evaluate": lambda: stage_evaluate(settings, area, state),
     }
@@ -610,6 +666,7 @@ def linearize_record(settings: LinearizeSettings, state: dict, command: str | No
 __all__ = [
     "LINEARIZE_FILE",
     "STAGES",
+    "STAGE_FOLDERS",
     "LinearizeSettings",
     "StageRecord",
     "open_staging_area",

@@ -180,7 +180,7 @@ def test_resume_skips_finished_stages_and_continues_lora_from_its_checkpoint(tin
         _run(argv)
     assert not output.exists()
     staged = json.loads((tmp_path / ".resumed.linearize" / "run.json").read_text())
-    assert set(staged["stages"]) == {"convert", "transfer"}
+    assert set(staged["stages"]) == {"convert", "transfer", "select"}
     monkeypatch.setattr(linearize._LossLog, "__call__", original)
     capsys.readouterr()
     assert _run(argv) == 0
@@ -238,6 +238,9 @@ def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, 
     (["--baseline", "softmax", "--window", "8"], "--baseline softmax trains the softmax model"),
     (["--train-file", "/nonexistent/train.txt"], "no such file: /nonexistent/train.txt"),
     (["--eval-context", "0"], "--eval-context must be an int >= 1"),
+    (["--baseline", "softmax", "--softmax-worst", "1"], "it takes no --softmax-worst"),
+    (["--softmax-worst", "-1"], "--softmax-worst must be an int >= 0"),
+    (["--softmax-layers", "-2"], "--softmax-layers takes layer indices >= 0"),
 ])
 def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message):
     from hf_performer.cli import main as cli_main
@@ -384,7 +387,8 @@ def test_end_to_end_folder_reloads_with_trust_remote_code(tiny_models, tmp_path,
     output = tmp_path / architecture
     assert _run(_argv(tiny_models, architecture, output, *_hybrid_flags())) == 0
     record = json.loads((output / "linearize.json").read_text())
-    assert record["kind"] == "hybrid" and all(stage["status"] == "done" for stage in record["stages"].values())
+    assert record["kind"] == "hybrid" and record["stages"]["select"]["status"] == "skipped"
+    assert all(stage["status"] == "done" for name, stage in record["stages"].items() if name != "select")
     assert record["tokens_seen"] == 3 * 2 * 16 + 2 * 2 * 16
     assert [p["stage"] for p in record["curve"]] == ["transfer"] * 3 + ["lora"] * 2 + ["evaluate"]
     config = json.loads((output / "config.json").read_text())
@@ -482,3 +486,82 @@ def test_apply_lora_refuses_a_trainable_parameter_other_than_the_adapters(tiny_m
     model = convert_to_performer(source, feature_map="hedgehog")
     with pytest.raises(RecipeError, match="favor_feature_map"):
         apply_lora(model, args)
+
+
+def test_softmax_worst_puts_the_layer_the_tail_fits_worst_back_on_softmax(tiny_models, tmp_path):
+    """The select stage ranks the layers by their transfer loss and moves the worst to exact softmax: the config
+    lists it, its map and gamma are gone from the weights (the folder reloads with no unexpected key), the other
+    layer keeps its tail; an explicit --softmax-layers joins them."""
+    from transformers import AutoModelForCausalLM
+
+    output = tmp_path / "worst"
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), "--softmax-worst", "1")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    select = record["stages"]["select"]
+    losses = {int(layer): loss for layer, loss in select["details"]["layer_losses"].items()}
+    worst = max(losses, key=losses.get)
+    assert select["status"] == "done" and len(losses) == 2 and select["details"]["worst_layers"] == [worst]
+    assert json.loads((output / "config.json").read_text())["favor_settings"]["softmax_layers"] == [worst]
+    maps = [name for name in _weights(output) if _is_map_or_gamma(name)]
+    assert maps and not any(f"layers.{worst}." in name for name in maps)
+    model, info = AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True, output_loading_info=True)
+    assert not info["unexpected_keys"] and not info["missing_keys"]
+    assert model(torch.tensor([[1, 2, 3, 4, 5]])).logits.isfinite().all()
+
+    explicit = tmp_path / "explicit"
+    argv = _argv(tiny_models, "llama", explicit, *_hybrid_flags(steps=2), "--softmax-layers", "0",
+                 "--softmax-worst", "1")
+    assert _run(argv) == 0
+    record = json.loads((explicit / "linearize.json").read_text())
+    assert list(record["stages"]["select"]["details"]["layer_losses"]) == ["1"]  # layer 0 had no tail to measure
+    assert json.loads((explicit / "config.json").read_text())["favor_settings"]["softmax_layers"] == [0, 1]
+
+
+def test_softmax_worst_beyond_the_layers_gives_a_one_line_error(tiny_models, tmp_path):
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(_argv(tiny_models, "llama", tmp_path / "out", *_hybrid_flags(steps=1), "--softmax-worst", "3"))
+    line = str(failure.value)
+    assert "--softmax-worst 3 is more than the 2 layers" in line and "\n" not in line
+
+
+def test_reuse_transfer_starts_a_run_after_another_runs_transfer(tiny_models, tmp_path):
+    """benchmarks/scripts/reuse_transfer.py: a --softmax-worst run continues from a finished run's transferred model
+    (same transfer settings) without training the tail again; other transfer settings are refused, naming them."""
+    import importlib.util
+    from pathlib import Path
+
+    from hf_performer.cli import main as cli_main
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "reuse_transfer.py"
+    spec = importlib.util.spec_from_file_location("_script_reuse_transfer", script)
+    reuse = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reuse)
+
+    done = tmp_path / "done"
+    argv = _argv(tiny_models, "llama", done, *_hybrid_flags(steps=2))
+    assert cli_main([*argv, "--stop-after", "transfer"]) == 0
+    transferred = tmp_path / "transferred"
+    import shutil
+
+    shutil.copytree(tmp_path / ".done.linearize" / "transferred", transferred)
+    assert cli_main(argv) == 0
+
+    other = _argv(tiny_models, "llama", tmp_path / "other", *_hybrid_flags(steps=3), "--softmax-worst", "1")
+    assert cli_main([*other, "--stop-after", "convert"]) == 0
+    with pytest.raises(SystemExit) as failure:
+        reuse.main([str(tmp_path / ".other.linearize"), "--record", str(done / "linearize.json"),
+                    "--model", str(transferred)])
+    assert "transfer_steps 2 (new run 3)" in str(failure.value)
+
+    new = _argv(tiny_models, "llama", tmp_path / "new", *_hybrid_flags(steps=2), "--softmax-worst", "1")
+    assert cli_main([*new, "--stop-after", "convert"]) == 0
+    assert reuse.main([str(tmp_path / ".new.linearize"), "--record", str(done / "linearize.json"),
+                       "--model", str(transferred)]) == 0
+    assert cli_main(new) == 0
+    record = json.loads((tmp_path / "new" / "linearize.json").read_text())
+    finished = json.loads((done / "linearize.json").read_text())
+    transfer = record["stages"]["transfer"]
+    assert "reused_from" in transfer["details"] and transfer["tokens_seen"] == finished["stages"]["transfer"]["tokens_seen"]
+    assert record["stages"]["select"]["status"] == "done" and record["stages"]["lora"]["status"] == "done"

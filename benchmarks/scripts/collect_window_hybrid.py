@@ -57,14 +57,18 @@ ARMS = {
     "hybrid_transfer": "hybrid after attention transfer, before LoRA",
     "hybrid_lora": "hybrid: attention transfer + LoRA",
     "window_lora": "window-only + LoRA (tail ablation, same LoRA budget)",
+    "hybrid_worst_softmax_lora": "hybrid with the layers the tail fits worst back on exact softmax (linearize "
+                            "--softmax-worst K): transfer + select + LoRA",
 }
 SHORT_LABELS = {"softmax_zeroshot": "softmax\n0-shot", "hybrid_zeroshot": "hybrid\n0-shot",
                 "window_zeroshot": "window\n0-shot", "softmax_lora": "softmax\n+LoRA",
                 "hybrid_transfer": "hybrid\ntransfer",
-                "hybrid_lora": "hybrid\ntransfer+LoRA", "window_lora": "window\n+LoRA"}
+                "hybrid_lora": "hybrid\ntransfer+LoRA", "window_lora": "window\n+LoRA",
+                "hybrid_worst_softmax_lora": "hybrid, worst\nlayers softmax"}
 COLOURS = {"softmax_zeroshot": "#9ecae1", "softmax_lora": "#3182bd", "hybrid_zeroshot": "#bcbddc",
            "hybrid_transfer": "#9e9ac8",
-           "hybrid_lora": "#756bb1", "window_zeroshot": "#fdae6b", "window_lora": "#e6550d"}
+           "hybrid_lora": "#756bb1", "window_zeroshot": "#fdae6b", "window_lora": "#e6550d",
+           "hybrid_worst_softmax_lora": "#54278f"}
 
 
 def _load_sibling(name: str):
@@ -118,10 +122,12 @@ def read_linearize(folder: str, arm: str) -> dict:
             "source", "train_files", "max_train_chars", "feature_map", "window", "sinks", "linear_tail",
             "transfer_steps", "transfer_length", "transfer_batch_size", "transfer_learning_rate", "transfer_schedule",
             "lora_steps", "block_size", "batch_size", "gradient_accumulation_steps", "learning_rate", "lora_r", "lora_alpha",
-            "baseline", "seed", "time_limit") if key in settings},
+            "baseline", "seed", "time_limit", "softmax_layers", "softmax_worst") if key in settings},
         "stages": stage_rows,
         "tokens_seen": record.get("tokens_seen"),
         "transfer_tokens_seen": (stages.get("transfer") or {}).get("tokens_seen", 0),
+        "softmax_layers": ((stages.get("select") or {}).get("details") or {}).get(
+            "softmax_layers", settings.get("softmax_layers") or []),
         "lora_tokens_seen": (stages.get("lora") or {}).get("tokens_seen", 0),
         "wall_time_s": record.get("wall_time_s"),
         "linearize_perplexity": record.get("perplexity"),
@@ -314,6 +320,8 @@ def build_record(args: argparse.Namespace) -> dict:
     ratios = {}
     for context in contexts:
         for numerator, denominator in (("hybrid_lora", "softmax_lora"), ("window_lora", "softmax_lora"),
+                                       ("hybrid_worst_softmax_lora", "softmax_lora"),
+                                       ("hybrid_lora", "hybrid_worst_softmax_lora"),
                                        ("hybrid_zeroshot", "softmax_zeroshot"),
                                        ("hybrid_transfer", "softmax_zeroshot"), ("window_zeroshot", "hybrid_transfer"),
                                        ("window_zeroshot", "softmax_zeroshot"), ("window_lora", "hybrid_lora"),

@@ -16,6 +16,10 @@
 #                      then the same command continues: no extra training)
 #   hybrid_lora        linearize                      (attention transfer of the tail, then LoRA)
 #   window_lora        linearize --no-tail            (the tail ablation: the same LoRA budget)
+#   hybrid_worst_softmax_lora  (not in the default list) linearize --softmax-worst $SOFTMAX_WORST: the layers the
+#                      tail fits worst go back to exact softmax after the transfer, then the same LoRA. It starts from
+#                      hybrid_lora's transferred model (the same transfer settings and seed) instead of repeating the
+#                      transfer: needs hybrid_transfer and hybrid_lora done first (benchmarks/scripts/reuse_transfer.py)
 #
 # Evaluations (hf-performer evaluate, one protocol for every arm; linearize's own evaluation is not used):
 #   perplexity at 1024 (stride 512) on the first $EVAL_CHARS characters of wiki.test.raw for the trained arms and
@@ -35,7 +39,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
-    CONTEXT_ARMS PASSKEY_ARMS TITLE
+    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -53,11 +57,13 @@ case "$PROFILE" in
         : "${BLOCK:=1024}" "${BATCH:=2}" "${EVAL_CHARS:=200000}" "${ZS_EVAL_CHARS:=200000}"
         : "${EXTRA_CHARS:=200000}" "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
         : "${PASSKEY_ARMS:=softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
+        PASSKEY_ARMS+=" hybrid_worst_softmax_lora"
         : "${PASSKEY_DEPTHS:=0 0.5 1}" "${PASSKEY_TRIALS:=2}" "${IMDB_REVIEWS:=0}" ;;
     short)  # ~5,300 CPU-s: about 1 hour; all arms, few steps; zero-shot arms and contexts 256/2048 on 50k characters
         : "${TRANSFER_STEPS:=24}" "${TRANSFER_LENGTH:=1024}" "${TRANSFER_BATCH:=2}" "${LORA_STEPS:=24}"
         : "${BLOCK:=1024}" "${BATCH:=2}" "${EVAL_CHARS:=200000}" "${ZS_EVAL_CHARS:=50000}" "${EXTRA_CHARS:=50000}"
-        : "${CONTEXT_ARMS:=softmax_lora hybrid_lora}" "${PASSKEY_ARMS:=softmax_lora hybrid_lora window_lora}"
+        : "${CONTEXT_ARMS:=softmax_lora hybrid_lora hybrid_worst_softmax_lora}"
+        : "${PASSKEY_ARMS:=softmax_lora hybrid_lora window_lora hybrid_worst_softmax_lora}"
         : "${PASSKEY_DEPTHS:=0.5}" "${PASSKEY_TRIALS:=2}" "${IMDB_REVIEWS:=0}" ;;
     tiny)   # a tiny random Llama with the GPT-2 tokenizer: the whole pipeline in minutes (numbers mean nothing)
         : "${SMOL:=${OUT:-/tmp/window_hybrid_tiny}/tiny_llama}" "${OUT:=/tmp/window_hybrid_tiny}"
@@ -65,6 +71,7 @@ case "$PROFILE" in
         : "${BLOCK:=128}" "${BATCH:=2}" "${EVAL_CHARS:=12000}" "${ZS_EVAL_CHARS:=12000}" "${EXTRA_CHARS:=12000}"
         : "${CONTEXT_ARMS:=softmax_zeroshot hybrid_zeroshot softmax_lora hybrid_lora}"
         : "${PASSKEY_ARMS:=softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_lora window_lora}"
+        PASSKEY_ARMS+=" hybrid_worst_softmax_lora"
         : "${PASSKEY_DEPTHS:=0 1}" "${PASSKEY_TRIALS:=1}" "${IMDB_REVIEWS:=20}"
         : "${RESULT:=${OUT}/window_hybrid_tiny.json}" "${TITLE:=tiny random Llama: pipeline check of the window hybrid}" ;;
     *) echo "PROFILE must be full, short or tiny (got '$PROFILE')" >&2; exit 2 ;;
@@ -87,6 +94,7 @@ TRANSFER_LR="${TRANSFER_LR:-1e-2}"
 TRANSFER_SCHEDULE="${TRANSFER_SCHEDULE:-constant}"   # or cosine (decay to 0 over the transfer steps)
 LR="${LR:-1e-4}"
 SEED="${SEED:-0}"
+SOFTMAX_WORST="${SOFTMAX_WORST:-5}"       # layers hybrid_worst_softmax_lora puts back on softmax
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
 
 # Evaluation
@@ -184,8 +192,9 @@ wants() { [[ " $ARM_NAMES " == *" $1 "* ]]; }
 for arm in "${ARMS[@]}"; do
     case "$arm" in
         softmax_zeroshot|hybrid_zeroshot|window_zeroshot|softmax_lora|hybrid_transfer|hybrid_lora|window_lora) ;;
+        hybrid_worst_softmax_lora) ;;
         *) log "unknown arm '$arm' in ARM_NAMES; accepted: softmax_zeroshot hybrid_zeroshot window_zeroshot" \
-               "softmax_lora hybrid_transfer hybrid_lora window_lora"; exit 2 ;;
+               "softmax_lora hybrid_transfer hybrid_lora window_lora hybrid_worst_softmax_lora"; exit 2 ;;
     esac
 done
 
@@ -220,6 +229,24 @@ fi
 if wants hybrid_lora; then
     run_step linearize_hybrid_lora "$OUT/hybrid_lora/linearize.json" \
         linearize hybrid_lora "${HYBRID_ARGS[@]}" --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
+fi
+worst_softmax_model() {  # hybrid_lora's transferred model, --softmax-worst layers back on softmax, then LoRA
+    local arm=hybrid_worst_softmax_lora
+    local args=("${HYBRID_ARGS[@]}" --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS" --softmax-worst \
+                "$SOFTMAX_WORST")
+    if [[ ! -e "$OUT/.$arm.linearize/run.json" ]]; then
+        for needed in "$OUT/hybrid_transfer/config.json" "$OUT/hybrid_lora/linearize.json"; do
+            [[ -e "$needed" ]] || { log "$arm starts from hybrid_lora's transfer: $needed is missing (run" \
+                                        "hybrid_transfer and hybrid_lora first)"; return 1; }
+        done
+        linearize "$arm" "${args[@]}" --stop-after convert
+        show_and_run "$PYTHON" benchmarks/scripts/reuse_transfer.py "$OUT/.$arm.linearize" \
+            --record "$OUT/hybrid_lora/linearize.json" --model "$OUT/hybrid_transfer"
+    fi
+    linearize "$arm" "${args[@]}"
+}
+if wants hybrid_worst_softmax_lora; then
+    run_step linearize_hybrid_worst_softmax_lora "$OUT/hybrid_worst_softmax_lora/linearize.json" worst_softmax_model
 fi
 if wants window_lora; then
     run_step linearize_window_lora "$OUT/window_lora/linearize.json" linearize window_lora "${HYBRID_ARGS[@]}" \

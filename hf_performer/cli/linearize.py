@@ -9,6 +9,7 @@ Stages (recipes/README.md, "Linearize a causal LM"):
   convert   window settings (--window, --sinks), a learned map (hedgehog) from the identity, separate q / k maps
   transfer  only the maps and gamma train: 1000 x MSE of each layer's attention output against exact softmax, every
             layer fed the teacher's hidden states (--transfer-*); skipped with --no-tail / --baseline
+  select    with --softmax-worst K: the K layers the tail fits worst (transfer loss) go back to exact softmax
   lora      PEFT LoRA on the attention projections (maps and gamma frozen) on packed --block-size blocks, merged
   evaluate  perplexity on --eval-file: windows of --eval-context tokens every --eval-context / 2
 
@@ -33,12 +34,14 @@ from .arguments import add_favor_arguments
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
-CONVERSION_FLAGS = ("feature_map", "nb_features", "window", "sinks", "no_tail", "transfer_steps", "transfer_length",
-                    "transfer_batch_size", "transfer_learning_rate", "transfer_schedule")
+CONVERSION_FLAGS = ("feature_map", "nb_features", "window", "sinks", "no_tail", "softmax_layers", "softmax_worst",
+                    "transfer_steps", "transfer_length", "transfer_batch_size", "transfer_learning_rate",
+                    "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
 DEFAULTS = {"feature_map": "hedgehog", "window": 64, "sinks": 4, "transfer_steps": 200, "transfer_length": 1024,
-            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2, "transfer_schedule": "constant"}
+            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2, "transfer_schedule": "constant",
+            "softmax_layers": [], "softmax_worst": 0}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -67,6 +70,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     })
     hybrid.add_argument("--no-tail", action="store_true", default=None,
                         help="the ablation: sinks + window exact softmax only, no linear tail (no transfer stage)")
+    hybrid.add_argument("--softmax-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                        help="layers kept on exact softmax attention (a growing key/value cache each; default: none)")
+    hybrid.add_argument("--softmax-worst", type=int, default=None, metavar="K",
+                        help="after the transfer, put the K layers with the largest transfer loss back on exact "
+                             "softmax (the select stage; default: 0)")
     hybrid.add_argument("--transfer-steps", type=int, default=None, help="optimizer steps, 0 = skip (default: 200)")
     hybrid.add_argument("--transfer-length", type=int, default=None, help="tokens per sequence (default: 1024)")
     hybrid.add_argument("--transfer-batch-size", type=int, default=None, help="sequences per step (default: 8)")
@@ -98,10 +106,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="stop the training stages after MINUTES in all (the record says the steps done and why)")
     run.add_argument("--overwrite", action="store_true",
                      help="start over: replace OUTPUT and discard an interrupted run's staging area")
-    run.add_argument("--stop-after", choices=("convert", "transfer", "lora"), default=None, metavar="STAGE",
-                     help="stop once STAGE (convert, transfer or lora) is finished, keeping its model in the staging "
-                          "area (.OUTPUT.linearize/converted, transferred or lora) for a look; rerun the same command "
-                          "without it to continue")
+    run.add_argument("--stop-after", choices=("convert", "transfer", "select", "lora"), default=None,
+                     metavar="STAGE",
+                     help="stop once STAGE (convert, transfer, select or lora) is finished, keeping its model in the "
+                          "staging area (.OUTPUT.linearize/converted, transferred, selected or lora) for a look; rerun "
+                          "the same command without it to continue")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.set_defaults(func=run_linearize_command)
     return parser
@@ -119,6 +128,7 @@ def settings_from_args(args: argparse.Namespace):
             raise SystemExit(f"hf-performer linearize: error: --baseline softmax trains the softmax model without "
                              f"conversion or transfer; it takes no {flags}")
     values = {name: getattr(args, name) if getattr(args, name) is not None else DEFAULTS[name] for name in DEFAULTS}
+    values["softmax_layers"] = sorted(set(values["softmax_layers"]))
     return LinearizeSettings(
         source=args.source, train_files=list(args.train_file), max_train_chars=args.max_train_chars,
         nb_features=args.nb_features, linear_tail=not args.no_tail, lora_steps=args.lora_steps,
@@ -166,8 +176,9 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
 
         if not PartialState().is_main_process:
             return 0
-        stage_model = {"convert": "converted", "transfer": "transferred", "lora": "lora"}[stop_after]
-        kept = os.path.join(staging, stage_model)
+        from ..recipes.linearize import STAGE_FOLDERS
+
+        kept = os.path.join(staging, STAGE_FOLDERS[stop_after])
         where = f" (its model: {kept})" if os.path.isdir(kept) else ""
         print(f"linearize: stopped after stage {stop_after}{where}; rerun the same command to continue")
         return 0
