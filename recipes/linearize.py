@@ -305,13 +305,25 @@ def _model_folder(settings: LinearizeSettings, area: StagingArea, state: dict, b
     return settings.source
 
 
+def _packed_training_batches(settings: LinearizeSettings, area: StagingArea, state: dict, stage: str,
+                             batch_size: int) -> tuple[str, object, list[dict]]:
+    """The folder ``stage`` starts from, its tokenizer and the training text as packed ``[batch_size,
+    transfer_length]`` batches in the seeded order (:func:`transfer_batches`)."""
+    from ..tasks.data import tokenize_lm_text
+
+    folder = _model_folder(settings, area, state, stage)
+    tokenizer = _load_tokenizer(folder)
+    text = read_training_text(settings.train_files, settings.max_train_chars)
+    return folder, tokenizer, transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length,
+                                               batch_size, settings.seed)
+
+
 def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:
     """Attention transfer of the tail (maps and gamma only) on packed sequences; saved in ``transferred/``."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from ..conversion.attention_transfer import transfer_attention
-    from ..tasks.data import tokenize_lm_text
 
     if settings.baseline:
         return StageRecord("transfer", "skipped", "--baseline softmax: no conversion, nothing to transfer")
@@ -321,11 +333,8 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
     if settings.transfer_steps == 0:
         return StageRecord("transfer", "skipped", "--transfer-steps 0")
     started = time.perf_counter()
-    folder = _model_folder(settings, area, state, "transfer")
-    tokenizer = _load_tokenizer(folder)
-    text = read_training_text(settings.train_files, settings.max_train_chars)
-    batches = transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length,
-                               settings.transfer_batch_size, settings.seed)
+    folder, tokenizer, batches = _packed_training_batches(settings, area, state, "transfer",
+                                                          settings.transfer_batch_size)
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(folder)
     result = transfer_attention(model, batches, steps=settings.transfer_steps,
@@ -405,17 +414,13 @@ def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) ->
 
     from ..conversion import ConversionError, keep_softmax_attention
     from ..conversion.attention_transfer import measure_transfer_losses
-    from ..tasks.data import tokenize_lm_text
 
     if settings.baseline:
         return StageRecord("select", "skipped", "--baseline softmax: every layer is softmax")
     if settings.softmax_worst == 0:
         return StageRecord("select", "skipped", "--softmax-worst 0: no layer goes back to softmax")
     started = time.perf_counter()
-    folder = _model_folder(settings, area, state, "select")
-    tokenizer = _load_tokenizer(folder)
-    text = read_training_text(settings.train_files, settings.max_train_chars)
-    batches = transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length, 1, settings.seed)
+    folder, tokenizer, batches = _packed_training_batches(settings, area, state, "select", 1)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     with torch.no_grad():
         measured = measure_transfer_losses(model, batches[:SELECT_SEQUENCES])
