@@ -449,8 +449,10 @@ def plot(record: dict, path: str) -> str:
                               label=f"{ratio:g} x softmax + LoRA")
         bars_axis.legend(fontsize=7)
     ratio_text = "-" if target["ratio"] is None else f"{target['ratio']:.3f}"
+    worst = (record["ratios"].get("hybrid_worst_softmax_lora_to_softmax_lora_1024") or {}).get("ratio")
+    worst_text = "" if worst is None else f"; worst layers on softmax: {worst:.3f}"
     bars_axis.set_title(f"perplexity, context 1024 (stride 512)\nhybrid+LoRA / softmax+LoRA = {ratio_text}: target "
-                        f"{target['status']}", fontsize=9)
+                        f"{target['status']}{worst_text}", fontsize=9)
     bars_axis.set_ylabel("perplexity (lower is better)")
 
     far = f"{record['tail_ablation']['trained_far_positions']['position_range']}"
