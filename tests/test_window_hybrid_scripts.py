@@ -101,21 +101,28 @@ def _linearize_record(kind, transfer_tokens, lora_losses, tokens_per_step=2048):
 
 @pytest.fixture
 def experiment(tmp_path, records):
-    """All seven arms: hybrid + LoRA 1.08x softmax + LoRA, window-only 1.3x at the far positions; the hybrid after
-    its transfer (evaluation records only, no linearize folder) 1.6x softmax zero-shot."""
+    """All eight arms: hybrid + LoRA 1.08x softmax + LoRA, window-only 1.3x at the far positions; the hybrid after
+    its transfer (evaluation records only, no linearize folder) 1.6x softmax zero-shot; the hybrid with its worst
+    layer (1) back on softmax 1.03x."""
     runs = tmp_path / "runs"
     (runs / "eval").mkdir(parents=True)
     factors = {"softmax_zeroshot": (1.0, None), "hybrid_zeroshot": (1.9, None), "window_zeroshot": (1.95, 2.2),
-               "softmax_lora": (0.9, None), "hybrid_transfer": (1.6, None), "hybrid_lora": (0.9 * 1.08, None), "window_lora": (0.9 * 1.2, 0.9 * 1.3)}
-    losses = {"softmax_lora": [3.0, 2.9, 2.8], "hybrid_lora": [3.5, 3.2, 2.9], "window_lora": [3.6, 3.3, 3.1]}
+               "softmax_lora": (0.9, None), "hybrid_transfer": (1.6, None), "hybrid_lora": (0.9 * 1.08, None), "window_lora": (0.9 * 1.2, 0.9 * 1.3),
+               "hybrid_worst_softmax_lora": (0.9 * 1.03, None)}
+    losses = {"softmax_lora": [3.0, 2.9, 2.8], "hybrid_lora": [3.5, 3.2, 2.9], "window_lora": [3.6, 3.3, 3.1],
+              "hybrid_worst_softmax_lora": [3.4, 3.1, 2.85]}
     kinds = {"hybrid_zeroshot": "hybrid", "window_zeroshot": "window-only", "softmax_lora": "baseline-softmax",
-             "hybrid_lora": "hybrid", "window_lora": "window-only"}
+             "hybrid_lora": "hybrid", "window_lora": "window-only", "hybrid_worst_softmax_lora": "hybrid"}
     argv = []
     for arm, (factor, far) in factors.items():
         if arm not in ("softmax_zeroshot", "hybrid_transfer"):
             (runs / arm).mkdir()
-            transfer = 4096 if arm == "hybrid_lora" else 0
+            transfer = 4096 if arm in ("hybrid_lora", "hybrid_worst_softmax_lora") else 0
             record = _linearize_record(kinds[arm], transfer, losses.get(arm, []))
+            if arm == "hybrid_worst_softmax_lora":
+                record["stages"]["select"] = {"name": "select", "status": "done", "reason": None, "wall_time_s": 2.0,
+                                              "tokens_seen": 0, "details": {"worst_layers": [1],
+                                                                            "softmax_layers": [1]}}
             (runs / arm / "linearize.json").write_text(json.dumps(record))
             argv += ["--arm", f"{arm}={runs / arm}"]
         for name in ("ctx1024", "ctx256", "passkey"):
@@ -163,7 +170,11 @@ def test_collect_every_arm(experiment, records, capsys):
     near = arms["window_lora"]["perplexity"]["1024"]["position_ranges"]["0:512"]["perplexity"]
     assert near == pytest.approx(records["ctx1024"]["position_ranges"][0]["perplexity"] * 0.9 * 1.2)
     passkey = {(row["arm"], row["context_length"]): row["accuracy"] for row in record["passkey"]}
-    assert passkey[("hybrid_lora", 128)] == 1.0 and len(passkey) == 12
+    assert passkey[("hybrid_lora", 128)] == 1.0 and len(passkey) == 14
+    worst = record["ratios"]["hybrid_worst_softmax_lora_to_softmax_lora_1024"]
+    assert worst["ratio"] == pytest.approx(1.03) and arms["hybrid_worst_softmax_lora"]["trained"]
+    assert arms["hybrid_worst_softmax_lora"]["linearize"]["softmax_layers"] == [1]
+    assert arms["hybrid_lora"]["linearize"]["softmax_layers"] == []
     assert arms["softmax_lora"]["passkey"]["cells"][0]["depth"] == 0.5
     curve = record["ratio_vs_tokens_seen"]
     assert [p["tokens_seen"] for p in curve["evaluated"]] == [0, 4096, 4096 + 3 * 2048]
