@@ -41,8 +41,11 @@ from .feature_maps import FeatureMap, compute_dtype_for
 
 
 # Rows (examples x heads x tokens) of one chunk's temporaries: with m = 256 float32 features, 512 rows are 0.5 MiB
-# per [rows, m] tensor, the size that keeps the extra peak memory of a call at that of SDPA's flash kernel.
+# per [rows, m] tensor. The budget grows with the length, as SDPA's own extra memory does (O(L d)): L / 4 rows
+# (4k tokens: 1024, 8k: 2048) keep a call's extra peak memory below SDPA's from 4k tokens on, and the larger head
+# blocks run 10-15% faster at 8k (benchmarks/README.md, issue 17).
 BLOCK_ROWS = 512
+ROWS_PER_TOKEN = 0.25
 
 
 def _finite_min(dtype: torch.dtype) -> float:
@@ -114,13 +117,14 @@ class ChunkedAttentionSettings:
 
     def head_blocks(self, query: torch.Tensor, key: torch.Tensor) -> list[tuple[slice, slice]]:
         """``(key heads, query heads)`` slices processed together: as many whole key/value heads as keep a chunk's
-        ``[B, heads, C, m]`` features within :data:`BLOCK_ROWS` rows; all heads for maps with per-head
-        parameters (learned maps), which need them together."""
+        ``[B, heads, C, m]`` features within ``max(BLOCK_ROWS, ROWS_PER_TOKEN * L)`` rows; all heads for maps with
+        per-head parameters (learned maps), which need them together."""
         batch, heads, length = query.shape[:3]
         kv_heads = key.shape[1]
         groups = heads // kv_heads
         rows_per_kv_head = batch * groups * min(self.chunk_size, length)
-        per_block = kv_heads if getattr(self.feature_map, "num_heads", None) else max(1, BLOCK_ROWS // rows_per_kv_head)
+        budget = max(BLOCK_ROWS, int(ROWS_PER_TOKEN * length))
+        per_block = kv_heads if getattr(self.feature_map, "num_heads", None) else max(1, budget // rows_per_kv_head)
         return [(slice(h, min(h + per_block, kv_heads)), slice(h * groups, min(h + per_block, kv_heads) * groups))
                 for h in range(0, kv_heads, per_block)]
 
