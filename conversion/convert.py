@@ -335,17 +335,16 @@ def keep_softmax_attention(model: PerformerPreTrainedModel, layers: Iterable[int
         ConversionError: a layer index the model does not have.
     """
     layers = {int(layer) for layer in layers}
-    indices = {layer_index_of(module) for _, module in find_attention_modules(model)}
-    missing = sorted(layers - indices)
+    modules = {layer_index_of(module): module for _, module in find_attention_modules(model)}
+    missing = sorted(layers - set(modules))
     if missing:
         raise ConversionError(f"layers {missing} do not exist: the model's attention layers are "
-                              f"{min(indices)}..{max(indices)}")
+                              f"{min(modules)}..{max(modules)}")
     combined = sorted(set(model.config.favor_settings.get("softmax_layers", [])) | layers)
     model.config.softmax_layers = combined  # a new favor_settings dict: every module resolves its settings again
-    for _, module in find_attention_modules(model):
-        if layer_index_of(module) in layers:
-            for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
-                module._modules.pop(attribute, None)
+    for layer in layers:
+        for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
+            modules[layer]._modules.pop(attribute, None)
     return combined
 
 

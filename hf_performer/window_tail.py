@@ -4,8 +4,9 @@ With key features ``phi(k_j) = values_j exp(lk_j)`` (:class:`~.feature_maps.Feat
 holds ``sum_j values_j exp(lk_j - K) [v_j, 1]`` ``[B, H, m, dv + 1]`` with ``K`` ``[B, H]`` the (detached) maximum
 of the ``lk_j`` in the set (``finfo.min`` for an empty set): every term is ``<= ~1``, and two sums merge by
 rescaling to the larger maximum. :func:`_tail_prefix` gives each query the sum over its keys ``j <= i - offset``
-(a chunked scan), :func:`_tail_suffix` the sum over its keys ``j >= i + offset``; :func:`_tail_sum` and :func:`_merge_tail_sums` give the sums over spans of keys that the
-memory-bounded bidirectional path (:mod:`.window_segments`) carries between segments.
+(a chunked scan), :func:`_tail_suffix` the sum over its keys ``j >= i + offset``; :func:`_tail_sum` and
+:func:`_merge_tail_sums` give the sums over spans of keys that the memory-bounded bidirectional path
+(:mod:`.window_segments`) carries between segments.
 
 This module imports only ``torch``.
 """

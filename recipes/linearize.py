@@ -409,10 +409,9 @@ class _LossLog:
 def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) -> StageRecord:
     """With ``softmax_worst`` K > 0: put the K layers with the largest transfer loss back on exact softmax; saved in
     ``selected/`` with every layer's loss in the record."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    from ..conversion import ConversionError, keep_softmax_attention
+    from ..conversion import keep_softmax_attention
     from ..conversion.attention_transfer import measure_transfer_losses
 
     if settings.baseline:
@@ -422,17 +421,13 @@ def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) ->
     started = time.perf_counter()
     folder, tokenizer, batches = _packed_training_batches(settings, area, state, "select", 1)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    with torch.no_grad():
-        measured = measure_transfer_losses(model, batches[:SELECT_SEQUENCES])
+    measured = measure_transfer_losses(model, batches[:SELECT_SEQUENCES])
     losses = {layer: OUTPUT_LOSS_FACTOR * entry["output_squared_error"] for layer, entry in measured.items()}
     if settings.softmax_worst > len(losses):
         raise RecipeError(f"--softmax-worst {settings.softmax_worst} is more than the {len(losses)} layers with a "
-                          "window / tail; accepted: 0 to " + str(len(losses)))
+                          f"window / tail; accepted: 0 to {len(losses)}")
     worst = sorted(sorted(losses, key=losses.get, reverse=True)[:settings.softmax_worst])
-    try:
-        softmax_layers = keep_softmax_attention(model, worst)
-    except ConversionError as error:
-        raise RecipeError(str(error)) from None
+    softmax_layers = keep_softmax_attention(model, worst)  # the layers come from the model: no index to refuse
     target = area.file(STAGE_FOLDERS["select"])
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target)

@@ -563,5 +563,6 @@ def test_reuse_transfer_starts_a_run_after_another_runs_transfer(tiny_models, tm
     record = json.loads((tmp_path / "new" / "linearize.json").read_text())
     finished = json.loads((done / "linearize.json").read_text())
     transfer = record["stages"]["transfer"]
-    assert "reused_from" in transfer["details"] and transfer["tokens_seen"] == finished["stages"]["transfer"]["tokens_seen"]
+    assert "reused_from" in transfer["details"]
+    assert transfer["tokens_seen"] == finished["stages"]["transfer"]["tokens_seen"]
     assert record["stages"]["select"]["status"] == "done" and record["stages"]["lora"]["status"] == "done"

@@ -107,7 +107,8 @@ def experiment(tmp_path, records):
     runs = tmp_path / "runs"
     (runs / "eval").mkdir(parents=True)
     factors = {"softmax_zeroshot": (1.0, None), "hybrid_zeroshot": (1.9, None), "window_zeroshot": (1.95, 2.2),
-               "softmax_lora": (0.9, None), "hybrid_transfer": (1.6, None), "hybrid_lora": (0.9 * 1.08, None), "window_lora": (0.9 * 1.2, 0.9 * 1.3),
+               "softmax_lora": (0.9, None), "hybrid_transfer": (1.6, None), "hybrid_lora": (0.9 * 1.08, None),
+               "window_lora": (0.9 * 1.2, 0.9 * 1.3),
                "hybrid_worst_softmax_lora": (0.9 * 1.03, None)}
     losses = {"softmax_lora": [3.0, 2.9, 2.8], "hybrid_lora": [3.5, 3.2, 2.9], "window_lora": [3.6, 3.3, 3.1],
               "hybrid_worst_softmax_lora": [3.4, 3.1, 2.85]}
