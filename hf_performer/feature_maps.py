@@ -114,6 +114,15 @@ class FeatureMap(nn.Module):
         """
         raise NotImplementedError
 
+    def shifted_key_features(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        """``phi(x) exp(-shift)`` ``[..., L, m]`` for a per-row ``shift`` ``[..., L]`` at least ``log_scale`` (a
+        kernel's stabiliser, already known): the key features as a kernel uses them. Maps may override it with a
+        cheaper form (FAVOR+: one exp); this one rescales :meth:`key_features`."""
+        features = self.key_features(x)
+        if features.log_scale is None:
+            return features.values
+        return features.values * torch.exp(features.log_scale - shift)[..., None]
+
     @property
     def has_features_vjp(self) -> bool:
         return type(self).features_vjp is not FeatureMap.features_vjp and not any(
@@ -287,6 +296,12 @@ class FavorPlusFeatureMap(RandomFeatureMap):
         row_max = logits.detach().amax(dim=-1, keepdim=True)
         values = logits.sub_(row_max).exp_()
         return Features(values, row_max.squeeze(-1) - 0.5 * math.log(self.nb_features))
+
+    def shifted_key_features(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+        # exp(Wx - |x|^2/2 - log(m)/2 - shift): one shift and one exp over the [..., L, m] product (no row maximum).
+        dtype = compute_dtype_for(x)
+        row_shift = x.to(dtype).square().sum(-1).mul_(0.5).add_(shift).add_(0.5 * math.log(self.nb_features))
+        return self.project(x).sub_(row_shift[..., None]).exp_()
 
     def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
         # values = exp(Wx - |x|^2/2 - const): d/dx = (grad * values) W - x * sum(grad * values).

@@ -37,7 +37,10 @@ import torch
 from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention_autograd import _finite_min, _repeat_kv, _safe_denominator, chunked_linear_attention
 
-DEFAULT_CHUNK_SIZE = 128
+# Tokens per chunk of the causal scan (its [C, C] tiles): 64 runs fwd+bwd 10-15% faster than 128 at 8k-16k tokens
+# on a 2-core CPU (FAVOR+, 12 heads; benchmarks/README.md, issue 17). The bidirectional kernel, which has no
+# [C, C] tile, takes chunks of at least BIDIRECTIONAL_MIN_CHUNK tokens.
+DEFAULT_CHUNK_SIZE = 64
 
 
 class LinearAttentionState(NamedTuple):
@@ -251,7 +254,8 @@ def linear_attention(
         initial_state: causal only; the state returned by an earlier call on the preceding tokens.
         return_state: causal only; also return the state after the last token.
         chunk_size: tokens per chunk of the chunked computation (causal: exact inside a chunk, a running
-            state between chunks); any value gives the same result, it trades speed for temporary memory.
+            state between chunks; bidirectional chunks take at least 128 tokens); any value gives the same
+            result, it trades speed for temporary memory.
         eps: smallest magnitude of a denominator.
         recompute_features: ignored, kept for compatibility: the features are always recomputed in the
             backward now.

@@ -2,10 +2,11 @@
 
 The features ``phi(Q)``, ``phi(K)`` ``[B, H, L, m]`` (``m = 4 d`` for FAVOR+) are never held for the whole
 sequence, in the forward or the backward: :class:`ChunkedLinearAttention` saves only its inputs
-``q, k, v`` ``[B, H, L, d]``, the small sums (``[m, dv + 1]`` per head), the key stabilisers (one per
-(example, head), or the running one per token ``[B, H, L]`` in causal mode) and, in the backward,
-recomputes the features of ``C`` tokens at a time. Peak memory is then ``O(L d)`` per head, like a
-flash-style softmax kernel, plus ``O(C m)`` of chunk temporaries.
+``q, k, v`` ``[B, H, L, d]``, its output and the output's denominators ``[B, H, L, dv + 1]`` (as a flash-style
+softmax kernel saves its output and log-sum-exp: the backward then needs no second forward), the small sums
+(``[m, dv + 1]`` per head), the key stabilisers (one per (example, head), or the running one per token
+``[B, H, L]`` in causal mode) and, in the backward, recomputes the features of ``C`` tokens at a time. Peak memory
+is then ``O(L d)`` per head, like a flash-style softmax kernel, plus ``O(C m)`` of chunk temporaries.
 
 Layout and conventions are those of :mod:`.linear_attention` (queries ``[B, H, L, d]``, keys and values
 ``[B, Hkv, L, d]``, ``H % Hkv == 0``); the inputs are multiplied by ``scale`` chunk by chunk (no scaled
@@ -46,6 +47,9 @@ from .feature_maps import FeatureMap, compute_dtype_for
 # blocks run 10-15% faster at 8k (benchmarks/README.md, issue 17).
 BLOCK_ROWS = 512
 ROWS_PER_TOKEN = 0.25
+# Tokens per bidirectional chunk, at least: that pass has no [C, C] tile, so a smaller chunk only adds per-chunk
+# overhead (64 tokens: 6% slower than 128-512 at 8k; its temporaries are bounded by the row budget above).
+BIDIRECTIONAL_MIN_CHUNK = 128
 
 
 def _finite_min(dtype: torch.dtype) -> float:
@@ -77,7 +81,8 @@ class ChunkedAttentionSettings:
         feature_map: the map (called for queries and keys of ``chunk_size`` tokens at a time).
         causal: token ``i`` attends to keys ``<= i``.
         scale: inputs are multiplied by this (``sqrt(scaling)``) before the map.
-        chunk_size: tokens per chunk ``C`` (bounds the temporaries: ``[B, H, C, m]`` and ``[B, H, C, C]``).
+        chunk_size: tokens per chunk ``C`` of the causal scan (bounds its temporaries: ``[B, H, C, m]`` and
+            ``[B, H, C, C]``); bidirectional chunks take at least ``BIDIRECTIONAL_MIN_CHUNK`` tokens.
         eps: smallest magnitude of a denominator.
         dtype: compute dtype (float32, or float64 for float64 inputs).
     """
@@ -85,7 +90,8 @@ class ChunkedAttentionSettings:
     def __init__(self, feature_map: FeatureMap, causal: bool, scale: float, chunk_size: int, eps: float,
                  dtype: torch.dtype):
         self.feature_map, self.causal, self.scale = feature_map, causal, scale
-        self.chunk_size, self.eps, self.dtype = chunk_size, eps, dtype
+        self.chunk_size = chunk_size if causal else max(chunk_size, BIDIRECTIONAL_MIN_CHUNK)
+        self.eps, self.dtype = eps, dtype
         self.use_features_vjp = feature_map.has_features_vjp
         # (module, "parameters" or "buffers", name, tensor): what the forward computed with.
         self.slots = []
@@ -147,6 +153,18 @@ class ChunkedAttentionSettings:
         with torch.set_grad_enabled(track):
             features = self.feature_map.key_features(x * self.scale)
         return x, features.values, features.log_scale
+
+    def shifted_key_features(self, key: torch.Tensor, shift: torch.Tensor, keep: torch.Tensor | None,
+                             track: bool = False):
+        """``x`` as in :meth:`query_features` and the key features relative to a known stabiliser, as the kernel
+        uses them: ``phi(x * scale) exp(-shift)`` ``[B, Hkv, C, m]`` (``shift`` ``[B, Hkv, C]``, at least the rows'
+        log-scales), padded keys (``keep`` ``[B, 1, C]`` False) zeroed."""
+        x = self._tracked(key, track)
+        if keep is not None:
+            shift = shift.masked_fill(~keep, float("inf"))  # no overflow in the rows the stabiliser left out
+        with torch.set_grad_enabled(track):
+            values = self.feature_map.shifted_key_features(x * self.scale, shift)
+            return x, values if keep is None else _scale_rows(values, keep[..., None])
 
     @property
     def track(self) -> bool:
@@ -210,10 +228,10 @@ def _stabilised_keys(values, log_scale, keep, stabilizer):
     return values
 
 
-def _bidirectional_forward(settings, query, key, value, mask, out):
-    """Writes ``out`` ``[B, H, Lq, dv]``; returns the sums ``kv`` ``[B, Hkv, m, dv + 1]`` (last column: the
-    normaliser) and the key stabiliser ``c`` ``[B, Hkv]``. One pass over the keys (online maximum), one over the
-    queries."""
+def _bidirectional_forward(settings, query, key, value, mask, out, denominators):
+    """Writes ``out`` ``[B, H, Lq, dv]`` and its denominators ``[B, H, Lq, 1]``; returns the sums ``kv``
+    ``[B, Hkv, m, dv + 1]`` (last column: the normaliser) and the key stabiliser ``c`` ``[B, Hkv]``. One pass over
+    the keys (online maximum), one over the queries."""
     dtype, floor = settings.dtype, _finite_min(settings.dtype)
     batch, kv_heads = key.shape[:2]
     groups = query.shape[1] // kv_heads
@@ -236,21 +254,22 @@ def _bidirectional_forward(settings, query, key, value, mask, out):
     for start, end in _chunks(query.shape[2], settings.chunk_size):
         _, phi_q = settings.query_features(query[:, :, start:end])
         sums = torch.matmul(phi_q, kv_per_query_head)
-        out[:, :, start:end] = sums[..., :-1] / _safe_denominator(sums[..., -1:], settings.eps)
+        denominator = denominators[:, :, start:end] = _safe_denominator(sums[..., -1:], settings.eps)
+        out[:, :, start:end] = sums[..., :-1] / denominator
     return kv, stabilizer
 
 
-def _output_gradient(sums, grad_out, eps):
-    """``out = N / D`` from ``sums = [N, D]`` ``[..., dv + 1]``: the gradient of ``sums`` for ``grad_out``."""
-    denominator = _safe_denominator(sums[..., -1:], eps)
+def _output_gradient(out, denominator, grad_out):
+    """``out = N / D`` from ``sums = [N, D]`` ``[..., dv + 1]`` (``D`` as the forward kept it away from 0): the
+    gradient ``[..., dv + 1]`` of ``sums`` for ``grad_out``, from the saved ``out`` and ``D`` (no second forward)."""
     grad_numerator = grad_out / denominator
-    out = sums[..., :-1] / denominator
     return torch.cat([grad_numerator, -(grad_numerator * out).sum(-1, keepdim=True)], dim=-1)
 
 
-def _bidirectional_backward(settings, query, key, value, mask, kv, stabilizer, grad_out, grad_query, grad_key,
-                            grad_value):
-    """Writes the gradients ``grad_query``, ``grad_key``, ``grad_value`` (shaped as the inputs)."""
+def _bidirectional_backward(settings, query, key, value, mask, kv, stabilizer, out, denominators, grad_out,
+                            grad_query, grad_key, grad_value):
+    """Writes the gradients ``grad_query``, ``grad_key``, ``grad_value`` (shaped as the inputs); ``out`` and
+    ``denominators`` are the forward's."""
     dtype = settings.dtype
     groups = query.shape[1] // key.shape[1]
     kv_per_query_head = _repeat_kv(kv, groups)
@@ -259,17 +278,16 @@ def _bidirectional_backward(settings, query, key, value, mask, kv, stabilizer, g
         x, phi_q = settings.query_features(query[:, :, start:end], track=settings.track)
         with torch.no_grad():
             phi = phi_q.detach()
-            grad_sums = _output_gradient(torch.matmul(phi, kv_per_query_head),
-                                         grad_out[:, :, start:end].to(dtype), settings.eps)
+            grad_sums = _output_gradient(out[:, :, start:end], denominators[:, :, start:end],
+                                         grad_out[:, :, start:end].to(dtype))
             _add_matmul_(grad_kv, phi.transpose(-1, -2), grad_sums)
             grad_phi_q = torch.matmul(grad_sums, kv_per_query_head.transpose(-1, -2))
         grad_query[:, :, start:end] = settings.features_backward(x, phi_q, grad_phi_q)
     grad_kv = _sum_groups(grad_kv, groups)
     for start, end in _chunks(key.shape[2], settings.chunk_size):
         keep = _keep(mask, start, end)
-        x, values, log_scale = settings.key_features(key[:, :, start:end], track=settings.track)
-        with torch.set_grad_enabled(settings.track):
-            phi_k = _stabilised_keys(values, log_scale, keep, stabilizer)
+        shift = stabilizer[..., None].expand(-1, -1, end - start)
+        x, phi_k = settings.shifted_key_features(key[:, :, start:end], shift, keep, track=settings.track)
         with torch.no_grad():
             grad_value[:, :, start:end] = torch.matmul(phi_k.detach(), grad_kv[..., :-1])
             ones = _values_with_ones(value[:, :, start:end], keep, dtype)
@@ -291,13 +309,18 @@ class _CausalChunk:
     """
 
     def __init__(self, running: torch.Tensor, previous: torch.Tensor):
-        size = running.shape[-1]
-        causal = torch.ones(size, size, dtype=torch.bool, device=running.device).tril()
-        self.decay = (running[..., None, :] - running[..., :, None]).clamp_max_(0.0).exp_().masked_fill_(~causal, 0.0)
+        # c is non-decreasing, so c_j - c_i <= 0 below the diagonal; above it, exp may overflow, tril_ overwrites it.
+        self.decay = (running[..., None, :] - running[..., :, None]).exp_().tril_()
         end = running[..., -1:]
         self.from_state = torch.exp(previous[..., None] - running)[..., None]
         self.to_end = torch.exp(running - end)[..., None]
         self.carry = torch.exp(previous[..., None] - end)[..., None]
+
+
+def _next_state_(state, rescale, phi_k, ones):
+    """The state after a chunk, in place (no state-sized temporary): ``state exp(c_prev - c_end) +
+    phi_k^T (ones exp(c_j - c_end))``."""
+    return _add_matmul_(state.mul_(rescale.carry), phi_k.transpose(-1, -2), ones * rescale.to_end)
 
 
 def _causal_keys(values, log_scale, keep, previous, groups, floor):
@@ -317,15 +340,29 @@ def _causal_keys(values, log_scale, keep, previous, groups, floor):
     return values, running
 
 
-def _causal_forward(settings, query, key, value, mask, state, stabilizer, out, running_all):
-    """Writes ``out`` ``[B, H, L, dv]`` and the running stabiliser ``running_all`` ``[B, H, L]``; returns the final
-    state ``[B, H, m, dv + 1]`` and the start stabiliser as used (0 for maps without log-scales).
+def _known_causal_keys(settings, key, keep, previous, running, groups, track=False):
+    """``x`` and the key features of a chunk for the ``H`` query heads, relative to the forward's running stabiliser
+    ``running`` ``[B, H, C]``, as :func:`_causal_keys` gives them: one shifted feature step
+    (:meth:`ChunkedAttentionSettings.shifted_key_features`) without grouped heads; with them (one stabiliser per
+    query head, one feature row per key head), :func:`_causal_keys` from the chunk's ``previous`` ``[B, H]``."""
+    if groups == 1:
+        return settings.shifted_key_features(key, running, keep, track=track)
+    x, values, log_scale = settings.key_features(key, track=track)
+    with torch.set_grad_enabled(track):
+        return x, _causal_keys(values, log_scale, keep, previous, groups, _finite_min(settings.dtype))[0]
+
+
+def _causal_forward(settings, query, key, value, mask, state, stabilizer, out, denominators, running_all):
+    """Writes ``out`` ``[B, H, L, dv]``, its denominators ``[B, H, L, 1]`` and the running stabiliser
+    ``running_all`` ``[B, H, L]``; returns the final state ``[B, H, m, dv + 1]`` and the start stabiliser as used (0
+    for maps without log-scales).
 
     ``state`` ``[B, H, m, dv + 1]`` (or ``None``: zeros) and ``stabilizer`` ``[B, H]`` describe the tokens before.
     """
     dtype, floor = settings.dtype, _finite_min(settings.dtype)
     batch, heads, length = query.shape[:3]
     groups = heads // key.shape[1]
+    state = None if state is None else state.clone()  # updated in place
     for start, end in _chunks(length, settings.chunk_size):
         keep = _keep(mask, start, end)
         _, phi_q = settings.query_features(query[:, :, start:end])
@@ -340,64 +377,56 @@ def _causal_forward(settings, query, key, value, mask, state, stabilizer, out, r
         ones = _repeat_kv(_values_with_ones(value[:, :, start:end], keep, dtype), groups)
         scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)).mul_(rescale.decay)
         sums = torch.matmul(scores, ones).add_(torch.matmul(phi_q, state).mul_(rescale.from_state))
-        out[:, :, start:end] = sums[..., :-1] / _safe_denominator(sums[..., -1:], settings.eps)
-        state = state * rescale.carry + torch.matmul(phi_k.transpose(-1, -2), ones * rescale.to_end)
+        denominator = denominators[:, :, start:end] = _safe_denominator(sums[..., -1:], settings.eps)
+        out[:, :, start:end] = sums[..., :-1] / denominator
+        state = _next_state_(state, rescale, phi_k, ones)
         if start == 0:
             start_stabilizer = stabilizer
         stabilizer = running[..., -1]
     return state, start_stabilizer
 
 
-def _causal_backward(settings, query, key, value, mask, start_state, start_stabilizer, running_all, grad_out,
-                     grad_final, grad_query, grad_key, grad_value):
-    """Gradients of :func:`_causal_forward` (two passes): writes those w.r.t. query, key and value, returns that
-    w.r.t. the start state."""
-    dtype, floor = settings.dtype, _finite_min(settings.dtype)
+def _causal_backward(settings, query, key, value, mask, start_state, start_stabilizer, running_all, out,
+                     denominators, grad_out, grad_final, grad_query, grad_key, grad_value):
+    """Gradients of :func:`_causal_forward` (two passes; ``out`` and ``denominators`` are the forward's): writes
+    those w.r.t. query, key and value, returns that w.r.t. the start state."""
+    dtype = settings.dtype
     batch, heads, length = query.shape[:3]
     groups = heads // key.shape[1]
     chunks = _chunks(length, settings.chunk_size)
     previous_of = lambda start: start_stabilizer if start == 0 else running_all[:, :, start - 1]  # noqa: E731
-    # Per-token [B, H, L] pieces of the output gradient, so the reverse pass needs no second forward.
-    denominators = query.new_empty(batch, heads, length, 1, dtype=dtype)
-    grad_denominators = query.new_empty(batch, heads, length, 1, dtype=dtype)
-    state = start_state
+    grad_sums_of = lambda start, end: _output_gradient(  # noqa: E731
+        out[:, :, start:end], denominators[:, :, start:end], grad_out[:, :, start:end].to(dtype))
+    state = None if start_state is None else start_state.clone()  # updated in place
     for start, end in chunks:  # forward order: the states before each chunk, the query gradients
         keep = _keep(mask, start, end)
         previous = previous_of(start)
         x, phi_q = settings.query_features(query[:, :, start:end], track=settings.track)
         with torch.no_grad():
-            _, values, log_scale = settings.key_features(key[:, :, start:end])
-            phi_k, _ = _causal_keys(values, log_scale, keep, previous, groups, floor)
+            _, phi_k = _known_causal_keys(settings, key[:, :, start:end], keep, previous, running_all[:, :, start:end],
+                                          groups)
             if state is None:
-                state = values.new_zeros(batch, heads, values.shape[-1], value.shape[-1] + 1)
+                state = phi_k.new_zeros(batch, heads, phi_k.shape[-1], value.shape[-1] + 1)
             rescale = _CausalChunk(running_all[:, :, start:end], previous)
             ones = _repeat_kv(_values_with_ones(value[:, :, start:end], keep, dtype), groups)
-            phi = phi_q.detach()
-            scores = torch.matmul(phi, phi_k.transpose(-1, -2)).mul_(rescale.decay)
-            sums = torch.matmul(scores, ones).add_(torch.matmul(phi, state).mul_(rescale.from_state))
-            grad_sums = _output_gradient(sums, grad_out[:, :, start:end].to(dtype), settings.eps)
-            denominators[:, :, start:end] = _safe_denominator(sums[..., -1:], settings.eps)
-            grad_denominators[:, :, start:end] = grad_sums[..., -1:]
+            grad_sums = grad_sums_of(start, end)
             grad_scores = torch.matmul(grad_sums, ones.transpose(-1, -2)).mul_(rescale.decay)
             grad_phi_q = _add_matmul_(torch.matmul(grad_scores, phi_k), grad_sums * rescale.from_state,
                                       state.transpose(-1, -2))
-            state = state * rescale.carry + torch.matmul(phi_k.transpose(-1, -2), ones * rescale.to_end)
+            state = _next_state_(state, rescale, phi_k, ones)
         grad_query[:, :, start:end] = settings.features_backward(x, phi_q, grad_phi_q)
-    grad_state = torch.zeros_like(state) if grad_final is None else grad_final.to(dtype)
+    grad_state = torch.zeros_like(state) if grad_final is None else grad_final.to(dtype, copy=True)
     for start, end in reversed(chunks):  # reverse order: the state gradients, the key and value gradients
         keep = _keep(mask, start, end)
         previous = previous_of(start)
         with torch.no_grad():
             _, phi_q = settings.query_features(query[:, :, start:end])
-        x, values, log_scale = settings.key_features(key[:, :, start:end], track=settings.track)
-        with torch.set_grad_enabled(settings.track):
-            phi_k, _ = _causal_keys(values, log_scale, keep, previous, groups, floor)
+        x, phi_k = _known_causal_keys(settings, key[:, :, start:end], keep, previous, running_all[:, :, start:end],
+                                      groups, track=settings.track)
         with torch.no_grad():
             rescale = _CausalChunk(running_all[:, :, start:end], previous)
             ones = _repeat_kv(_values_with_ones(value[:, :, start:end], keep, dtype), groups)
-            denominator = denominators[:, :, start:end]
-            grad_sums = torch.cat([grad_out[:, :, start:end].to(dtype) / denominator,
-                                   grad_denominators[:, :, start:end]], dim=-1)
+            grad_sums = grad_sums_of(start, end)
             phi = phi_k.detach()
             scores = torch.matmul(phi_q, phi.transpose(-1, -2)).mul_(rescale.decay)
             grad_ones = torch.matmul(phi, grad_state).mul_(rescale.to_end)
@@ -405,8 +434,8 @@ def _causal_backward(settings, query, key, value, mask, start_state, start_stabi
             grad_scores = torch.matmul(grad_sums, ones.transpose(-1, -2)).mul_(rescale.decay)
             grad_phi_k = _add_matmul_(torch.matmul(grad_scores.transpose(-1, -2), phi_q), ones * rescale.to_end,
                                       grad_state.transpose(-1, -2))
-            grad_state = grad_state * rescale.carry + torch.matmul(phi_q.transpose(-1, -2),
-                                                                    grad_sums * rescale.from_state)
+            grad_state = _add_matmul_(grad_state.mul_(rescale.carry), phi_q.transpose(-1, -2),
+                                      grad_sums * rescale.from_state)
             grad_v = _sum_groups(grad_ones[..., :-1], groups)
             if keep is not None:
                 grad_v = grad_v.masked_fill_(~keep[..., None], 0.0)
@@ -439,6 +468,7 @@ class ChunkedLinearAttention(torch.autograd.Function):
         batch, heads, length = query.shape[:3]
         dtype = settings.dtype
         out = query.new_empty(batch, heads, length, value.shape[-1], dtype=dtype)
+        denominators = query.new_empty(batch, heads, length, 1, dtype=dtype)
         if settings.causal:
             if start_kv is None:
                 start_state = None
@@ -452,19 +482,20 @@ class ChunkedLinearAttention(torch.autograd.Function):
                 final, used_start = _causal_forward(
                     settings, query[:, q_block], key[:, kv_block], value[:, kv_block], key_padding_mask,
                     None if start_state is None else start_state[:, q_block], start_stabilizer[:, q_block],
-                    out[:, q_block], running[:, q_block])
+                    out[:, q_block], denominators[:, q_block], running[:, q_block])
                 finals.append(final)
                 starts.append(used_start)
             final, start_stabilizer = torch.cat(finals, dim=1), torch.cat(starts, dim=1)
             ctx.has_start_state = start_state is not None
-            ctx.save_for_backward(query, key, value, key_padding_mask, start_state, start_stabilizer, running)
+            ctx.save_for_backward(query, key, value, key_padding_mask, out, denominators, start_state,
+                                  start_stabilizer, running)
             ctx.mark_non_differentiable(running)
             return out, final, running
         sums = [_bidirectional_forward(settings, query[:, q_block], key[:, kv_block], value[:, kv_block],
-                                       key_padding_mask, out[:, q_block])
+                                       key_padding_mask, out[:, q_block], denominators[:, q_block])
                 for kv_block, q_block in settings.head_blocks(query, key)]
         kv, stabilizer = (torch.cat(parts, dim=1) for parts in zip(*sums))
-        ctx.save_for_backward(query, key, value, key_padding_mask, kv, stabilizer)
+        ctx.save_for_backward(query, key, value, key_padding_mask, out, denominators, kv, stabilizer)
         ctx.mark_non_differentiable(kv, stabilizer)
         return out, kv, stabilizer
 
@@ -473,7 +504,7 @@ class ChunkedLinearAttention(torch.autograd.Function):
         settings = ctx.settings
         settings.parameter_grads = [None] * len(settings.parameters)
         grad_start_kv = grad_start_k_sum = None
-        query, key, value, mask, *saved = ctx.saved_tensors
+        query, key, value, mask, out, denominators, *saved = ctx.saved_tensors
         grad_query, grad_key, grad_value = torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
         grads = lambda q_block, kv_block: (grad_query[:, q_block], grad_key[:, kv_block], grad_value[:, kv_block])  # noqa: E731
         with settings.tensors_of_the_forward():
@@ -484,7 +515,7 @@ class ChunkedLinearAttention(torch.autograd.Function):
                     grad_states.append(_causal_backward(
                         settings, query[:, q_block], key[:, kv_block], value[:, kv_block], mask,
                         None if start_state is None else start_state[:, q_block], start_stabilizer[:, q_block],
-                        running[:, q_block], grad_out[:, q_block],
+                        running[:, q_block], out[:, q_block], denominators[:, q_block], grad_out[:, q_block],
                         None if grad_second is None else grad_second[:, q_block], *grads(q_block, kv_block)))
                 if ctx.has_start_state:
                     grad_state = torch.cat(grad_states, dim=1)
@@ -493,7 +524,8 @@ class ChunkedLinearAttention(torch.autograd.Function):
                 kv, stabilizer = saved
                 for kv_block, q_block in settings.head_blocks(query, key):
                     _bidirectional_backward(settings, query[:, q_block], key[:, kv_block], value[:, kv_block], mask,
-                                            kv[:, kv_block], stabilizer[:, kv_block], grad_out[:, q_block],
+                                            kv[:, kv_block], stabilizer[:, kv_block], out[:, q_block],
+                                            denominators[:, q_block], grad_out[:, q_block],
                                             *grads(q_block, kv_block))
         return (None, grad_query, grad_key, grad_value, None, grad_start_kv, grad_start_k_sum, None,
                 *settings.parameter_grads)

@@ -81,6 +81,25 @@ def test_favor_features_are_positive_and_stabilised_for_huge_inputs():
     assert torch.isfinite(features.log_scale).all()
 
 
+@pytest.mark.parametrize("name", ["favor+", "trig", "elu+1", "hedgehog"])
+def test_shifted_key_features_are_the_features_relative_to_the_shift(name):
+    # What the chunked kernels' backward uses for keys (the stabiliser is known by then): FAVOR+ computes it with
+    # one exp and no row maximum, the other maps rescale their key features.
+    kwargs = dict(num_heads=2) if name == "hedgehog" else {}
+    feature_map = make_feature_map(name, 8, nb_features=8 if name == "elu+1" else 16, **kwargs).double()
+    x = torch.randn(1, 2, 5, 8, dtype=torch.float64) * 2
+    features = feature_map.key_features(x)
+    log_scale = torch.zeros(1, 2, 5, dtype=torch.float64) if features.log_scale is None else features.log_scale
+    shift = log_scale.detach() + torch.rand(1, 2, 5, dtype=torch.float64)  # any per-row shift >= the log-scale
+    expected = features.values * torch.exp(log_scale - shift)[..., None] if features.log_scale is not None \
+        else features.values
+    torch.testing.assert_close(feature_map.shifted_key_features(x, shift), expected)
+    if name == "favor+":
+        shift[0, 0, 1] = float("inf")  # a padded key the stabiliser left out: 0, not inf * 0
+        shifted = feature_map.shifted_key_features(x, shift)
+        assert torch.equal(shifted[0, 0, 1], torch.zeros(16, dtype=torch.float64)) and shifted.isfinite().all()
+
+
 def test_elu_and_relu_maps():
     x = torch.randn(3, 7, 8)
     elu = make_feature_map("elu+1", 8)

@@ -197,6 +197,38 @@ def test_gradients_through_initial_and_returned_state_match_one_pass():
     assert torch.autograd.gradcheck(lambda *x: tuple(two_calls(*x)[1][:2]), (q, k, v), fast_mode=True)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_the_caller_state_and_incoming_gradients_are_left_as_they_were(kv_heads):
+    # The kernels update the running state and its gradient in place: on their own copies.
+    q, k, v = (t.requires_grad_() for t in _inputs(heads=2, kv_heads=kv_heads, length=9))
+    fm = make_feature_map("favor+", 4, nb_features=8).double()
+    _, state = linear_attention(q[:, :, :4], k[:, :, :4], v[:, :, :4], fm, causal=True, return_state=True)
+    state = tuple(t.detach().requires_grad_() for t in state)
+    before = [t.detach().clone() for t in state]
+    out, final = linear_attention(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], fm, causal=True, initial_state=state,
+                                  return_state=True, chunk_size=2)
+    grad_final = torch.randn_like(final.kv)
+    kept = grad_final.clone()
+    torch.autograd.backward([out.sum(), final.kv], [None, grad_final])
+    for tensor, original in zip(state, before):
+        assert torch.equal(tensor.detach(), original)
+    assert torch.equal(grad_final, kept)
+    assert all(t.grad is not None for t in state[:2])
+    # and a second call from the same state gives the same output
+    again, _ = linear_attention(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], fm, causal=True, initial_state=state,
+                                return_state=True, chunk_size=2)
+    torch.testing.assert_close(again, out)
+
+
+def test_bidirectional_chunks_take_at_least_the_minimum_and_causal_chunks_as_given():
+    from hf_performer.linear_attention_autograd import BIDIRECTIONAL_MIN_CHUNK, ChunkedAttentionSettings
+
+    fm = make_feature_map("favor+", 4, nb_features=8)
+    make = lambda causal: ChunkedAttentionSettings(fm, causal, 1.0, 16, 1e-6, torch.float32)  # noqa: E731
+    assert make(True).chunk_size == 16
+    assert make(False).chunk_size == BIDIRECTIONAL_MIN_CHUNK > 16
+
+
 # ---------------------------------------------------------------------------------- memory
 
 
@@ -218,9 +250,10 @@ def test_autograd_keeps_no_feature_sized_tensor(causal, name):
     out.sum().backward()
     inputs = {t.data_ptr() for t in (q, k, v)}
     extra = sum(t.numel() for t in saved if t.data_ptr() not in inputs)
-    # Besides q, k, v: the [m, d + 1] sums and [L] stabilisers per head, nothing of [L, m].
-    assert extra <= batch * heads * (m * (d + 1) + length + 1)
-    assert extra < batch * heads * length * m / 8
+    # Besides q, k, v: the output and its denominators [L, d + 1] (as a flash-style softmax kernel saves its output
+    # and log-sum-exp), the [m, d + 1] sums and [L] stabilisers per head, nothing of [L, m].
+    assert extra <= batch * heads * (length * (d + 1) + m * (d + 1) + length + 1)
+    assert extra < batch * heads * length * m / 4
     assert {t.data_ptr() for t in saved} >= inputs
     assert all(t.grad is not None for t in (q, k, v))
 

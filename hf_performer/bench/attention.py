@@ -80,8 +80,9 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
     Softmax: ``4 L^2 d`` forward, ``10 L^2 d`` backward (flash-style, scores recomputed), halved
     when causal. FAVOR+ (``e = d + 1``, chunk ``C``; the backward recomputes the features of queries and
     keys chunk by chunk, the causal one twice, in its forward-order and reverse-order passes):
-    bidirectional ``4 L m d + 4 L m e`` forward and ``8 L m d + 10 L m e`` backward; causal
-    ``4 L m d + 2 L C (m + e) + 4 L m e`` forward and ``12 L m d + 8 L C (m + e) + 12 L m e`` backward. Clustered (``c`` clusters, ``b`` hash
+    bidirectional ``4 L m d + 4 L m e`` forward and ``8 L m d + 8 L m e`` backward; causal
+    ``4 L m d + 2 L C (m + e) + 4 L m e`` forward and ``12 L m d + 6 L C (m + e) + 10 L m e`` backward (the
+    backward reuses the saved output and denominators: no sums are recomputed). Clustered (``c`` clusters, ``b`` hash
     bits, ``t`` Lloyd iterations, no gradient): ``2 L d b + 2 (t + 1) L c b`` clustering, ``4 L c d`` attention
     forward and ``8 L c d`` backward; improved adds ``2 L c d`` (the rest) and ``4 L k d`` (``8 L k d``
     backward). LSH (bucket ``s``): ``2 L d (L / s) / 2`` hashing and ``8 L s d`` forward (``20 L s d`` backward).
@@ -111,10 +112,10 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
         if mode == "causal":
             forward, backward_flops = forward / 2, backward_flops / 2
     elif mode == "bidirectional":
-        forward, backward_flops = 4 * L * m * d + 4 * L * m * e, 8 * L * m * d + 10 * L * m * e
+        forward, backward_flops = 4 * L * m * d + 4 * L * m * e, 8 * L * m * d + 8 * L * m * e
     else:
         forward = 4 * L * m * d + 2 * L * C * (m + e) + 4 * L * m * e
-        backward_flops = 12 * L * m * d + 8 * L * C * (m + e) + 12 * L * m * e
+        backward_flops = 12 * L * m * d + 6 * L * C * (m + e) + 10 * L * m * e
     return batch * heads * (forward + (backward_flops if backward else 0))
 
 
