@@ -290,18 +290,21 @@ class FavorPlusFeatureMap(RandomFeatureMap):
 
     name = "favor+"
 
+    def _half_squared_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """``|x|^2 / 2`` ``[..., L, 1]`` in the compute dtype (the per-row term of the exponent)."""
+        return 0.5 * x.to(compute_dtype_for(x)).square().sum(-1, keepdim=True)
+
     def features(self, x: torch.Tensor) -> Features:
         # In place on the fresh [..., L, m] product: one allocation of that size instead of four.
-        logits = self.project(x).sub_(0.5 * x.to(compute_dtype_for(x)).square().sum(-1, keepdim=True))
+        logits = self.project(x).sub_(self._half_squared_norm(x))
         row_max = logits.detach().amax(dim=-1, keepdim=True)
         values = logits.sub_(row_max).exp_()
         return Features(values, row_max.squeeze(-1) - 0.5 * math.log(self.nb_features))
 
     def shifted_key_features(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
         # exp(Wx - |x|^2/2 - log(m)/2 - shift): one shift and one exp over the [..., L, m] product (no row maximum).
-        dtype = compute_dtype_for(x)
-        row_shift = x.to(dtype).square().sum(-1).mul_(0.5).add_(shift).add_(0.5 * math.log(self.nb_features))
-        return self.project(x).sub_(row_shift[..., None]).exp_()
+        row_shift = self._half_squared_norm(x).add_(shift[..., None]).add_(0.5 * math.log(self.nb_features))
+        return self.project(x).sub_(row_shift).exp_()
 
     def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
         # values = exp(Wx - |x|^2/2 - const): d/dx = (grad * values) W - x * sum(grad * values).

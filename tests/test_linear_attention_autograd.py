@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from hf_performer import linear_attention, make_feature_map
-from hf_performer.linear_attention_autograd import ChunkedLinearAttention
+from hf_performer.linear_attention_autograd import (
+    BIDIRECTIONAL_MIN_CHUNK,
+    ChunkedAttentionSettings,
+    ChunkedLinearAttention,
+)
 from hf_performer.reference import reference_linear_attention
 
 RANDOM_MAPS = ["favor+", "trig", "relu", "elu+1"]
@@ -221,8 +225,6 @@ def test_the_caller_state_and_incoming_gradients_are_left_as_they_were(kv_heads)
 
 
 def test_bidirectional_chunks_take_at_least_the_minimum_and_causal_chunks_as_given():
-    from hf_performer.linear_attention_autograd import BIDIRECTIONAL_MIN_CHUNK, ChunkedAttentionSettings
-
     fm = make_feature_map("favor+", 4, nb_features=8)
     make = lambda causal: ChunkedAttentionSettings(fm, causal, 1.0, 16, 1e-6, torch.float32)  # noqa: E731
     assert make(True).chunk_size == 16
