@@ -39,7 +39,7 @@ The class sets ``_layer_type = "favor"``, which registers it in transformers'
 ``config.layer_types`` against a closed list, so ``config.layer_types = ["favor", ...]`` is rejected
 by the config; ``generate()`` instead gets this layer through the attention modules' pre-hook
 installed by ``attach_feature_maps`` (see ``favor_attention.py``), or explicitly with
-``past_key_values=make_favor_cache(model)``.
+``cache=make_favor_cache(model)`` (``past_key_values=`` before transformers 5.24).
 
 This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved
 models for ``trust_remote_code``.
@@ -358,7 +358,8 @@ def make_favor_cache(config_or_model, max_rollback: int | None = None) -> Dynami
         max_rollback: of the window layers: how many last tokens ``crop`` can always remove (``None``: the
             layer's window); ``generate(assistant_model=...)`` needs none (it records the drafts' forward).
 
-    Use it as ``model.generate(..., past_key_values=make_favor_cache(model))`` or in a manual decoding loop.
+    Use it as ``model.generate(..., cache=make_favor_cache(model))`` (``past_key_values=`` before transformers
+    5.24) or in a manual decoding loop.
     The model must run ``attn_implementation="favor"`` and have been prepared with
     ``attach_feature_maps(model)``.
     """

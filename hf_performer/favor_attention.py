@@ -52,7 +52,7 @@ so projections and redraw counters live in the state dict and reload bit-identic
 with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
-hands the layer's ``past_key_values`` to the attention function and, for causal favor layers, replaces an
+hands the layer's cache (``cache``, ``past_key_values`` before transformers 5.24) to the attention function and, for causal favor layers, replaces an
 *empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer`
 for window layers: sinks, recent keys and the tail state, croppable for assisted generation) (the layer
 ``generate()`` and the models create by default). Prefill and token-by-token decoding then carry the
@@ -328,18 +328,47 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
 # --------------------------------------------------------------------------------------------
 
 CACHE_ATTRIBUTE = "_favor_past_key_values"
-_PAST_KEY_VALUES_POSITION: dict[type, int | None] = {}
+
+CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
+"""The keyword of the cache in model and attention-module forwards: ``cache`` from transformers 5.24 on,
+``past_key_values`` before (5.24 still takes the old keyword, with a warning, until 5.40)."""
+
+_CACHE_POSITION: dict[type, tuple[str, int] | None] = {}
+
+
+def cache_argument_name(forward) -> str:
+    """The keyword under which ``forward`` (a model's or a module's, or its class's) takes the cache: the first of
+    :data:`CACHE_ARGUMENT_NAMES` in its signature (``past_key_values`` if neither: the older convention)."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), "past_key_values")
+
+
+def cache_from_kwargs(kwargs: dict, where: str = "forward"):
+    """The cache given in ``kwargs`` under either name of :data:`CACHE_ARGUMENT_NAMES` (``None`` if neither);
+    both at once raise a one-line ``TypeError``."""
+    given = [name for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise TypeError(f"{where}: got the cache twice, as cache= and past_key_values=; pass it once (cache=)")
+    return kwargs[given[0]] if given else None
+
+
+def cache_of_output(output):
+    """The cache a model returned (``output.cache`` from transformers 5.24 on, ``output.past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def _past_key_values_from_call(module: nn.Module, args: tuple, kwargs: dict):
-    if "past_key_values" in kwargs:
-        return kwargs["past_key_values"]
+    cache = cache_from_kwargs(kwargs, type(module).__name__)
+    if cache is not None:
+        return cache
     cls = type(module)
-    if cls not in _PAST_KEY_VALUES_POSITION:
+    if cls not in _CACHE_POSITION:
         names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
-        _PAST_KEY_VALUES_POSITION[cls] = names.index("past_key_values") if "past_key_values" in names else None
-    position = _PAST_KEY_VALUES_POSITION[cls]
-    return args[position] if position is not None and position < len(args) else None
+        found = [name for name in CACHE_ARGUMENT_NAMES if name in names]
+        _CACHE_POSITION[cls] = (found[0], names.index(found[0])) if found else None
+    position = _CACHE_POSITION[cls]
+    return args[position[1]] if position is not None and position[1] < len(args) else None
 
 
 def _self_attention_cache(cache) -> Cache | None:
@@ -395,7 +424,7 @@ def _favor_cache_post_hook(module: nn.Module, args: tuple, kwargs: dict, output)
 
 
 def install_cache_hooks(module: nn.Module) -> None:
-    """Install (once) the hooks that hand ``past_key_values`` to the attention function."""
+    """Install (once) the hooks that hand the cache (``cache`` / ``past_key_values``) to the attention function."""
     if getattr(module, "_favor_cache_hooks", False):
         return
     module.register_forward_pre_hook(_favor_cache_pre_hook, with_kwargs=True)

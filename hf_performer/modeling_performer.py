@@ -53,7 +53,10 @@ from transformers import initialization as init
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
 from .favor_attention import (
     ATTN_IMPLEMENTATION,
+    CACHE_ARGUMENT_NAMES,
     attach_feature_maps,
+    cache_argument_name,
+    cache_from_kwargs,
     find_attention_modules,
     install_favor_cache_layers,
     runs_causal_favor,
@@ -69,6 +72,7 @@ _INPUT_ARGUMENTS = (
     "position_ids",
     "inputs_embeds",
     "labels",
+    "cache",
     "past_key_values",
     "use_cache",
     "cache_position",
@@ -278,7 +282,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
             return
         rows, first_position, buffers = limits
         limit = rows - first_position
-        cache = call.get("past_key_values")
+        cache = cache_from_kwargs(call, type(self).__name__)
         past = cache.get_seq_length() if hasattr(cache, "get_seq_length") else 0
         needed, detail = past + new_tokens.shape[1], f" ({past} cached + {new_tokens.shape[1]} new)" if past else ""
         position_ids = call.get("position_ids")
@@ -302,6 +306,14 @@ class PerformerPreTrainedModel(PreTrainedModel):
                 GPT-2's causal LM head is fine, for Llama it is not).
         """
         call = {name: value for name, value in arguments.items() if value is not None}
+        # The cache under either keyword (transformers renamed past_key_values to cache in 5.24), handed to the
+        # source under the one its forward declares.
+        cache = cache_from_kwargs({**call, **kwargs}, type(self).__name__)
+        for name in CACHE_ARGUMENT_NAMES:
+            call.pop(name, None)
+            kwargs.pop(name, None)
+        if cache is not None:
+            call[cache_argument_name(type(self.source_model).forward)] = cache
         accepted = inspect.signature(type(self.source_model).forward).parameters
         unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted]
         if unsupported:
@@ -352,6 +364,7 @@ class PerformerModel(PerformerPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
+        cache=None,
         **kwargs,
     ):
         r"""
@@ -366,7 +379,8 @@ class PerformerModel(PerformerPreTrainedModel):
                 ``attention_mask`` (``cumsum(mask) - 1``, as ``generate()`` does), so a left-padded row gets the
                 positions it has alone.
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
-            past_key_values: a cache (decoder architectures); see ``make_favor_cache``.
+            past_key_values: a cache (decoder architectures); see ``make_favor_cache``. ``cache`` is the same
+                argument under transformers' name since 5.24 (either is handed to the source under its own).
 
         Returns:
             The source model's output, e.g. ``BaseModelOutputWithPoolingAndCrossAttentions`` with
@@ -380,6 +394,7 @@ class PerformerModel(PerformerPreTrainedModel):
                 position_ids=position_ids,
                 inputs_embeds=inputs_embeds,
                 past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 output_attentions=output_attentions,
                 output_hidden_states=output_hidden_states,
@@ -487,6 +502,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         output_hidden_states: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int | torch.Tensor | None = None,
+        cache=None,
         **kwargs,
     ):
         r"""
@@ -499,7 +515,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
                 (``cumsum(mask) - 1`` clamped at 0, as ``generate()`` does), so that a left-padded row gets the
                 positions it has alone (random features are not shift-invariant).
             past_key_values: the cache of earlier tokens (``make_favor_cache(model)``, or the one ``generate()``
-                builds).
+                builds); ``cache`` is the same argument under transformers' name since 5.24.
             inputs_embeds: ``[batch, seq_len, hidden_size]`` instead of ``input_ids``.
             labels: ``[batch, seq_len]`` next-token labels (shifted inside, -100 = ignored).
             use_cache: return the updated cache.
@@ -518,6 +534,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
                 token_type_ids=token_type_ids,
                 position_ids=position_ids,
                 past_key_values=past_key_values,
+                cache=cache,
                 inputs_embeds=inputs_embeds,
                 labels=labels,
                 use_cache=use_cache,
@@ -564,7 +581,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         cache right away (instead of at the first forward), so that ``activate_past_recording()``, which assisted
         decoding calls before its first forward, reaches them."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        install_favor_cache_layers(model_kwargs.get("past_key_values"), self)
+        install_favor_cache_layers(cache_from_kwargs(model_kwargs, "generate"), self)
         return result
 
     def prepare_inputs_for_generation(self, input_ids, *args, inputs_embeds=None, **kwargs):

@@ -171,20 +171,23 @@ def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source):
 
 
 def test_mask_builder_turns_packed_and_chunked_patterns_into_segment_ids():
+    from transformers import masking_utils
     from transformers.masking_utils import (
+        and_masks,
         causal_mask_function,
         chunked_causal_mask_function,
         find_packed_sequence_indices,
-        packed_sequence_compatibility_function,
         sliding_window_causal_mask_function,
     )
 
     from hf_performer import FavorMaskError, favor_attention_mask
 
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6]])
-    packed = packed_sequence_compatibility_function(
-        causal_mask_function, position_ids, find_packed_sequence_indices(position_ids)
-    )
+    packed_indices = find_packed_sequence_indices(position_ids)
+    if hasattr(masking_utils, "packed_sequence_mask_function"):  # transformers >= 5.24: how create_causal_mask packs
+        packed = and_masks(causal_mask_function, masking_utils.packed_sequence_mask_function(packed_indices))
+    else:
+        packed = masking_utils.packed_sequence_compatibility_function(causal_mask_function, position_ids, packed_indices)
     segment_ids = favor_attention_mask(2, 7, 7, mask_function=packed)
     assert segment_ids.tolist() == [[1, 1, 1, 2, 2, 2, 2], [1] * 7]
     chunked = favor_attention_mask(1, 7, 7, mask_function=chunked_causal_mask_function(3, torch.tensor([0])))

@@ -31,7 +31,7 @@ What is measured (``hf-performer bench decode``):
   on the values in the cache, only on its size and type.
 
 * One **decode step** = one call ``model(input_ids [B, 1], attention_mask=ones [B, L + 1], position_ids,
-  past_key_values=cache, use_cache=True)`` through the full model (embeddings, 12 blocks with the cache update
+  cache=cache, use_cache=True)`` (``past_key_values=`` before transformers 5.24) through the full model (embeddings, 12 blocks with the cache update
   and attention over the whole context, final layer norm, LM head over the vocabulary) plus the greedy
   ``argmax`` that picks the next token, which is fed to the next step (as ``generate()`` does). For softmax it
   includes ``DynamicLayer``'s concatenation of the new key/value onto ``[B, H, L, d]``; for favor the
@@ -277,6 +277,9 @@ class DecodeStream:
         self.context = context  # the context it started from
         self.input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
         self.logits = None
+        from ..favor_attention import cache_argument_name
+
+        self.cache_argument = cache_argument_name(type(model).forward)  # cache= (transformers >= 5.24) or past_key_values=
 
     def step(self) -> float:
         use_implementation(self.model, self.implementation)
@@ -285,8 +288,9 @@ class DecodeStream:
         start = time.perf_counter()
         attention_mask = torch.ones(batch, position + 1, dtype=torch.long, device=device)
         position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
+        cache_argument = {self.cache_argument: self.cache}
         logits = self.model(input_ids=self.input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=self.cache, use_cache=True).logits
+                            use_cache=True, **cache_argument).logits
         self.input_ids = logits[:, -1].argmax(-1, keepdim=True)
         synchronize(device)
         seconds = time.perf_counter() - start
@@ -378,6 +382,8 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, se
     Asserts equal cache structure (layer types, tensor shapes/dtypes, token counts) before and after a decode
     step, and equal logits shapes; returns the structures and the median step times of both.
     """
+    from ..favor_attention import cache_of_output
+
     generator = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(model.config.vocab_size, (batch, context), generator=generator).to(device)
     builder = FavorStateBuilder(model, batch, seed=seed + 2)
@@ -385,7 +391,7 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, se
     report = {"context": context, "steps": steps}
     for implementation in DECODE_IMPLEMENTATIONS:
         use_implementation(model, implementation)
-        real = model(input_ids=input_ids, use_cache=True).past_key_values
+        real = cache_of_output(model(input_ids=input_ids, use_cache=True))
         synthetic = (builder.cache() if implementation == "favor"
                      else synthetic_softmax_cache(model, batch, context, generator))
         before = (describe_cache(real), describe_cache(synthetic))

@@ -77,13 +77,16 @@ def synthetic_kv_cache(model, batch: int, context: int, generator: torch.Generat
 def prefill(model, cache, input_ids: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
     """Feed ``input_ids[:, start:]`` ``[B, L]`` through ``model`` and ``cache`` (holding ``start`` tokens) in
     chunks of ``chunk`` tokens; returns the logits of the last token ``[B, vocab]``."""
+    from ..favor_attention import cache_argument_name
+
     batch, end = input_ids.shape
     logits = None
     for begin in range(start, end, chunk):
         stop = min(begin + chunk, end)
         positions = torch.arange(begin, stop, device=input_ids.device).expand(batch, -1)
         logits = model(input_ids=input_ids[:, begin:stop], attention_mask=torch.ones_like(input_ids[:, :stop]),
-                       position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                       position_ids=positions, use_cache=True, logits_to_keep=1,
+                       **{cache_argument_name(type(model).forward): cache}).logits
     return logits[:, -1]
 
 
@@ -105,6 +108,8 @@ def verify_window_decode(model, batch: int, context: int, chunk: int, seed: int,
     """At a short ``context``: chunked prefill through the window cache == one forward without cache (last-token
     logits), the window layers hold WindowCacheLayers; a real softmax prefill and the synthetic softmax cache have
     the same structure."""
+    from ..favor_attention import cache_of_output
+
     generator = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(_text_config(model).vocab_size, (batch, context), generator=generator).to(device)
     use_implementation(model, "favor")
@@ -118,7 +123,7 @@ def verify_window_decode(model, batch: int, context: int, chunk: int, seed: int,
         raise AssertionError(f"chunked prefill through the window cache differs from one forward by {difference}")
     layer_types = sorted({type(layer).__name__ for layer in cache.layers})
     use_implementation(model, "softmax")
-    real = describe_cache(model(input_ids=input_ids, use_cache=True).past_key_values)
+    real = describe_cache(cache_of_output(model(input_ids=input_ids, use_cache=True)))
     synthetic = describe_cache(synthetic_kv_cache(model, batch, context, generator))
     if real != synthetic:
         raise AssertionError(f"softmax: synthetic cache {synthetic} differs from a real prefill's {real}")
