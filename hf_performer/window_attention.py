@@ -45,10 +45,10 @@ Stabilisers: keys' feature log-scales share a running maximum ``K_i`` over the t
 ``i`` (past keys only in the causal case, so appending tokens never changes earlier outputs); each
 row is rescaled by one detached constant that cancels between numerator and denominator.
 
-Training memory: a call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments
-of that many queries, so that the backward holds one segment's graph at a time (the outputs and gradients of one
-pass). Causal: checkpointed segments, each continuing the previous one's :class:`WindowAttentionState`
-(:func:`_segmented_window_attention`). Bidirectional: each segment reads its band's halo and two small tail sums
+Training memory: a call that needs gradients and is longer than one segment (:data:`CAUSAL_SEGMENT_LENGTH`,
+:data:`BIDIRECTIONAL_SEGMENT_LENGTH`) runs in segments of that many queries, so that the backward holds one segment's graph at a time (the outputs and gradients of one
+pass). Causal: segments each continuing the previous one's :class:`WindowAttentionState`, recomputed one at a time
+in the backward (:func:`_segmented_window_attention`, :mod:`.window_segments`). Bidirectional: each segment reads its band's halo and two small tail sums
 (the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
 redraws in training mode keeps the one pass.
 
@@ -63,7 +63,6 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention import (
@@ -76,15 +75,26 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
-from .window_segments import SegmentPlan, segmented_bidirectional
+from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
 from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_suffix, _tail_sum
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
 """gamma at initialisation (LoLCATs: sigmoid(w) with w = logit(0.1) = -2.1972)."""
 
-GRADIENT_SEGMENT_LENGTH = 512
-"""Calls that need gradients run in segments of this many queries (:func:`_segmented_for_gradients`)."""
+CAUSAL_SEGMENT_LENGTH = 256
+"""Causal calls that need gradients run in segments of this many queries (:func:`_segmented_for_gradients`): each
+segment's entering state is kept, so shorter segments trade graph for states; 256 had the lowest peak at 4k-16k
+(12 heads, ``d`` 64, window 64, Hedgehog tail: 156 / 242 / 402 MiB against 215 / 295 / 440 MiB with 512) and is no
+slower."""
+
+BIDIRECTIONAL_SEGMENT_LENGTH = 512
+"""Bidirectional calls that need gradients run in segments of this many queries: each cut adds a span sum, so 256
+peaks higher at 16k (684 against 498 MiB)."""
+
+
+def _segment_length(causal: bool) -> int:
+    return CAUSAL_SEGMENT_LENGTH if causal else BIDIRECTIONAL_SEGMENT_LENGTH
 
 
 class SoftmaxWeight(nn.Module):
@@ -208,6 +218,7 @@ class WindowAttentionState(NamedTuple):
 
 
 _STATE_TENSORS = WindowAttentionState._fields[:9]  # the sink and buffer tensors (batch first)
+_STATE_FLOATS = ("sink_key", "sink_value", "buffer_key", "buffer_value", "buffer_features", "buffer_log_scale")
 
 
 def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful=False):
@@ -413,7 +424,8 @@ def window_linear_attention(
 ):
     """Sink + sliding-window exact softmax with a linear tail, one shared normaliser (module docstring).
 
-    A call that needs gradients and is longer than :data:`GRADIENT_SEGMENT_LENGTH` runs in segments, causal or
+    A call that needs gradients and is longer than one segment (:data:`CAUSAL_SEGMENT_LENGTH` or
+    :data:`BIDIRECTIONAL_SEGMENT_LENGTH` tokens) runs in segments, causal or
     bidirectional, with the outputs and gradients of one pass and the memory of one segment's graph (module
     docstring, "Training memory").
 
@@ -451,7 +463,7 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
                                               max_rollback)
-    segmented = _segmented_for_gradients(query, key, value, feature_map, softmax_weight)
+    segmented = _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal)
     if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
@@ -618,10 +630,10 @@ def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, 
 # ------------------------------------------------------------------------------------ memory-bounded training
 
 
-def _segmented_for_gradients(query, key, value, feature_map, softmax_weight) -> bool:
-    """Whether a call runs in checkpointed segments: gradients wanted, longer than one segment, and a map whose
+def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal) -> bool:
+    """Whether a call runs in recomputed segments: gradients wanted, longer than one segment, and a map whose
     recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
-    if not torch.is_grad_enabled() or query.shape[2] <= GRADIENT_SEGMENT_LENGTH:
+    if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal):
         return False
     tensors = [query, key, value, softmax_weight] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
@@ -629,39 +641,48 @@ def _segmented_for_gradients(query, key, value, feature_map, softmax_weight) -> 
     return feature_map is None or not (feature_map.training and getattr(feature_map, "redraw_interval", 0))
 
 
+def _state_tensors(state: WindowAttentionState) -> list:
+    """The floating-point tensors of ``state`` (what gradients flow through), in :data:`_STATE_FLOATS` order."""
+    return [getattr(state, name) for name in _STATE_FLOATS] + list(state.tail)
+
+
+def _with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionState:
+    """``state`` with the tensors of :func:`_state_tensors` replaced by ``tensors``."""
+    named = dict(zip(_STATE_FLOATS, tensors))
+    return state._replace(tail=LinearAttentionState(*tensors[len(_STATE_FLOATS):]), **named)
+
+
 def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
                                 scaling, initial_state, return_state, max_rollback, chunk_size, eps):
-    """A causal call that needs gradients, as consecutive segments of :data:`GRADIENT_SEGMENT_LENGTH` tokens, each
+    """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
-    state gives them) under activation checkpointing: autograd keeps the segments' inputs and the small states
-    between them, and the backward recomputes one segment at a time. Peak memory is then one segment's graph
-    instead of the whole sequence's (at 4096 tokens, 12 heads, ``d`` 64, Hedgehog tail: 789 -> 226 MiB of extra
-    peak for forward + backward; ``benchmarks/results/attention_memory_window.json``), and no slower."""
-    # torch.split, not slicing: the backward of a slice writes a zero tensor of the whole input per segment
-    # (quadratic traffic in the number of segments); split's backward concatenates the segments' gradients once.
-    pieces = [tensor.split(GRADIENT_SEGMENT_LENGTH, dim=2) for tensor in (query, key, value)]
-    masks = ([None] * len(pieces[0]) if key_padding_mask is None
-             else key_padding_mask.split(GRADIENT_SEGMENT_LENGTH, dim=1))
+    state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
+    between segments kept, one segment recomputed at a time in the backward (in reverse, the entering state's
+    gradient handed to the segment before), the input gradients written in place. Peak memory is then the inputs,
+    outputs and gradients plus one segment's graph (``benchmarks/results/attention_memory_window.json``)."""
+    mask = _as_bool_mask(key_padding_mask)
 
-    def segment(q, k, v, gamma, segment_mask, previous):
+    def run(segment_query, segment_key, segment_value, gamma, segment_mask, state, rollback):
+        # Each segment is at most CAUSAL_SEGMENT_LENGTH long, so the call inside does not segment again.
         return window_linear_attention(
-            q, k, v, feature_map, window=window, sinks=sinks, causal=True, softmax_weight=gamma,
-            key_padding_mask=segment_mask, scaling=scaling, initial_state=previous, return_state=True,
-            max_rollback=max_rollback, chunk_size=chunk_size, eps=eps)
+            segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
+            softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, initial_state=state,
+            return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
 
-    outputs, state = [], initial_state
-    for segment_query, segment_key, segment_value, mask in zip(*pieces, masks):
-        # Each segment is at most GRADIENT_SEGMENT_LENGTH long, so the call inside does not segment again.
-        out, state = checkpoint(segment, segment_query, segment_key, segment_value, softmax_weight, mask, state,
-                                use_reentrant=False)
-        outputs.append(out)
-    out = torch.cat(outputs, dim=2)
+    length = query.shape[2]
+    plan = CausalPlan(
+        segments=[(start, min(start + CAUSAL_SEGMENT_LENGTH, length))
+                  for start in range(0, length, CAUSAL_SEGMENT_LENGTH)],
+        run=run, state_tensors=_state_tensors, with_state_tensors=_with_state_tensors,
+        max_rollback=max_rollback if return_state else 0)
+    parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
+    out, state = segmented_causal(plan, query, key, value, softmax_weight, mask, initial_state, parameters)
     return (out, state) if return_state else out
 
 
 def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
                              scaling, chunk_size, eps):
-    """A bidirectional call that needs gradients, as segments of :data:`GRADIENT_SEGMENT_LENGTH` queries run by
+    """A bidirectional call that needs gradients, as segments of :data:`BIDIRECTIONAL_SEGMENT_LENGTH` queries run by
     :func:`~.window_segments.segmented_bidirectional` (no graph in the forward; the backward recomputes one piece at
     a time): the outputs and gradients of one pass.
 
@@ -689,8 +710,8 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
         sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, unpadded, sinks, None, 0)
     keep = unpadded & ~is_sink  # the band and the tail skip the row's sinks
     halo = max(window, 1) - 1
-    segments = [(start, min(start + GRADIENT_SEGMENT_LENGTH, length))
-                for start in range(0, length, GRADIENT_SEGMENT_LENGTH)]
+    segments = [(start, min(start + BIDIRECTIONAL_SEGMENT_LENGTH, length))
+                for start in range(0, length, BIDIRECTIONAL_SEGMENT_LENGTH)]
     local = [(max(start - halo, 0), min(end + halo, length)) for start, end in segments]
 
     def key_features(segment_key):

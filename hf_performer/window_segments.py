@@ -1,4 +1,10 @@
-"""Memory-bounded training of the bidirectional window operator: one autograd function over checkpointed segments.
+"""Memory-bounded training of the window operator: one autograd function over recomputed segments per direction.
+
+:func:`segmented_causal` runs a causal call as consecutive query segments, each continuing the previous one's
+decoding state (a :class:`CausalPlan`): the forward keeps no graph, only the inputs, the output and the small state
+entering each segment; the backward walks the segments in reverse, recomputes one with autograd from its leaf
+inputs and leaf entering state, and hands the entering state's gradient to the segment before. The query, key and
+value gradients are written into three preallocated tensors.
 
 :func:`segmented_bidirectional` runs the pieces that ``window_attention._segmented_bidirectional`` prepares (a
 :class:`SegmentPlan`) without any graph in the forward, and in the backward recomputes one piece at a time with
@@ -24,6 +30,127 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .window_tail import _merge_tail_sums
+
+
+class CausalPlan(NamedTuple):
+    """What :func:`segmented_causal` runs.
+
+    Attributes:
+        segments: ``(start, end)`` of each query segment (consecutive, covering ``[0, L)``).
+        run: ``(query, key, value, gamma, key_padding_mask, state, max_rollback) -> (out, state)``, one segment
+            continuing ``state`` (``None`` before the first token): the decoding step of the operator.
+        state_tensors: ``state -> list`` of its floating-point tensors (the differentiable part, fixed order).
+        with_state_tensors: ``(state, tensors) -> state`` with those tensors replaced.
+        max_rollback: what the final state must be able to drop (the states between segments need none).
+    """
+
+    segments: list
+    run: Callable
+    state_tensors: Callable
+    with_state_tensors: Callable
+    max_rollback: int
+
+
+def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, key_padding_mask, initial_state,
+                     parameters):
+    """``(out, state)`` of ``plan`` on ``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, .]``,
+    ``softmax_weight`` (``[H]`` or ``None``), ``key_padding_mask`` (``[B, L]`` bool or ``None``) after
+    ``initial_state`` (or ``None``): the outputs and final state of one pass, differentiable in the tensors, the
+    initial state's floating-point tensors and ``parameters`` (the trainable tensors ``plan.run`` reads: a feature
+    map's). First-order gradients only."""
+    initial = [] if initial_state is None else plan.state_tensors(initial_state)
+    holder = []  # the final state's template (its non-differentiable parts), filled by the forward
+    out, *final = _SegmentedCausal.apply(plan, initial_state, holder, len(initial), query, key, value, softmax_weight,
+                                         key_padding_mask, *initial, *parameters)
+    return out, plan.with_state_tensors(holder[0], final)
+
+
+def _rollback_after(plan, index):
+    """``max_rollback`` of the state after segment ``index``: only the last two states may need the user's (the one
+    entering the last segment holds the tokens the final state keeps when that segment is short)."""
+    return plan.max_rollback if index >= len(plan.segments) - 2 else 0
+
+
+def _piece(tensor, start, end, dim=2):
+    return None if tensor is None else tensor.narrow(dim, start, end - start)
+
+
+class _SegmentedCausal(torch.autograd.Function):
+    """See :func:`segmented_causal`. Inputs after the plan: the initial state (for the backward's leaves), a list
+    receiving the final state, the number of initial-state tensors, then the tensors."""
+
+    @staticmethod
+    def forward(ctx, plan, initial_state, holder, n_initial, query, key, value, softmax_weight, key_padding_mask,
+                *rest):
+        ctx.plan, ctx.n_initial = plan, n_initial
+        ctx.set_materialize_grads(False)  # unused outputs (often the final state) give None: nothing to replay
+        ctx.save_for_backward(query, key, value, softmax_weight, key_padding_mask, *rest)
+        states, state, out = [], initial_state, None
+        for index, (start, end) in enumerate(plan.segments):
+            states.append(state)
+            segment_out, state = plan.run(_piece(query, start, end), _piece(key, start, end),
+                                          _piece(value, start, end), softmax_weight,
+                                          _piece(key_padding_mask, start, end, dim=1), state,
+                                          _rollback_after(plan, index))
+            if out is None:
+                out = segment_out.new_empty(query.shape[:3] + segment_out.shape[3:])
+            out[:, :, start:end] = segment_out
+        # The states entering segments 1.. (small: sinks, the last window of keys, the tail sums); the first is
+        # the caller's initial state, rebuilt from the saved tensors.
+        ctx.states = states[1:]
+        ctx.initial_state = initial_state
+        holder.append(state)
+        return (out, *plan.state_tensors(state))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out, *grad_final):
+        plan, n_initial = ctx.plan, ctx.n_initial
+        query, key, value, softmax_weight, mask, *rest = ctx.saved_tensors
+        initial, all_parameters = rest[:n_initial], rest[n_initial:]
+        parameters = [p for p in all_parameters if p.requires_grad]
+        need_q, need_k, need_v, need_gamma = ctx.needs_input_grad[4:8]
+        need_initial = any(ctx.needs_input_grad[9:9 + n_initial])
+        grads = [torch.zeros_like(t) if need else None for t, need in ((query, need_q), (key, need_k),
+                                                                     (value, need_v))]
+        gamma = _leaf(softmax_weight, bool(need_gamma))
+        extra = [gamma] if gamma is not None and gamma.requires_grad else []
+        extra_grads, parameter_grads = [None] * len(extra), [None] * len(parameters)
+        grad_state = list(grad_final)
+        entering = [None if ctx.initial_state is None else plan.with_state_tensors(ctx.initial_state, initial)]
+        entering += ctx.states
+        for index in reversed(range(len(plan.segments))):
+            start, end = plan.segments[index]
+            with torch.enable_grad():
+                pieces = [_leaf(_piece(t, start, end), bool(need)) for t, need in
+                          ((query, need_q), (key, need_k), (value, need_v))]
+                state, state_leaves = entering[index], []
+                if state is not None and (index > 0 or need_initial):
+                    state_leaves = [_leaf(t, t.is_floating_point()) for t in plan.state_tensors(state)]
+                    state = plan.with_state_tensors(state, state_leaves)
+                segment_out, state_out = plan.run(*pieces, gamma, _piece(mask, start, end, dim=1), state,
+                                                  _rollback_after(plan, index))
+                outputs, output_grads = [], []
+                if grad_out is not None:
+                    outputs, output_grads = [segment_out], [grad_out[:, :, start:end]]
+                for tensor, grad in zip(plan.state_tensors(state_out), grad_state):
+                    if grad is not None and tensor.requires_grad:
+                        outputs.append(tensor)
+                        output_grads.append(grad)
+                wanted = ([t for t in pieces if t.requires_grad] + extra
+                          + [t for t in state_leaves if t.requires_grad] + parameters)
+                found = (list(torch.autograd.grad(outputs, wanted, output_grads, allow_unused=True)) if outputs
+                         else [None] * len(wanted))
+            _add_pieces(found, pieces, grads, ((start, end),) * 3)
+            extra_grads = _add(extra_grads, found[:len(extra)])
+            found = found[len(extra):]
+            grad_state = [found.pop(0) if t.requires_grad else None for t in state_leaves]
+            parameter_grads = _add(parameter_grads, found)
+        grad_gamma = extra_grads[0] if extra else None
+        grad_initial = grad_state if need_initial and grad_state else [None] * n_initial
+        all_parameter_grads = iter(parameter_grads)
+        return (None, None, None, None, *grads, grad_gamma, None, *grad_initial,
+                *(next(all_parameter_grads) if p.requires_grad else None for p in all_parameters))
 
 
 class SegmentPlan(NamedTuple):

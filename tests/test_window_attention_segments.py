@@ -1,5 +1,5 @@
 """Window attention that needs gradients runs in segments (memory bounded by one segment's graph): causal calls as
-checkpointed segments continuing the decoding state, bidirectional calls through window_segments (tail sums between
+recomputed segments continuing the decoding state (window_segments.segmented_causal), bidirectional calls through window_segments (tail sums between
 segments). The same outputs, gradients (inputs, gamma, learned-map parameters) and final state as one pass and the
 float64 reference, with padding and GQA; when it segments and when it does not."""
 
@@ -10,7 +10,12 @@ import hf_performer.window_attention as window_attention
 from hf_performer import make_feature_map, window_linear_attention
 from hf_performer.reference import reference_window_linear_attention
 
-SEGMENT = 8  # tokens per segment in these tests (the module's default is GRADIENT_SEGMENT_LENGTH)
+SEGMENT = 8  # tokens per segment in these tests (the module's: CAUSAL_SEGMENT_LENGTH, BIDIRECTIONAL_SEGMENT_LENGTH)
+
+
+def _set_segment_length(monkeypatch, length):
+    for name in ("CAUSAL_SEGMENT_LENGTH", "BIDIRECTIONAL_SEGMENT_LENGTH"):
+        monkeypatch.setattr(window_attention, name, length)
 
 
 def _inputs(length=29, heads=4, kv_heads=2, d=8, seed=0):
@@ -40,9 +45,11 @@ def _gradients(out, tensors):
 
 
 def _calls(monkeypatch):
+    """One entry per causal segment run by the forward of a segmented call."""
     calls = []
-    original = window_attention.checkpoint
-    monkeypatch.setattr(window_attention, "checkpoint", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    original = window_attention.segmented_causal
+    monkeypatch.setattr(window_attention, "segmented_causal",
+                        lambda plan, *a: (calls.extend([1] * len(plan.segments)), original(plan, *a))[1])
     return calls
 
 
@@ -57,12 +64,12 @@ def test_segmented_equals_one_pass_and_the_reference(name, learned, monkeypatch)
     kwargs = dict(window=3, sinks=2, softmax_weight=gamma, key_padding_mask=mask, chunk_size=4)
     tensors = [q, k, v] + ([gamma] if learned else []) + ([] if feature_map is None else list(feature_map.parameters()))
 
-    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)  # 29 <= 512 tokens: not segmented
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)  # 29 tokens, one segment: not segmented
     expected = _gradients(one_pass, tensors)
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _calls(monkeypatch)
     segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
-    assert len(calls) == 4  # ceil(29 / 8) checkpointed segments
+    assert len(calls) == 4  # ceil(29 / 8) segments
     torch.testing.assert_close(segmented, one_pass, rtol=1e-10, atol=1e-10)
     for got, want in zip(_gradients(segmented, tensors), expected):
         torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
@@ -82,7 +89,7 @@ def test_segmented_continues_an_initial_state_and_returns_the_final_one(monkeypa
                                            **kwargs)
     one_pass, final = window_linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], feature_map,
                                               initial_state=state, return_state=True, **kwargs)
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _calls(monkeypatch)
     segmented, segmented_final = window_linear_attention(q[:, :, 10:], k[:, :, 10:], v[:, :, 10:], feature_map,
                                                          initial_state=state, return_state=True, **kwargs)
@@ -97,8 +104,62 @@ def test_segmented_continues_an_initial_state_and_returns_the_final_one(monkeypa
                 torch.testing.assert_close(got_part, want_part, rtol=1e-10, atol=1e-10)
 
 
+def _state_loss(state):
+    """A loss on every floating-point tensor of a decoding state (random weights)."""
+    generator = torch.Generator().manual_seed(2)
+    tensors = window_attention._state_tensors(state)
+    return sum((t * torch.randn(t.shape, generator=generator, dtype=t.dtype)).sum() for t in tensors)
+
+
+@pytest.mark.parametrize("max_rollback", [None, 0, 5])
+def test_segmented_gradients_through_a_differentiable_initial_state_and_the_final_state(max_rollback, monkeypatch):
+    """Training across calls (truncated back-propagation through the decoding state): the initial state carries
+    gradients back to the earlier call's inputs, and a loss on the returned final state reaches every input."""
+    q, k, v = _inputs(length=31)
+    feature_map = _map("hedgehog")
+    gamma = torch.tensor([0.2, 0.6, 0.8, 0.4], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(2, 31, dtype=torch.bool)
+    mask[1, :4] = False  # left padding: the second row's sinks arrive in the second call
+    kwargs = dict(window=3, sinks=2, softmax_weight=gamma, chunk_size=4, max_rollback=max_rollback)
+    tensors = [q, k, v, gamma, *feature_map.parameters()]
+
+    def loss():
+        first_out, state = window_linear_attention(q[:, :, :6], k[:, :, :6], v[:, :, :6], feature_map,
+                                                   key_padding_mask=mask[:, :6], return_state=True, **kwargs)
+        out, final = window_linear_attention(q[:, :, 6:], k[:, :, 6:], v[:, :, 6:], feature_map,
+                                             key_padding_mask=mask[:, 6:], initial_state=state, return_state=True,
+                                             **kwargs)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=out.dtype)
+        return (out * weights).sum() + first_out.sum() + _state_loss(final), final
+
+    expected_loss, expected_final = loss()  # 25 tokens, one segment: one pass
+    expected = torch.autograd.grad(expected_loss, tensors)
+    _set_segment_length(monkeypatch, SEGMENT)
+    calls = _calls(monkeypatch)
+    got_loss, got_final = loss()
+    assert len(calls) == 4  # the 25-token call: ceil(25 / 8) segments; the 6-token call: one pass
+    assert got_final.rollback_capacity() == expected_final.rollback_capacity()
+    torch.testing.assert_close(got_loss, expected_loss, rtol=1e-10, atol=1e-10)
+    for got, want in zip(torch.autograd.grad(got_loss, tensors), expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+
+
+def test_segmented_causal_gradcheck(monkeypatch):
+    _set_segment_length(monkeypatch, 4)
+    q, k, v = (t.detach()[:1, :, :11].requires_grad_() for t in _inputs())
+    feature_map = _map("hedgehog")
+    gamma = torch.tensor([0.3, 0.5, 0.7, 0.2], dtype=torch.float64, requires_grad=True)
+
+    def call(q, k, v, gamma):
+        return window_linear_attention(q, k, v, feature_map, window=3, sinks=2, softmax_weight=gamma, chunk_size=2)
+
+    calls = _calls(monkeypatch)
+    assert torch.autograd.gradcheck(call, (q, k, v, gamma), eps=1e-6, atol=1e-6, fast_mode=True)
+    assert calls and set(calls) == {1}
+
+
 def test_when_it_segments(monkeypatch):
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _calls(monkeypatch)
     q, k, v = _inputs()
     hedgehog = _map("hedgehog")
@@ -157,9 +218,9 @@ def test_bidirectional_segmented_equals_one_pass_and_the_reference(name, learned
         return torch.autograd.grad((out * weights).sum(), tensors, retain_graph=True, allow_unused=True,
                                    materialize_grads=True)
 
-    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)  # 29 <= 512 tokens: not segmented
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)  # 29 tokens, one segment: not segmented
     expected = gradients(one_pass)
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _bidirectional_calls(monkeypatch)
     segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
     assert calls == [4]  # ceil(29 / 8) segments
@@ -184,7 +245,7 @@ def test_bidirectional_segments_when_the_window_spans_several_segments(monkeypat
     tensors = [q, k, v, gamma, *feature_map.parameters()]
     one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
     expected = _gradients(one_pass, tensors)
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", 5)
+    _set_segment_length(monkeypatch, 5)
     calls = _bidirectional_calls(monkeypatch)
     segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
     assert calls == [8]
@@ -196,7 +257,7 @@ def test_bidirectional_segments_when_the_window_spans_several_segments(monkeypat
 def _gradcheck_bidirectional(monkeypatch, fast_mode):
     """Float64 gradcheck of query, key, value and gamma through the segmented path (3 segments of 4 tokens, GQA,
     a sink, right padding)."""
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", 4)
+    _set_segment_length(monkeypatch, 4)
     generator = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, heads, 12, 4, generator=generator, dtype=torch.float64, requires_grad=True)
                for heads in (2, 1, 1))
@@ -235,7 +296,7 @@ def test_bidirectional_segmented_in_float32(monkeypatch):
     tensors = [q, k, v, *feature_map.parameters()]
     one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
     expected = _gradients(one_pass, tensors)
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
     torch.testing.assert_close(segmented, one_pass, rtol=1e-5, atol=1e-6)
     for got, want in zip(_gradients(segmented, tensors), expected):
@@ -243,7 +304,7 @@ def test_bidirectional_segmented_in_float32(monkeypatch):
 
 
 def test_when_bidirectional_segments(monkeypatch):
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _bidirectional_calls(monkeypatch)
     q, k, v = _inputs()
     hedgehog = _map("hedgehog")
@@ -288,8 +349,8 @@ def test_a_converted_encoder_trains_through_the_segments(monkeypatch):
         return out.loss.detach(), {name: p.grad.clone() for name, p in performer.named_parameters()
                                    if p.grad is not None}
 
-    loss, expected = gradients()  # 20 <= 512 tokens: one pass
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", SEGMENT)
+    loss, expected = gradients()  # 20 tokens, one segment: one pass
+    _set_segment_length(monkeypatch, SEGMENT)
     calls = _bidirectional_calls(monkeypatch)
     segmented_loss, got = gradients()
     assert calls and set(calls) == {3}  # every layer, ceil(20 / 8) segments
@@ -305,7 +366,7 @@ def test_a_converted_encoder_trains_through_the_segments(monkeypatch):
 def test_a_fully_padded_row_gives_zeros_and_finite_gradients(causal, segment_length, monkeypatch):
     """A batch row with no unpadded token (e.g. an all-padding sequence in an evenly split batch) must not turn the
     other rows' gradients, or the weights', into NaN: its outputs are zeros, every gradient finite."""
-    monkeypatch.setattr(window_attention, "GRADIENT_SEGMENT_LENGTH", segment_length)
+    _set_segment_length(monkeypatch, segment_length)
     q, k, v = _inputs()
     feature_map = _map("hedgehog")
     mask = torch.ones(2, 29, dtype=torch.bool)
