@@ -47,6 +47,7 @@ models for ``trust_remote_code``.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -57,6 +58,33 @@ from .favor_settings import is_window_layer, resolve_favor_settings
 from .feature_maps import no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState, linear_attention
 from .window_attention import window_linear_attention
+
+
+CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
+"""The keyword of the cache in model and attention-module forwards: ``cache`` from transformers 5.24 on,
+``past_key_values`` before (5.24 still takes the old keyword, with a warning, until 5.40)."""
+
+
+def cache_argument_name(forward) -> str:
+    """The keyword under which ``forward`` (a model's or a module's, or its class's) takes the cache: the first of
+    :data:`CACHE_ARGUMENT_NAMES` in its signature (``past_key_values`` if neither: the older convention)."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), "past_key_values")
+
+
+def cache_from_kwargs(kwargs: dict, where: str = "forward"):
+    """The cache given in ``kwargs`` under either name of :data:`CACHE_ARGUMENT_NAMES` (``None`` if neither);
+    both at once raise a one-line ``TypeError``."""
+    given = [name for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None]
+    if len(given) > 1:
+        raise TypeError(f"{where}: got the cache twice, as cache= and past_key_values=; pass it once (cache=)")
+    return kwargs[given[0]] if given else None
+
+
+def cache_of_output(output):
+    """The cache a model returned (``output.cache`` from transformers 5.24 on, ``output.past_key_values`` before)."""
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 class FavorCacheLayer(CacheLayerMixin):

@@ -93,7 +93,9 @@ from .attention_weights import (
     window_attention_weights,
 )
 from .cache import (
+    CACHE_ARGUMENT_NAMES,
     FavorCacheLayer,
+    cache_from_kwargs,
     cache_layer_class,
     is_favor_cache_layer,
     is_window_cache_layer,
@@ -329,33 +331,7 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
 
 CACHE_ATTRIBUTE = "_favor_past_key_values"
 
-CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
-"""The keyword of the cache in model and attention-module forwards: ``cache`` from transformers 5.24 on,
-``past_key_values`` before (5.24 still takes the old keyword, with a warning, until 5.40)."""
-
 _CACHE_POSITION: dict[type, tuple[str, int] | None] = {}
-
-
-def cache_argument_name(forward) -> str:
-    """The keyword under which ``forward`` (a model's or a module's, or its class's) takes the cache: the first of
-    :data:`CACHE_ARGUMENT_NAMES` in its signature (``past_key_values`` if neither: the older convention)."""
-    parameters = inspect.signature(forward).parameters
-    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), "past_key_values")
-
-
-def cache_from_kwargs(kwargs: dict, where: str = "forward"):
-    """The cache given in ``kwargs`` under either name of :data:`CACHE_ARGUMENT_NAMES` (``None`` if neither);
-    both at once raise a one-line ``TypeError``."""
-    given = [name for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None]
-    if len(given) > 1:
-        raise TypeError(f"{where}: got the cache twice, as cache= and past_key_values=; pass it once (cache=)")
-    return kwargs[given[0]] if given else None
-
-
-def cache_of_output(output):
-    """The cache a model returned (``output.cache`` from transformers 5.24 on, ``output.past_key_values`` before)."""
-    cache = getattr(output, "cache", None)
-    return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
 def _past_key_values_from_call(module: nn.Module, args: tuple, kwargs: dict):

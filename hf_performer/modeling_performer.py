@@ -51,12 +51,10 @@ from transformers.models.auto.modeling_auto import (
 from transformers import initialization as init
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
+from .cache import CACHE_ARGUMENT_NAMES, cache_argument_name, cache_from_kwargs
 from .favor_attention import (
     ATTN_IMPLEMENTATION,
-    CACHE_ARGUMENT_NAMES,
     attach_feature_maps,
-    cache_argument_name,
-    cache_from_kwargs,
     find_attention_modules,
     install_favor_cache_layers,
     runs_causal_favor,

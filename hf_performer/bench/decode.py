@@ -277,7 +277,7 @@ class DecodeStream:
         self.context = context  # the context it started from
         self.input_ids = torch.randint(model.config.vocab_size, (batch, 1), generator=generator).to(device)
         self.logits = None
-        from ..favor_attention import cache_argument_name
+        from ..cache import cache_argument_name
 
         self.cache_argument = cache_argument_name(type(model).forward)  # cache= (transformers >= 5.24) or past_key_values=
 
@@ -382,7 +382,7 @@ def verify_decode_paths(model, batch: int, context: int = 64, steps: int = 5, se
     Asserts equal cache structure (layer types, tensor shapes/dtypes, token counts) before and after a decode
     step, and equal logits shapes; returns the structures and the median step times of both.
     """
-    from ..favor_attention import cache_of_output
+    from ..cache import cache_of_output
 
     generator = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(model.config.vocab_size, (batch, context), generator=generator).to(device)

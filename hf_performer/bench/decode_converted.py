@@ -77,7 +77,7 @@ def synthetic_kv_cache(model, batch: int, context: int, generator: torch.Generat
 def prefill(model, cache, input_ids: torch.Tensor, start: int, chunk: int) -> torch.Tensor:
     """Feed ``input_ids[:, start:]`` ``[B, L]`` through ``model`` and ``cache`` (holding ``start`` tokens) in
     chunks of ``chunk`` tokens; returns the logits of the last token ``[B, vocab]``."""
-    from ..favor_attention import cache_argument_name
+    from ..cache import cache_argument_name
 
     batch, end = input_ids.shape
     logits = None
@@ -108,7 +108,7 @@ def verify_window_decode(model, batch: int, context: int, chunk: int, seed: int,
     """At a short ``context``: chunked prefill through the window cache == one forward without cache (last-token
     logits), the window layers hold WindowCacheLayers; a real softmax prefill and the synthetic softmax cache have
     the same structure."""
-    from ..favor_attention import cache_of_output
+    from ..cache import cache_of_output
 
     generator = torch.Generator().manual_seed(seed + 1)
     input_ids = torch.randint(_text_config(model).vocab_size, (batch, context), generator=generator).to(device)
