@@ -28,6 +28,7 @@ own modules, which import only torch, transformers and relative siblings, so
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from transformers import (
@@ -307,11 +308,16 @@ class PerformerPreTrainedModel(PreTrainedModel):
         # The cache under either keyword (transformers renamed past_key_values to cache in 5.24), handed to the
         # source under the one its forward declares.
         cache = cache_from_kwargs({**call, **kwargs}, type(self).__name__)
+        source_cache_name = cache_argument_name(type(self.source_model).forward)
+        if cache is not None and source_cache_name == "cache" and "cache" not in call and "cache" not in kwargs:
+            # as transformers' own models say it from 5.24 on
+            warnings.warn(f"`past_key_values` is deprecated and will be removed in version 5.40.0 for "
+                          f"`{type(self).__name__}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3)
         for name in CACHE_ARGUMENT_NAMES:
             call.pop(name, None)
             kwargs.pop(name, None)
         if cache is not None:
-            call[cache_argument_name(type(self.source_model).forward)] = cache
+            call[source_cache_name] = cache
         accepted = inspect.signature(type(self.source_model).forward).parameters
         unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted]
         if unsupported:

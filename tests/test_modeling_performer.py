@@ -279,6 +279,32 @@ def test_argument_the_source_does_not_take_is_an_error():
         model(input_ids=input_ids, token_type_ids=torch.zeros_like(input_ids))
 
 
+def test_the_cache_under_either_keyword():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``: both reach the source under its own name, with
+    the same result; the old one warns where the installed transformers has renamed it (as its models do); both at
+    once is an error."""
+    import warnings
+
+    from hf_performer import make_favor_cache
+    from hf_performer.cache import cache_argument_name, cache_of_output
+
+    model = PerformerForCausalLM(performer_config(llama_config())).eval()
+    input_ids, _ = input_batch(padded=False)
+    renamed = cache_argument_name(type(model.source_model).forward) == "cache"
+    outputs = {}
+    for keyword in ("cache", "past_key_values"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output = model(input_ids=input_ids, use_cache=True, **{keyword: make_favor_cache(model)})
+        deprecated = [w for w in caught if "`past_key_values` is deprecated" in str(w.message)]
+        assert len(deprecated) == (keyword == "past_key_values" and renamed)
+        assert cache_of_output(output).get_seq_length() == input_ids.shape[1]
+        outputs[keyword] = output.logits
+    torch.testing.assert_close(outputs["cache"], outputs["past_key_values"])
+    with pytest.raises(TypeError, match="got the cache twice"):
+        model(input_ids=input_ids, cache=make_favor_cache(model), past_key_values=make_favor_cache(model))
+
+
 # --------------------------------------------------------------------------------------------
 # Saving and loading
 # --------------------------------------------------------------------------------------------
