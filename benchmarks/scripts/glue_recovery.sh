@@ -18,7 +18,8 @@
 #   b  $OUT/b_converted/dev_metrics.json    (a) converted (hf-performer convert $CONVERT_ARGS: FAVOR+ by default),
 #                                           evaluated, no training
 #   e  $OUT/e_transfer/dev_metrics.json     (a) + attention transfer (hf-performer distill), evaluated, no training
-#   f  $OUT/f_transfer_finetuned/metrics.json  (e) fine-tuned with the same arguments as (a)
+#   f  $OUT/f_transfer_finetuned/metrics.json  (e) fine-tuned with the same arguments as (a), but for F_LR
+#                                           (default: LR), the rate of this second fine-tuning of (a)'s weights
 #   c  $OUT/c_recovered/metrics.json        (b) fine-tuned with the same arguments as (a)
 #   d  $OUT/d_favor_direct/metrics.json     FAVOR+ from $MODEL, fine-tuned with the same arguments as (a)
 #   collect  $RESULT (+ .png)               hf-performer results collect + plot (always re-run)
@@ -46,6 +47,7 @@ EPOCHS="${EPOCHS:-3}"
 MAX_TRAIN_SAMPLES="${MAX_TRAIN_SAMPLES:-}"   # empty: the whole training file
 BATCH="${BATCH:-32}"
 LR="${LR:-1e-4}"
+F_LR="${F_LR:-$LR}"                           # (f) only: (e) holds (a)'s fine-tuned weights; a second pass may want less
 MAX_LENGTH="${MAX_LENGTH:-128}"
 EVAL_STEPS="${EVAL_STEPS:-180}"               # evaluate every N steps for the curve
 SEED="${SEED:-42}"
@@ -74,12 +76,12 @@ mapfile -t SAMPLE_ARGS < <(optional --max-train-samples "$MAX_TRAIN_SAMPLES")
 wanted() { [[ " $RUNS " == *" $1 "* ]]; }
 
 # The exact command lines, recorded in the result file.
-finetune_args() {  # finetune_args MODEL OUTPUT_DIR [EXTRA...]
-    local model="$1" output_dir="$2"
+finetune_args() {  # [RATE=...] finetune_args MODEL OUTPUT_DIR [EXTRA...]
+    local model="$1" output_dir="$2" rate="${RATE:-$LR}"
     shift 2
     printf '%s\n' "$PYTHON" recipes/text_classification.py --model "$model" "$@" --task "$TASK" \
         --train-file "$TRAIN_FILE" --validation-file "$VALIDATION_FILE" "${SAMPLE_ARGS[@]}" --max-length "$MAX_LENGTH" \
-        --learning-rate "$LR" --per-device-train-batch-size "$BATCH" --num-train-epochs "$EPOCHS" \
+        --learning-rate "$rate" --per-device-train-batch-size "$BATCH" --num-train-epochs "$EPOCHS" \
         --eval-steps "$EVAL_STEPS" --seed "$SEED" --report-to none --output-dir "$output_dir" --overwrite
 }
 evaluate_args() {  # evaluate_args MODEL OUTPUT.json
@@ -102,14 +104,24 @@ mapfile -t CMD_E_DISTILL < <(printf '%s\n' "$HF_PERFORMER" distill "$OUT/a_softm
     --max-length "$MAX_LENGTH" --batch-size "$TRANSFER_BATCH" --steps "$TRANSFER_STEPS" \
     --learning-rate "$TRANSFER_LR" --fidelity-samples 32 --no-progress --overwrite)
 mapfile -t CMD_E_EVAL < <(evaluate_args "$OUT/e_transfer" "$OUT/e_transfer/dev_metrics.json")
-mapfile -t CMD_F < <(finetune_args "$OUT/e_transfer" "$OUT/f_transfer_finetuned")
+mapfile -t CMD_F < <(RATE="$F_LR" finetune_args "$OUT/e_transfer" "$OUT/f_transfer_finetuned")
 mapfile -t CMD_C < <(finetune_args "$OUT/b_converted" "$OUT/c_recovered")
 mapfile -t CMD_D < <(finetune_args "$MODEL" "$OUT/d_favor_direct" --attention favor --feature-map favor+)
 
-joined() { printf ' %q' "$@" | cut -c2-; }
+joined() { portable "$(printf ' %q' "$@" | cut -c2-)"; }
+# Text for the committed result: no local absolute path, as benchmarks/README.md names them ($OUT the scratch folder,
+# $MINILM the model folder, ../shared the data folder beside the checkout).
+portable() {
+    local text="$1" shared
+    shared="$(dirname "$REPO")/shared"
+    text="${text//"$OUT"/\$OUT}"
+    text="${text//"$MODEL"/\$MINILM}"
+    printf '%s' "${text//"$shared"/../shared}"
+}
 
 log "$TASK recovery table: MODEL=$MODEL OUT=$OUT RUNS='$RUNS'"
-log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR, length $MAX_LENGTH, seed $SEED"
+log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR (f: $F_LR), length $MAX_LENGTH," \
+    "seed $SEED"
 wanted e && log "transfer (e): $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features, softmax layers:" \
     "${KEEP_SOFTMAX_LAYERS:-none}${HYBRID_ARGS:+, $HYBRID_ARGS}), $TRANSFER_STEPS steps x $TRANSFER_BATCH of" \
     "$TRANSFER_SAMPLES rows, lr $TRANSFER_LR"
@@ -127,14 +139,16 @@ wanted f && run_step f_transfer_finetuned "$OUT/f_transfer_finetuned/metrics.jso
 wanted c && run_step c_recovered "$OUT/c_recovered/metrics.json" "${CMD_C[@]}"
 wanted d && run_step d_favor_direct "$OUT/d_favor_direct/metrics.json" "${CMD_D[@]}"
 
+F_NOTE=""
+[[ "$F_LR" != "$LR" ]] && F_NOTE=", except (f)'s lr $F_LR"
 PROTOCOL="MiniLM-L6 ($MODEL); $TASK: ${MAX_TRAIN_SAMPLES:-all} training rows of $(basename "$(dirname "$TRAIN_FILE")")/\
 $(basename "$TRAIN_FILE"), $EPOCHS epoch(s), batch $BATCH, lr $LR (linear decay, 6% warmup), max length $MAX_LENGTH, \
-seed $SEED, identical for (a), (c), (d), (f); dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
+seed $SEED, identical for (a), (c), (d), (f)$F_NOTE; dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
 FAVOR+ (b, c, d): hf-performer convert defaults${CONVERT_ARGS:+ (b, c: hf-performer convert $CONVERT_ARGS)}. Attention transfer (e): hf-performer distill --feature-map $FEATURE_MAP \
 --feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]} ${HYBRID_FLAGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
 teacher (a). Pipeline: benchmarks/scripts/glue_recovery.sh."
 
-COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$PROTOCOL" --output "$RESULT")
+COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$(portable "$PROTOCOL")" --output "$RESULT")
 declare -A RUN_PATHS=([a]=a_softmax [b]=b_converted [c]=c_recovered [d]=d_favor_direct [e]=e_transfer
                       [f]=f_transfer_finetuned)
 declare -A RUN_COMMANDS=([a]="$(joined "${CMD_A[@]}")"
@@ -149,6 +163,25 @@ for label in a b c d e f; do
     fi
 done
 ALWAYS=1 run_step collect "$RESULT" "${COLLECT[@]}"
+# The run folders the collector read ("file", "curve_source") as the commands name them.
+"$PYTHON" - "$RESULT" "$OUT" "$MODEL" "$(dirname "$REPO")/shared" <<'PORTABLE'
+import json, sys
+path, *pairs = sys.argv[1:]
+names = list(zip(pairs, ("$OUT", "$MINILM", "../shared")))
+def portable(value):
+    if isinstance(value, str):
+        for local, name in names:
+            value = value.replace(local, name)
+        return value
+    if isinstance(value, dict):
+        return {key: portable(item) for key, item in value.items()}
+    return [portable(item) for item in value] if isinstance(value, list) else value
+with open(path) as handle:
+    result = portable(json.load(handle))
+with open(path, "w") as handle:
+    json.dump(result, handle, indent=2)
+    handle.write("\n")
+PORTABLE
 ALWAYS=1 run_step plot "${RESULT%.json}.png" "$HF_PERFORMER" results plot "$RESULT"
 tail -n 12 "$OUT/collect.log"
 log "pipeline done in $((SECONDS - PIPELINE_START)) s (step timings: $TIMINGS)"
