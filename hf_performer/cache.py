@@ -66,10 +66,14 @@ CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
 
 
 def cache_argument_name(forward) -> str:
-    """The keyword under which ``forward`` (a model's or a module's, or its class's) takes the cache: the first of
-    :data:`CACHE_ARGUMENT_NAMES` in its signature (``past_key_values`` if neither: the older convention)."""
-    parameters = inspect.signature(forward).parameters
-    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), "past_key_values")
+    """The keyword under which ``forward`` (a model's or a module's, or its class's) takes the cache."""
+    return cache_keyword_among(inspect.signature(forward).parameters)
+
+
+def cache_keyword_among(parameter_names) -> str:
+    """The first of :data:`CACHE_ARGUMENT_NAMES` among ``parameter_names`` (``past_key_values`` if neither: the older
+    convention)."""
+    return next((name for name in CACHE_ARGUMENT_NAMES if name in parameter_names), "past_key_values")
 
 
 def cache_from_kwargs(kwargs: dict, where: str = "forward"):

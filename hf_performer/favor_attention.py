@@ -51,15 +51,15 @@ so projections and redraw counters live in the state dict and reload bit-identic
 :func:`attach_feature_maps` creates them eagerly (call it before loading a state dict); a stock model switched
 with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
-Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that
-hands the layer's cache (``cache``, ``past_key_values`` before transformers 5.24) to the attention function and, for causal favor layers, replaces an
-*empty* ``DynamicLayer`` of that cache by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer`
-for window layers: sinks, recent keys and the tail state, croppable for assisted generation) (the layer
-``generate()`` and the models create by default). Prefill and token-by-token decoding then carry the
-recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys
-and values (e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the
-causal kernel is run over all cached keys at every step (``O(L)`` per token). Static caches (whose key
-length differs from the mask length) raise.
+Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that hands the
+layer's cache (``cache``, ``past_key_values`` before transformers 5.24) to the attention function and, for causal
+favor layers, replaces an *empty* ``DynamicLayer`` of that cache (the layer ``generate()`` and the models create by
+default) by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer` for window layers: sinks, recent
+keys and the tail state, croppable for assisted generation). Prefill and token-by-token decoding then carry the
+recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys and values
+(e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the causal kernel is run over
+all cached keys at every step (``O(L)`` per token). Static caches (whose key length differs from the mask length)
+raise.
 
 This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved
 models for ``trust_remote_code``.
@@ -331,10 +331,10 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
 
 CACHE_ATTRIBUTE = "_favor_past_key_values"
 
-_CACHE_POSITION: dict[type, tuple[str, int] | None] = {}
+_CACHE_POSITION: dict[type, int | None] = {}
 
 
-def _past_key_values_from_call(module: nn.Module, args: tuple, kwargs: dict):
+def _cache_from_call(module: nn.Module, args: tuple, kwargs: dict):
     cache = cache_from_kwargs(kwargs, type(module).__name__)
     if cache is not None:
         return cache
@@ -342,9 +342,9 @@ def _past_key_values_from_call(module: nn.Module, args: tuple, kwargs: dict):
     if cls not in _CACHE_POSITION:
         names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
         found = [name for name in CACHE_ARGUMENT_NAMES if name in names]
-        _CACHE_POSITION[cls] = (found[0], names.index(found[0])) if found else None
+        _CACHE_POSITION[cls] = names.index(found[0]) if found else None
     position = _CACHE_POSITION[cls]
-    return args[position[1]] if position is not None and position[1] < len(args) else None
+    return args[position] if position is not None and position < len(args) else None
 
 
 def _self_attention_cache(cache) -> Cache | None:
@@ -386,7 +386,7 @@ def install_favor_cache_layers(cache, model: nn.Module) -> None:
 
 
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    cache = _self_attention_cache(_past_key_values_from_call(module, args, kwargs))
+    cache = _self_attention_cache(_cache_from_call(module, args, kwargs))
     setattr(module, CACHE_ATTRIBUTE, cache)
     if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
         layer_idx = layer_index_of(module)

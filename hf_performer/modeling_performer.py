@@ -52,7 +52,7 @@ from transformers.models.auto.modeling_auto import (
 from transformers import initialization as init
 
 from .configuration_performer import PERFORMER_MODEL_TYPE, PerformerConfig, PerformerConfigError
-from .cache import CACHE_ARGUMENT_NAMES, cache_argument_name, cache_from_kwargs
+from .cache import CACHE_ARGUMENT_NAMES, cache_from_kwargs, cache_keyword_among
 from .favor_attention import (
     ATTN_IMPLEMENTATION,
     attach_feature_maps,
@@ -305,12 +305,13 @@ class PerformerPreTrainedModel(PreTrainedModel):
                 GPT-2's causal LM head is fine, for Llama it is not).
         """
         call = {name: value for name, value in arguments.items() if value is not None}
+        accepted = inspect.signature(type(self.source_model).forward).parameters
         # The cache under either keyword (transformers renamed past_key_values to cache in 5.24), handed to the
-        # source under the one its forward declares.
+        # source under the one its forward declares; the old one warns where the source has the new one, as
+        # transformers' own models do.
         cache = cache_from_kwargs({**call, **kwargs}, type(self).__name__)
-        source_cache_name = cache_argument_name(type(self.source_model).forward)
-        if cache is not None and source_cache_name == "cache" and "cache" not in call and "cache" not in kwargs:
-            # as transformers' own models say it from 5.24 on
+        source_cache_name = cache_keyword_among(accepted)
+        if source_cache_name == "cache" and {**call, **kwargs}.get("past_key_values") is not None:
             warnings.warn(f"`past_key_values` is deprecated and will be removed in version 5.40.0 for "
                           f"`{type(self).__name__}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3)
         for name in CACHE_ARGUMENT_NAMES:
@@ -318,7 +319,6 @@ class PerformerPreTrainedModel(PreTrainedModel):
             kwargs.pop(name, None)
         if cache is not None:
             call[source_cache_name] = cache
-        accepted = inspect.signature(type(self.source_model).forward).parameters
         unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted]
         if unsupported:
             raise TypeError(

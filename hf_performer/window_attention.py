@@ -46,9 +46,10 @@ Stabilisers: keys' feature log-scales share a running maximum ``K_i`` over the t
 row is rescaled by one detached constant that cancels between numerator and denominator.
 
 Training memory: a call that needs gradients and is longer than one segment (:data:`CAUSAL_SEGMENT_LENGTH`,
-:data:`BIDIRECTIONAL_SEGMENT_LENGTH`) runs in segments of that many queries, so that the backward holds one segment's graph at a time (the outputs and gradients of one
-pass). Causal: segments each continuing the previous one's :class:`WindowAttentionState`, recomputed one at a time
-in the backward (:func:`_segmented_window_attention`, :mod:`.window_segments`). Bidirectional: each segment reads its band's halo and two small tail sums
+:data:`BIDIRECTIONAL_SEGMENT_LENGTH`) runs in segments of that many queries, so that the backward holds one
+segment's graph at a time (the outputs and gradients of one pass). Causal: segments each continuing the previous
+one's :class:`WindowAttentionState`, recomputed one at a time in the backward (:func:`_segmented_window_attention`,
+:mod:`.window_segments`). Bidirectional: each segment reads its band's halo and two small tail sums
 (the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
 redraws in training mode keeps the one pass.
 

@@ -114,8 +114,8 @@ class _SegmentedCausal(torch.autograd.Function):
         grads = [torch.zeros_like(t) if need else None for t, need in ((query, need_q), (key, need_k),
                                                                      (value, need_v))]
         gamma = _leaf(softmax_weight, bool(need_gamma))
-        extra = [gamma] if gamma is not None and gamma.requires_grad else []
-        extra_grads, parameter_grads = [None] * len(extra), [None] * len(parameters)
+        gammas = [gamma] if gamma is not None and gamma.requires_grad else []  # the gamma leaf, when wanted
+        grad_gamma, parameter_grads = None, [None] * len(parameters)
         grad_state = list(grad_final)
         entering = [None if ctx.initial_state is None else plan.with_state_tensors(ctx.initial_state, initial)]
         entering += ctx.states
@@ -137,16 +137,17 @@ class _SegmentedCausal(torch.autograd.Function):
                     if grad is not None and tensor.requires_grad:
                         outputs.append(tensor)
                         output_grads.append(grad)
-                wanted = ([t for t in pieces if t.requires_grad] + extra
+                wanted = ([t for t in pieces if t.requires_grad] + gammas
                           + [t for t in state_leaves if t.requires_grad] + parameters)
                 found = (list(torch.autograd.grad(outputs, wanted, output_grads, allow_unused=True)) if outputs
                          else [None] * len(wanted))
             _add_pieces(found, pieces, grads, ((start, end),) * 3)
-            extra_grads = _add(extra_grads, found[:len(extra)])
-            found = found[len(extra):]
+            if gammas:
+                segment_grad = found.pop(0)
+                if segment_grad is not None:
+                    grad_gamma = segment_grad if grad_gamma is None else grad_gamma + segment_grad
             grad_state = [found.pop(0) if t.requires_grad else None for t in state_leaves]
             parameter_grads = _add(parameter_grads, found)
-        grad_gamma = extra_grads[0] if extra else None
         grad_initial = grad_state if need_initial and grad_state else [None] * n_initial
         all_parameter_grads = iter(parameter_grads)
         return (None, None, None, None, *grads, grad_gamma, None, *grad_initial,

@@ -187,7 +187,8 @@ def test_mask_builder_turns_packed_and_chunked_patterns_into_segment_ids():
     if hasattr(masking_utils, "packed_sequence_mask_function"):  # transformers >= 5.24: how create_causal_mask packs
         packed = and_masks(causal_mask_function, masking_utils.packed_sequence_mask_function(packed_indices))
     else:
-        packed = masking_utils.packed_sequence_compatibility_function(causal_mask_function, position_ids, packed_indices)
+        packed = masking_utils.packed_sequence_compatibility_function(causal_mask_function, position_ids,
+                                                                      packed_indices)
     segment_ids = favor_attention_mask(2, 7, 7, mask_function=packed)
     assert segment_ids.tolist() == [[1, 1, 1, 2, 2, 2, 2], [1] * 7]
     chunked = favor_attention_mask(1, 7, 7, mask_function=chunked_causal_mask_function(3, torch.tensor([0])))

@@ -1,7 +1,7 @@
 """Window attention that needs gradients runs in segments (memory bounded by one segment's graph): causal calls as
-recomputed segments continuing the decoding state (window_segments.segmented_causal), bidirectional calls through window_segments (tail sums between
-segments). The same outputs, gradients (inputs, gamma, learned-map parameters) and final state as one pass and the
-float64 reference, with padding and GQA; when it segments and when it does not."""
+recomputed segments continuing the decoding state (window_segments.segmented_causal), bidirectional calls through
+window_segments (tail sums between segments). The same outputs, gradients (inputs, gamma, learned-map parameters)
+and final state as one pass and the float64 reference, with padding and GQA; when it segments and when it does not."""
 
 import pytest
 import torch

@@ -34,9 +34,12 @@ NAME = "favor_throughput_bound"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--lengths", default="8192,16384", help="comma-separated sequence lengths (default: %(default)s)")
-    parser.add_argument("--repeats", type=int, default=5, help="timed repeats per measurement, median kept (default: 5)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", default="8192,16384",
+                        help="comma-separated sequence lengths (default: %(default)s)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="timed repeats per measurement, median kept (default: 5)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--output-dir", default=None, help="write NAME.json and NAME.png here (default: print only)")
     parser.add_argument("--name", default=NAME, help="file stem of the outputs (default: %(default)s)")

@@ -108,16 +108,7 @@ mapfile -t CMD_F < <(RATE="$F_LR" finetune_args "$OUT/e_transfer" "$OUT/f_transf
 mapfile -t CMD_C < <(finetune_args "$OUT/b_converted" "$OUT/c_recovered")
 mapfile -t CMD_D < <(finetune_args "$MODEL" "$OUT/d_favor_direct" --attention favor --feature-map favor+)
 
-joined() { portable "$(printf ' %q' "$@" | cut -c2-)"; }
-# Text for the committed result: no local absolute path, as benchmarks/README.md names them ($OUT the scratch folder,
-# $MINILM the model folder, ../shared the data folder beside the checkout).
-portable() {
-    local text="$1" shared
-    shared="$(dirname "$REPO")/shared"
-    text="${text//"$OUT"/\$OUT}"
-    text="${text//"$MODEL"/\$MINILM}"
-    printf '%s' "${text//"$shared"/../shared}"
-}
+joined() { printf ' %q' "$@" | cut -c2-; }
 
 log "$TASK recovery table: MODEL=$MODEL OUT=$OUT RUNS='$RUNS'"
 log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR (f: $F_LR), length $MAX_LENGTH," \
@@ -148,7 +139,7 @@ FAVOR+ (b, c, d): hf-performer convert defaults${CONVERT_ARGS:+ (b, c: hf-perfor
 --feature-map-init $FEATURE_MAP_INIT --nb-features $NB_FEATURES ${KEEP_ARGS[*]} ${HYBRID_FLAGS[*]}, $TRANSFER_STEPS AdamW steps of $TRANSFER_BATCH over $TRANSFER_SAMPLES training rows (no labels), lr $TRANSFER_LR, \
 teacher (a). Pipeline: benchmarks/scripts/glue_recovery.sh."
 
-COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$(portable "$PROTOCOL")" --output "$RESULT")
+COLLECT=("$HF_PERFORMER" results collect --task "$TASK" --protocol "$PROTOCOL" --output "$RESULT")
 declare -A RUN_PATHS=([a]=a_softmax [b]=b_converted [c]=c_recovered [d]=d_favor_direct [e]=e_transfer
                       [f]=f_transfer_finetuned)
 declare -A RUN_COMMANDS=([a]="$(joined "${CMD_A[@]}")"
@@ -163,7 +154,9 @@ for label in a b c d e f; do
     fi
 done
 ALWAYS=1 run_step collect "$RESULT" "${COLLECT[@]}"
-# The run folders the collector read ("file", "curve_source") as the commands name them.
+# The committed result names no local absolute path (commands, protocol, the run files the collector read), as
+# benchmarks/README.md names them: $OUT the scratch folder, $MINILM the model folder, ../shared the data beside the
+# checkout.
 "$PYTHON" - "$RESULT" "$OUT" "$MODEL" "$(dirname "$REPO")/shared" <<'PORTABLE'
 import json, sys
 path, *pairs = sys.argv[1:]

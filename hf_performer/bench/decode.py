@@ -31,11 +31,11 @@ What is measured (``hf-performer bench decode``):
   on the values in the cache, only on its size and type.
 
 * One **decode step** = one call ``model(input_ids [B, 1], attention_mask=ones [B, L + 1], position_ids,
-  cache=cache, use_cache=True)`` (``past_key_values=`` before transformers 5.24) through the full model (embeddings, 12 blocks with the cache update
-  and attention over the whole context, final layer norm, LM head over the vocabulary) plus the greedy
-  ``argmax`` that picks the next token, which is fed to the next step (as ``generate()`` does). For softmax it
-  includes ``DynamicLayer``'s concatenation of the new key/value onto ``[B, H, L, d]``; for favor the
-  recurrent update of the state (the favor model never sees past keys).
+  cache=cache, use_cache=True)`` (``past_key_values=`` before transformers 5.24) through the full model (embeddings,
+  12 blocks with the cache update and attention over the whole context, final layer norm, LM head over the
+  vocabulary) plus the greedy ``argmax`` that picks the next token, which is fed to the next step (as ``generate()``
+  does). For softmax it includes ``DynamicLayer``'s concatenation of the new key/value onto ``[B, H, L, d]``; for
+  favor the recurrent update of the state (the favor model never sees past keys).
 * Timing, per context length ``L`` (lengths in increasing order): ``warmup`` untimed steps of the favor
   stream, then of the softmax stream, then ``repeats`` rounds in which the favor stream at ``L``, the softmax
   stream at ``L`` and the favor stream of the *shortest* context (kept alive from the first length) each take
@@ -279,7 +279,7 @@ class DecodeStream:
         self.logits = None
         from ..cache import cache_argument_name
 
-        self.cache_argument = cache_argument_name(type(model).forward)  # cache= (transformers >= 5.24) or past_key_values=
+        self.cache_argument = cache_argument_name(type(model).forward)  # cache (transformers >= 5.24), past_key_values
 
     def step(self) -> float:
         use_implementation(self.model, self.implementation)
@@ -288,9 +288,8 @@ class DecodeStream:
         start = time.perf_counter()
         attention_mask = torch.ones(batch, position + 1, dtype=torch.long, device=device)
         position_ids = torch.full((batch, 1), position, dtype=torch.long, device=device)
-        cache_argument = {self.cache_argument: self.cache}
         logits = self.model(input_ids=self.input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            use_cache=True, **cache_argument).logits
+                            use_cache=True, **{self.cache_argument: self.cache}).logits
         self.input_ids = logits[:, -1].argmax(-1, keepdim=True)
         synchronize(device)
         seconds = time.perf_counter() - start

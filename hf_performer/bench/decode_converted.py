@@ -80,13 +80,13 @@ def prefill(model, cache, input_ids: torch.Tensor, start: int, chunk: int) -> to
     from ..cache import cache_argument_name
 
     batch, end = input_ids.shape
-    logits = None
+    logits, keyword = None, cache_argument_name(type(model).forward)
     for begin in range(start, end, chunk):
         stop = min(begin + chunk, end)
         positions = torch.arange(begin, stop, device=input_ids.device).expand(batch, -1)
         logits = model(input_ids=input_ids[:, begin:stop], attention_mask=torch.ones_like(input_ids[:, :stop]),
                        position_ids=positions, use_cache=True, logits_to_keep=1,
-                       **{cache_argument_name(type(model).forward): cache}).logits
+                       **{keyword: cache}).logits
     return logits[:, -1]
 
 
