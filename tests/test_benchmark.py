@@ -40,6 +40,17 @@ def test_summary_line_says_none_when_favor_never_stays_ahead():
     assert "causal: none" in line and "bidirectional: 724" in line
 
 
+def test_crossover_per_implementation_only_for_what_was_measured():
+    rows = [{**row, "implementation": "window"} if row["implementation"] == "favor" else row
+            for row in _rows("causal", {4096: 1.3, 8192: 2.3})]
+    result = {"records": rows, "matmul_gflops_per_s": 1.0, "machine": {"device_name": "cpu", "torch_threads": 1}}
+    result["summary"] = summarize_speed(result)
+    assert result["summary"]["crossover_length_vs_sdpa_by_implementation"] == {"window": {"causal": 4096.0}}
+    lines = [line for line in format_speed_table(result).splitlines() if line.startswith("crossover")]
+    assert lines == ["crossover length (window hybrid faster than SDPA at every longer measured length from): "
+                     "causal: 4096"]
+
+
 def test_load_warning_when_the_machine_is_busy(monkeypatch):
     cores = os.cpu_count()
     monkeypatch.setattr(os, "getloadavg", lambda: (0.6 * cores, 0.0, 0.0))

@@ -326,7 +326,8 @@ def run_memory_benchmark(
     result = {
         "benchmark": "attention_memory",
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
-                         dtype=dtype, backward=backward, lengths=list(lengths),
+                         dtype=dtype, backward=backward, lengths=list(lengths), window=DEFAULT_WINDOW,
+                         sinks=DEFAULT_SINKS, window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim,
                          measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "records": records,

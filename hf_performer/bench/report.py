@@ -6,6 +6,7 @@ Results are the JSON-able dicts of :mod:`.attention` and :mod:`.decode` (``setti
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 from pathlib import Path
@@ -63,13 +64,13 @@ def _lookup(records, **where):
     return None
 
 
-def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None:
-    """The length from which FAVOR+ stays faster than ``baseline`` at every longer measured length (log-log
-    interpolation between the last measured length where it is slower and the next); ``None`` if it is slower at
-    the longest one, the first length if it is never slower."""
+def crossover_length(records, mode: str, baseline: str = "sdpa", implementation: str = "favor") -> float | None:
+    """The length from which ``implementation`` stays faster than ``baseline`` at every longer measured length
+    (log-log interpolation between the last measured length where it is slower and the next); ``None`` if it is
+    slower at the longest one or was not measured, the first length if it is never slower."""
     points = []
     for record in records:
-        if record["mode"] == mode and record["implementation"] == "favor":
+        if record["mode"] == mode and record["implementation"] == implementation:
             other = _lookup(records, mode=mode, implementation=baseline, length=record["length"])
             if other:
                 points.append((record["length"], other["seconds"] / record["seconds"]))
@@ -85,17 +86,21 @@ def crossover_length(records, mode: str, baseline: str = "sdpa") -> float | None
 
 
 def summarize_speed(result: dict) -> dict:
-    """FAVOR+'s speedup over SDPA per mode and length and its crossover length; every other implementation's
-    speedup over SDPA (time ratio, same run) under ``speedup_vs_sdpa_by_implementation``."""
+    """Every implementation's speedup over SDPA (time ratio, same run) per mode and length and its crossover
+    length (``*_by_implementation``); FAVOR+'s also under ``speedup_vs_sdpa`` and ``crossover_length_vs_sdpa``."""
     records = result["records"]
-    summary = {"speedup_vs_sdpa": {}, "crossover_length_vs_sdpa": {}, "speedup_vs_sdpa_by_implementation": {}}
+    summary = {"speedup_vs_sdpa": {}, "crossover_length_vs_sdpa": {}, "speedup_vs_sdpa_by_implementation": {},
+               "crossover_length_vs_sdpa_by_implementation": {}}
     for record in records:
         sdpa = _lookup(records, mode=record["mode"], implementation="sdpa", length=record["length"])
         if sdpa and record["implementation"] != "sdpa":
             by_mode = summary["speedup_vs_sdpa_by_implementation"].setdefault(record["implementation"], {})
             by_mode.setdefault(record["mode"], {})[str(record["length"])] = sdpa["seconds"] / record["seconds"]
+    for implementation, by_mode in summary["speedup_vs_sdpa_by_implementation"].items():
+        summary["crossover_length_vs_sdpa_by_implementation"][implementation] = {
+            mode: crossover_length(records, mode, implementation=implementation) for mode in by_mode}
     favor = summary["speedup_vs_sdpa_by_implementation"].get("favor", {})
-    for mode in {r["mode"] for r in records}:
+    for mode in sorted({r["mode"] for r in records}):
         summary["speedup_vs_sdpa"][mode] = favor.get(mode, {})
         summary["crossover_length_vs_sdpa"][mode] = crossover_length(records, mode)
     return summary
@@ -114,16 +119,36 @@ def format_speed_table(result: dict) -> str:
         memory = f"{memory / 2**20:9.0f}" if memory is not None else f"{'-':>9}"
         lines.append(f"{record['length']:>6} {record['mode']:<13} {record['implementation']:<18} "
                      f"{record['seconds']:9.3f} {record['gflops_per_s']:8.1f} {memory} {ratio:>8}")
-    crossover = result["summary"]["crossover_length_vs_sdpa"]
-    lines.append("crossover length (FAVOR+ faster than SDPA at every longer measured length from): " + ", ".join(
-        f"{mode}: {'none' if value is None else round(value)}" for mode, value in sorted(crossover.items())))
+    summary = result["summary"]
+    crossovers = summary.get("crossover_length_vs_sdpa_by_implementation")
+    if crossovers is None:  # results written before the per-implementation summary
+        crossovers = {"favor": summary["crossover_length_vs_sdpa"]}
+    for implementation, crossover in crossovers.items():
+        lines.append(f"crossover length ({_NAMES.get(implementation, implementation)} faster than SDPA at every longer "
+                     "measured length from): " + ", ".join(
+                         f"{mode}: {'none' if value is None else round(value)}"
+                         for mode, value in sorted(crossover.items())))
     lines.append(f"plain matmul on this machine: {result['matmul_gflops_per_s']:.0f} GFLOP/s "
                  f"({result['machine']['device_name']}, {result['machine']['torch_threads']} threads)")
     return "\n".join(lines)
 
 
-_STYLES = {"favor": "-o", "window": "--P", "sdpa": "-s", "eager": ":^"}
+_STYLES = {"favor": "-o", "window": "--P", "sdpa": "-s", "eager": ":^", "clustered": "-.v", "improved-clustered": "-.D",
+           "lsh": ":*"}
 _NAMES = {"favor": "FAVOR+", "window": "window hybrid", "sdpa": "SDPA", "eager": "eager softmax"}
+
+
+def _legend_names(settings: dict) -> dict:
+    """Legend name per implementation, with the settings that make it what it is (``?`` for a setting that results
+    written by an older version did not record)."""
+    s = collections.defaultdict(lambda: "?", {key: value for key, value in settings.items() if value is not None})
+    return {**_NAMES, "favor": f"FAVOR+ m={s['nb_features']}",
+            "window": f"window {s['window']} + {s['sinks']} sinks + tail m={s['window_nb_features']}",
+            "clustered": f"clustered C={s['clusters']}",
+            "improved-clustered": f"improved clustered C={s['clusters']} k={s['topk']}",
+            "lsh": f"LSH bucket {s['bucket_size']}"}
+
+
 _MODE_COLORS = {"bidirectional": "tab:blue", "causal": "tab:red"}
 
 
@@ -179,18 +204,19 @@ def format_memory_table(result: dict) -> str:
 def plot_memory(result: dict, path: Path) -> None:
     plt = _pyplot()
     records = result["records"]
+    names = _legend_names(result["settings"])
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for mode in sorted({r["mode"] for r in records}):
         for impl in ATTENTION_IMPLEMENTATIONS:
             points = sorted((r["length"], r) for r in records if r["mode"] == mode and r["implementation"] == impl)
             if points:
                 axes[0].plot([p[0] for p in points], [p[1]["peak_memory_bytes"] / 2**20 for p in points],
-                             _STYLES[impl], color=_MODE_COLORS[mode], label=f"{_NAMES[impl]} {mode}")
+                             _STYLES[impl], color=_MODE_COLORS[mode], label=f"{names[impl]} {mode}")
         summary = result["summary"]
         for impl, ratios in (summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}).items():
             by_length = ratios.get(mode, {})
             axes[1].plot([int(n) for n in by_length], list(by_length.values()), _STYLES[impl],
-                         color=_MODE_COLORS[mode], label=f"{_NAMES[impl]} / SDPA {mode}")
+                         color=_MODE_COLORS[mode], label=f"{names[impl]} / SDPA {mode}")
     axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
     s = result["settings"]
     _log_log_axes([axes[0]], "sequence length L", ["extra peak memory, fwd+bwd (MiB)"])
@@ -200,7 +226,7 @@ def plot_memory(result: dict, path: Path) -> None:
     axes[1].grid(True, which="both", alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.suptitle(f"one attention call, fwd+bwd, fresh process per point (peak RSS growth), B={s['batch']} "
-                 f"H={s['heads']} d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n"
+                 f"H={s['heads']} d={s['head_dim']}, {s['dtype']}\n"
                  f"{result['machine']['device_name']}", fontsize=9)
     _save(plt, fig, path)
 
@@ -211,11 +237,7 @@ def plot_speed(result: dict, path: Path) -> None:
     has_memory = any("peak_memory_bytes" in r for r in records)
     fig, axes = plt.subplots(1, 2 if has_memory else 1, figsize=(12 if has_memory else 6.5, 4.8), squeeze=False)
     s = result["settings"]
-    styles = {**_STYLES, "window": "--P", "clustered": "-.v", "improved-clustered": "-.D", "lsh": ":*"}
-    names = {**_NAMES, "window": f"window {s.get('window')} + {s.get('sinks')} sinks + tail m={s.get('window_nb_features')}",
-             "clustered": f"clustered C={s.get('clusters')}",
-             "improved-clustered": f"improved clustered C={s.get('clusters')} k={s.get('topk')}",
-             "lsh": f"LSH bucket {s.get('bucket_size')}"}
+    names = _legend_names(s)
     colors = _MODE_COLORS
     for mode in sorted({r["mode"] for r in records}):
         for impl in ATTENTION_IMPLEMENTATIONS:
@@ -224,12 +246,12 @@ def plot_speed(result: dict, path: Path) -> None:
                 continue
             label = f"{names[impl]} {mode}"
             lengths = [p[0] for p in points]
-            axes[0][0].plot(lengths, [p[1]["seconds"] for p in points], styles[impl], color=colors[mode], label=label)
+            axes[0][0].plot(lengths, [p[1]["seconds"] for p in points], _STYLES[impl], color=colors[mode], label=label)
             if has_memory:
-                axes[0][1].plot(lengths, [p[1]["peak_memory_bytes"] / 2**20 for p in points], styles[impl],
+                axes[0][1].plot(lengths, [p[1]["peak_memory_bytes"] / 2**20 for p in points], _STYLES[impl],
                                 color=colors[mode], label=label)
     title = (f"one attention layer, {'fwd+bwd' if s['backward'] else 'fwd'}, B={s['batch']} H={s['heads']} "
-             f"d={s['head_dim']} m={s['nb_features']}, {s['dtype']}\n{result['machine']['device_name']}")
+             f"d={s['head_dim']}, {s['dtype']}\n{result['machine']['device_name']}")
     _log_log_axes(axes[0], "sequence length L", ["time (s)", "peak extra memory (MiB)"])
     fig.suptitle(title, fontsize=9)
     _save(plt, fig, path)
