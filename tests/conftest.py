@@ -63,6 +63,14 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**TINY_LLAMA, **overrides})
 
 
+def cached(model, cache) -> dict:
+    """``cache`` as the keyword argument ``model``'s forward (and generate) takes it: ``cache=`` from transformers
+    5.24 on, ``past_key_values=`` before (the old name warns, then goes in 5.40): ``model(ids, **cached(model, c))``."""
+    from hf_performer.cache import cache_argument_name
+
+    return {cache_argument_name(model.forward): cache}
+
+
 @pytest.fixture(name="tiny_bert_config", scope="session")
 def tiny_bert_config_builder():
     """:func:`tiny_bert_config`: call it with overrides, e.g. ``tiny_bert_config(vocab_size=len(vocab))``."""

@@ -26,6 +26,8 @@ from hf_performer import (
     make_favor_cache,
 )
 
+from conftest import cached
+
 logging.set_verbosity_error()
 
 VOCAB = 99
@@ -101,7 +103,7 @@ def decode_step_by_step(model, input_ids, attention_mask, prefill, cache=None):
         input_ids[:, :prefill],
         attention_mask=attention_mask[:, :prefill],
         position_ids=positions(attention_mask)[:, :prefill],
-        past_key_values=cache,
+        **cached(model, cache),
         use_cache=True,
     )
     cache, logits = outputs.past_key_values, [outputs.logits]
@@ -110,7 +112,7 @@ def decode_step_by_step(model, input_ids, attention_mask, prefill, cache=None):
             input_ids[:, i : i + 1],
             attention_mask=attention_mask[:, : i + 1],
             position_ids=positions(attention_mask)[:, i : i + 1],
-            past_key_values=cache,
+            **cached(model, cache),
             use_cache=True,
         )
         logits.append(outputs.logits)
@@ -155,16 +157,16 @@ def test_favor_cache_refuses_tokens_never_folded_into_its_state():
     cache = make_favor_cache(model)
     input_ids = tokens()
     with torch.no_grad():
-        model(input_ids[:, :5], past_key_values=cache, use_cache=True)
+        model(input_ids[:, :5], **cached(model, cache), use_cache=True)
         with pytest.raises(RuntimeError, match="never folded"):
-            model(input_ids[:, 5:6], past_key_values=cache, use_cache=True)
+            model(input_ids[:, 5:6], **cached(model, cache), use_cache=True)
 
 
 def test_static_cache_is_refused():
     """A static key buffer (unfilled slots) cannot be read as the tokens seen: clear error, no silent garbage."""
     model = build("gpt2")
     with pytest.raises(LinearAttentionError, match="fixed size"):
-        model(tokens(length=6), past_key_values=StaticCache(config=model.config, max_cache_len=16), use_cache=True)
+        model(tokens(length=6), **cached(model, StaticCache(config=model.config, max_cache_len=16)), use_cache=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,7 +223,7 @@ def test_beam_search_matches_no_cache(name):
 def test_hybrid_model_keeps_full_cache_for_softmax_layers():
     model = build("gpt2", favor_settings={"softmax_layers": [0]})
     input_ids = tokens(length=5)
-    explicit = _generate(model, input_ids, past_key_values=make_favor_cache(model))
+    explicit = _generate(model, input_ids, **cached(model, make_favor_cache(model)))
     default = _generate(model, input_ids)
     uncached = _generate(model, input_ids, use_cache=False)
     for result in (explicit, default):

@@ -21,7 +21,7 @@ from hf_performer import (
     linear_attention,
     make_feature_map,
 )
-from conftest import tiny_bert_config, tiny_gpt2_config
+from conftest import cached, tiny_bert_config, tiny_gpt2_config
 
 logging.set_verbosity_error()
 
@@ -122,7 +122,7 @@ def test_models_on_4k_tokens_with_embeddings_times_50_stay_finite(source, dtype)
             return
         # Causal prefill of L-1 tokens, then one decoding step on the constant-memory cache.
         prefill = model(inputs_embeds=embeddings[:, :-1], use_cache=True)
-        step = model(inputs_embeds=embeddings[:, -1:], past_key_values=prefill.past_key_values, use_cache=True)
+        step = model(inputs_embeds=embeddings[:, -1:], **cached(model, prefill.past_key_values), use_cache=True)
     assert isinstance(step.past_key_values.layers[0], FavorCacheLayer)
     assert prefill.logits.dtype == dtype
     _assert_finite(prefill=prefill.logits, step=step.logits)

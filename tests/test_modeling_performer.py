@@ -45,7 +45,7 @@ from hf_performer import (
 )
 from hf_performer.favor_settings import CLUSTERED_SETTINGS
 from hf_performer.feature_maps import FeatureMap
-from conftest import TINY_VOCAB, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from conftest import TINY_VOCAB, cached, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 
 logging.set_verbosity_error()
 
@@ -525,7 +525,7 @@ def test_left_padded_row_equals_the_row_run_alone(source_config):
         for i in range(6, input_ids.shape[1]):
             outputs = model(
                 input_ids[:, i : i + 1], attention_mask=attention_mask[:, : i + 1],
-                past_key_values=outputs.past_key_values, use_cache=True,
+                **cached(model, outputs.past_key_values), use_cache=True,
             )
             steps.append(outputs.logits)
     assert isinstance(outputs.past_key_values.layers[0], FavorCacheLayer)
@@ -603,9 +603,9 @@ def test_decoding_past_the_position_table_is_a_one_line_error():
     input_ids = torch.randint(3, VOCAB, (1, 17), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         outputs = model(input_ids[:, :15], use_cache=True)
-        outputs = model(input_ids[:, 15:16], past_key_values=outputs.past_key_values, use_cache=True)
+        outputs = model(input_ids[:, 15:16], **cached(model, outputs.past_key_values), use_cache=True)
         with pytest.raises(ValueError, match=r"17 tokens .*max_position_embeddings=16"):
-            model(input_ids[:, 16:], past_key_values=outputs.past_key_values, use_cache=True)
+            model(input_ids[:, 16:], **cached(model, outputs.past_key_values), use_cache=True)
         # Left padding does not use positions: 4 pads + 16 tokens fit a 16-position table.
         padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), input_ids[:, :16]], dim=1)
         mask = (padded != 0).long()

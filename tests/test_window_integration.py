@@ -15,7 +15,7 @@ from transformers import AttentionInterface, BertForMaskedLM, GPT2LMHeadModel, L
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from conftest import cached, tiny_bert_config, tiny_gpt2_config, tiny_llama_config
 from hf_performer import (
     FAVOR_DEFAULTS,
     FavorCacheLayer,
@@ -525,9 +525,9 @@ def test_a_favor_cache_layer_on_a_window_layer_is_refused_in_one_line():
     ids = _ids(batch=1, length=5)
     cache = make_favor_cache(performer)
     assert all(isinstance(layer, WindowCacheLayer) for layer in cache.layers)
-    performer(input_ids=ids, past_key_values=cache, use_cache=True)  # the window layers' own cache layer works
+    performer(input_ids=ids, **cached(performer, cache), use_cache=True)  # the window layers' own cache layer works
     wrong = make_favor_cache(performer)
     wrong.layers[0] = FavorCacheLayer()
     with pytest.raises(LinearAttentionError, match="window layer with a FavorCacheLayer") as error:
-        performer(input_ids=ids, past_key_values=wrong, use_cache=True)
+        performer(input_ids=ids, **cached(performer, wrong), use_cache=True)
     assert "\n" not in str(error.value)
