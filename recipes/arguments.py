@@ -95,6 +95,16 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         data.add_argument("--max-length", type=int, default=128, help="tokens per example (default: 128)")
         data.add_argument("--metrics-backend", choices=("auto", "evaluate", "local"), default="auto",
                           help="task metrics from `evaluate` (needs the Hub), local scikit-learn/scipy, or auto")
+        teacher = parser.add_argument_group("distillation (knowledge distillation from a teacher model)")
+        teacher.add_argument("--teacher-model", default=None, metavar="DIR",
+                             help="a model fine-tuned on the same task with the same tokenizer (e.g. the softmax "
+                                  "model --model was converted from): its predictions on every training batch are "
+                                  "a second target, added to the task loss (default: none)")
+        teacher.add_argument("--distillation-weight", type=float, default=None,
+                             help="weight of the teacher term (default: 1.0)")
+        teacher.add_argument("--distillation-temperature", type=float, default=None,
+                             help="classification: softmax temperature T of the T^2 KL term (default: 2.0); "
+                                  "regression tasks match the predictions by mean squared error")
     else:
         data.add_argument("--dataset", default="wikitext",
                           help=f"Hub text dataset when no files are given ({', '.join(LM_DATASETS)}, or any name "

@@ -60,7 +60,7 @@ def json_safe_args(args) -> dict:
     return config
 
 
-PATH_ARGS = ("model", "tokenizer", "train_file", "validation_file", "output_dir")
+PATH_ARGS = ("model", "tokenizer", "train_file", "validation_file", "output_dir", "teacher_model")
 """Recipe arguments that may be local paths: recorded by :func:`portable_name` (metrics.json goes to the Hub)."""
 
 

@@ -41,8 +41,8 @@ Stages of :func:`train`:
 
 Extension point (attention distillation): :func:`train` takes ``loss_hooks``, callables
 ``hook(model, batch, outputs, step) -> torch.Tensor | None`` whose returned tensors are added to the task
-loss before the backward pass. The recipes pass none; an attention-distillation term (matching the
-source softmax model's attention outputs) would be such a hook and needs no change to the loop.
+loss before the backward pass. ``--teacher-model`` (text classification) adds one: knowledge distillation from
+a teacher's predictions (:mod:`hf_performer.recipes.distillation`).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..tasks.data import DataError, get_task
 from .arguments import RecipeError, build_parser
+from .distillation import check_distillation_options, load_teacher, teacher_distillation_hook
 from .model import apply_lora, load_model
 from .results import (
     EVAL_CURVE_FILE,
@@ -358,6 +359,7 @@ def _start_run(args):
 
     _check_report_to(args.report_to)
     _check_selection_options(args)
+    check_distillation_options(args)
     checkpoint = _check_output_dir(args)  # every process, before any of them writes
     os.makedirs(args.output_dir, exist_ok=True)
     accelerator_kwargs = dict(gradient_accumulation_steps=args.gradient_accumulation_steps)
@@ -495,8 +497,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
 
     Args:
         args: arguments from :func:`build_parser` (``args.kind`` says which recipe).
-        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss
-            (e.g. a future attention-distillation term). None are used by the recipes.
+        loss_hooks: extension point: ``hook(model, batch, outputs, step) -> Tensor | None`` added to the loss;
+            ``--teacher-model`` appends the teacher's (:func:`.distillation.teacher_distillation_hook`).
 
     Returns:
         The content of ``metrics.json``.
@@ -519,6 +521,11 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             if config is not None and getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = tokenizer.pad_token_id
         eval_loader = _dataloader(eval_set, args.per_device_eval_batch_size, collator, seed=args.seed)
+        if args.teacher_model is not None:
+            teacher = load_teacher(args.teacher_model, spec.num_labels, spec.problem_type, model.config,
+                                   accelerator.device)
+            loss_hooks = [*loss_hooks, teacher_distillation_hook(teacher, spec.is_regression, args.distillation_weight,
+                                                                 args.distillation_temperature)]
     else:
         spec = None
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)

@@ -596,3 +596,77 @@ def test_accelerate_configs_load():
     assert fsdp.fsdp_config["fsdp_transformer_layer_cls_to_wrap"] == "BertLayer"
     assert loaded["deepspeed_zero2.yaml"].deepspeed_config["zero_stage"] == 2
     assert loaded["deepspeed_zero3.yaml"].deepspeed_config["zero_stage"] == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Knowledge distillation from a teacher (--teacher-model)
+# --------------------------------------------------------------------------------------------
+
+
+def test_distillation_term_is_mse_for_regression_and_tempered_kl_for_classification():
+    from hf_performer.recipes.distillation import distillation_term
+
+    generator = torch.Generator().manual_seed(0)
+    student, teacher = torch.randn(4, 1, generator=generator), torch.randn(4, 1, generator=generator)
+    assert torch.allclose(distillation_term(student, teacher, True, 2.0), ((student - teacher) ** 2).mean())
+
+    student, teacher = torch.randn(4, 3, generator=generator), torch.randn(4, 3, generator=generator)
+    p_teacher = torch.softmax(teacher / 2.0, -1)
+    expected = 4.0 * (p_teacher * (p_teacher.log() - torch.log_softmax(student / 2.0, -1))).sum(-1).mean()
+    assert torch.allclose(distillation_term(student, teacher, False, 2.0), expected)
+    assert distillation_term(teacher, teacher, False, 2.0).abs() < 1e-6
+
+
+def test_distillation_hook_weights_the_term_and_hides_the_labels_from_the_teacher():
+    from types import SimpleNamespace
+
+    from hf_performer.recipes.distillation import distillation_term, teacher_distillation_hook
+
+    teacher_logits = torch.tensor([[1.0, -1.0], [0.5, 0.0]])
+
+    def teacher(**inputs):
+        assert set(inputs) == {"input_ids", "attention_mask"}
+        return SimpleNamespace(logits=teacher_logits)
+
+    student_logits = torch.tensor([[0.0, 0.0], [2.0, 1.0]], requires_grad=True)
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3), "labels": torch.ones(2)}
+    term = teacher_distillation_hook(teacher, regression=False, weight=0.5, temperature=3.0)(
+        None, batch, SimpleNamespace(logits=student_logits), 0)
+    assert torch.allclose(term, 0.5 * distillation_term(student_logits, teacher_logits, False, 3.0))
+    term.backward()
+    assert student_logits.grad is not None and student_logits.grad.abs().sum() > 0
+
+
+def test_teacher_adds_its_term_to_the_loss_and_is_recorded_by_name(workdir, tmp_path):
+    """A FAVOR+ student converted from the tiny BERT, taught by a confident softmax BERT (its classifier scaled up):
+    same seed, so the task loss of the first step is the run without a teacher's and the teacher term comes on top.
+    metrics.json records the teacher by its folder name and the command rebuilds the option."""
+    teacher = BertForSequenceClassification.from_pretrained(workdir / "bert")
+    with torch.no_grad():
+        teacher.classifier.weight.mul_(100.0)
+    teacher.save_pretrained(tmp_path / "confident")
+    common = ["--max-train-steps", "1", "--per-device-train-batch-size", "16", "--no-save-model"]
+    alone = training.train(_args(workdir, tmp_path / "alone", *common))
+    taught = training.train(_args(workdir, tmp_path / "taught", *common, "--teacher-model", str(tmp_path / "confident"),
+                                  "--distillation-weight", "2"))
+    assert taught["train_loss_first"] > alone["train_loss_first"] + 0.05
+    text = (tmp_path / "taught" / "metrics.json").read_text()
+    assert str(tmp_path) not in text and json.loads(text)["args"]["teacher_model"] == "confident"
+    command = recipe_arguments.recipe_command(json.loads(text))
+    assert "--teacher-model confident" in command and "--distillation-weight 2.0" in command
+
+
+def test_distillation_option_errors(workdir, tmp_path):
+    with pytest.raises(RecipeError, match="--distillation-weight set without --teacher-model"):
+        training.train(_args(workdir, tmp_path / "d1", "--distillation-weight", "2"))
+    with pytest.raises(RecipeError, match="--distillation-temperature must be > 0"):
+        training.train(_args(workdir, tmp_path / "d2", "--teacher-model", str(workdir / "bert"),
+                             "--distillation-temperature", "0"))
+    with pytest.raises(RecipeError, match="is not a model folder"):
+        training.train(_args(workdir, tmp_path / "d3", "--teacher-model", str(tmp_path / "nowhere")))
+    regression = tmp_path / "regression_teacher"
+    BertForSequenceClassification.from_pretrained(workdir / "bert", num_labels=1, problem_type="regression",
+                                                  ignore_mismatched_sizes=True).save_pretrained(regression)
+    with pytest.raises(RecipeError, match=r"predicts 1 label\(s\) \(regression\); this task needs 2") as error:
+        training.train(_args(workdir, tmp_path / "d4", "--teacher-model", str(regression)))
+    assert "\n" not in str(error.value)

@@ -1,0 +1,100 @@
+"""Knowledge distillation from a teacher model during text-classification fine-tuning (``--teacher-model``).
+
+The teacher (typically the fine-tuned softmax model a linear-attention student was converted from) predicts every
+training batch; the student's loss becomes ``task loss + weight * term`` with, per batch of B examples:
+
+* regression (STS-B): ``term = mean_b (s_b - t_b)^2`` on the raw predictions;
+* classification: ``term = T^2 * KL(softmax(t / T) || softmax(s / T))`` averaged over the batch (Hinton et al. 2015;
+  the ``T^2`` keeps the gradient's scale independent of the temperature ``T``).
+
+The teacher runs in eval mode without gradients, on the training device, and is checked against the task (number
+of labels, problem type) and the student's vocabulary before training starts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .arguments import RecipeError
+
+DEFAULT_DISTILLATION_WEIGHT = 1.0
+DEFAULT_DISTILLATION_TEMPERATURE = 2.0
+
+
+def check_distillation_options(args) -> None:
+    """One-line errors for distillation options that cannot work (given without a teacher, out of range)."""
+    teacher = getattr(args, "teacher_model", None)
+    weight, temperature = getattr(args, "distillation_weight", None), getattr(args, "distillation_temperature", None)
+    if teacher is None:
+        given = [flag for flag, value in (("--distillation-weight", weight), ("--distillation-temperature",
+                                                                                temperature)) if value is not None]
+        if given:
+            raise RecipeError(f"{' and '.join(given)} set without --teacher-model: pass the teacher's folder, or "
+                              "drop the option")
+        return
+    if weight is not None and not weight > 0:
+        raise RecipeError(f"--distillation-weight must be > 0 (the teacher term's weight), got {weight}")
+    if temperature is not None and not temperature > 0:
+        raise RecipeError(f"--distillation-temperature must be > 0, got {temperature}")
+
+
+def distillation_term(student_logits: torch.Tensor, teacher_logits: torch.Tensor, regression: bool,
+                      temperature: float) -> torch.Tensor:
+    """The teacher term for one batch (float32).
+
+    Args:
+        student_logits, teacher_logits: ``[B, num_labels]`` (``[B, 1]`` for regression).
+        regression: mean squared difference of the predictions instead of the tempered KL divergence.
+        temperature: ``T`` of the classification term (ignored for regression).
+    """
+    student, teacher = student_logits.float(), teacher_logits.float()
+    if regression:
+        return F.mse_loss(student, teacher)
+    log_student = F.log_softmax(student / temperature, dim=-1)
+    log_teacher = F.log_softmax(teacher / temperature, dim=-1)
+    return F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
+
+
+def load_teacher(path: str, num_labels: int, problem_type: str, student_config, device: torch.device):
+    """The teacher, in eval mode, frozen, on ``device``; a one-line :class:`RecipeError` if it does not fit the task
+    or the student's tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    import hf_performer  # noqa: F401 - registers the Performer classes with the Auto classes
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as error:
+        raise RecipeError(f"--teacher-model {path!r} is not a model folder ({str(error).splitlines()[0]})") from None
+    if config.num_labels != num_labels or (config.problem_type or problem_type) != problem_type:
+        raise RecipeError(f"--teacher-model {path!r} predicts {config.num_labels} label(s) "
+                          f"({config.problem_type or 'problem type unset'}); this task needs {num_labels} "
+                          f"({problem_type}): pass a teacher fine-tuned on the same task")
+    teacher_vocab = config.get_text_config().vocab_size
+    student_vocab = student_config.get_text_config().vocab_size
+    if teacher_vocab != student_vocab:
+        raise RecipeError(f"--teacher-model {path!r} has a vocabulary of {teacher_vocab} tokens, the student "
+                          f"{student_vocab}: teacher and student must share the tokenizer")
+    teacher = AutoModelForSequenceClassification.from_pretrained(path, config=config).to(device).eval()
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def teacher_distillation_hook(teacher, regression: bool, weight: float | None = None,
+                              temperature: float | None = None):
+    """A loss hook of :func:`hf_performer.recipes.train.train`: ``weight * term`` (see the module docstring) of the
+    teacher's predictions on the batch against the student's ``outputs.logits``."""
+    weight = DEFAULT_DISTILLATION_WEIGHT if weight is None else weight
+    temperature = DEFAULT_DISTILLATION_TEMPERATURE if temperature is None else temperature
+
+    def hook(model, batch, outputs, step):
+        inputs = {name: value for name, value in batch.items() if name != "labels"}
+        with torch.no_grad():
+            teacher_logits = teacher(**inputs).logits
+        return weight * distillation_term(outputs.logits, teacher_logits, regression, temperature)
+
+    return hook
+
+
+__all__ = ["check_distillation_options", "distillation_term", "load_teacher", "teacher_distillation_hook"]
