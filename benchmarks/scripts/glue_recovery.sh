@@ -19,7 +19,9 @@
 #                                           evaluated, no training
 #   e  $OUT/e_transfer/dev_metrics.json     (a) + attention transfer (hf-performer distill), evaluated, no training
 #   f  $OUT/f_transfer_finetuned/metrics.json  (e) fine-tuned with the same arguments as (a), but for F_LR
-#                                           (default: LR), the rate of this second fine-tuning of (a)'s weights
+#                                           (default: LR), the rate of this second fine-tuning of (a)'s weights,
+#                                           and F_TEACHER_WEIGHT: when set, (a) teaches (f) (knowledge distillation,
+#                                           --teacher-model $OUT/a_softmax --distillation-weight F_TEACHER_WEIGHT)
 #   c  $OUT/c_recovered/metrics.json        (b) fine-tuned with the same arguments as (a)
 #   d  $OUT/d_favor_direct/metrics.json     FAVOR+ from $MODEL, fine-tuned with the same arguments as (a)
 #   collect  $RESULT (+ .png)               hf-performer results collect + plot (always re-run)
@@ -48,6 +50,7 @@ MAX_TRAIN_SAMPLES="${MAX_TRAIN_SAMPLES:-}"   # empty: the whole training file
 BATCH="${BATCH:-32}"
 LR="${LR:-1e-4}"
 F_LR="${F_LR:-$LR}"                           # (f) only: (e) holds (a)'s fine-tuned weights; a second pass may want less
+F_TEACHER_WEIGHT="${F_TEACHER_WEIGHT:-}"      # (f) only: weight of (a)'s predictions as a second target (empty: none)
 MAX_LENGTH="${MAX_LENGTH:-128}"
 EVAL_STEPS="${EVAL_STEPS:-180}"               # evaluate every N steps for the curve
 SEED="${SEED:-42}"
@@ -104,14 +107,17 @@ mapfile -t CMD_E_DISTILL < <(printf '%s\n' "$HF_PERFORMER" distill "$OUT/a_softm
     --max-length "$MAX_LENGTH" --batch-size "$TRANSFER_BATCH" --steps "$TRANSFER_STEPS" \
     --learning-rate "$TRANSFER_LR" --fidelity-samples 32 --no-progress --overwrite)
 mapfile -t CMD_E_EVAL < <(evaluate_args "$OUT/e_transfer" "$OUT/e_transfer/dev_metrics.json")
-mapfile -t CMD_F < <(RATE="$F_LR" finetune_args "$OUT/e_transfer" "$OUT/f_transfer_finetuned")
+F_TEACHER_ARGS=()
+[[ -n "$F_TEACHER_WEIGHT" ]] && F_TEACHER_ARGS=(--teacher-model "$OUT/a_softmax" --distillation-weight "$F_TEACHER_WEIGHT")
+mapfile -t CMD_F < <(RATE="$F_LR" finetune_args "$OUT/e_transfer" "$OUT/f_transfer_finetuned" "${F_TEACHER_ARGS[@]}")
 mapfile -t CMD_C < <(finetune_args "$OUT/b_converted" "$OUT/c_recovered")
 mapfile -t CMD_D < <(finetune_args "$MODEL" "$OUT/d_favor_direct" --attention favor --feature-map favor+)
 
 joined() { printf ' %q' "$@" | cut -c2-; }
 
 log "$TASK recovery table: MODEL=$MODEL OUT=$OUT RUNS='$RUNS'"
-log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR (f: $F_LR), length $MAX_LENGTH," \
+log "fine-tuning: $EPOCHS epoch(s) of ${MAX_TRAIN_SAMPLES:-all} rows, batch $BATCH, lr $LR (f: $F_LR${F_TEACHER_WEIGHT:+, \
+taught by (a) with weight $F_TEACHER_WEIGHT}), length $MAX_LENGTH," \
     "seed $SEED"
 wanted e && log "transfer (e): $FEATURE_MAP (init $FEATURE_MAP_INIT, $NB_FEATURES features, softmax layers:" \
     "${KEEP_SOFTMAX_LAYERS:-none}${HYBRID_ARGS:+, $HYBRID_ARGS}), $TRANSFER_STEPS steps x $TRANSFER_BATCH of" \
@@ -132,6 +138,8 @@ wanted d && run_step d_favor_direct "$OUT/d_favor_direct/metrics.json" "${CMD_D[
 
 F_NOTE=""
 [[ "$F_LR" != "$LR" ]] && F_NOTE=", except (f)'s lr $F_LR"
+[[ -n "$F_TEACHER_WEIGHT" ]] && F_NOTE+="; (f) also learns (a)'s predictions (knowledge distillation, --teacher-model \
+(a) --distillation-weight $F_TEACHER_WEIGHT: MSE for regression, T^2 KL for classification)"
 PROTOCOL="MiniLM-L6 ($MODEL); $TASK: ${MAX_TRAIN_SAMPLES:-all} training rows of $(basename "$(dirname "$TRAIN_FILE")")/\
 $(basename "$TRAIN_FILE"), $EPOCHS epoch(s), batch $BATCH, lr $LR (linear decay, 6% warmup), max length $MAX_LENGTH, \
 seed $SEED, identical for (a), (c), (d), (f)$F_NOTE; dev = $(basename "$(dirname "$VALIDATION_FILE")")/$(basename "$VALIDATION_FILE"). \
