@@ -95,16 +95,6 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
         data.add_argument("--max-length", type=int, default=128, help="tokens per example (default: 128)")
         data.add_argument("--metrics-backend", choices=("auto", "evaluate", "local"), default="auto",
                           help="task metrics from `evaluate` (needs the Hub), local scikit-learn/scipy, or auto")
-        teacher = parser.add_argument_group("distillation (knowledge distillation from a teacher model)")
-        teacher.add_argument("--teacher-model", default=None, metavar="DIR",
-                             help="a model fine-tuned on the same task with the same tokenizer (e.g. the softmax "
-                                  "model --model was converted from): its predictions on every training batch are "
-                                  "a second target, added to the task loss (default: none)")
-        teacher.add_argument("--distillation-weight", type=float, default=None,
-                             help="weight of the teacher term (default: 1.0)")
-        teacher.add_argument("--distillation-temperature", type=float, default=None,
-                             help="classification: softmax temperature T of the T^2 KL term (default: 2.0); "
-                                  "regression tasks match the predictions by mean squared error")
     else:
         data.add_argument("--dataset", default="wikitext",
                           help=f"Hub text dataset when no files are given ({', '.join(LM_DATASETS)}, or any name "
@@ -122,6 +112,17 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                           help="perplexity: tokens per window (default: --block-size)")
         data.add_argument("--stride", type=int, default=None,
                           help="perplexity: tokens between window starts (default: context length / 2)")
+    teacher = parser.add_argument_group("distillation (knowledge distillation from a teacher model)")
+    teacher.add_argument("--teacher-model", default=None, metavar="DIR",
+                         help="a model with the same tokenizer (and task), e.g. the softmax model --model was "
+                              "converted from: its predictions on every training batch are a second target, added "
+                              "to the task loss (default: none)")
+    teacher.add_argument("--distillation-weight", type=float, default=None,
+                         help="weight of the teacher term (default: 1.0)")
+    teacher.add_argument("--distillation-temperature", type=float, default=None,
+                         help="softmax temperature T of the T^2 KL term over the labels (classification) or the "
+                              "vocabulary at every position (causal LM) (default: 2.0); regression tasks match the "
+                              "predictions by mean squared error")
     data.add_argument("--max-train-samples", type=int, default=None,
                       help="train on a seeded random subset of N examples (blocks for causal LM)")
     data.add_argument("--max-eval-samples", type=int, default=None,

@@ -1,11 +1,12 @@
-"""Knowledge distillation from a teacher model during text-classification fine-tuning (``--teacher-model``).
+"""Knowledge distillation from a teacher model during fine-tuning (``--teacher-model``, both recipes).
 
-The teacher (typically the fine-tuned softmax model a linear-attention student was converted from) predicts every
-training batch; the student's loss becomes ``task loss + weight * term`` with, per batch of B examples:
+The teacher (typically the softmax model a linear-attention student was converted from) predicts every training
+batch; the student's loss becomes ``task loss + weight * term`` with, per batch of B examples:
 
 * regression (STS-B): ``term = mean_b (s_b - t_b)^2`` on the raw predictions;
 * classification: ``term = T^2 * KL(softmax(t / T) || softmax(s / T))`` averaged over the batch (Hinton et al. 2015;
-  the ``T^2`` keeps the gradient's scale independent of the temperature ``T``).
+  the ``T^2`` keeps the gradient's scale independent of the temperature ``T``);
+* causal LM: the same KL over the vocabulary at every position that is not padding, averaged over those positions.
 
 The teacher runs in eval mode without gradients, on the training device, and is checked against the task (number
 of labels, problem type) and the student's vocabulary before training starts.
@@ -56,10 +57,11 @@ def distillation_term(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
-def load_teacher(path: str, num_labels: int, problem_type: str, student_config, device: torch.device):
-    """The teacher, in eval mode, frozen, on ``device``; a one-line :class:`RecipeError` if it does not fit the task
-    or the student's tokenizer."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
+def load_teacher(path: str, num_labels: int | None, problem_type: str | None, student_config,
+                 device: torch.device):
+    """The teacher, in eval mode, frozen, on ``device``: a sequence classifier, or a causal LM when ``num_labels`` is
+    ``None``; a one-line :class:`RecipeError` if it does not fit the task or the student's tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     import hf_performer  # noqa: F401 - registers the Performer classes with the Auto classes
 
@@ -67,7 +69,8 @@ def load_teacher(path: str, num_labels: int, problem_type: str, student_config, 
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise RecipeError(f"--teacher-model {path!r} is not a model folder ({str(error).splitlines()[0]})") from None
-    if config.num_labels != num_labels or (config.problem_type or problem_type) != problem_type:
+    if num_labels is not None and (config.num_labels != num_labels
+                                   or (config.problem_type or problem_type) != problem_type):
         raise RecipeError(f"--teacher-model {path!r} predicts {config.num_labels} label(s) "
                           f"({config.problem_type or 'problem type unset'}); this task needs {num_labels} "
                           f"({problem_type}): pass a teacher fine-tuned on the same task")
@@ -76,7 +79,8 @@ def load_teacher(path: str, num_labels: int, problem_type: str, student_config, 
     if teacher_vocab != student_vocab:
         raise RecipeError(f"--teacher-model {path!r} has a vocabulary of {teacher_vocab} tokens, the student "
                           f"{student_vocab}: teacher and student must share the tokenizer")
-    teacher = AutoModelForSequenceClassification.from_pretrained(path, config=config).to(device).eval()
+    auto_class = AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
+    teacher = auto_class.from_pretrained(path, config=config).to(device).eval()
     teacher.requires_grad_(False)
     return teacher
 
@@ -92,9 +96,27 @@ def teacher_distillation_hook(teacher, regression: bool, weight: float | None = 
         inputs = {name: value for name, value in batch.items() if name != "labels"}
         with torch.no_grad():
             teacher_logits = teacher(**inputs).logits
-        return weight * distillation_term(outputs.logits, teacher_logits, regression, temperature)
+        student_logits = outputs.logits
+        if student_logits.dim() == 3:  # causal LM [B, L, V]: one distribution per position that is not padding
+            mask = batch.get("attention_mask")
+            keep = mask.reshape(-1).bool() if mask is not None else slice(None)
+            student_logits = student_logits.reshape(-1, student_logits.shape[-1])[keep]
+            teacher_logits = teacher_logits.reshape(-1, teacher_logits.shape[-1])[keep]
+        return weight * distillation_term(student_logits, teacher_logits, regression, temperature)
 
     return hook
 
 
-__all__ = ["check_distillation_options", "distillation_term", "load_teacher", "teacher_distillation_hook"]
+def teacher_hooks(args, spec, student_config, device: torch.device) -> list:
+    """The loss hooks ``--teacher-model`` asks for (none without it): ``spec`` is the classification task's
+    :class:`~hf_performer.tasks.data.TaskSpec`, ``None`` for the causal-LM recipe."""
+    if getattr(args, "teacher_model", None) is None:
+        return []
+    num_labels, problem_type = (spec.num_labels, spec.problem_type) if spec is not None else (None, None)
+    teacher = load_teacher(args.teacher_model, num_labels, problem_type, student_config, device)
+    regression = spec is not None and spec.is_regression
+    return [teacher_distillation_hook(teacher, regression, args.distillation_weight, args.distillation_temperature)]
+
+
+__all__ = ["check_distillation_options", "distillation_term", "load_teacher", "teacher_distillation_hook",
+           "teacher_hooks"]

@@ -84,6 +84,7 @@ class LinearizeSettings:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_target_modules: list[str] | None = None
+    teacher_weight: float | None = None
     eval_file: str | None = None
     eval_context: int = 1024
     max_eval_chars: int | None = 200_000
@@ -105,6 +106,8 @@ class LinearizeSettings:
                      "eval_batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha"):
             if getattr(self, name) < 1:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)}")
+        if self.teacher_weight is not None and not self.teacher_weight > 0:
+            raise RecipeError(f"--teacher-weight must be > 0 (the teacher term's weight), got {self.teacher_weight}")
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
         from ..conversion.attention_transfer import SCHEDULES
@@ -478,6 +481,8 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     ]
     if settings.lora_target_modules:
         argv += ["--lora-target-modules", *settings.lora_target_modules]
+    if settings.teacher_weight is not None:  # the source model teaches (knowledge distillation on every batch)
+        argv += ["--teacher-model", settings.source, "--distillation-weight", str(settings.teacher_weight)]
     if deadline is not None:
         argv += ["--time-limit", f"{max(deadline - time.time(), 1.0) / 60:.4f}"]
     argv += ["--resume-from-checkpoint", "latest"] if resume else ["--overwrite"]

@@ -41,7 +41,7 @@ Stages of :func:`train`:
 
 Extension point (attention distillation): :func:`train` takes ``loss_hooks``, callables
 ``hook(model, batch, outputs, step) -> torch.Tensor | None`` whose returned tensors are added to the task
-loss before the backward pass. ``--teacher-model`` (text classification) adds one: knowledge distillation from
+loss before the backward pass. ``--teacher-model`` adds one: knowledge distillation from
 a teacher's predictions (:mod:`hf_performer.recipes.distillation`).
 """
 
@@ -60,7 +60,7 @@ from torch.utils.data import DataLoader, Sampler
 
 from ..tasks.data import DataError, get_task
 from .arguments import RecipeError, build_parser
-from .distillation import check_distillation_options, load_teacher, teacher_distillation_hook
+from .distillation import check_distillation_options, teacher_hooks
 from .model import apply_lora, load_model
 from .results import (
     EVAL_CURVE_FILE,
@@ -521,11 +521,6 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             if config is not None and getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = tokenizer.pad_token_id
         eval_loader = _dataloader(eval_set, args.per_device_eval_batch_size, collator, seed=args.seed)
-        if args.teacher_model is not None:
-            teacher = load_teacher(args.teacher_model, spec.num_labels, spec.problem_type, model.config,
-                                   accelerator.device)
-            loss_hooks = [*loss_hooks, teacher_distillation_hook(teacher, spec.is_regression, args.distillation_weight,
-                                                                 args.distillation_temperature)]
     else:
         spec = None
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)
@@ -543,6 +538,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         if args.load_best_model_at_end and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise RecipeError("--load-best-model-at-end keeps full weights per process: use it with one process "
                               "or DDP, not FSDP/DeepSpeed")
+    loss_hooks = [*loss_hooks, *teacher_hooks(args, spec, model.config, accelerator.device)]
     if args.lora:
         model = apply_lora(model, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -637,6 +637,23 @@ def test_distillation_hook_weights_the_term_and_hides_the_labels_from_the_teache
     assert student_logits.grad is not None and student_logits.grad.abs().sum() > 0
 
 
+def test_causal_lm_distillation_is_the_tempered_kl_over_the_positions_that_are_not_padding():
+    from types import SimpleNamespace
+
+    from hf_performer.recipes.distillation import distillation_term, teacher_distillation_hook
+
+    generator = torch.Generator().manual_seed(0)
+    student_logits, teacher_logits = torch.randn(2, 3, 5, generator=generator), torch.randn(2, 3, 5, generator=generator)
+    attention_mask = torch.tensor([[1, 1, 1], [0, 1, 1]])
+    batch = {"input_ids": torch.zeros(2, 3, dtype=torch.long), "attention_mask": attention_mask,
+             "labels": torch.zeros(2, 3, dtype=torch.long)}
+    term = teacher_distillation_hook(lambda **inputs: SimpleNamespace(logits=teacher_logits), regression=False,
+                                     temperature=2.0)(None, batch, SimpleNamespace(logits=student_logits), 0)
+    keep = attention_mask.reshape(-1).bool()
+    expected = distillation_term(student_logits.reshape(6, 5)[keep], teacher_logits.reshape(6, 5)[keep], False, 2.0)
+    assert torch.allclose(term, expected)
+
+
 def test_teacher_adds_its_term_to_the_loss_and_is_recorded_by_name(workdir, tmp_path):
     """A FAVOR+ student converted from the tiny BERT, taught by a confident softmax BERT (its classifier scaled up):
     same seed, so the task loss of the first step is the run without a teacher's and the teacher term comes on top.
