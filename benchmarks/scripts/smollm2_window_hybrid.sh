@@ -39,7 +39,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
-    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST
+    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -96,6 +96,8 @@ LR="${LR:-1e-4}"
 SEED="${SEED:-0}"
 SOFTMAX_WORST="${SOFTMAX_WORST:-5}"       # layers hybrid_worst_softmax_lora puts back on softmax
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
+TEACHER_WEIGHT="${TEACHER_WEIGHT:-}"      # every trained arm's LoRA stage also learns SmolLM2's own next-token
+                                          # distributions (linearize --teacher-weight; empty: off)
 
 # Evaluation
 ARM_NAMES="${ARM_NAMES:-softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_transfer hybrid_lora window_lora}"
@@ -156,7 +158,7 @@ print(len(chosen), "of", len(reviews), "IMDB train reviews (seeded sample)")
 ' "$IMDB_FILE" "$IMDB_REVIEWS" "$SEED" "$IMDB_TEXT"
     TRAIN_ARGS+=(--train-file "$IMDB_TEXT")
 fi
-mapfile -t TRAIN_CHAR_ARGS < <(optional --max-train-chars "$MAX_TRAIN_CHARS")
+mapfile -t TRAIN_CHAR_ARGS < <(optional --max-train-chars "$MAX_TRAIN_CHARS"; optional --teacher-weight "$TEACHER_WEIGHT")
 
 # shellcheck disable=SC2206 # LINEARIZE is a command line (e.g. another installation's "hf-performer linearize")
 LINEARIZE_COMMAND=(${LINEARIZE:-$HF_PERFORMER linearize})
