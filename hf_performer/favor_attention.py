@@ -93,9 +93,9 @@ from .attention_weights import (
     window_attention_weights,
 )
 from .cache import (
-    CACHE_ARGUMENT_NAMES,
     FavorCacheLayer,
     cache_from_kwargs,
+    cache_keyword_among,
     cache_layer_class,
     is_favor_cache_layer,
     is_window_cache_layer,
@@ -341,8 +341,8 @@ def _cache_from_call(module: nn.Module, args: tuple, kwargs: dict):
     cls = type(module)
     if cls not in _CACHE_POSITION:
         names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
-        found = [name for name in CACHE_ARGUMENT_NAMES if name in names]
-        _CACHE_POSITION[cls] = names.index(found[0]) if found else None
+        keyword = cache_keyword_among(names)
+        _CACHE_POSITION[cls] = names.index(keyword) if keyword in names else None
     position = _CACHE_POSITION[cls]
     return args[position] if position is not None and position < len(args) else None
 

@@ -309,9 +309,10 @@ class PerformerPreTrainedModel(PreTrainedModel):
         # The cache under either keyword (transformers renamed past_key_values to cache in 5.24), handed to the
         # source under the one its forward declares; the old one warns where the source has the new one, as
         # transformers' own models do.
-        cache = cache_from_kwargs({**call, **kwargs}, type(self).__name__)
+        given = {**call, **kwargs}
+        cache = cache_from_kwargs(given, type(self).__name__)
         source_cache_name = cache_keyword_among(accepted)
-        if source_cache_name == "cache" and {**call, **kwargs}.get("past_key_values") is not None:
+        if source_cache_name == "cache" and given.get("past_key_values") is not None:
             warnings.warn(f"`past_key_values` is deprecated and will be removed in version 5.40.0 for "
                           f"`{type(self).__name__}.forward`. Use `cache` instead.", FutureWarning, stacklevel=3)
         for name in CACHE_ARGUMENT_NAMES:

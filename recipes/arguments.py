@@ -112,6 +112,11 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                           help="perplexity: tokens per window (default: --block-size)")
         data.add_argument("--stride", type=int, default=None,
                           help="perplexity: tokens between window starts (default: context length / 2)")
+    data.add_argument("--max-train-samples", type=int, default=None,
+                      help="train on a seeded random subset of N examples (blocks for causal LM)")
+    data.add_argument("--max-eval-samples", type=int, default=None,
+                      help="evaluate on a seeded random subset of N examples (classification)")
+
     teacher = parser.add_argument_group("distillation (knowledge distillation from a teacher model)")
     teacher.add_argument("--teacher-model", default=None, metavar="DIR",
                          help="a model with the same tokenizer (and task), e.g. the softmax model --model was "
@@ -123,10 +128,6 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                          help="softmax temperature T of the T^2 KL term over the labels (classification) or the "
                               "vocabulary at every position (causal LM) (default: 2.0); regression tasks match the "
                               "predictions by mean squared error")
-    data.add_argument("--max-train-samples", type=int, default=None,
-                      help="train on a seeded random subset of N examples (blocks for causal LM)")
-    data.add_argument("--max-eval-samples", type=int, default=None,
-                      help="evaluate on a seeded random subset of N examples (classification)")
 
     training = parser.add_argument_group("training")
     training.add_argument("--output-dir", required=True, help="folder for the model, metrics and checkpoints")
