@@ -57,11 +57,10 @@ def distillation_term(student_logits: torch.Tensor, teacher_logits: torch.Tensor
     return F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature**2
 
 
-def load_teacher(path: str, num_labels: int | None, problem_type: str | None, student_config,
-                 device: torch.device):
-    """The teacher, in eval mode, frozen, on ``device``: a sequence classifier, or a causal LM when ``num_labels`` is
-    ``None``; a one-line :class:`RecipeError` if it does not fit the task or the student's tokenizer."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
+def teacher_config(path: str, student_config):
+    """The teacher's config; a one-line :class:`RecipeError` if ``path`` is not a model folder or its vocabulary is
+    not the student's (cheap: reads config.json only, so callers can check a teacher before hours of training)."""
+    from transformers import AutoConfig
 
     import hf_performer  # noqa: F401 - registers the Performer classes with the Auto classes
 
@@ -69,16 +68,26 @@ def load_teacher(path: str, num_labels: int | None, problem_type: str | None, st
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as error:
         raise RecipeError(f"--teacher-model {path!r} is not a model folder ({str(error).splitlines()[0]})") from None
-    if num_labels is not None and (config.num_labels != num_labels
-                                   or (config.problem_type or problem_type) != problem_type):
-        raise RecipeError(f"--teacher-model {path!r} predicts {config.num_labels} label(s) "
-                          f"({config.problem_type or 'problem type unset'}); this task needs {num_labels} "
-                          f"({problem_type}): pass a teacher fine-tuned on the same task")
     teacher_vocab = config.get_text_config().vocab_size
     student_vocab = student_config.get_text_config().vocab_size
     if teacher_vocab != student_vocab:
         raise RecipeError(f"--teacher-model {path!r} has a vocabulary of {teacher_vocab} tokens, the student "
                           f"{student_vocab}: teacher and student must share the tokenizer")
+    return config
+
+
+def load_teacher(path: str, num_labels: int | None, problem_type: str | None, student_config,
+                 device: torch.device):
+    """The teacher, in eval mode, frozen, on ``device``: a sequence classifier, or a causal LM when ``num_labels`` is
+    ``None``; a one-line :class:`RecipeError` if it does not fit the task or the student's tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    config = teacher_config(path, student_config)
+    if num_labels is not None and (config.num_labels != num_labels
+                                   or (config.problem_type or problem_type) != problem_type):
+        raise RecipeError(f"--teacher-model {path!r} predicts {config.num_labels} label(s) "
+                          f"({config.problem_type or 'problem type unset'}); this task needs {num_labels} "
+                          f"({problem_type}): pass a teacher fine-tuned on the same task")
     auto_class = AutoModelForCausalLM if num_labels is None else AutoModelForSequenceClassification
     teacher = auto_class.from_pretrained(path, config=config).to(device).eval()
     teacher.requires_grad_(False)

@@ -85,6 +85,7 @@ class LinearizeSettings:
     lora_alpha: int = 16
     lora_target_modules: list[str] | None = None
     teacher_weight: float | None = None
+    teacher_model: str | None = None
     eval_file: str | None = None
     eval_context: int = 1024
     max_eval_chars: int | None = 200_000
@@ -108,6 +109,15 @@ class LinearizeSettings:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 1, got {getattr(self, name)}")
         if self.teacher_weight is not None and not self.teacher_weight > 0:
             raise RecipeError(f"--teacher-weight must be > 0 (the teacher term's weight), got {self.teacher_weight}")
+        if self.teacher_model is not None:
+            if self.teacher_weight is None:
+                raise RecipeError("--teacher-model set without --teacher-weight: give the teacher term's weight "
+                                  "(e.g. --teacher-weight 1)")
+            from transformers import AutoConfig
+
+            from .distillation import teacher_config
+
+            teacher_config(self.teacher_model, AutoConfig.from_pretrained(self.source))
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
         from ..conversion.attention_transfer import SCHEDULES
@@ -481,8 +491,9 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     ]
     if settings.lora_target_modules:
         argv += ["--lora-target-modules", *settings.lora_target_modules]
-    if settings.teacher_weight is not None:  # the source model teaches (knowledge distillation on every batch)
-        argv += ["--teacher-model", settings.source, "--distillation-weight", str(settings.teacher_weight)]
+    if settings.teacher_weight is not None:  # knowledge distillation on every batch (default teacher: the source)
+        argv += ["--teacher-model", settings.teacher_model or settings.source,
+                 "--distillation-weight", str(settings.teacher_weight)]
     if deadline is not None:
         argv += ["--time-limit", f"{max(deadline - time.time(), 1.0) / 60:.4f}"]
     argv += ["--resume-from-checkpoint", "latest"] if resume else ["--overwrite"]
@@ -641,6 +652,7 @@ def linearize_record(settings: LinearizeSettings, state: dict, command: str | No
 
     recorded = asdict(settings)
     recorded["source"] = portable_name(settings.source)
+    recorded["teacher_model"] = portable_name(settings.teacher_model)
     recorded["train_files"] = [os.path.basename(path) for path in settings.train_files]
     recorded["eval_file"] = os.path.basename(settings.eval_file) if settings.eval_file else None
     stages = {name: dict(state["stages"][name]) for name in STAGES}

@@ -242,6 +242,8 @@ def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, 
     (["--softmax-worst", "-1"], "--softmax-worst must be an int >= 0"),
     (["--softmax-layers", "-2"], "--softmax-layers takes layer indices >= 0"),
     (["--teacher-weight", "0"], "--teacher-weight must be > 0"),
+    (["--teacher-model", "/nonexistent/teacher"], "--teacher-model set without --teacher-weight"),
+    (["--teacher-weight", "1", "--teacher-model", "/nonexistent/teacher"], "is not a model folder"),
 ])
 def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message):
     from hf_performer.cli import main as cli_main
@@ -570,15 +572,19 @@ def test_reuse_transfer_starts_a_run_after_another_runs_transfer(tiny_models, tm
 
 
 def test_teacher_weight_adds_the_source_models_term_to_the_lora_loss(tiny_models, tmp_path):
-    """--teacher-weight: the source (softmax) model teaches the LoRA stage. The same run without it has the same
+    """--teacher-weight: the source (softmax) model teaches the LoRA stage, or --teacher-model's model. The same run without it has the same
     transfer and the same first LoRA batch, so its first loss is the language-modelling loss alone; the teacher's
     term (> 0: the converted model's next-token distributions differ from the source's) comes on top."""
     runs = {}
-    for name, extra in (("alone", []), ("taught", ["--teacher-weight", "3"])):
+    for name, extra in (("alone", []), ("taught", ["--teacher-weight", "3"]),
+                        ("other_teacher", ["--teacher-weight", "3", "--teacher-model", tiny_models["gpt2"]])):
         output = tmp_path / name
         assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), *extra)) == 0
         runs[name] = json.loads((output / "linearize.json").read_text())
     assert runs["taught"]["settings"]["teacher_weight"] == 3.0 and runs["alone"]["settings"]["teacher_weight"] is None
+    assert runs["taught"]["settings"]["teacher_model"] is None  # the source teaches
+    assert runs["other_teacher"]["settings"]["teacher_model"] == "gpt2"  # --teacher-model DIR: recorded by name
     first = {name: record["stages"]["lora"]["details"]["train_loss_first"] for name, record in runs.items()}
     assert first["taught"] > first["alone"] + 1e-4
-    assert str(tmp_path) not in json.dumps(runs["taught"])
+    assert first["other_teacher"] > first["alone"] + 1e-4 and abs(first["other_teacher"] - first["taught"]) > 1e-4
+    assert str(tmp_path) not in json.dumps(runs["taught"]) + json.dumps(runs["other_teacher"])

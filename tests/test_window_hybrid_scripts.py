@@ -40,6 +40,9 @@ def test_pipeline_shell_syntax_and_profiles():
     result = subprocess.run(["bash", str(script)], env={"PROFILE": "huge", "PATH": "/usr/bin:/bin"},
                             capture_output=True, text=True)
     assert result.returncode == 2 and "PROFILE must be full, short or tiny" in result.stderr
+    result = subprocess.run(["bash", str(script)], env={"TEACHER_MODEL": "softmax_lora", "PATH": "/usr/bin:/bin"},
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "TEACHER_MODEL=softmax_lora needs TEACHER_WEIGHT" in result.stderr
 
 
 @pytest.fixture(scope="module")

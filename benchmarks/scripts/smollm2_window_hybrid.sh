@@ -5,6 +5,7 @@
 #   PROFILE=short bash benchmarks/scripts/smollm2_window_hybrid.sh    # ~1 hour on a 2-core CPU: few steps, all arms
 #   PROFILE=tiny bash benchmarks/scripts/smollm2_window_hybrid.sh     # a tiny random Llama, minutes: checks the pipeline
 #   LORA_STEPS=100 OUT=/data/runs bash benchmarks/scripts/smollm2_window_hybrid.sh   # any budget is a variable
+#   TEACHER_WEIGHT=1 TEACHER_MODEL=softmax_lora bash ...   # the hybrid's LoRA taught by the softmax arm (trained first)
 #
 # Arms (hf-performer linearize folders under $OUT; softmax zero-shot is the source model itself):
 # ARM_NAMES (default: all seven) runs a subset:
@@ -39,7 +40,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
-    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT
+    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT TEACHER_MODEL
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -96,8 +97,14 @@ LR="${LR:-1e-4}"
 SEED="${SEED:-0}"
 SOFTMAX_WORST="${SOFTMAX_WORST:-5}"       # layers hybrid_worst_softmax_lora puts back on softmax
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
-TEACHER_WEIGHT="${TEACHER_WEIGHT:-}"      # every trained arm's LoRA stage also learns SmolLM2's own next-token
+TEACHER_WEIGHT="${TEACHER_WEIGHT:-}"      # every trained arm's LoRA stage also learns the teacher's next-token
                                           # distributions (linearize --teacher-weight; empty: off)
+TEACHER_MODEL="${TEACHER_MODEL:-}"        # the teacher: empty = SmolLM2 itself; an arm's name (softmax_lora: the
+                                          # softmax model after the same LoRA stage, trained first and untaught);
+                                          # or a model folder
+if [[ -n "$TEACHER_MODEL" && -z "$TEACHER_WEIGHT" ]]; then
+    echo "TEACHER_MODEL=$TEACHER_MODEL needs TEACHER_WEIGHT (the teacher term's weight, e.g. 1)" >&2; exit 2
+fi
 
 # Evaluation
 ARM_NAMES="${ARM_NAMES:-softmax_zeroshot hybrid_zeroshot window_zeroshot softmax_lora hybrid_transfer hybrid_lora window_lora}"
@@ -158,14 +165,26 @@ print(len(chosen), "of", len(reviews), "IMDB train reviews (seeded sample)")
 ' "$IMDB_FILE" "$IMDB_REVIEWS" "$SEED" "$IMDB_TEXT"
     TRAIN_ARGS+=(--train-file "$IMDB_TEXT")
 fi
-mapfile -t TRAIN_CHAR_ARGS < <(optional --max-train-chars "$MAX_TRAIN_CHARS"; optional --teacher-weight "$TEACHER_WEIGHT")
+mapfile -t TRAIN_CHAR_ARGS < <(optional --max-train-chars "$MAX_TRAIN_CHARS")
+TEACHER_FOLDER="$TEACHER_MODEL"
+if [[ -n "$TEACHER_MODEL" && " softmax_lora hybrid_lora window_lora hybrid_worst_softmax_lora " == *" $TEACHER_MODEL "* ]]
+then
+    TEACHER_FOLDER="$OUT/$TEACHER_MODEL"
+fi
+teacher_args() {  # teacher_args ARM: ARM's LoRA teacher flags (none for zero-shot arms and for the teacher's own arm)
+    [[ -n "$TEACHER_WEIGHT" && "$1" != *_zeroshot && "$1" != "$TEACHER_MODEL" ]] || return 0
+    printf '%s\n' --teacher-weight "$TEACHER_WEIGHT"
+    optional --teacher-model "$TEACHER_FOLDER"
+}
 
 # shellcheck disable=SC2206 # LINEARIZE is a command line (e.g. another installation's "hf-performer linearize")
 LINEARIZE_COMMAND=(${LINEARIZE:-$HF_PERFORMER linearize})
 linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data and LoRA arguments
     local arm="$1"
     shift
-    show_and_run "${LINEARIZE_COMMAND[@]}" "$SMOL" "$OUT/$arm" "${TRAIN_ARGS[@]}" "${TRAIN_CHAR_ARGS[@]}" \
+    local teacher=()
+    mapfile -t teacher < <(teacher_args "$arm")
+    show_and_run "${LINEARIZE_COMMAND[@]}" "$SMOL" "$OUT/$arm" "${TRAIN_ARGS[@]}" "${TRAIN_CHAR_ARGS[@]}" "${teacher[@]}" \
         --block-size "$BLOCK" --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --no-progress "$@"
 }
 HYBRID_ARGS=(--feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH"
@@ -294,6 +313,11 @@ repeated sentences}. Training text: $(basename "$TRAIN_FILE")${IMDB_TEXT:+ + $IM
 hf-performer linearize: $FEATURE_MAP tail, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
 $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, $TRANSFER_SCHEDULE, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
 tokens (lr $LR), identical for the three trained arms; seed $SEED."
+if [[ -n "$TEACHER_WEIGHT" ]]; then
+    PROTOCOL+=" LoRA stage taught by ${TEACHER_MODEL:-the source model} (linearize --teacher-weight $TEACHER_WEIGHT: \
+T^2 KL at T = 2 on the next-token distributions, added to the language-modelling loss) in every trained arm\
+${TEACHER_MODEL:+ but $TEACHER_MODEL itself}."
+fi
 
 NOTES=()
 if [[ "$ZS_EVAL_CHARS" != "$EVAL_CHARS" ]]; then

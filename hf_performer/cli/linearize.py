@@ -95,8 +95,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lora.add_argument("--lora-target-modules", nargs="+", default=None,
                       help="modules to adapt (default: the attention projections, Llama: q_proj k_proj v_proj o_proj)")
     lora.add_argument("--teacher-weight", type=float, default=None, metavar="W",
-                      help="the source model teaches the LoRA stage: W x the T^2 KL (T = 2) between its and the "
-                           "model's next-token distributions, added to the language-modelling loss (default: off)")
+                      help="a teacher (the source model unless --teacher-model) teaches the LoRA stage: W x the "
+                           "T^2 KL (T = 2) between its and the model's next-token distributions, added to the "
+                           "language-modelling loss (default: off)")
+    lora.add_argument("--teacher-model", default=None, metavar="DIR",
+                      help="the teacher of --teacher-weight instead of the source model, e.g. the softmax model "
+                           "after the same LoRA stage (linearize --baseline softmax); same tokenizer")
     lora.add_argument("--checkpointing-steps", type=int, default=None,
                       help="LoRA checkpoint every N steps, for resuming (default: a quarter of --lora-steps)")
 
@@ -138,7 +142,7 @@ def settings_from_args(args: argparse.Namespace):
         block_size=args.block_size, batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
-        teacher_weight=args.teacher_weight,
+        teacher_weight=args.teacher_weight, teacher_model=args.teacher_model,
         eval_file=args.eval_file, eval_context=args.eval_context, max_eval_chars=args.max_eval_chars,
         eval_batch_size=args.eval_batch_size, baseline=args.baseline, seed=args.seed, time_limit=args.time_limit,
         progress=not args.no_progress, checkpoint_every=args.checkpointing_steps, **values,
