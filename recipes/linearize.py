@@ -52,6 +52,10 @@ FEATURE_MAP_OPTIONS = {"init": "identity", "tie_qk": False}
 LORA_CHECK_CHARS = 16_000
 """The LoRA stage's own closing evaluation (the recipe's) reads only this many characters; the reported perplexity is
 the ``evaluate`` stage's, on the merged model."""
+MIXED_PRECISIONS = ("no", "bf16")
+"""Training precisions: ``bf16`` runs both training stages under bfloat16 autocast (projections and MLPs in bf16; the
+attention operators and feature maps keep their float32 islands); weights, optimizer states and the evaluation stay
+float32."""
 _FINAL_EXCLUDED = ("checkpoints", "adapter", "runs", "metrics.json", "eval_curve.json", "README.md", "loss_log.jsonl")
 _IN_TIME_ONLY = ("progress", "time_limit", "eval_batch_size")
 """Settings a resumed run may change (they do not change what is trained)."""
@@ -92,6 +96,7 @@ class LinearizeSettings:
     eval_batch_size: int = 2
     baseline: str | None = None
     seed: int = 0
+    mixed_precision: str = "no"
     time_limit: float | None = None
     progress: bool = True
     checkpoint_every: int | None = None
@@ -100,6 +105,9 @@ class LinearizeSettings:
         """Raise :class:`RecipeError` (one line: what is wrong, what is accepted) on bad values or missing files."""
         if self.baseline not in (None, "softmax"):
             raise RecipeError(f"--baseline {self.baseline!r} is not known; accepted: softmax")
+        if self.mixed_precision not in MIXED_PRECISIONS:
+            raise RecipeError(f"--mixed-precision {self.mixed_precision!r} is not known; accepted: "
+                              f"{', '.join(MIXED_PRECISIONS)}")
         for name in ("window", "sinks", "transfer_steps", "lora_steps", "softmax_worst"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)}")
@@ -350,11 +358,11 @@ def stage_transfer(settings: LinearizeSettings, area: StagingArea, state: dict, 
                                                           settings.transfer_batch_size)
     torch.manual_seed(settings.seed)
     model = AutoModelForCausalLM.from_pretrained(folder)
-    result = transfer_attention(model, batches, steps=settings.transfer_steps,
+    with torch.autocast(model.device.type, dtype=torch.bfloat16, enabled=settings.mixed_precision == "bf16"):
+        result = transfer_attention(model, batches, steps=settings.transfer_steps,
                                 learning_rate=settings.transfer_learning_rate, schedule=settings.transfer_schedule,
-                                loss="output",
-                                output_loss_factor=OUTPUT_LOSS_FACTOR, evaluation_batches=[],
-                                progress=settings.progress, deadline=deadline)
+                                    loss="output", output_loss_factor=OUTPUT_LOSS_FACTOR, evaluation_batches=[],
+                                    progress=settings.progress, deadline=deadline)
     target = area.file(STAGE_FOLDERS["transfer"])
     shutil.rmtree(target, ignore_errors=True)
     model.save_pretrained(target)
@@ -488,6 +496,7 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
         "--gradient-accumulation-steps", str(settings.gradient_accumulation_steps),
         "--learning-rate", str(settings.learning_rate), "--max-train-steps", str(settings.lora_steps),
         "--seed", str(settings.seed), "--output-dir", folder, "--checkpointing-steps", str(every),
+        "--mixed-precision", settings.mixed_precision,
     ]
     if settings.lora_target_modules:
         argv += ["--lora-target-modules", *settings.lora_target_modules]

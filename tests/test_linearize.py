@@ -588,3 +588,30 @@ def test_teacher_weight_adds_the_source_models_term_to_the_lora_loss(tiny_models
     assert first["taught"] > first["alone"] + 1e-4
     assert first["other_teacher"] > first["alone"] + 1e-4 and abs(first["other_teacher"] - first["taught"]) > 1e-4
     assert str(tmp_path) not in json.dumps(runs["taught"]) + json.dumps(runs["other_teacher"])
+
+
+def test_mixed_precision_bf16_runs_both_training_stages_under_autocast_and_keeps_float32_weights(
+        tiny_models, tmp_path, monkeypatch):
+    import hf_performer.conversion.attention_transfer as attention_transfer
+    import hf_performer.recipes.train as recipe_train
+
+    seen = {}
+    original_transfer, original_train = attention_transfer.transfer_attention, recipe_train.train
+
+    def transfer(*args, **kwargs):
+        seen["transfer"] = (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"))
+        return original_transfer(*args, **kwargs)
+
+    def train(args, **kwargs):
+        seen["lora"] = args.mixed_precision
+        return original_train(args, **kwargs)
+
+    monkeypatch.setattr(attention_transfer, "transfer_attention", transfer)
+    monkeypatch.setattr(recipe_train, "train", train)
+    output = tmp_path / "hybrid"
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), "--mixed-precision", "bf16")) == 0
+    assert seen == {"transfer": (True, torch.bfloat16), "lora": "bf16"}
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["settings"]["mixed_precision"] == "bf16"
+    assert math.isfinite(record["perplexity"])
+    assert {tensor.dtype for tensor in _weights(output).values()} == {torch.float32}

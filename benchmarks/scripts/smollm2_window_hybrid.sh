@@ -40,7 +40,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
     WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
-    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT TEACHER_MODEL
+    CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT TEACHER_MODEL MIXED_PRECISION
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
 COMMAND_ENV=()
 for variable in "${KNOWN_VARIABLES[@]}"; do
@@ -95,6 +95,7 @@ TRANSFER_LR="${TRANSFER_LR:-1e-2}"
 TRANSFER_SCHEDULE="${TRANSFER_SCHEDULE:-constant}"   # or cosine (decay to 0 over the transfer steps)
 LR="${LR:-1e-4}"
 SEED="${SEED:-0}"
+MIXED_PRECISION="${MIXED_PRECISION:-no}"  # bf16: both training stages under bfloat16 autocast (linearize --mixed-precision)
 SOFTMAX_WORST="${SOFTMAX_WORST:-5}"       # layers hybrid_worst_softmax_lora puts back on softmax
 MAX_TRAIN_CHARS="${MAX_TRAIN_CHARS:-}"    # cap on the training text (empty: all of it)
 TEACHER_WEIGHT="${TEACHER_WEIGHT:-}"      # every trained arm's LoRA stage also learns the teacher's next-token
@@ -185,7 +186,8 @@ linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data and L
     local teacher=()
     mapfile -t teacher < <(teacher_args "$arm")
     show_and_run "${LINEARIZE_COMMAND[@]}" "$SMOL" "$OUT/$arm" "${TRAIN_ARGS[@]}" "${TRAIN_CHAR_ARGS[@]}" "${teacher[@]}" \
-        --block-size "$BLOCK" --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --no-progress "$@"
+        --block-size "$BLOCK" --batch-size "$BATCH" --learning-rate "$LR" --seed "$SEED" --mixed-precision "$MIXED_PRECISION" \
+        --no-progress "$@"
 }
 HYBRID_ARGS=(--feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH"
              --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR"
@@ -312,7 +314,8 @@ $PASSKEY_TRIALS seeded trials each, filler ${PASSKEY_FILLER:+$(basename "$PASSKE
 repeated sentences}. Training text: $(basename "$TRAIN_FILE")${IMDB_TEXT:+ + $IMDB_REVIEWS IMDB train reviews}. \
 hf-performer linearize: $FEATURE_MAP tail, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
 $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, $TRANSFER_SCHEDULE, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
-tokens (lr $LR), identical for the three trained arms; seed $SEED."
+tokens (lr $LR), identical for the three trained arms; seed $SEED; training precision $MIXED_PRECISION (evaluation \
+float32)."
 if [[ -n "$TEACHER_WEIGHT" ]]; then
     PROTOCOL+=" LoRA stage taught by ${TEACHER_MODEL:-the source model} (linearize --teacher-weight $TEACHER_WEIGHT: \
 T^2 KL at T = 2 on the next-token distributions, added to the language-modelling loss) in every trained arm\
