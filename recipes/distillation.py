@@ -8,11 +8,15 @@ batch; the student's loss becomes ``task loss + weight * term`` with, per batch 
   the ``T^2`` keeps the gradient's scale independent of the temperature ``T``);
 * causal LM: the same KL over the vocabulary at every position that is not padding, averaged over those positions.
 
-The teacher runs in eval mode without gradients, on the training device, and is checked against the task (number
+The teacher runs in eval mode without gradients, on the training device, under the student's mixed precision
+(``--mixed-precision``: a bf16 student gets a bf16-autocast teacher forward), and is checked against the task (number
 of labels, problem type) and the student's vocabulary before training starts.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -95,15 +99,17 @@ def load_teacher(path: str, num_labels: int | None, problem_type: str | None, st
 
 
 def teacher_distillation_hook(teacher, regression: bool, weight: float | None = None,
-                              temperature: float | None = None):
+                              temperature: float | None = None,
+                              autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext):
     """A loss hook of :func:`hf_performer.recipes.train.train`: ``weight * term`` (see the module docstring) of the
-    teacher's predictions on the batch against the student's ``outputs.logits``."""
+    teacher's predictions on the batch against the student's ``outputs.logits``; the teacher predicts inside
+    ``autocast()`` (the training loop passes its accelerator's, so the teacher runs in the student's precision)."""
     weight = DEFAULT_DISTILLATION_WEIGHT if weight is None else weight
     temperature = DEFAULT_DISTILLATION_TEMPERATURE if temperature is None else temperature
 
     def hook(model, batch, outputs, step):
         inputs = {name: value for name, value in batch.items() if name != "labels"}
-        with torch.no_grad():
+        with torch.no_grad(), autocast():
             teacher_logits = teacher(**inputs).logits
         student_logits = outputs.logits
         if student_logits.dim() == 3:  # causal LM [B, L, V]: one distribution per position that is not padding
@@ -116,15 +122,18 @@ def teacher_distillation_hook(teacher, regression: bool, weight: float | None = 
     return hook
 
 
-def teacher_hooks(args, spec, student_config, device: torch.device) -> list:
+def teacher_hooks(args, spec, student_config, device: torch.device,
+                  autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> list:
     """The loss hooks ``--teacher-model`` asks for (none without it): ``spec`` is the classification task's
-    :class:`~hf_performer.tasks.data.TaskSpec`, ``None`` for the causal-LM recipe."""
+    :class:`~hf_performer.tasks.data.TaskSpec`, ``None`` for the causal-LM recipe; ``autocast`` the training loop's
+    mixed-precision context (``accelerator.autocast``), entered around each teacher forward."""
     if getattr(args, "teacher_model", None) is None:
         return []
     num_labels, problem_type = (spec.num_labels, spec.problem_type) if spec is not None else (None, None)
     teacher = load_teacher(args.teacher_model, num_labels, problem_type, student_config, device)
     regression = spec is not None and spec.is_regression
-    return [teacher_distillation_hook(teacher, regression, args.distillation_weight, args.distillation_temperature)]
+    return [teacher_distillation_hook(teacher, regression, args.distillation_weight, args.distillation_temperature,
+                                      autocast)]
 
 
 __all__ = ["check_distillation_options", "distillation_term", "load_teacher", "teacher_distillation_hook",

@@ -538,7 +538,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         if args.load_best_model_at_end and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise RecipeError("--load-best-model-at-end keeps full weights per process: use it with one process "
                               "or DDP, not FSDP/DeepSpeed")
-    loss_hooks = [*loss_hooks, *teacher_hooks(args, spec, model.config, accelerator.device)]
+    loss_hooks = [*loss_hooks, *teacher_hooks(args, spec, model.config, accelerator.device, accelerator.autocast)]
     if args.lora:
         model = apply_lora(model, args)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -637,6 +637,28 @@ def test_distillation_hook_weights_the_term_and_hides_the_labels_from_the_teache
     assert student_logits.grad is not None and student_logits.grad.abs().sum() > 0
 
 
+def test_teacher_predicts_under_the_training_loops_autocast():
+    from types import SimpleNamespace
+
+    from hf_performer.recipes.distillation import teacher_distillation_hook
+
+    layer = torch.nn.Linear(4, 3)
+    seen = []
+
+    def teacher(input_ids, attention_mask):
+        logits = layer(input_ids.float())
+        seen.append((torch.is_autocast_enabled("cpu"), logits.dtype))
+        return SimpleNamespace(logits=logits)
+
+    batch = {"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)}
+    student = SimpleNamespace(logits=torch.zeros(2, 3, requires_grad=True))
+    bf16 = lambda: torch.autocast("cpu", dtype=torch.bfloat16)  # noqa: E731 - what accelerator.autocast gives
+    term = teacher_distillation_hook(teacher, regression=False, autocast=bf16)(None, batch, student, 0)
+    teacher_distillation_hook(teacher, regression=False)(None, batch, student, 0)
+    assert seen == [(True, torch.bfloat16), (False, torch.float32)]
+    assert term.dtype == torch.float32 and torch.isfinite(term)
+
+
 def test_causal_lm_distillation_is_the_tempered_kl_over_the_positions_that_are_not_padding():
     from types import SimpleNamespace
 
