@@ -77,7 +77,7 @@ from .linear_attention import (
     _with_ones_column,
 )
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
-from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_suffix, _tail_sum
+from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_suffix, _tail_sum, pieces
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -311,33 +311,39 @@ def _exact_plus_tails(query, log_q, tails, key, value_ones, keep, sink_key, sink
     length = key.shape[2]
     query_end = query_start + query.shape[2]
     positions = torch.arange(length, device=query.device)
+    starts = range(query_start, query_end, chunk_size)
+    blocks = [(start - query_start, min(start + chunk_size, query_end) - query_start) for start in starts]
+    bands = [(max(0, start - window + 1), min(start + chunk_size, query_end) if causal else
+              min(length, min(start + chunk_size, query_end) + window - 1)) for start in starts]
+    # Each tensor that may need gradients is cut once into its blocks (see window_tail.pieces).
+    query_blocks, log_q_blocks = pieces(query, 2, blocks), pieces(log_q, 2, blocks)
+    tail_blocks = [(pieces(tail, 2, blocks), pieces(tail_max, 2, blocks)) for tail, tail_max in tails]
+    key_bands, value_bands = pieces(key, 2, bands), pieces(value_ones, 2, bands)
     outputs = []
-    for start in range(query_start, query_end, chunk_size):
+    for index, (start, (band_start, band_end)) in enumerate(zip(starts, bands)):
         end = min(start + chunk_size, query_end)
         rows = positions[start:end, None]
-        block = slice(start - query_start, end - query_start)
-        band = slice(max(0, start - window + 1), end if causal else min(length, end + window - 1))
-        cols = positions[None, band]
+        cols = positions[None, band_start:band_end]
         in_band = (rows - cols).abs() < window
         sink_allowed = sink_valid[:, None, None, :]  # [B, 1, 1 or C, s]
         if causal:
             in_band = in_band & (cols <= rows)
             sink_allowed = sink_allowed & (sink_position[:, None, None, :] <= first + rows)
         allowed = torch.cat([sink_allowed.expand(-1, -1, end - start, -1),
-                             in_band[None, None] & keep[:, None, None, band]], dim=-1)
+                             in_band[None, None] & keep[:, None, None, band_start:band_end]], dim=-1)
         row_max, weighted = _exact_block(
-            query[:, :, block], torch.cat([sink_key, key[:, :, band]], dim=2),
-            torch.cat([sink_value_ones, value_ones[:, :, band]], dim=2), scaling, allowed, softmax_weight,
+            query_blocks[index], torch.cat([sink_key, key_bands[index]], dim=2),
+            torch.cat([sink_value_ones, value_bands[index]], dim=2), scaling, allowed, softmax_weight,
         )
         # Tail log factors u = lq + K (- c in calibrated mode); rho = max(0, u) keeps every term <= ~1.
         log_factors = []
-        for _, tail_max in tails:
-            u = log_q[:, :, block] + tail_max[:, :, block]
+        for _, tail_max in tail_blocks:
+            u = log_q_blocks[index] + tail_max[index]
             log_factors.append(u - row_max if softmax_weight is None else u)
         rho = torch.stack([torch.zeros_like(row_max)] + [u.detach() for u in log_factors]).amax(0)
         total = weighted(rho)
-        for (tail, _), u in zip(tails, log_factors):
-            total = total + tail[:, :, block] * (u - rho).exp()[..., None]
+        for (tail, _), u in zip(tail_blocks, log_factors):
+            total = total + tail[index] * (u - rho).exp()[..., None]
         outputs.append(total)
     total = torch.cat(outputs, dim=2)
     return total[..., :-1] / _safe_denominator(total[..., -1:], eps)

@@ -16,6 +16,39 @@ from __future__ import annotations
 import torch
 
 
+class _Pieces(torch.autograd.Function):
+    """Several ranges of one tensor along a dimension, with one backward: the gradients of all pieces land in one
+    zero-filled tensor of the input's shape. A slice's own backward fills a whole input-shaped tensor per slice (and
+    autograd then adds them up), which made the chunk loops' backward quadratic in the number of chunks."""
+
+    @staticmethod
+    def forward(ctx, x, dim, ranges):
+        ctx.set_materialize_grads(False)
+        ctx.shape, ctx.dim, ctx.ranges = x.shape, dim, ranges
+        return tuple(x.narrow(dim, start, end - start) for start, end in ranges)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grad = None
+        for (start, end), piece in zip(ctx.ranges, grads):
+            if piece is None:
+                continue
+            if grad is None:
+                grad = piece.new_zeros(ctx.shape)
+            grad.narrow(ctx.dim, start, end - start).add_(piece)
+        return grad, None, None
+
+
+def pieces(x: torch.Tensor, dim: int, ranges: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """``[x.narrow(dim, start, end - start) for start, end in ranges]`` (views), with one backward for all of them
+    when ``x`` needs gradients (:class:`_Pieces`). Ranges may overlap; ``end <= start`` is an empty piece."""
+    dim = dim % x.dim()
+    ranges = [(start, max(start, end)) for start, end in ranges]  # as slicing: a reversed range is empty
+    if not (torch.is_grad_enabled() and x.requires_grad) or not ranges:
+        return [x.narrow(dim, start, end - start) for start, end in ranges]
+    return list(_Pieces.apply(x, dim, list(ranges)))
+
+
 def _running_key_max(log_scale_k, eligible, start_max):
     """Key log-scales ``[B, H, L]`` with non-eligible keys at ``-inf``, and their running maximum (detached,
     at least ``start_max`` ``[B, H]``, the stabiliser of the keys before the sequence)."""
@@ -28,9 +61,15 @@ def _running_key_max(log_scale_k, eligible, start_max):
 def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, start, end, new_max):
     """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys ``[start, end)``,
     relative to ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
-    rescale = (masked_log_scale[..., start:end] - new_max[..., None]).exp()  # [B, H, n]
-    added = torch.matmul((key_weights[:, :, start:end] * rescale[..., None]).transpose(-1, -2),
-                         value_ones[:, :, start:end])
+    return _fold_key_pieces(state, state_max, key_weights[:, :, start:end], masked_log_scale[..., start:end],
+                            value_ones[:, :, start:end], new_max)
+
+
+def _fold_key_pieces(state, state_max, key_weights, masked_log_scale, value_ones, new_max):
+    """:func:`_fold_keys` of the keys whose ``key_weights`` ``[B, H, n, m]``, ``masked_log_scale`` ``[B, H, n]`` and
+    ``value_ones`` ``[B, H, n, e]`` are given."""
+    rescale = (masked_log_scale - new_max[..., None]).exp()  # [B, H, n]
+    added = torch.matmul((key_weights * rescale[..., None]).transpose(-1, -2), value_ones)
     return state * (state_max - new_max).exp()[..., None, None] + added
 
 
@@ -65,29 +104,40 @@ def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_
     last_key = positions[query_start:] - offset
     query_max = torch.where(last_key >= 0, running_max[..., last_key.clamp_min(0)], state_max[..., None])
     key_weights = phi_k * eligible[:, None, :, None]
+    # The plan: per query block, the keys folded into the state before it ([state_end, boundary)) and the keys
+    # [boundary, tile_end) some of its queries need as a tile. Continuing a state, the first block takes the recent
+    # keys as a tile (one decoded token: O(L m), not O(L m dv)).
+    rows, folds, tiles = [], [], []
     state_end = 0  # the state holds the keys [0, state_end)
-    tails = []
     for start in range(query_start, length, chunk_size):
         end = min(start + chunk_size, length)
-        rows = slice(start - query_start, end - query_start)
-        # First key the state does not hold. Continuing a state, the first block takes the recent keys as
-        # a tile (one decoded token: O(L m), not O(L m dv)).
         boundary = state_end if 0 < query_start == start else min(max(start - offset + 1, 0), length)
-        if boundary > state_end:  # fold keys [state_end, boundary) into the state
-            new_max = running_max[..., boundary - 1]
-            state = _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, state_end, boundary,
-                               new_max)
-            state_max, state_end = new_max, boundary
-        k_max = query_max[:, :, rows]  # [B, H, C]
-        out = torch.matmul(phi_q[:, :, rows], state) * (state_max[..., None] - k_max).exp()[..., None]
-        tile_end = min(max(end - offset, 0), length)  # keys [state_end, tile_end) are needed by some query
-        if tile_end > state_end:
-            keys = positions[state_end:tile_end]
-            allowed = keys[None, :] <= positions[start:end, None] - offset  # [C, n]
-            decay = (masked_log_scale[:, :, None, state_end:tile_end] - k_max[..., None]).exp()  # [B, H, C, n]
+        folds.append((state_end, max(boundary, state_end)))
+        state_end = max(boundary, state_end)
+        tiles.append((state_end, max(min(max(end - offset, 0), length), state_end)))
+        rows.append((start - query_start, end - query_start))
+    # (weights, log-scales, values) of each fold's keys, then of each tile's keys
+    key_pieces = list(zip(*(pieces(t, 2, folds + tiles) for t in (key_weights, masked_log_scale, value_ones))))
+    fold_pieces, tile_pieces = key_pieces[:len(folds)], key_pieces[len(folds):]
+    query_pieces = pieces(phi_q, 2, rows)
+    tails = []
+    for (row_start, row_end), (fold_start, fold_end), (tile_start, tile_end), fold, tile_keys, phi_q_block in zip(
+            rows, folds, tiles, fold_pieces, tile_pieces, query_pieces):
+        if fold_end > fold_start:  # fold keys [fold_start, fold_end) into the state
+            new_max = running_max[..., fold_end - 1]
+            state = _fold_key_pieces(state, state_max, *fold, new_max)
+            state_max = new_max
+        k_max = query_max[:, :, row_start:row_end]  # [B, H, C] (detached)
+        out = torch.matmul(phi_q_block, state) * (state_max[..., None] - k_max).exp()[..., None]
+        if tile_end > tile_start:  # keys [tile_start, tile_end) are needed by some query of the block
+            tile_weights, tile_log_scale, tile_values = tile_keys
+            keys = positions[tile_start:tile_end]
+            start = row_start + query_start
+            allowed = keys[None, :] <= positions[start:start + row_end - row_start, None] - offset  # [C, n]
+            decay = (tile_log_scale[:, :, None, :] - k_max[..., None]).exp()  # [B, H, C, n]
             decay = decay.masked_fill(~allowed, 0.0)
-            tile = torch.matmul(phi_q[:, :, rows], key_weights[:, :, state_end:tile_end].transpose(-1, -2))
-            out = out + torch.matmul(tile * decay, value_ones[:, :, state_end:tile_end])
+            tile = torch.matmul(phi_q_block, tile_weights.transpose(-1, -2))
+            out = out + torch.matmul(tile * decay, tile_values)
         tails.append(out)
     return torch.cat(tails, dim=2), query_max
 
