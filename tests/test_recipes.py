@@ -637,6 +637,25 @@ def test_distillation_hook_weights_the_term_and_hides_the_labels_from_the_teache
     assert student_logits.grad is not None and student_logits.grad.abs().sum() > 0
 
 
+def test_tempered_kl_has_the_value_and_gradient_of_kl_div_of_two_log_softmax():
+    import torch.nn.functional as F
+
+    from hf_performer.recipes.distillation import distillation_term
+
+    torch.manual_seed(0)
+    student = (3 * torch.randn(7, 50, dtype=torch.float64)).requires_grad_()
+    teacher = 3 * torch.randn(7, 50, dtype=torch.float64)
+    for temperature in (1.0, 2.0, 0.5):
+        reference = F.kl_div(F.log_softmax(student / temperature, -1), F.log_softmax(teacher / temperature, -1),
+                             reduction="batchmean", log_target=True) * temperature**2
+        expected = torch.autograd.grad(reference, student)[0]
+        term = distillation_term(student, teacher, False, temperature)
+        assert torch.allclose(term.double(), reference.double(), rtol=1e-5)
+        assert torch.allclose(torch.autograd.grad(3 * term, student)[0].double(), 3 * expected.double(), rtol=1e-4,
+                              atol=1e-7)
+    assert float(distillation_term(teacher, teacher, False, 2.0)) == pytest.approx(0.0, abs=1e-6)
+
+
 def test_teacher_predicts_under_the_training_loops_autocast():
     from types import SimpleNamespace
 
