@@ -1,5 +1,7 @@
 """Fixtures shared by the test files."""
 
+import sys
+
 import pytest
 
 _BLOCK_HF_PERFORMER = """\
@@ -87,3 +89,14 @@ def tiny_gpt2_config_builder():
 def tiny_llama_config_builder():
     """:func:`tiny_llama_config`: call it with overrides, e.g. ``tiny_llama_config(pad_token_id=0)``."""
     return tiny_llama_config
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Each test starts Accelerate's process-wide ``AcceleratorState`` anew (as accelerate's own ``AccelerateTestCase``
+    does): the recipes run in-process here, and a state left by an earlier test with another ``mixed_precision``
+    would refuse the next ``Accelerator(mixed_precision=...)``. The distributed ``PartialState`` is kept."""
+    yield
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=False)
