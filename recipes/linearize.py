@@ -47,8 +47,10 @@ SELECT_SEQUENCES = 2
 """Training sequences (of ``transfer_length`` tokens) the ``select`` stage measures each layer's transfer loss on."""
 OUTPUT_LOSS_FACTOR = 1000.0
 """The attention-transfer loss is ``OUTPUT_LOSS_FACTOR x`` the mean squared error of the outputs (LoLCATs)."""
-FEATURE_MAP_OPTIONS = {"init": "identity", "tie_qk": False}
-"""Learned maps start at the identity, with separate query and key maps (Hedgehog / LoLCATs)."""
+FEATURE_MAP_OPTIONS = {"tie_qk": False}
+"""Learned maps have separate query and key maps (Hedgehog / LoLCATs); they start at ``feature_map_init``: the
+identity by default (a square projection: ``nb_features`` 2 x head_dim for hedgehog), or FAVOR+'s orthogonal
+random projection (``favor+``, any size)."""
 LORA_CHECK_CHARS = 16_000
 """The LoRA stage's own closing evaluation (the recipe's) reads only this many characters; the reported perplexity is
 the ``evaluate`` stage's, on the merged model."""
@@ -70,6 +72,7 @@ class LinearizeSettings:
     max_train_chars: int | None = None
     feature_map: str = "hedgehog"
     nb_features: int | None = None
+    feature_map_init: str = "identity"
     window: int = 64
     sinks: int = 4
     linear_tail: bool = True
@@ -105,6 +108,11 @@ class LinearizeSettings:
         """Raise :class:`RecipeError` (one line: what is wrong, what is accepted) on bad values or missing files."""
         if self.baseline not in (None, "softmax"):
             raise RecipeError(f"--baseline {self.baseline!r} is not known; accepted: softmax")
+        from ..feature_maps import LEARNED_MAP_INITS
+
+        if self.feature_map_init not in LEARNED_MAP_INITS:
+            raise RecipeError(f"--feature-map-init {self.feature_map_init!r} is not known; accepted: "
+                              f"{', '.join(LEARNED_MAP_INITS)}")
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise RecipeError(f"--mixed-precision {self.mixed_precision!r} is not known; accepted: "
                               f"{', '.join(MIXED_PRECISIONS)}")
@@ -304,7 +312,8 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
             raise RecipeError(f"{settings.source} has no usable tokenizer to encode the training text")
         model = convert_to_performer(
             source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
-            seed=settings.seed, feature_map_options=dict(FEATURE_MAP_OPTIONS), window=settings.window,
+            seed=settings.seed, feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
+            window=settings.window,
             sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
             keep_softmax_layers=settings.softmax_layers,
         )

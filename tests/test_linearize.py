@@ -244,6 +244,7 @@ def test_stop_between_stages_then_resume_and_refuse_other_settings(tiny_models, 
     (["--teacher-weight", "0"], "--teacher-weight must be > 0"),
     (["--teacher-model", "/nonexistent/teacher"], "--teacher-model set without --teacher-weight"),
     (["--teacher-weight", "1", "--teacher-model", "/nonexistent/teacher"], "is not a model folder"),
+    (["--nb-features", "24"], "init='identity' needs a square projection"),
 ])
 def test_bad_input_gives_a_one_line_error(tiny_models, tmp_path, extra, message):
     from hf_performer.cli import main as cli_main
@@ -615,3 +616,20 @@ def test_mixed_precision_bf16_runs_both_training_stages_under_autocast_and_keeps
     assert record["settings"]["mixed_precision"] == "bf16"
     assert math.isfinite(record["perplexity"])
     assert {tensor.dtype for tensor in _weights(output).values()} == {torch.float32}
+
+
+def test_feature_map_init_favor_starts_a_tail_of_any_size(tiny_models, tmp_path):
+    from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
+
+    output = tmp_path / "hybrid"
+    argv = _argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), "--nb-features", "24",
+                 "--feature-map-init", "favor+")
+    assert _run(argv, stop_after="transfer") == 0
+    area = tmp_path / ".hybrid.linearize"
+    state = json.loads((area / "run.json").read_text())
+    settings = state["stages"]["convert"]["details"]["favor_settings"]
+    assert settings["nb_features"] == 24 and settings["feature_map_options"] == {"init": "favor+", "tie_qk": False}
+    assert state["settings"]["feature_map_init"] == "favor+"
+    weights = _weights(area / "transferred")
+    projections = [tensor for name, tensor in weights.items() if f"{FEATURE_MAP_ATTRIBUTE}.query_weight" in name]
+    assert projections and all(tensor.shape[-1] == 12 for tensor in projections)  # hedgehog: 24 = 2 x 12 features

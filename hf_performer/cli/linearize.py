@@ -29,19 +29,19 @@ import sys
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-from .arguments import add_favor_arguments
+from .arguments import LEARNED_MAP_INITS, add_favor_arguments
 
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
-CONVERSION_FLAGS = ("feature_map", "nb_features", "window", "sinks", "no_tail", "softmax_layers", "softmax_worst",
-                    "transfer_steps", "transfer_length", "transfer_batch_size", "transfer_learning_rate",
-                    "transfer_schedule")
+CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "no_tail", "softmax_layers",
+                    "softmax_worst", "transfer_steps", "transfer_length", "transfer_batch_size",
+                    "transfer_learning_rate", "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
-DEFAULTS = {"feature_map": "hedgehog", "window": 64, "sinks": 4, "transfer_steps": 200, "transfer_length": 1024,
-            "transfer_batch_size": 8, "transfer_learning_rate": 1e-2, "transfer_schedule": "constant",
-            "softmax_layers": [], "softmax_worst": 0}
+DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "transfer_steps": 200,
+            "transfer_length": 1024, "transfer_batch_size": 8, "transfer_learning_rate": 1e-2,
+            "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -68,6 +68,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "window": "exact-softmax keys per query: the last W tokens (default: 64)",
         "sinks": "first unpadded tokens of each row always attended exactly (default: 4)",
     })
+    hybrid.add_argument("--feature-map-init", choices=LEARNED_MAP_INITS, default=None,
+                        help="the learned map's starting projection: identity (default; needs --nb-features 2 x "
+                             "head_dim, the default) or favor+ (orthogonal random, any --nb-features)")
     hybrid.add_argument("--no-tail", action="store_true", default=None,
                         help="the ablation: sinks + window exact softmax only, no linear tail (no transfer stage)")
     hybrid.add_argument("--softmax-layers", type=int, nargs="+", default=None, metavar="LAYER",
