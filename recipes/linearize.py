@@ -31,7 +31,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 
 from .arguments import RecipeError
@@ -398,14 +400,27 @@ class _LossLog:
 
     def __init__(self, path: str, is_main_process: bool):
         self.path, self.is_main_process = path, is_main_process
+        self.attempt = uuid.uuid4().hex  # this run of the stage; a resumed stage's log holds several
 
     def __call__(self, model, batch, outputs, step):
         if self.is_main_process:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps({"step": step + 1, "loss": float(outputs.loss.detach()),
-                                         "time": time.time(), "cpu": time.process_time(), "pid": os.getpid()})
-                             + "\n")
+                                         "time": time.time(), "cpu": time.process_time(),
+                                         "attempt": self.attempt}) + "\n")
         return None
+
+    def earlier_attempts_seconds(self) -> float:
+        """Training time of the interrupted runs this one resumes, from their kept steps: each run's span between its
+        first and last logged step plus one median step for its first (model loading and the steps redone after the
+        last checkpoint are not counted)."""
+        spans: dict[str, list[float]] = {}
+        for entry in self.entries():
+            if entry["attempt"] != self.attempt:
+                spans.setdefault(entry["attempt"], []).append(entry["time"])
+        step_times = [point["step_time_s"] for point in self.steps() if "step_time_s" in point]
+        first_step = statistics.median(step_times) if step_times else 0.0
+        return sum(max(times) - min(times) + first_step for times in spans.values())
 
     def entries(self) -> list[dict]:
         if not os.path.isfile(self.path):
@@ -428,7 +443,7 @@ class _LossLog:
         points, previous = [], None
         for step, entries in sorted(by_step.items()):
             point = {"step": step, "loss": sum(e["loss"] for e in entries) / len(entries)}
-            if previous is not None and previous["step"] == step - 1 and previous["pid"] == entries[-1]["pid"]:
+            if previous is not None and previous["step"] == step - 1 and previous["attempt"] == entries[-1]["attempt"]:
                 point["step_time_s"] = round(entries[-1]["time"] - previous["time"], 3)
                 point["step_cpu_s"] = round(entries[-1]["cpu"] - previous["cpu"], 3)
             points.append(point)
@@ -536,10 +551,12 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     curve = [{**point, "tokens_seen": point["step"] * tokens_per_step} for point in log.steps() if point["step"] <= done]
     if processes.is_main_process:
         shutil.rmtree(checkpoints, ignore_errors=True)  # the merged model is saved; checkpoints are large
+    earlier = log.earlier_attempts_seconds()
     return StageRecord(
-        "lora", "done", reason=metrics.get("time_limit_reason"), wall_time_s=round(time.perf_counter() - started, 2),
-        tokens_seen=done * tokens_per_step,
+        "lora", "done", reason=metrics.get("time_limit_reason"),
+        wall_time_s=round(time.perf_counter() - started + earlier, 2), tokens_seen=done * tokens_per_step,
         details={"steps_requested": settings.lora_steps, "steps_done": done, "resumed_from": metrics["resumed_from"],
+                 "earlier_attempts_s": round(earlier, 2),
                  "train_blocks": metrics["train_examples"], "trainable_parameters": metrics["trainable_parameters"],
                  "total_parameters": metrics["total_parameters"], "learning_rate": settings.learning_rate,
                  "schedule": {k: metrics["args"][k] for k in ("lr_scheduler", "warmup_ratio", "weight_decay",

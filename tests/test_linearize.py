@@ -190,6 +190,8 @@ def test_resume_skips_finished_stages_and_continues_lora_from_its_checkpoint(tin
     lora = record["stages"]["lora"]["details"]
     assert lora["resumed_from"].endswith("step_2") and lora["steps_done"] == 3
     assert [point["step"] for point in lora["curve"]] == [1, 2, 3]
+    # the interrupted run's steps 1-2 count in the stage's wall time
+    assert 0 < lora["earlier_attempts_s"] < record["stages"]["lora"]["wall_time_s"]
 
 
 def test_stop_after_flag_keeps_the_transferred_model_loadable_and_the_same_command_continues(tiny_models, tmp_path,
