@@ -38,7 +38,8 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 
 # The variables a caller may set (recorded in the result's command when set)
 KNOWN_VARIABLES=(PROFILE SMOL OUT DATA_DIR TRAIN_FILE TEST_FILE IMDB_FILE IMDB_REVIEWS PYTHON HF_PERFORMER FEATURE_MAP
-    WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE LORA_STEPS BLOCK BATCH LR SEED
+    NB_FEATURES FEATURE_MAP_INIT WINDOW SINKS TRANSFER_STEPS TRANSFER_LENGTH TRANSFER_BATCH TRANSFER_LR TRANSFER_SCHEDULE
+    LORA_STEPS BLOCK BATCH LR SEED
     ARM_NAMES LINEARIZE MAX_TRAIN_CHARS EVAL_CHARS ZS_EVAL_CHARS EXTRA_CHARS EVAL_BATCH POSITION_RANGES EXTRA_CONTEXTS
     CONTEXT_ARMS PASSKEY_ARMS TITLE SOFTMAX_WORST TEACHER_WEIGHT TEACHER_MODEL MIXED_PRECISION
     PASSKEY_LENGTHS PASSKEY_DEPTHS PASSKEY_TRIALS PASSKEY_FILLER RESULT)
@@ -89,6 +90,8 @@ HF_PERFORMER="${HF_PERFORMER:-hf-performer}"
 
 # The layer and its training (every trained arm: the same LoRA budget; transfer only for the hybrid)
 FEATURE_MAP="${FEATURE_MAP:-hedgehog}"
+NB_FEATURES="${NB_FEATURES:-}"            # the tail's features (empty: linearize's default, 2 x head_dim for hedgehog)
+FEATURE_MAP_INIT="${FEATURE_MAP_INIT:-}"  # identity (linearize's default; square maps only) or favor+ (any NB_FEATURES)
 WINDOW="${WINDOW:-64}"
 SINKS="${SINKS:-4}"
 TRANSFER_LR="${TRANSFER_LR:-1e-2}"
@@ -192,6 +195,8 @@ linearize() {  # linearize ARM EXTRA_ARGS...: every arm gets the same data and L
 HYBRID_ARGS=(--feature-map "$FEATURE_MAP" --window "$WINDOW" --sinks "$SINKS" --transfer-length "$TRANSFER_LENGTH"
              --transfer-batch-size "$TRANSFER_BATCH" --transfer-learning-rate "$TRANSFER_LR"
              --transfer-schedule "$TRANSFER_SCHEDULE")
+mapfile -t -O "${#HYBRID_ARGS[@]}" HYBRID_ARGS < <(optional --nb-features "$NB_FEATURES"
+                                                  optional --feature-map-init "$FEATURE_MAP_INIT")
 
 perplexity() {  # perplexity MODEL OUTPUT.json CONTEXT CHARS [--position-ranges ...]
     local model="$1" output="$2" context="$3" chars="$4"
@@ -312,7 +317,7 @@ trained arms and $ZS_EVAL_CHARS for the zero-shot arms, split by window position
 predictions); contexts $EXTRA_CONTEXTS on the first $EXTRA_CHARS characters for $CONTEXT_ARMS. Passkey: $PASSKEY_LENGTHS tokens, depths $PASSKEY_DEPTHS, \
 $PASSKEY_TRIALS seeded trials each, filler ${PASSKEY_FILLER:+$(basename "$PASSKEY_FILLER")}${PASSKEY_FILLER:-classic \
 repeated sentences}. Training text: $(basename "$TRAIN_FILE")${IMDB_TEXT:+ + $IMDB_REVIEWS IMDB train reviews}. \
-hf-performer linearize: $FEATURE_MAP tail, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
+hf-performer linearize: $FEATURE_MAP tail${NB_FEATURES:+ ($NB_FEATURES features, ${FEATURE_MAP_INIT:-identity} start)}, window $WINDOW, sinks $SINKS; attention transfer $TRANSFER_STEPS steps x \
 $TRANSFER_BATCH x $TRANSFER_LENGTH tokens (lr $TRANSFER_LR, $TRANSFER_SCHEDULE, hybrid only); LoRA $LORA_STEPS steps x $BATCH x $BLOCK \
 tokens (lr $LR), identical for the three trained arms; seed $SEED; training precision $MIXED_PRECISION (evaluation \
 float32)."
