@@ -75,6 +75,7 @@ def test_window_transfer_loss_decreases_when_the_maps_and_gamma_train():
 
 import json  # noqa: E402
 import os  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -620,13 +621,15 @@ def test_mixed_precision_bf16_runs_both_training_stages_under_autocast_and_keeps
     assert {tensor.dtype for tensor in _weights(output).values()} == {torch.float32}
 
 
-def test_feature_map_init_favor_starts_a_tail_of_any_size(tiny_models, tmp_path):
+def test_feature_map_init_favor_starts_a_tail_of_any_size_and_the_tail_probe_collects_it(tiny_models, tmp_path):
+    import importlib.util
+
     from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 
     output = tmp_path / "hybrid"
     argv = _argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), "--nb-features", "24",
-                 "--feature-map-init", "favor+")
-    assert _run(argv, stop_after="transfer") == 0
+                 "--feature-map-init", "favor+", "--softmax-worst", "1")
+    assert _run(argv, stop_after="select") == 0
     area = tmp_path / ".hybrid.linearize"
     state = json.loads((area / "run.json").read_text())
     settings = state["stages"]["convert"]["details"]["favor_settings"]
@@ -635,3 +638,19 @@ def test_feature_map_init_favor_starts_a_tail_of_any_size(tiny_models, tmp_path)
     weights = _weights(area / "transferred")
     projections = [tensor for name, tensor in weights.items() if f"{FEATURE_MAP_ATTRIBUTE}.query_weight" in name]
     assert projections and all(tensor.shape[-1] == 12 for tensor in projections)  # hedgehog: 24 = 2 x 12 features
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "collect_tail_probe.py"
+    spec = importlib.util.spec_from_file_location("_script_collect_tail_probe", script)
+    collect = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(collect)
+    result_file = tmp_path / "probe.json"
+    assert collect.main(["--probe", f"m24={area}", "--command", "test", "--output", str(result_file)]) == 0
+    probe = json.loads(result_file.read_text())["probes"]["m24"]
+    layer_losses = state["stages"]["select"]["details"]["layer_losses"]
+    assert probe["nb_features"] == 24 and probe["feature_map_init"] == "favor+" and probe["transfer"]["steps"] == 2
+    assert probe["layer_losses"] == pytest.approx(layer_losses, abs=1e-4) and probe["staging_area"] == area.name
+    assert (tmp_path / "probe.png").is_file() and str(tmp_path) not in result_file.read_text()
+    with pytest.raises(SystemExit, match="has no transfer and select stages"):
+        (tmp_path / "empty").mkdir()
+        (tmp_path / "empty" / "run.json").write_text(json.dumps({"stages": {}, "settings": {}}))
+        collect.main(["--probe", f"x={tmp_path / 'empty'}", "--command", "test", "--output", str(result_file)])
