@@ -5,8 +5,8 @@ instead of repeating it (on a 2-core CPU the transfer is the longest stage: 72 m
     python benchmarks/scripts/reuse_transfer.py .OUT.linearize --record DONE/linearize.json --model TRANSFERRED
     hf-performer linearize SOURCE OUT ... --softmax-worst 5                        # continues after the transfer
 
-``--record`` is the finished run's ``linearize.json`` (its transfer stage is copied into the staging area's record,
-marked as reused) and ``--model`` the model that run's transfer wrote (``.DONE.linearize/transferred``, kept by
+``--record`` is the finished run's ``linearize.json``, or the ``run.json`` of a staging area past its transfer (its
+transfer stage is copied into the staging area's record, marked as reused) and ``--model`` the model that run's transfer wrote (``.DONE.linearize/transferred``, kept by
 ``--stop-after transfer``; the window-hybrid pipeline keeps it as its ``hybrid_transfer`` arm). The settings that
 decide the transfer must be equal in both runs (refused otherwise, naming them); the staging area must hold the
 convert stage only. The new run's record then reports the reused transfer's tokens and wall time as its own.
@@ -20,9 +20,9 @@ import os
 import shutil
 import sys
 
-TRANSFER_SETTINGS = ("max_train_chars", "feature_map", "nb_features", "window", "sinks", "linear_tail",
-                     "softmax_layers", "transfer_steps", "transfer_length", "transfer_batch_size",
-                     "transfer_learning_rate", "transfer_schedule", "seed")
+TRANSFER_SETTINGS = ("max_train_chars", "feature_map", "nb_features", "feature_map_init", "window", "sinks",
+                     "linear_tail", "softmax_layers", "transfer_steps", "transfer_length", "transfer_batch_size",
+                     "transfer_learning_rate", "transfer_schedule", "mixed_precision", "seed")
 """Settings that decide what the transfer stage trains (besides the source model and the training files)."""
 
 
@@ -55,7 +55,8 @@ def reuse_transfer(staging: str, record_path: str, model: str) -> dict:
     if transfer.get("status") != "done":
         raise ReuseError(f"{record_path}: its transfer stage did not run (status {transfer.get('status')!r})")
     new, done = state["settings"], record.get("settings") or {}
-    defaults = {"softmax_layers": []}  # records written before the setting existed
+    defaults = {"softmax_layers": [], "feature_map_init": "identity", "mixed_precision": "no"}  # records written
+    # before the setting existed
     differing = [f"{key} {done.get(key, defaults.get(key))!r} (new run {new.get(key)!r})" for key in TRANSFER_SETTINGS
                  if json.dumps(done.get(key, defaults.get(key))) != json.dumps(new.get(key, defaults.get(key)))]
     if _names([new.get("source")]) != _names([done.get("source")]):
@@ -89,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("staging", metavar="STAGING", help="the new run's staging area (.OUT.linearize)")
-    parser.add_argument("--record", required=True, help="the finished run's linearize.json")
+    parser.add_argument("--record", required=True,
+                        help="the finished run's linearize.json, or a staging area's run.json past its transfer")
     parser.add_argument("--model", required=True, help="the model the finished run's transfer stage wrote")
     args = parser.parse_args(argv)
     try:
