@@ -555,18 +555,15 @@ def test_reuse_transfer_starts_a_run_after_another_runs_transfer(tiny_models, tm
     shutil.copytree(tmp_path / ".done.linearize" / "transferred", transferred)
     assert cli_main(argv) == 0
 
-    other = _argv(tiny_models, "llama", tmp_path / "other", *_hybrid_flags(steps=3), "--softmax-worst", "1")
-    assert cli_main([*other, "--stop-after", "convert"]) == 0
-    with pytest.raises(SystemExit) as failure:
-        reuse.main([str(tmp_path / ".other.linearize"), "--record", str(done / "linearize.json"),
-                    "--model", str(transferred)])
-    assert "transfer_steps 2 (new run 3)" in str(failure.value)
-    started = _argv(tiny_models, "llama", tmp_path / "started", *_hybrid_flags(steps=2), "--feature-map-init", "favor+")
-    assert cli_main([*started, "--stop-after", "convert"]) == 0
-    with pytest.raises(SystemExit) as failure:
-        reuse.main([str(tmp_path / ".started.linearize"), "--record", str(done / "linearize.json"),
-                    "--model", str(transferred)])
-    assert "feature_map_init 'identity' (new run 'favor+')" in str(failure.value)
+    for name, flags, message in (
+            ("steps", [*_hybrid_flags(steps=3), "--softmax-worst", "1"], "transfer_steps 2 (new run 3)"),
+            ("start", [*_hybrid_flags(steps=2), "--feature-map-init", "favor+"],
+             "feature_map_init 'identity' (new run 'favor+')")):
+        assert cli_main([*_argv(tiny_models, "llama", tmp_path / name, *flags), "--stop-after", "convert"]) == 0
+        with pytest.raises(SystemExit) as failure:
+            reuse.main([str(tmp_path / f".{name}.linearize"), "--record", str(done / "linearize.json"),
+                        "--model", str(transferred)])
+        assert message in str(failure.value)
 
     new = _argv(tiny_models, "llama", tmp_path / "new", *_hybrid_flags(steps=2), "--softmax-worst", "1")
     assert cli_main([*new, "--stop-after", "convert"]) == 0
