@@ -312,16 +312,16 @@ def _exact_plus_tails(query, log_q, tails, key, value_ones, keep, sink_key, sink
     query_end = query_start + query.shape[2]
     positions = torch.arange(length, device=query.device)
     starts = range(query_start, query_end, chunk_size)
-    blocks = [(start - query_start, min(start + chunk_size, query_end) - query_start) for start in starts]
-    bands = [(max(0, start - window + 1), min(start + chunk_size, query_end) if causal else
-              min(length, min(start + chunk_size, query_end) + window - 1)) for start in starts]
+    ends = [min(start + chunk_size, query_end) for start in starts]
+    blocks = [(start - query_start, end - query_start) for start, end in zip(starts, ends)]
+    bands = [(max(0, start - window + 1), end if causal else min(length, end + window - 1))
+             for start, end in zip(starts, ends)]
     # Each tensor that may need gradients is cut once into its blocks (see window_tail.pieces).
     query_blocks, log_q_blocks = pieces(query, 2, blocks), pieces(log_q, 2, blocks)
     tail_blocks = [(pieces(tail, 2, blocks), pieces(tail_max, 2, blocks)) for tail, tail_max in tails]
     key_bands, value_bands = pieces(key, 2, bands), pieces(value_ones, 2, bands)
     outputs = []
-    for index, (start, (band_start, band_end)) in enumerate(zip(starts, bands)):
-        end = min(start + chunk_size, query_end)
+    for index, (start, end, (band_start, band_end)) in enumerate(zip(starts, ends, bands)):
         rows = positions[start:end, None]
         cols = positions[None, band_start:band_end]
         in_band = (rows - cols).abs() < window
@@ -619,7 +619,8 @@ def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, 
         masked_log_scale, running_max = _running_key_max(log_k, keep, stabilizer)
         new_max = running_max[..., fold_end - 1]
         key_weights = phi_k[:, :, :fold_end] * keep[:, None, :fold_end, None]
-        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale, value_ones, 0, fold_end, new_max)
+        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale[..., :fold_end], value_ones[:, :, :fold_end],
+                        new_max)
         stabilizer = new_max
     buffer = slice(fold_end, length)
     sink_key, sink_value, sink_position, sink_valid = row_sinks

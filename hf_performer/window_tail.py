@@ -58,16 +58,10 @@ def _running_key_max(log_scale_k, eligible, start_max):
     return masked_log_scale, running_max.clamp_min(floor)
 
 
-def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, start, end, new_max):
-    """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys ``[start, end)``,
-    relative to ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
-    return _fold_key_pieces(state, state_max, key_weights[:, :, start:end], masked_log_scale[..., start:end],
-                            value_ones[:, :, start:end], new_max)
-
-
-def _fold_key_pieces(state, state_max, key_weights, masked_log_scale, value_ones, new_max):
-    """:func:`_fold_keys` of the keys whose ``key_weights`` ``[B, H, n, m]``, ``masked_log_scale`` ``[B, H, n]`` and
-    ``value_ones`` ``[B, H, n, e]`` are given."""
+def _fold_keys(state, state_max, key_weights, masked_log_scale, value_ones, new_max):
+    """``state`` ``[B, H, m, e]`` (relative to ``state_max`` ``[B, H]``) plus the keys whose ``key_weights``
+    ``[B, H, n, m]``, ``masked_log_scale`` ``[B, H, n]`` and ``value_ones`` ``[B, H, n, e]`` are given, relative to
+    ``new_max`` ``[B, H]`` (``>=`` both ``state_max`` and those keys' log-scales)."""
     rescale = (masked_log_scale - new_max[..., None]).exp()  # [B, H, n]
     added = torch.matmul((key_weights * rescale[..., None]).transpose(-1, -2), value_ones)
     return state * (state_max - new_max).exp()[..., None, None] + added
@@ -125,15 +119,14 @@ def _tail_prefix(phi_q, phi_k, log_scale_k, value_ones, eligible, offset, chunk_
             rows, folds, tiles, fold_pieces, tile_pieces, query_pieces):
         if fold_end > fold_start:  # fold keys [fold_start, fold_end) into the state
             new_max = running_max[..., fold_end - 1]
-            state = _fold_key_pieces(state, state_max, *fold, new_max)
+            state = _fold_keys(state, state_max, *fold, new_max)
             state_max = new_max
         k_max = query_max[:, :, row_start:row_end]  # [B, H, C] (detached)
         out = torch.matmul(phi_q_block, state) * (state_max[..., None] - k_max).exp()[..., None]
         if tile_end > tile_start:  # keys [tile_start, tile_end) are needed by some query of the block
             tile_weights, tile_log_scale, tile_values = tile_keys
             keys = positions[tile_start:tile_end]
-            start = row_start + query_start
-            allowed = keys[None, :] <= positions[start:start + row_end - row_start, None] - offset  # [C, n]
+            allowed = keys[None, :] <= positions[query_start + row_start:query_start + row_end, None] - offset  # [C, n]
             decay = (tile_log_scale[:, :, None, :] - k_max[..., None]).exp()  # [B, H, C, n]
             decay = decay.masked_fill(~allowed, 0.0)
             tile = torch.matmul(phi_q_block, tile_weights.transpose(-1, -2))
@@ -163,7 +156,7 @@ def _tail_sum(phi_k, log_scale_k, value_ones, eligible):
         return empty, empty_max
     key_weights = phi_k * eligible[:, None, :, None]
     new_max = running_max[..., -1]
-    return _fold_keys(empty, empty_max, key_weights, masked_log_scale, value_ones, 0, length, new_max), new_max
+    return _fold_keys(empty, empty_max, key_weights, masked_log_scale, value_ones, new_max), new_max
 
 
 def _merge_tail_sums(first, second):

@@ -315,8 +315,7 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
         model = convert_to_performer(
             source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
             seed=settings.seed, feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
-            window=settings.window,
-            sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+            window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
             keep_softmax_layers=settings.softmax_layers,
         )
     except (ConversionError, ValueError, TypeError) as error:
