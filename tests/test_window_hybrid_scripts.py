@@ -211,6 +211,20 @@ def test_collect_partial_and_mismatched_runs(experiment, records):
     assert record["target"]["status"] == "met"  # the trained arms still share their protocol
 
 
+def test_collect_names_an_arm_linked_from_another_run(experiment, tmp_path):
+    runs, argv = experiment
+    other = tmp_path / "earlier_run"
+    other.mkdir()
+    (runs / "softmax_lora").rename(other / "softmax_lora")
+    (runs / "softmax_lora").symlink_to(other / "softmax_lora")
+    record = collect.build_record(collect.build_parser().parse_args(argv + ["--output", str(runs / "r.json")]))
+    assert record["arms"]["softmax_lora"]["reused_from"] == "earlier_run/softmax_lora"
+    assert "reused_from" not in record["arms"]["hybrid_lora"]
+    assert [note for note in record["notes"] if note.startswith("softmax_lora: reused from another run's folder "
+                                                                "(earlier_run/softmax_lora)")]
+    assert record["target"]["ratio"] == pytest.approx(1.08)
+
+
 def test_collect_reports_bad_inputs(experiment, tmp_path):
     runs, argv = experiment
     for extra, message in (

@@ -292,10 +292,17 @@ def build_record(args: argparse.Namespace) -> dict:
         return arms.setdefault(name, {"label": ARMS[name], "trained": name.endswith("_lora"), "perplexity": {},
                                       "passkey": None, "linearize": None, "eval_seconds_total": 0.0})
 
+    reused_notes = []
     for name, folder in arm_dirs:
         run = read_linearize(folder, name)
         run["file"] = _relative(run["file"], base)
         arm(name)["linearize"] = run
+        if os.path.islink(os.path.normpath(folder)):  # a finished arm of another run, linked in (the pipeline's header)
+            target = os.path.realpath(folder)
+            origin = f"{os.path.basename(os.path.dirname(target))}/{os.path.basename(target)}"
+            arm(name)["reused_from"] = origin
+            reused_notes.append(f"{name}: reused from another run's folder ({origin}), trained there and not "
+                                "retrained by this one; its wall times are that run's")
     for name, path in eval_files:
         kind, row = read_eval(path, name)
         row["file"] = _relative(path, base)
@@ -373,7 +380,7 @@ def build_record(args: argparse.Namespace) -> dict:
         "collected_by": without_local_paths(shlex.join(
             ["python", "benchmarks/scripts/collect_window_hybrid.py",
              *[_portable_argument(value) for value in getattr(args, "argv", [])]])),
-        "notes": [without_local_paths(note) for note in args.notes],
+        "notes": [without_local_paths(note) for note in [*args.notes, *reused_notes]],
     }
     warnings = [f"{key}: {row['missing']}" for key, row in ratios.items() if "missing" in row]
     if warnings:
@@ -472,8 +479,12 @@ def plot(record: dict, path: str) -> str:
         far_axis.set_ylim(0, far_top)
         _mark_off_scale(far_axis, placed, far_top)
     far_axis.set_xticks(range(len(split)), [SHORT_LABELS[name] for name in split], fontsize=8)
+    windows = sorted({entry["linearize"]["settings"].get("window") for entry in arms.values()
+                      if entry["linearize"] and entry["linearize"]["kind"] != "baseline-softmax"
+                      and entry["linearize"]["settings"].get("window")})
+    window_text = f"the {'/'.join(map(str, windows))}-token window" if windows else "the window"
     far_axis.set_title("perplexity by position inside each 1024-token window\n(the tail serves positions far "
-                       "beyond the 64-token window)", fontsize=9)
+                       f"beyond {window_text})", fontsize=9)
     if ranges:
         far_axis.legend(fontsize=7)
 

@@ -31,6 +31,9 @@
 # Every step logs to $OUT/<step>.log, prints its wall time (also in $OUT/timings.tsv) and is skipped when its output
 # exists, so an interrupted pipeline resumes where it stopped (linearize also resumes inside a run); delete an output
 # to redo its step. The collect step always runs: benchmarks/scripts/collect_window_hybrid.py -> $RESULT (+ .png).
+# A finished arm can serve another run (e.g. one softmax baseline for hybrids trained at two windows): link its
+# folder into the new $OUT, copy its eval/<arm>_*.json and its timings.tsv rows; its steps are then skipped and the
+# collected record names the run it came from (a note and the arm's reused_from).
 # Training text: wiki.valid.raw (+ $IMDB_REVIEWS seeded IMDB train reviews); evaluation text: wiki.test.raw.
 set -euo pipefail
 
