@@ -479,9 +479,9 @@ def plot(record: dict, path: str) -> str:
         far_axis.set_ylim(0, far_top)
         _mark_off_scale(far_axis, placed, far_top)
     far_axis.set_xticks(range(len(split)), [SHORT_LABELS[name] for name in split], fontsize=8)
-    windows = sorted({entry["linearize"]["settings"].get("window") for entry in arms.values()
-                      if entry["linearize"] and entry["linearize"]["kind"] != "baseline-softmax"
-                      and entry["linearize"]["settings"].get("window")})
+    trained_windows = [entry["linearize"]["settings"].get("window") for entry in arms.values()
+                       if entry["linearize"] and entry["linearize"]["kind"] != "baseline-softmax"]
+    windows = sorted({window for window in trained_windows if window})
     window_text = f"the {'/'.join(map(str, windows))}-token window" if windows else "the window"
     far_axis.set_title("perplexity by position inside each 1024-token window\n(the tail serves positions far "
                        f"beyond {window_text})", fontsize=9)

@@ -55,8 +55,8 @@ def reuse_transfer(staging: str, record_path: str, model: str) -> dict:
     if transfer.get("status") != "done":
         raise ReuseError(f"{record_path}: its transfer stage did not run (status {transfer.get('status')!r})")
     new, done = state["settings"], record.get("settings") or {}
-    defaults = {"softmax_layers": [], "feature_map_init": "identity", "mixed_precision": "no"}  # records written
-    # before the setting existed
+    # records written before a setting existed hold its value of that time
+    defaults = {"softmax_layers": [], "feature_map_init": "identity", "mixed_precision": "no"}
     differing = [f"{key} {done.get(key, defaults.get(key))!r} (new run {new.get(key)!r})" for key in TRANSFER_SETTINGS
                  if json.dumps(done.get(key, defaults.get(key))) != json.dumps(new.get(key, defaults.get(key)))]
     if _names([new.get("source")]) != _names([done.get("source")]):
