@@ -217,14 +217,14 @@ def sdpa_teacher_output(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 
 
 def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                                 feature_map: FeatureMap, *, window: int, sinks: int,
+                                 feature_map: FeatureMap | None, *, window: int, sinks: int,
                                  softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
                                  key_padding_mask: torch.Tensor | None = None,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
     softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
-    layer's map and ``softmax_weight`` (gamma ``[H]``, or ``None`` for the calibrated mode); neither side forms an
-    ``[L, L]`` tensor when nothing is padded.
+    layer's map (``None``: no tail, the sinks + window alone) and ``softmax_weight`` (gamma ``[H]``, or ``None`` for
+    the calibrated mode); neither side forms an ``[L, L]`` tensor when nothing is padded.
 
     Args:
         query: ``[B, H, L, d]``; key, value: ``[B, Hkv, L, d]`` (detached here: only the map and gamma learn).
@@ -283,9 +283,10 @@ class LayerTransferLoss:
 
 
 class _Collector:
-    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None):
+    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None, with_tail: bool = True):
         self.compute_student = compute_student
         self.backward = backward
+        self.with_tail = with_tail
         self.layers: dict[int, LayerTransferLoss] = {}
 
     def add(self, layer: int, kl, squared_error, rows: int) -> None:
@@ -325,8 +326,11 @@ def favor_transfer_attention_forward(
     feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
     layer = layer_index_of(module)
     window = window_of_layer(module)
-    if _ACTIVE and feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]:
-        collector = _ACTIVE[-1]
+    collector = _ACTIVE[-1] if _ACTIVE else None
+    if collector is not None and not collector.with_tail and window is None:
+        collector = None  # the window-only reference exists for window layers alone
+    trained = feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]
+    if collector is not None and trained:
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
             if window is None:
                 allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)
@@ -335,8 +339,8 @@ def favor_transfer_attention_forward(
                 padding = key_padding_of(attention_mask, key.shape[2])
                 gamma = window[2]() if window[2] is not None else None
                 output, *losses = window_layer_transfer_losses(
-                    query, key, value, feature_map, window=window[0], sinks=window[1], softmax_weight=gamma,
-                    scaling=scaling, causal=causal, key_padding_mask=padding)
+                    query, key, value, feature_map if collector.with_tail else None, window=window[0],
+                    sinks=window[1], softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding)
         collector.add(layer, *losses)
     elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
         output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
@@ -354,11 +358,13 @@ AttentionMaskInterface.register(TRANSFER_ATTN_IMPLEMENTATION, sdpa_mask)
 
 @contextlib.contextmanager
 def collect_transfer_losses(compute_student: bool = True, backward: tuple[str, float] | None = None,
-                            ) -> Iterator[dict[int, LayerTransferLoss]]:
+                            with_tail: bool = True) -> Iterator[dict[int, LayerTransferLoss]]:
     """Within the block, forwards of a model switched to ``"favor_transfer"`` record each layer's losses into the
     yielded dict ``{layer index: LayerTransferLoss}``. With ``backward=(loss, output_loss_factor)`` each layer's
-    objective is back-propagated as soon as it is computed (gradients accumulate; the recorded losses are detached)."""
-    collector = _Collector(compute_student, backward)
+    objective is back-propagated as soon as it is computed (gradients accumulate; the recorded losses are detached).
+    With ``with_tail=False`` only window-hybrid layers are recorded, their student being the sinks + window alone (the
+    linear tail dropped): the reference a tail's gain is measured against."""
+    collector = _Collector(compute_student, backward, with_tail)
     _ACTIVE.append(collector)
     try:
         yield collector.layers
@@ -439,10 +445,11 @@ def _run_backbone(model: nn.Module, batch: dict) -> None:
 
 
 @torch.no_grad()
-def measure_transfer_losses(model: nn.Module, batches: Iterable[dict]) -> dict[int, dict]:
-    """Each layer's mean weights cross-entropy and output squared error over ``batches`` (no training)."""
+def measure_transfer_losses(model: nn.Module, batches: Iterable[dict], with_tail: bool = True) -> dict[int, dict]:
+    """Each layer's mean weights cross-entropy and output squared error over ``batches`` (no training); with
+    ``with_tail=False`` the window-hybrid layers' errors with their linear tail dropped (sinks + window alone)."""
     sums: dict[int, list[float]] = {}
-    with teacher_forcing(model), collect_transfer_losses(compute_student=False) as layers:
+    with teacher_forcing(model), collect_transfer_losses(compute_student=False, with_tail=with_tail) as layers:
         for batch in batches:
             _run_backbone(model, batch)
     for layer, entry in sorted(layers.items()):

@@ -367,6 +367,32 @@ def test_transfer_loss_is_zero_when_the_window_covers_the_sequence_in_a_model(ti
     assert all(float(entry.squared_error) / entry.rows < 1e-10 for entry in layers.values())
 
 
+def test_window_only_reference_drops_the_tail_and_ignores_the_maps(tiny_models):
+    from hf_performer.conversion import convert_to_performer, load_source
+    from hf_performer.conversion.attention_transfer import measure_transfer_losses, trainable_feature_maps
+
+    source, _ = load_source(tiny_models["llama"], "causal-lm")
+    model = convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity",
+                                 "tie_qk": False}, window=4, sinks=1)
+    ids = torch.randint(0, 30, (2, 32), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+    def errors(with_tail):
+        measured = measure_transfer_losses(model, [batch], with_tail=with_tail)
+        return {layer: entry["output_squared_error"] for layer, entry in measured.items()}
+
+    with_tail, window_only = errors(True), errors(False)
+    assert sorted(window_only) == sorted(with_tail) == [0, 1]
+    with torch.no_grad():
+        for feature_map in trainable_feature_maps(model).values():
+            for parameter in feature_map.parameters():
+                parameter.add_(torch.randn_like(parameter))
+    assert errors(False) == window_only
+    changed = errors(True)
+    assert all(changed[layer] != with_tail[layer] for layer in with_tail)
+    assert all(window_only[layer] > 0 for layer in window_only)
+
+
 def _logits_in_subprocess(folder, ids, block_source, tmp_path):
     import subprocess
     import sys

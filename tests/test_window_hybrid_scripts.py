@@ -236,3 +236,36 @@ def test_collect_reports_bad_inputs(experiment, tmp_path):
             collect.main(argv + extra + ["--output", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit, match="nothing to collect"):
         collect.main(["--output", str(tmp_path / "x.json")])
+
+
+def test_tail_error_probe_measures_with_and_without_the_tail(tmp_path, tiny_llama_config):
+    from hf_performer.conversion import convert_to_performer
+
+    spec = importlib.util.spec_from_file_location("_script_tail_error_probe", SCRIPTS / "tail_error_probe.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    folder = tmp_path / "transferred"
+    convert_to_performer(source, feature_map="hedgehog", feature_map_options={"init": "identity", "tie_qk": False},
+                         window=8, sinks=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    output = tmp_path / "probe.json"
+    text = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
+    assert probe.main([f"tiny={folder}", "--text-file", text, "--max-chars", "4000", "--length", "64",
+                       "--sequences", "2", "--output", str(output)]) == 0
+    record = json.loads(output.read_text())
+    model = record["models"]["tiny"]
+    assert (model["window"], model["sinks"], model["sequences"]) == (8, 1, 2)
+    assert sorted(model["errors"]["hybrid"]) == sorted(model["errors"]["window_only"]) == ["0", "1"]
+    for layer, ratio in model["ratio_hybrid_to_window_only"].items():
+        assert ratio == pytest.approx(model["errors"]["hybrid"][layer] / model["errors"]["window_only"][layer])
+        assert model["errors"]["window_only"][layer] > 0
+    assert not [part for part in record["command"].split() if part.split("=")[-1].startswith("/")]
+    assert f'"{tmp_path}' not in json.dumps(record)  # paths are relative
+    assert (tmp_path / "probe.png").is_file() and not (tmp_path / "probe.json.partial").exists()
+    with pytest.raises(SystemExit, match="expected NAME=FOLDER"):
+        probe.main(["no-equals", "--text-file", text, "--output", str(output)])
+    with pytest.raises(SystemExit, match="no config.json"):
+        probe.main([f"x={tmp_path}", "--text-file", text, "--output", str(output)])
