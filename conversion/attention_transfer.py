@@ -327,10 +327,9 @@ def favor_transfer_attention_forward(
     layer = layer_index_of(module)
     window = window_of_layer(module)
     collector = _ACTIVE[-1] if _ACTIVE else None
-    if collector is not None and not collector.with_tail and window is None:
-        collector = None  # the window-only reference exists for window layers alone
     trained = feature_map is not None and layer not in module_favor_settings(module)["softmax_layers"]
-    if collector is not None and trained:
+    # the window-only reference (with_tail=False) exists for window layers alone
+    if collector is not None and trained and (collector.with_tail or window is not None):
         with torch.enable_grad() if collector.compute_student else torch.no_grad():
             if window is None:
                 allowed = allowed_positions(attention_mask, query.shape[2], key.shape[2], causal, query.device)

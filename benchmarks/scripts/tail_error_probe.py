@@ -16,12 +16,8 @@ text, sequences, machine and command; paths relative to the working directory) a
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-
-OUTPUT_LOSS_FACTOR = 1000.0
-"""Errors are reported as the transfer stage reports its loss: 1000 x the mean squared error."""
 
 
 def _parse_models(pairs: list[str]) -> dict[str, str]:
@@ -41,7 +37,7 @@ def measure(folder: str, text: str, length: int, sequences: int, seed: int) -> d
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hf_performer.conversion.attention_transfer import measure_transfer_losses
-    from hf_performer.recipes.linearize import transfer_batches
+    from hf_performer.recipes.linearize import OUTPUT_LOSS_FACTOR, transfer_batches  # errors as the transfer's loss
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     batches = transfer_batches(tokenizer(text)["input_ids"], length, 1, seed)[:sequences]
@@ -109,9 +105,12 @@ def main(argv=None) -> int:
     with open(args.text_file, encoding="utf-8") as handle:
         text = handle.read(args.max_chars)
 
+    from pathlib import Path
+
     import torch
 
     from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.report import write_result
 
     machine = {**machine_info(torch.device("cpu")), "load_average": load_average()}
     result = {"what": "per-layer attention-output error (1000 x MSE against exact softmax, every layer fed the "
@@ -126,11 +125,8 @@ def main(argv=None) -> int:
                   [f"{name}={os.path.relpath(folder)}" for name, folder in models.items()]
                   + [f"--text-file {os.path.relpath(args.text_file)}", f"--max-chars {args.max_chars}",
                      f"--length {args.length}", f"--sequences {args.sequences}", f"--seed {args.seed}"])}
-    partial = args.output + ".partial"
-    with open(partial, "w") as handle:
-        json.dump(result, handle, indent=2)
-    os.replace(partial, args.output)
-    _plot(result, args.output[:-len(".json")] + ".png")
+    output = Path(args.output)
+    write_result(result, output.parent, output.stem, _plot)
     for name, model in result["models"].items():
         print(f"{name}: window {model['window']}, mean error with tail {model['mean']['hybrid']:.3f}, window only "
               f"{model['mean']['window_only']:.3f} (ratio {model['mean_ratio']:.3f})")
