@@ -36,6 +36,7 @@ from hf_performer.favor_attention import (
     layer_index_of,
 )
 from hf_performer.feature_maps import default_feature_map_init
+from hf_performer.linear_attention import LinearAttentionError
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
 
@@ -224,6 +225,7 @@ def convert_to_performer(
     feature_map_options: dict | None = None,
     window: int | None = None,
     sinks: int | None = None,
+    sparse_cache: int | None = None,
     softmax_weight: str | None = None,
     layer_windows: dict | None = None,
     linear_tail: bool | None = None,
@@ -252,9 +254,11 @@ def convert_to_performer(
             ``{"init": "favor+"}`` for a learned map.
         window, sinks: sink + sliding-window attention in every converted layer (any feature map; the map becomes
             the tail for keys older than the window), e.g. ``window=64, sinks=4``; ``None``: 0 (plain linear).
+        sparse_cache: causal window layers keep up to this many older tokens per key head exact, the ones their tail
+            would recall worst (``favor_settings["sparse_cache"]``); ``None``: 0. Refused for bidirectional models.
         softmax_weight: ``"auto"`` (default), ``"calibrated"`` or ``"learned"`` (a trained gamma per head; learned
             maps only). Learned-mode layers get ``favor_softmax_weight`` initialised at gamma = 0.1.
-        layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int}}``.
+        layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int, "sparse_cache": int}}``.
         linear_tail: ``False``: window layers attend to the sinks and the window only (no tail).
         attention, clusters, topk: ``"linear"`` (default: the feature map), or the zero-shot ``"clustered"`` /
             ``"improved-clustered"`` attention of bidirectional models with ``clusters`` query clusters per head and
@@ -299,7 +303,7 @@ def convert_to_performer(
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
-                    softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail,
+                    sparse_cache=sparse_cache, softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:
@@ -311,7 +315,8 @@ def convert_to_performer(
     performer_class = PERFORMER_CLASSES_BY_TASK[task]
     try:
         performer = performer_class(config)
-    except (PerformerConfigError, ClusteredAttentionError) as error:  # e.g. clustered attention on a causal model
+    except (PerformerConfigError, ClusteredAttentionError, LinearAttentionError) as error:
+        # e.g. clustered attention on a causal model, a sparse cache on an encoder
         raise ConversionError(str(error)) from None
     _copy_weights(source, performer.source_model, same_task=(task == source_task))
     _cast_like_source(performer, source)

@@ -21,8 +21,16 @@ from __future__ import annotations
 import torch
 from transformers.utils import logging
 
-from .feature_maps import FeatureMap, compute_dtype_for
-from .linear_attention import _finite_min, _repeat_features, _repeat_kv, _safe_denominator, same_segment_mask
+from .feature_maps import FeatureMap, Features, compute_dtype_for
+from .linear_attention import (
+    DEFAULT_CHUNK_SIZE,
+    _finite_min,
+    _repeat_features,
+    _repeat_kv,
+    _safe_denominator,
+    same_segment_mask,
+)
+from .window_causal import sparse_cache_membership
 
 
 logger = logging.get_logger(__name__)
@@ -177,7 +185,8 @@ def softmax_attention_weights(
 def window_attention_weights(
     query: torch.Tensor,
     key: torch.Tensor,
-    feature_map: FeatureMap,
+    value: torch.Tensor,
+    feature_map: FeatureMap | None,
     *,
     window: int,
     sinks: int = 0,
@@ -185,17 +194,20 @@ def window_attention_weights(
     softmax_weight: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
+    sparse_cache: int = 0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
 ) -> torch.Tensor:
     """The combined weights of sink + sliding-window softmax with a linear tail, ``[B, H, L, L]`` in
     ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
     ``weights @ V`` is its output.
 
-    Exact keys ``E`` (the row's sinks, i.e. its first ``sinks`` unpadded keys, and the window; every key for
-    bidirectional sink queries) weigh ``exp(s_ij - c_i)``
-    (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times ``exp(-c_i)`` in
-    calibrated mode), ``c_i`` the largest exact score of row ``i`` (0 if none); rows are normalised with one
-    shared denominator. Computed in log space with one stabiliser per row (float32, float64 for float64 inputs).
+    Exact keys ``E`` (the row's sinks, i.e. its first ``sinks`` unpadded keys, the window, and with a
+    ``sparse_cache`` the keys the operator keeps for the query's boundary; every key for bidirectional sink queries)
+    weigh ``exp(s_ij - c_i)`` (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times
+    ``exp(-c_i)`` in calibrated mode; none without a feature map), ``c_i`` the largest exact score of row ``i`` (0 if
+    none); rows are normalised with one shared denominator. Computed in log space with one stabiliser per row
+    (float32, float64 for float64 inputs). ``value`` is read only to choose the sparse cache.
     """
     batch, heads, length, head_dim = query.shape
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
@@ -203,8 +215,12 @@ def window_attention_weights(
     groups = heads // key.shape[1]
     q, k = query.to(dtype), _repeat_kv(key.to(dtype), groups)
     root = scaling**0.5
-    q_features = feature_map.query_features(q * root)
-    k_features = _repeat_features(feature_map.key_features(key.to(dtype) * root), groups)
+    if feature_map is None:
+        q_features = Features(q.new_zeros(q.shape[:-1] + (1,)), None)
+        k_features = Features(k.new_zeros(k.shape[:-1] + (1,)), None)
+    else:
+        q_features = feature_map.query_features(q * root)
+        k_features = _repeat_features(feature_map.key_features(key.to(dtype) * root), groups)
     keep = torch.ones(batch, length, dtype=torch.bool, device=query.device)
     if key_padding_mask is not None:
         keep = key_padding_mask.to(torch.bool)
@@ -219,6 +235,12 @@ def window_attention_weights(
         exact = is_sink[:, None, :] | is_sink[:, :, None] | band
         tail = ~exact
     exact, tail = (exact & keep[:, None, :])[:, None], (tail & keep[:, None, :])[:, None]
+    if sparse_cache:
+        cached = sparse_cache_membership(key.to(dtype), value.to(dtype), feature_map, window=window, sinks=sinks,
+                                         sparse_cache=sparse_cache, key_padding_mask=key_padding_mask,
+                                         scaling=scaling, chunk_size=chunk_size, eps=eps)
+        cached = _repeat_kv(cached, groups)  # [B, H, L, L]
+        exact, tail = exact | cached, tail & ~cached
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling
     row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max)).detach()

@@ -30,8 +30,9 @@ run favor attention on it, or the attention module cannot see the cache) raises 
 
 Window layers (exact softmax over sinks and a sliding window, a linear tail; ``window_attention.py``) use
 :class:`WindowCacheLayer` instead: it holds a :class:`~.window_attention.WindowAttentionState` (each row's
-sink slots: the keys/values of its first unpadded tokens, a buffer of the last ``window + max_rollback`` keys/values, the float32 tail sums), of constant
-size too, and can be cropped by up to ``max_rollback`` tokens (assisted / speculative decoding).
+sink slots: the keys/values of its first unpadded tokens, a buffer of the last keys/values, its sparse cache of hard
+keys and the float32 tail sums), of constant size too, and can be cropped by up to ``max_rollback`` tokens (assisted /
+speculative decoding).
 
 The class sets ``_layer_type = "favor"``, which registers it in transformers'
 ``DYNAMIC_LAYER_TYPE_MAPPING`` (so ``Cache(layers=[FavorCacheLayer(), ...])`` and
@@ -282,24 +283,24 @@ class WindowCacheLayer(FavorCacheLayer):
     the new state.
 
     Args:
-        max_rollback: tokens :meth:`crop` can always remove (assisted / speculative decoding); ``None`` = the
-            layer's window. The state keeps the last ``window + max_rollback`` keys and values. After
-            :meth:`activate_past_recording` (which ``generate(assistant_model=...)`` calls) the tokens of the last
-            forward are kept croppable on top of that, however many.
+        max_rollback: tokens :meth:`crop` can always remove (assisted / speculative decoding); ``None`` = 0. Each
+            token of it adds a key and a value to the state's buffer, and any value > 0 a second set of tail sums
+            (:mod:`.window_state`). After :meth:`activate_past_recording` (which ``generate(assistant_model=...)``
+            calls) the tokens of the last forward are kept croppable on top of that, however many.
 
     Attributes:
         state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before).
     """
 
     _layer_type = "favor_window"
-    # Only the buffer is truncated: exact within max_rollback tokens.
+    # Back to the state's checkpoint, replayed by the next call: exact within max_rollback tokens.
     is_croppable = True
 
     def __init__(self, max_rollback: int | None = None, **kwargs):
         super().__init__(**kwargs)
         if max_rollback is not None and (isinstance(max_rollback, bool) or not isinstance(max_rollback, int)
                                          or max_rollback < 0):
-            raise ValueError(f"max_rollback must be None (the window) or an int >= 0; got {max_rollback!r}")
+            raise ValueError(f"max_rollback must be None (0) or an int >= 0; got {max_rollback!r}")
         self.max_rollback = max_rollback
         # Set by Cache.activate_past_recording() (assisted generation): the tokens of each forward also stay
         # unfolded until the next one, so that any number of rejected draft tokens can be cropped.
@@ -328,7 +329,7 @@ class WindowCacheLayer(FavorCacheLayer):
                 f"WindowCacheLayer.attend: expected the {self.pending_tokens} token(s) of the last update, got "
                 f"{key.shape[-2]}"
             )
-        max_rollback = window if self.max_rollback is None else self.max_rollback
+        max_rollback = self.max_rollback or 0
         if self.record_past:
             max_rollback += key.shape[-2]
         out, state = window_linear_attention(
@@ -363,13 +364,13 @@ class WindowCacheLayer(FavorCacheLayer):
             capacity = 0 if self.state is None else self.state.rollback_capacity()
             raise ValueError(
                 f"WindowCacheLayer: cannot remove the last {tokens} tokens, at most {capacity} can be removed exactly "
-                f"(max_rollback={self.max_rollback}, None = the window); build the cache with a larger max_rollback"
+                f"(max_rollback={self.max_rollback}, None = 0); build the cache with a larger max_rollback"
             )
         self.state = self.state.rollback(tokens)
         self.seen_tokens -= tokens
 
     def state_nbytes(self) -> int:
-        """Bytes held by the state (bounded by sinks + window + max_rollback, not by the number of tokens seen)."""
+        """Bytes held by the state (set by the layer's settings and max_rollback, not by the number of tokens seen)."""
         return 0 if self.state is None else self.state.nbytes()
 
 
@@ -387,8 +388,8 @@ def make_favor_cache(config_or_model, max_rollback: int | None = None) -> Dynami
             ``config.favor_settings["softmax_layers"]`` keep transformers' own cache layer (full keys and values);
             window layers (``window`` or ``sinks`` > 0) get a :class:`WindowCacheLayer`, every other layer a
             :class:`FavorCacheLayer` (recurrent state).
-        max_rollback: of the window layers: how many last tokens ``crop`` can always remove (``None``: the
-            layer's window); ``generate(assistant_model=...)`` needs none (it records the drafts' forward).
+        max_rollback: of the window layers: how many last tokens ``crop`` can always remove (``None``: 0);
+            ``generate(assistant_model=...)`` needs none (it records the drafts' forward).
 
     Use it as ``model.generate(..., cache=make_favor_cache(model))`` (``past_key_values=`` before transformers
     5.24) or in a manual decoding loop.

@@ -68,6 +68,7 @@ models for ``trust_remote_code``.
 from __future__ import annotations
 
 import inspect
+import types
 import weakref
 
 import torch
@@ -109,6 +110,7 @@ from .favor_settings import (
     is_clustered,
     is_int,
     is_window_layer,
+    layer_sparse_cache,
     layer_window,
     softmax_weight_mode,
 )
@@ -259,7 +261,8 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
     Call it on a model whose config has ``_attn_implementation == "favor"`` (``attn_implementation="favor"``
     at load time or ``model.set_attn_implementation("favor")``), before ``load_state_dict`` of a converted
     model. Existing feature maps are kept. It also installs the forward hooks that let the attention
-    function use a constant-memory :class:`~.cache.FavorCacheLayer` during generation.
+    function use a constant-memory :class:`~.cache.FavorCacheLayer` during generation, and makes ``generate()`` put
+    those layers in its cache as soon as it makes it (so that assisted decoding's past recording reaches them).
 
     Modules without ``layer_idx`` (DistilBERT) are numbered in module order (``module.favor_layer_idx``).
 
@@ -283,6 +286,11 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
         if is_clustered(module_favor_settings(module)):  # no feature map, no recurrent cache
             refuse_causal_clustered(module_favor_settings(module)["attention"], layer_idx, getattr(module, "is_causal", False))
             continue
+        if layer_sparse_cache(module_favor_settings(module), layer_idx) and not getattr(module, "is_causal", False):
+            raise LinearAttentionError(
+                f"favor_settings give layer {layer_idx} a sparse_cache, but it attends bidirectionally (an encoder "
+                "layer sees every key already): sparse caches are for causal window layers; set sparse_cache=0"
+            )
         install_cache_hooks(module)
         if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
             head_dim = _module_head_dim(module)
@@ -302,6 +310,8 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
         _softmax_weight_for(module, layer_idx, module_favor_settings(module), _module_head_counts(module)[0],
                             _module_device(module))
         favor_layers.add(layer_idx)
+    if favor_layers and callable(getattr(model, "_prepare_cache_for_generation", None)):
+        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_favor_layers, model)
     if not favor_layers and not any(
         getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION for _, m in modules
     ):
@@ -370,6 +380,15 @@ def _install_favor_cache_layer(cache: Cache, layer_idx: int, layer_class=FavorCa
 def runs_causal_favor(model: nn.Module) -> bool:
     """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
     return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
+
+
+def _prepare_cache_with_favor_layers(model, generation_config, model_kwargs: dict, *args, **kwargs):
+    """``generate()``'s cache preparation with the favor layers' constant-size cache layers put in the new cache right
+    away (not at the first forward), so that ``activate_past_recording()``, which assisted decoding calls before its
+    first forward, reaches them (installed on the model by :func:`attach_feature_maps`)."""
+    result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
+    install_favor_cache_layers(cache_from_kwargs(model_kwargs, "generate"), model)
+    return result
 
 
 def install_favor_cache_layers(cache, model: nn.Module) -> None:
@@ -727,15 +746,17 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
     elif attention_weights_requested(kwargs):
         window, sinks = layer_window(settings, layer_idx)
         sinks = min(sinks, key.shape[2])
-        if query.shape[2] != key.shape[2] or not settings["linear_tail"]:
+        if query.shape[2] != key.shape[2]:
             raise LinearAttentionError(
                 f"favor attention (layer {layer_idx}): output_attentions of a window layer is available for a full "
-                "forward pass with a linear tail (no cached decoding step, linear_tail=True)"
+                "forward pass (no cached decoding step)"
             )
         weights = window_attention_weights(
-            query, key, feature_map, window=window, sinks=sinks, causal=causal,
-            softmax_weight=_softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device),
+            query, key, value, feature_map if settings["linear_tail"] else None, window=window, sinks=sinks,
+            causal=causal, softmax_weight=_softmax_weight_for(module, layer_idx, settings, query.shape[1],
+                                                              query.device),
             key_padding_mask=key_padding_mask, scaling=common["scaling"],
+            sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
         )
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
@@ -745,6 +766,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
                              layer_idx, common) -> torch.Tensor:
     """The window operator's output ``[B, H, Lq, d]`` for :func:`_window_attention_forward`."""
     window, sinks = layer_window(settings, layer_idx)
+    sparse_cache = layer_sparse_cache(settings, layer_idx)
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
     q_len, k_len = query.shape[2], key.shape[2]
@@ -757,7 +779,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         # Constant-size path: `key`/`value` are the new tokens; sinks, recent keys and the tail sums are in the state.
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with no_redraw(feature_map, active=cache_layer.state is not None):
-            return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks, softmax_weight=gamma,
+            return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
+                                      sparse_cache=sparse_cache, softmax_weight=gamma,
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -770,7 +793,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
             f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
-                     key_padding_mask=key_padding_mask, **common)
+                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, **common)
     if causal and k_len > q_len:
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).

@@ -10,6 +10,7 @@ its validation and what it builds.
 * :func:`effective_nb_features`: the number of features per head a layer really has;
 * :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``;
 * :func:`layer_window`: the resolved ``(window, sinks)`` of a layer (a "window layer" when either is > 0);
+* :func:`layer_sparse_cache`: the resolved sparse-cache size of a layer;
 * :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved);
 * :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
@@ -55,7 +56,8 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("seed", int, 0,
                  'layer i draws its projection (random maps) or its "favor+" initialisation (learned maps) with '
                  "seed + i"),
-    FavorSetting("chunk_size", int, DEFAULT_CHUNK_SIZE, "tokens per chunk of the causal scan"),
+    FavorSetting("chunk_size", int, DEFAULT_CHUNK_SIZE,
+                 "tokens per chunk of the causal scan (window layers with a sparse cache: tokens between its selections)"),
     FavorSetting("softmax_layers", list, [], "layer indices kept on exact softmax attention (sdpa)"),
     FavorSetting("feature_map_options", dict, {},
                  'the map\'s own keyword options, e.g. {"init": "favor+", "tie_qk": False} (learned maps)'),
@@ -69,8 +71,12 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
                  'weight of the exact terms against the linear tail in window layers: "calibrated" (1, tail on the '
                  'softmax scale), "learned" (a trained gamma per head, LoLCATs; learned maps only) or "auto" '
                  '(learned for hedgehog/t2r, calibrated otherwise)'),
+    FavorSetting("sparse_cache", int, 0,
+                 "causal window layers: per key head, up to this many tokens older than the window stay exact, the ones "
+                 "the linear tail would recall worst, chosen every chunk_size tokens (LoLA); 0 = none"),
     FavorSetting("layer_windows", dict, {},
-                 'per-layer overrides of window / sinks, {"<layer index>": {"window": int, "sinks": int}}'),
+                 'per-layer overrides of window / sinks / sparse_cache, {"<layer index>": {"window": int, "sinks": '
+                 'int, "sparse_cache": int}}'),
     FavorSetting("linear_tail", bool, True,
                  "window layers attend to keys older than the window through the feature map; False = sinks + "
                  "window exact softmax only (ablation)"),
@@ -91,10 +97,10 @@ FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTI
 * ``feature_map_options``: checked against the map's signature, e.g. ``{"feature_epsilon": 1e-3}`` for relu.
 """
 
-WINDOW_SETTINGS = ("window", "sinks", "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 SOFTMAX_WEIGHT_MODES = ("auto", "calibrated", "learned")
-LAYER_WINDOW_KEYS = ("window", "sinks")
+LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
 ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
 """The attention-kind keys (:func:`is_clustered`). A config records them only for clustered attention (``topk`` only
@@ -286,8 +292,8 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
     overrides = resolved["layer_windows"]
     if not isinstance(overrides, dict):
         raise TypeError(
-            'favor_settings[\'layer_windows\'] must be a dict {"<layer index>": {"window": int, "sinks": int}}, got '
-            f"{overrides!r}"
+            'favor_settings[\'layer_windows\'] must be a dict {"<layer index>": {"window": int, "sinks": int, '
+            f'"sparse_cache": int}}}}, got {overrides!r}'
         )
     normalised = {}
     for layer, values in overrides.items():
@@ -311,6 +317,15 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
             raise ValueError(f"favor_settings['layer_windows'] gives layer {text} twice")
         normalised[text] = dict(values)
     resolved["layer_windows"] = dict(sorted(normalised.items(), key=lambda item: int(item[0])))
+    layers = [("the default", {}), *((f"layer {k}", v) for k, v in normalised.items())]
+    for label, values in layers:
+        window, sinks, cache = (values.get(name, resolved[name]) for name in LAYER_WINDOW_KEYS)
+        if cache and not (window or sinks):
+            raise ValueError(
+                f"favor_settings['sparse_cache']={cache} for {label}, which is not a window layer (window=0 and "
+                "sinks=0): a sparse cache keeps tokens older than the window exact; give the layer a window and/or "
+                "sinks, or sparse_cache=0"
+            )
     if not resolved["linear_tail"]:
         without = [
             label for label, values in [("the default", {}), *((f"layer {k}", v) for k, v in normalised.items())]
@@ -328,6 +343,13 @@ def layer_window(settings: dict, layer_idx: int) -> tuple[int, int]:
     the model-wide ``window`` / ``sinks``. ``(0, 0)`` is plain linear attention."""
     override = settings.get("layer_windows", {}).get(str(layer_idx), {})
     return override.get("window", settings.get("window", 0)), override.get("sinks", settings.get("sinks", 0))
+
+
+def layer_sparse_cache(settings: dict, layer_idx: int) -> int:
+    """The sparse-cache size ``G`` of layer ``layer_idx`` from resolved settings (its ``layer_windows`` override,
+    else the model-wide ``sparse_cache``); 0 = none."""
+    override = settings.get("layer_windows", {}).get(str(layer_idx), {})
+    return override.get("sparse_cache", settings.get("sparse_cache", 0))
 
 
 def is_window_layer(settings: dict, layer_idx: int) -> bool:

@@ -139,16 +139,19 @@ def reference_window_linear_attention(
     softmax_weight: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
+    sparse_cache: int = 0,
     chunk_size: int = 128,
 ) -> torch.Tensor:
-    """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64 (``chunk_size`` unused).
+    """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64.
 
     Same arguments as :func:`~.window_attention.window_linear_attention`. Builds the exact mask ``E``
     and the tail mask ``T`` per (row, query, key) explicitly, a row's sinks being its first ``sinks`` unpadded
     keys; ``c_i`` = max exact score (0 if none);
     calibrated: ``W = exp(s - c) E + phi_q.phi_k exp(-c) T``; learned (``gamma``):
     ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1`` (0 for a query without keys);
-    ``feature_map=None``: no tail term.
+    ``feature_map=None``: no tail term. With ``sparse_cache`` (causal), the keys of
+    :func:`reference_sparse_cache` at each query's boundary move from ``T`` to ``E``; ``chunk_size`` is then the
+    interval between boundaries (unused otherwise).
     Returns ``[B, H, L, dv]``.
     """
     if feature_map is None:
@@ -177,6 +180,11 @@ def reference_window_linear_attention(
         exact = sink_key | sink_query | band
         tail = ~exact
     exact, tail = (exact & keep[:, None, :])[:, None], (tail & keep[:, None, :])[:, None]
+    if sparse_cache:
+        cached = reference_sparse_cache(key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
+                                        key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size)
+        cached = cached.repeat_interleave(q.shape[1] // key.shape[1], dim=1)  # [B, H, L, L]
+        exact, tail = exact | cached, tail & ~cached
     scores = scale * q @ k.transpose(-1, -2)
     row_max = scores.masked_fill(~exact, float("-inf")).amax(-1, keepdim=True)
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
@@ -189,6 +197,73 @@ def reference_window_linear_attention(
     total = weights.sum(-1, keepdim=True)
     # A query that sees no key (left padding) gets 0, as the operator, with finite gradients.
     return (weights @ v) / torch.where(total == 0, torch.ones_like(total), total)
+
+
+def reference_sparse_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    feature_map: FeatureMap | None,
+    *,
+    window: int,
+    sinks: int,
+    sparse_cache: int,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-12,
+) -> torch.Tensor:
+    """Which older keys each query sees exactly through the sparse cache, ``[B, Hkv, L, L]`` bool, one boundary at a
+    time in float64.
+
+    Per row and key head: boundaries every ``chunk_size`` positions from the row's first unpadded token; at boundary
+    ``b`` the candidates are the cache of ``b - chunk_size`` and the keys ``b - chunk_size - window < j <= b -
+    window`` (unpadded, not among the row's first ``sinks`` unpadded keys); each scores
+    ``|| phi_j S / (phi_j . z) - v_j ||^2`` against the sums ``(S, z)`` of every folded key and every candidate
+    (``phi = 1`` without a feature map); the ``sparse_cache`` largest stay (the older first on ties), the others
+    fold. Query ``i`` sees the cache of its boundary ``b <= i`` and the keys waiting for the next selection,
+    ``b - window < j <= i - window``.
+    """
+    k, v = key.to(torch.float64), value.to(torch.float64)
+    batch, kv_heads, length, _ = k.shape
+    if feature_map is None:
+        phi = torch.ones(batch, kv_heads, length, 1, dtype=torch.float64)
+    else:
+        scale = (key.shape[-1] ** -0.5 if scaling is None else float(scaling)) ** 0.5
+        phi = _dense_features(feature_map.key_features(k * scale))
+    unpadded = torch.ones(batch, length, dtype=torch.bool) if key_padding_mask is None else key_padding_mask.bool()
+    cached = torch.zeros(batch, kv_heads, length, length, dtype=torch.bool)
+    for row in range(batch):
+        tokens = torch.nonzero(unpadded[row]).flatten().tolist()
+        if not tokens:
+            continue
+        eligible = set(tokens[sinks:])
+        start = tokens[0]
+        for head in range(kv_heads):
+            cache: list[int] = []
+            sums = torch.zeros(phi.shape[-1], v.shape[-1] + 1, dtype=torch.float64)
+            boundary = start
+            while boundary < length:
+                new = [j for j in range(boundary - chunk_size - window + 1, boundary - window + 1) if j in eligible]
+                candidates = cache + new
+                rows = torch.cat([v[row, head, candidates], torch.ones(len(candidates), 1, dtype=torch.float64)],
+                                 dim=-1) if candidates else torch.zeros(0, v.shape[-1] + 1, dtype=torch.float64)
+                every = sums + phi[row, head, candidates].T @ rows
+                recalled = phi[row, head, candidates] @ every
+                denominator = recalled[:, -1:]
+                denominator = torch.where(denominator.abs() < eps, torch.full_like(denominator, eps), denominator)
+                error = ((recalled[:, :-1] / denominator - v[row, head, candidates]) ** 2).sum(-1).tolist()
+                ranked = sorted(range(len(candidates)), key=lambda index: (-error[index], index))
+                kept = sorted(ranked[:sparse_cache])
+                folded = [candidates[index] for index in range(len(candidates)) if index not in kept]
+                cache = [candidates[index] for index in kept]
+                if folded:
+                    rows = torch.cat([v[row, head, folded], torch.ones(len(folded), 1, dtype=torch.float64)], -1)
+                    sums = sums + phi[row, head, folded].T @ rows
+                for query in range(boundary, min(boundary + chunk_size, length)):
+                    waiting = [j for j in range(boundary - window + 1, query - window + 1) if j in eligible]
+                    cached[row, head, query, cache + waiting] = True
+                boundary += chunk_size
+    return cached
 
 
 # ------------------------------------------------------------------------------------ clustered attention

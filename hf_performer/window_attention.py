@@ -60,15 +60,12 @@ This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_a
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
-from .feature_maps import FeatureMap, Features, compute_dtype_for
+from .feature_maps import FeatureMap, compute_dtype_for
 from .linear_attention import (
     DEFAULT_CHUNK_SIZE,
-    LinearAttentionState,
     _as_bool_mask,
     _check_inputs,
     _no_autocast,
@@ -76,8 +73,11 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+from .window_causal import causal_window_attention, tail_features
+from .window_decode import can_decode_step, decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
-from .window_tail import _fold_keys, _running_key_max, _tail_prefix, _tail_suffix, _tail_sum, pieces
+from .window_state import WindowAttentionState, row_sinks, state_tensors, with_state_tensors
+from .window_tail import _tail_prefix, _tail_suffix, _tail_sum, pieces
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -126,102 +126,6 @@ class SoftmaxWeight(nn.Module):
         return f"num_heads={self.logit.shape[0]}"
 
 
-class WindowAttentionState(NamedTuple):
-    """State of causal window attention after ``seen`` tokens: what decoding needs, of constant size.
-
-    Each row has ``sinks`` sink slots, filled by the row's first ``sinks`` unpadded tokens whenever they arrive
-    (a left-padded row fills them late), with their positions. Positions ``[0, seen)`` are split into the tokens
-    before ``buffer_start`` (folded into float32 sums, except padding and the row's sinks) and the buffer
-    ``[buffer_start, seen)`` (the most recent keys, kept exactly; a sink token there is marked not kept, its key
-    is in the sink slots). A token is folded only once it is older than ``window + max_rollback`` tokens, so the
-    buffer holds at most ``window + max_rollback`` tokens; buffer tokens beyond a query's window enter its tail
-    computed from the buffer, exactly. Dropping the last ``r`` tokens (:meth:`rollback`, ``r <= max_rollback``)
-    then only truncates the buffer and empties the sink slots filled by the dropped tokens.
-
-    Attributes:
-        sink_key: ``[B, Hkv, sinks, d]`` and ``sink_value`` ``[B, Hkv, sinks, dv]`` (input dtype), slot ``t`` of a
-            row holds its ``t``-th unpadded token.
-        sink_position: ``[B, sinks]`` long, the position of each slot's token.
-        sink_valid: ``[B, sinks]`` bool, ``False`` for a slot not filled yet (the valid slots are a prefix).
-        buffer_key: ``[B, Hkv, b, d]``, ``buffer_value`` ``[B, Hkv, b, dv]``, ``buffer_keep`` ``[B, b]`` (``False``
-            for padding and for the row's sink tokens).
-        buffer_features: ``[B, Hkv, b, m]`` the buffer keys' feature values (compute dtype).
-        buffer_log_scale: ``[B, Hkv, b]`` their log-scales (zeros for maps without one).
-        tail: :class:`~.linear_attention.LinearAttentionState` (``[B, H, m, dv]``, ``[B, H, m]``, ``[B, H]``)
-            over the folded tokens, relative to its stabiliser.
-        seen: number of tokens seen (padding included).
-        window, sinks, max_rollback: the settings the state was built with.
-    """
-
-    sink_key: torch.Tensor
-    sink_value: torch.Tensor
-    sink_position: torch.Tensor
-    sink_valid: torch.Tensor
-    buffer_key: torch.Tensor
-    buffer_value: torch.Tensor
-    buffer_keep: torch.Tensor
-    buffer_features: torch.Tensor
-    buffer_log_scale: torch.Tensor
-    tail: LinearAttentionState
-    seen: int
-    window: int
-    sinks: int
-    max_rollback: int
-
-    @property
-    def buffer_start(self) -> int:
-        """Position of the first buffer token (the first token not folded)."""
-        return self.seen - self.buffer_key.shape[2]
-
-    @property
-    def folded(self) -> int:
-        """Number of positions before the buffer: folded into the tail sums, unless padding or a row's sink."""
-        return self.buffer_start
-
-    def rollback_capacity(self) -> int:
-        """How many of the last tokens :meth:`rollback` can drop exactly (``>= max_rollback`` after any call).
-
-        After dropping ``r`` tokens the next query sits at ``seen - r``: every folded token must still be in its
-        tail, ``buffer_start - 1 <= seen - r - window``, and exist, ``buffer_start <= seen - r``.
-        """
-        if self.buffer_start == 0:
-            return self.seen
-        return self.seen - self.buffer_start - max(self.window - 1, 0)
-
-    def rollback(self, tokens: int) -> "WindowAttentionState":
-        """The state without the last ``tokens`` tokens (assisted / speculative decoding)."""
-        capacity = self.rollback_capacity()
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= capacity:
-            raise ValueError(
-                f"window attention state: can drop between 0 and {capacity} of its last tokens exactly (window "
-                f"{self.window}, max_rollback {self.max_rollback}, {self.seen} seen); got {tokens!r}"
-            )
-        if tokens == 0:
-            return self
-        seen = self.seen - tokens
-        buffer = max(seen - self.buffer_start, 0)
-        return self._replace(
-            sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
-            buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
-            buffer_features=self.buffer_features[:, :, :buffer], buffer_log_scale=self.buffer_log_scale[:, :, :buffer],
-            seen=seen,
-        )
-
-    def map_batch(self, fn) -> "WindowAttentionState":
-        """Apply ``fn`` to every tensor (all have the batch first): select / repeat / move rows."""
-        tensors = {name: fn(getattr(self, name)) for name in _STATE_TENSORS}
-        return self._replace(tail=LinearAttentionState(*(fn(t) for t in self.tail)), **tensors)
-
-    def nbytes(self) -> int:
-        """Bytes held by the tensors (bounded by ``window + max_rollback`` and ``sinks``, not by ``seen``)."""
-        tensors = [getattr(self, name) for name in _STATE_TENSORS] + list(self.tail)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-_STATE_TENSORS = WindowAttentionState._fields[:9]  # the sink and buffer tensors (batch first)
-_STATE_FLOATS = ("sink_key", "sink_value", "buffer_key", "buffer_value", "buffer_features", "buffer_log_scale")
-
-
 def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful=False):
     length = key.shape[2]
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
@@ -247,27 +151,37 @@ def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, c
             raise ValueError("softmax_weight must be None (calibrated) or hold values in (0, 1); got a value <= 0")
 
 
-def _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state, max_rollback):
+def _check_sparse_cache(sparse_cache, causal):
+    if isinstance(sparse_cache, bool) or not isinstance(sparse_cache, int) or sparse_cache < 0:
+        raise ValueError(f"sparse_cache must be an int >= 0 (kept tokens per key head, 0 = none); got {sparse_cache!r}")
+    if sparse_cache and not causal:
+        raise ValueError("sparse_cache needs causal=True (a bidirectional window layer sees every key already)")
+
+
+def _check_state_arguments(query, key, value, feature_map, window, sinks, sparse_cache, causal, initial_state,
+                           max_rollback, chunk_size):
     """Validate the decoding arguments; returns the ``max_rollback`` to use."""
     if not causal:
         raise ValueError("initial_state / return_state need causal=True (a bidirectional layer has no decoding state)")
     if initial_state is not None and not all(hasattr(initial_state, name) for name in WindowAttentionState._fields):
         raise ValueError(f"initial_state must be a WindowAttentionState; got {type(initial_state).__name__}")
     if max_rollback is None:
-        max_rollback = window if initial_state is None else initial_state.max_rollback
+        max_rollback = 0 if initial_state is None else initial_state.max_rollback
     if isinstance(max_rollback, bool) or not isinstance(max_rollback, int) or max_rollback < 0:
-        raise ValueError(f"max_rollback must be an int >= 0 (default: window); got {max_rollback!r}")
+        raise ValueError(f"max_rollback must be an int >= 0 (default: 0); got {max_rollback!r}")
     if initial_state is None:
         return max_rollback
-    if (initial_state.window, initial_state.sinks) != (window, sinks):
+    built = (initial_state.window, initial_state.sinks, initial_state.sparse_cache, initial_state.chunk_size)
+    if built != (window, sinks, sparse_cache, chunk_size):
         raise ValueError(
-            f"initial_state was built with window={initial_state.window}, sinks={initial_state.sinks}; got "
-            f"window={window}, sinks={sinks}"
+            f"initial_state was built with window={built[0]}, sinks={built[1]}, sparse_cache={built[2]}, "
+            f"chunk_size={built[3]}; got window={window}, sinks={sinks}, sparse_cache={sparse_cache}, "
+            f"chunk_size={chunk_size}"
         )
-    features = 0 if feature_map is None else feature_map.nb_features
-    expected = (query.shape[0], key.shape[1], key.shape[3], value.shape[3], features)
+    tail = initial_state.oldest
+    expected = (query.shape[0], key.shape[1], key.shape[3], value.shape[3], tail_features(feature_map, key.shape[3]))
     found = (initial_state.buffer_key.shape[0], initial_state.buffer_key.shape[1], initial_state.buffer_key.shape[3],
-             initial_state.buffer_value.shape[3], initial_state.buffer_features.shape[3])
+             initial_state.buffer_value.shape[3], tail.tail_sums.shape[2])
     if expected != found:
         raise ValueError(
             f"initial_state holds (batch, kv heads, head_dim, value dim, features) = {found}; the inputs have {expected}"
@@ -349,68 +263,6 @@ def _exact_plus_tails(query, log_q, tails, key, value_ones, keep, sink_key, sink
     return total[..., :-1] / _safe_denominator(total[..., -1:], eps)
 
 
-def _row_sinks(key, value, keep, sinks, initial_state, seen):
-    """Each row's sinks after the new tokens: its first ``sinks`` unpadded tokens, stored or new.
-
-    Args:
-        key: ``[B, Hkv, L, d]``, value ``[B, Hkv, L, dv]``, keep ``[B, L]``: the new tokens (positions
-            ``seen..seen+L-1``).
-        initial_state: the :class:`WindowAttentionState` before them, or ``None``.
-
-    Returns:
-        ``(sink_key [B, Hkv, sinks, d], sink_value [B, Hkv, sinks, dv], sink_position [B, sinks] long,
-        sink_valid [B, sinks] bool, is_sink [B, L] bool)``: the slots (gathered, so gradients reach the new keys)
-        and which new tokens are sinks.
-    """
-    batch, kv_heads, length, _ = key.shape
-    positions = torch.arange(seen, seen + length, device=key.device)
-    if initial_state is None:
-        stored_key, stored_value = key[:, :, :0], value[:, :, :0]
-        stored_position = positions.new_zeros(batch, 0)
-        filled = positions.new_zeros(batch)
-    else:
-        stored_key = initial_state.sink_key.to(key.dtype)
-        stored_value = initial_state.sink_value.to(value.dtype)
-        stored_position = initial_state.sink_position
-        filled = initial_state.sink_valid.sum(-1)
-    stored = stored_key.shape[2]  # `sinks` slots in a state, none before it
-    rank = filled[:, None] + keep.long().cumsum(-1)  # 1-based count of the row's unpadded tokens so far
-    is_sink = keep & (rank <= sinks)
-    # Slot t takes candidate index[t] among [stored slots, new tokens]: a stored slot keeps its token, the new
-    # sink of rank r fills slot r - 1 (non-sinks go to a discarded extra column).
-    index = torch.arange(sinks, device=key.device).clamp_max(max(stored - 1, 0)).repeat(batch, 1)
-    index = torch.cat([index, index.new_zeros(batch, 1)], dim=1)
-    index = index.scatter(1, torch.where(is_sink, rank - 1, sinks), (stored + torch.arange(length, device=key.device))
-                          .repeat(batch, 1))[:, :sinks]
-    sink_valid = torch.arange(sinks, device=key.device)[None, :] < (filled + keep.sum(-1))[:, None]
-
-    def gather(stored_tensor, new_tensor):
-        # Without stored slots, gather from the input itself: autograd then saves no copy of the sequence.
-        candidates = torch.cat([stored_tensor, new_tensor], dim=2) if stored else new_tensor
-        return candidates.gather(2, index[:, None, :, None].expand(batch, kv_heads, sinks, candidates.shape[-1]))
-
-    sink_position = torch.cat([stored_position, positions.repeat(batch, 1)], dim=1).gather(1, index)
-    return gather(stored_key, key), gather(stored_value, value), sink_position, sink_valid, is_sink
-
-
-def _local_sequence(key, value, keep, k_features, initial_state):
-    """The keys the new queries can see in their band or through the buffer: ``[buffer, new]`` (or the new
-    tokens alone). Returns keys, values (input dtype), keep ``[B, L']``, key feature values ``[B, Hkv, L', m]``
-    and log-scales ``[B, Hkv, L']``."""
-    values, log_scale = k_features.values, k_features.log_scale
-    log_scale = values.new_zeros(values.shape[:-1]) if log_scale is None else log_scale
-    if initial_state is None:
-        return key, value, keep, values, log_scale
-    state = initial_state
-    return (
-        torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
-        torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
-        torch.cat([state.buffer_keep, keep], dim=1),
-        torch.cat([state.buffer_features.to(values.dtype), values], dim=2),
-        torch.cat([state.buffer_log_scale.to(values.dtype), log_scale], dim=2),
-    )
-
-
 def window_linear_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -423,6 +275,7 @@ def window_linear_attention(
     softmax_weight: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
+    sparse_cache: int = 0,
     initial_state: WindowAttentionState | None = None,
     return_state: bool = False,
     max_rollback: int | None = None,
@@ -441,7 +294,8 @@ def window_linear_attention(
         key: ``[B, Hkv, L, d]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, L, dv]``.
         feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
-            window exact softmax only, ``O(L (window + sinks) d)``; ``window`` and ``sinks`` not both 0).
+            window exact softmax only, ``O(L (window + sinks) d)``; ``window``, ``sinks`` and ``sparse_cache`` not
+            all 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.
         sinks: each row's first ``sinks`` unpadded keys are always exact (``0 <= sinks <= L``; any ``sinks >= 0``
             when decoding with a state, since the first calls may be shorter than ``sinks``).
@@ -449,27 +303,37 @@ def window_linear_attention(
         softmax_weight: ``None`` (calibrated mode) or ``gamma`` ``[H]`` in (0, 1) (learned mode).
         key_padding_mask: ``[B, L]``, ``True``/1 = token (the new tokens only when ``initial_state`` is given).
         scaling: score scale, default ``d ** -0.5``.
-        initial_state: causal only; the :class:`WindowAttentionState` after the preceding tokens (returned by an
-            earlier call with ``return_state=True``): the inputs are then the next ``L`` tokens, and the outputs
-            equal the last ``L`` outputs of one pass over all tokens. Its feature map must not redraw in between.
-        return_state: causal only; also return the :class:`WindowAttentionState` after the last token.
-        max_rollback: tokens the returned state can drop exactly (:meth:`WindowAttentionState.rollback`);
-            default ``window`` (or the initial state's). The state keeps ``window + max_rollback`` recent keys.
-        chunk_size: query block size.
+        sparse_cache: ``G >= 0``, causal only: per row and key head, up to ``G`` tokens older than the window stay
+            exact, the ones the tail would recall worst, chosen every ``chunk_size`` tokens
+            (:mod:`.window_sparse_cache`); ``0`` (default): none. Without a feature map they are chosen by their
+            distance to the mean value.
+        initial_state: causal only; the :class:`~.window_state.WindowAttentionState` after the preceding tokens
+            (returned by an earlier call with ``return_state=True``): the inputs are then the next ``L`` tokens, and
+            the outputs equal the last ``L`` outputs of one pass over all tokens. Its feature map must not redraw in
+            between.
+        return_state: causal only; also return the :class:`~.window_state.WindowAttentionState` after the last
+            token.
+        max_rollback: tokens the returned state can drop exactly (:meth:`~.window_state.WindowAttentionState.rollback`);
+            default 0 (or the initial state's). The state then keeps up to ``max_rollback + chunk_size`` more
+            recent keys and a second set of tail sums.
+        chunk_size: query block size; causal: also the interval between sparse-cache selections (a state refuses
+            another one).
         eps: smallest magnitude of a denominator.
 
     Returns:
         ``[B, H, L, dv]`` in ``value.dtype``, and the new state if ``return_state``. Decoding one token costs
-        ``O((sinks + window + max_rollback) (d + m) + m d)`` per head, whatever the number of tokens seen.
+        ``O((sinks + window + G) d + C (d + m) + m d)`` per head, whatever the number of tokens seen.
     """
     stateful = initial_state is not None or return_state
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
-    if feature_map is None and window == 0 and sinks == 0:
-        raise ValueError("window attention without a feature map (no linear tail) needs window > 0 or sinks > 0")
+    _check_sparse_cache(sparse_cache, causal)
+    if feature_map is None and window == 0 and sinks == 0 and sparse_cache == 0:
+        raise ValueError("window attention without a feature map (no linear tail) needs window, sinks or sparse_cache "
+                         "> 0")
     if stateful:
-        max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, causal, initial_state,
-                                              max_rollback)
+        max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, sparse_cache, causal,
+                                              initial_state, max_rollback, chunk_size)
     segmented = _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal)
     if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(
@@ -477,70 +341,65 @@ def window_linear_attention(
             key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size, eps=eps)
     if segmented:
         return _segmented_window_attention(
-            query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
-            key_padding_mask=key_padding_mask, scaling=scaling, initial_state=initial_state,
-            return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size, eps=eps)
+            query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
+            softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
+            initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
+            eps=eps)
     mask = _as_bool_mask(key_padding_mask)
+    if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
+        out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
+                                 key_padding_mask=mask, scaling=scaling, eps=eps)
+        return (out, state) if return_state else out
+    if causal:
+        return causal_window_attention(
+            query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
+            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
+            return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps)
+    return _bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
+                                           softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
+                                           chunk_size=chunk_size, eps=eps)
+
+
+def _bidirectional_window_attention(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
+                                    scaling, chunk_size, eps):
+    """A bidirectional call in one pass (the module docstring's sets)."""
+    mask = key_padding_mask
     batch, heads, q_len, head_dim = query.shape
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
     groups = heads // key.shape[1]
     out_dtype = value.dtype
     dtype = compute_dtype_for(query)
-    device = query.device
-    seen = 0 if initial_state is None else initial_state.seen
-    with _no_autocast(device.type):
+    with _no_autocast(query.device.type):
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
         root = scaling**0.5
         query = query.to(dtype)
-        if feature_map is None:  # no linear tail: zero-width features keep the state's layout
-            q_features = Features(query.new_zeros(query.shape[:-1] + (0,)), None)
-            k_features = Features(query.new_zeros(key.shape[:-1] + (0,)), None)
-        else:
-            q_features, k_features = feature_map(query * root, key.to(dtype) * root)
-        new_keep = torch.ones(batch, q_len, dtype=torch.bool, device=device) if mask is None else mask
-        sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, new_keep, sinks,
-                                                                              initial_state, seen)
-        # The band and the tail skip the row's sinks (attended through the sink slots): `keep` marks the others.
-        local_key, local_value, keep, key_values, key_log_scale = _local_sequence(
-            key, value, new_keep & ~is_sink, k_features, initial_state
-        )
-        length = local_key.shape[2]
-        query_start = length - q_len
-        first = 0 if initial_state is None else initial_state.buffer_start  # position of local index 0
-        phi_k, log_k = _repeat_kv(key_values, groups), _repeat_kv(key_log_scale, groups)
-        key_all = _repeat_kv(local_key.to(dtype), groups)
-        value_ones = _with_ones_column(_repeat_kv(local_value.to(dtype), groups))
-        value_ones = value_ones.masked_fill(~keep[:, None, :, None], 0.0)
+        new_keep = torch.ones(batch, q_len, dtype=torch.bool, device=query.device) if mask is None else mask
+        sink_key, sink_value, sink_position, sink_valid, is_sink = row_sinks(key, value, new_keep, sinks, None, 0)
+        keep = new_keep & ~is_sink  # the band and the tail skip the row's sinks (attended through the sink slots)
+        key_all = _repeat_kv(key.to(dtype), groups)
+        value_ones = _with_ones_column(_repeat_kv(value.to(dtype), groups)).masked_fill(~keep[:, None, :, None], 0.0)
         sink_key_all = _repeat_kv(sink_key.to(dtype), groups)
         sink_value_ones = _with_ones_column(_repeat_kv(sink_value.to(dtype), groups))
-        phi_q = q_features.values
-        log_q = phi_q.new_zeros(batch, heads, q_len) if q_features.log_scale is None else q_features.log_scale
-        tail_init = None
-        if initial_state is not None:
-            tail = initial_state.tail
-            tail_init = (torch.cat([tail.kv, tail.k_sum[..., None]], -1).to(dtype), tail.stabilizer.to(dtype))
-
+        log_q = query.new_zeros(batch, heads, q_len)
         tails = []  # (tail sums, their log-scale) per direction; none without a feature map
         if feature_map is not None:
-            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, keep, window, chunk_size, tail_init))
-        if tails and not causal:  # keys j >= i + max(window, 1)
+            q_features, k_features = feature_map(query * root, key.to(dtype) * root)
+            if q_features.log_scale is not None:
+                log_q = q_features.log_scale
+            phi_q = q_features.values
+            phi_k = _repeat_kv(k_features.values, groups)
+            log_k = (phi_k.new_zeros(phi_k.shape[:-1]) if k_features.log_scale is None
+                     else _repeat_kv(k_features.log_scale, groups))
+            tails.append(_tail_prefix(phi_q, phi_k, log_k, value_ones, keep, window, chunk_size))
             tails.append(_tail_suffix(phi_q, phi_k, log_k, value_ones, keep, max(window, 1), chunk_size))
-
         out = _exact_plus_tails(query, log_q, tails, key_all, value_ones, keep, sink_key_all, sink_value_ones,
-                                sink_valid, sink_position, query_start=query_start, first=first, window=window,
-                                causal=causal, scaling=scaling, softmax_weight=gamma, chunk_size=chunk_size, eps=eps)
-        if not causal and sinks > 0:
-            sink_out = _sink_query_rows(query, key_all, _repeat_kv(local_value.to(dtype), groups), new_keep,
-                                        sink_position, scaling)
+                                sink_valid, sink_position, query_start=0, first=0, window=window, causal=False,
+                                scaling=scaling, softmax_weight=gamma, chunk_size=chunk_size, eps=eps)
+        if sinks > 0:
+            sink_out = _sink_query_rows(query, key_all, _repeat_kv(value.to(dtype), groups), new_keep, sink_position,
+                                        scaling)
             out = _with_sink_queries(out, sink_out, sink_position, sink_valid)
-        if not return_state:
-            return out.to(out_dtype)
-        state = _next_state(
-            local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, tail_init,
-            (sink_key, sink_value, sink_position, sink_valid), seen=seen + q_len, first=first, window=window,
-            sinks=sinks, max_rollback=max_rollback,
-        )
-    return out.to(out_dtype), state
+    return out.to(out_dtype)
 
 
 def _sink_query_rows(query, key, value, keep, sink_position, scaling, probabilities=False):
@@ -602,39 +461,6 @@ def _with_sink_queries(out, sink_out, sink_position, sink_valid):
     return torch.where(is_sink_query[:, None, :, None], replaced, out)
 
 
-def _next_state(local_key, local_value, keep, key_values, key_log_scale, phi_k, log_k, value_ones, tail_init,
-                row_sinks, *, seen, first, window, sinks, max_rollback):
-    """The :class:`WindowAttentionState` after the local sequence (positions ``first..seen-1``) and the sink slots
-    ``row_sinks`` (key, value, position, valid): keeps the last ``window + max_rollback`` tokens, folds the older
-    ones into the tail sums."""
-    length = local_key.shape[2]
-    batch, heads, _, features = phi_k.shape
-    fold_end = min(max(seen - window - max_rollback, first), seen) - first
-    if tail_init is None:
-        kv = value_ones.new_zeros(batch, heads, features, value_ones.shape[-1])
-        stabilizer = value_ones.new_full((batch, heads), torch.finfo(value_ones.dtype).min)
-    else:
-        kv, stabilizer = tail_init
-    if fold_end > 0:  # fold the local tokens [0, fold_end) (padding and sinks are not kept)
-        masked_log_scale, running_max = _running_key_max(log_k, keep, stabilizer)
-        new_max = running_max[..., fold_end - 1]
-        key_weights = phi_k[:, :, :fold_end] * keep[:, None, :fold_end, None]
-        kv = _fold_keys(kv, stabilizer, key_weights, masked_log_scale[..., :fold_end], value_ones[:, :, :fold_end],
-                        new_max)
-        stabilizer = new_max
-    buffer = slice(fold_end, length)
-    sink_key, sink_value, sink_position, sink_valid = row_sinks
-    # Copies, so that the state does not keep the whole input sequence alive through views.
-    return WindowAttentionState(
-        sink_key=sink_key.clone(), sink_value=sink_value.clone(), sink_position=sink_position.clone(),
-        sink_valid=sink_valid.clone(), buffer_key=local_key[:, :, buffer].clone(),
-        buffer_value=local_value[:, :, buffer].clone(), buffer_keep=keep[:, buffer].clone(),
-        buffer_features=key_values[:, :, buffer].clone(), buffer_log_scale=key_log_scale[:, :, buffer].clone(),
-        tail=LinearAttentionState(kv[..., :-1].clone(), kv[..., -1].clone(), stabilizer),
-        seen=seen, window=window, sinks=sinks, max_rollback=max_rollback,
-    )
-
-
 # ------------------------------------------------------------------------------------ memory-bounded training
 
 
@@ -649,19 +475,8 @@ def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, cau
     return feature_map is None or not (feature_map.training and getattr(feature_map, "redraw_interval", 0))
 
 
-def _state_tensors(state: WindowAttentionState) -> list:
-    """The floating-point tensors of ``state`` (what gradients flow through), in :data:`_STATE_FLOATS` order."""
-    return [getattr(state, name) for name in _STATE_FLOATS] + list(state.tail)
-
-
-def _with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionState:
-    """``state`` with the tensors of :func:`_state_tensors` replaced by ``tensors``."""
-    named = dict(zip(_STATE_FLOATS, tensors))
-    return state._replace(tail=LinearAttentionState(*tensors[len(_STATE_FLOATS):]), **named)
-
-
-def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, softmax_weight, key_padding_mask,
-                                scaling, initial_state, return_state, max_rollback, chunk_size, eps):
+def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
+                                key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
@@ -674,14 +489,14 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         # Each segment is at most CAUSAL_SEGMENT_LENGTH long, so the call inside does not segment again.
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
-            softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, initial_state=state,
-            return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
+            softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
+            initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]
     plan = CausalPlan(
         segments=[(start, min(start + CAUSAL_SEGMENT_LENGTH, length))
                   for start in range(0, length, CAUSAL_SEGMENT_LENGTH)],
-        run=run, state_tensors=_state_tensors, with_state_tensors=_with_state_tensors,
+        run=run, state_tensors=state_tensors, with_state_tensors=with_state_tensors,
         max_rollback=max_rollback if return_state else 0)
     parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
     out, state = segmented_causal(plan, query, key, value, softmax_weight, mask, initial_state, parameters)
@@ -715,7 +530,7 @@ def _segmented_bidirectional(query, key, value, feature_map, *, window, sinks, s
     mask = _as_bool_mask(key_padding_mask)
     unpadded = torch.ones(batch, length, dtype=torch.bool, device=query.device) if mask is None else mask
     with torch.no_grad(), _no_autocast(device_type):
-        sink_key, sink_value, sink_position, sink_valid, is_sink = _row_sinks(key, value, unpadded, sinks, None, 0)
+        sink_key, sink_value, sink_position, sink_valid, is_sink = row_sinks(key, value, unpadded, sinks, None, 0)
     keep = unpadded & ~is_sink  # the band and the tail skip the row's sinks
     halo = max(window, 1) - 1
     segments = [(start, min(start + BIDIRECTIONAL_SEGMENT_LENGTH, length))

@@ -126,7 +126,7 @@ class _SegmentedCausal(torch.autograd.Function):
                           ((query, need_q), (key, need_k), (value, need_v))]
                 state, state_leaves = entering[index], []
                 if state is not None and (index > 0 or need_initial):
-                    state_leaves = [_leaf(t, t.is_floating_point()) for t in plan.state_tensors(state)]
+                    state_leaves = [_leaf(t) for t in plan.state_tensors(state)]
                     state = plan.with_state_tensors(state, state_leaves)
                 segment_out, state_out = plan.run(*pieces, gamma, _piece(mask, start, end, dim=1), state,
                                                   _rollback_after(plan, index))
@@ -134,11 +134,11 @@ class _SegmentedCausal(torch.autograd.Function):
                 if grad_out is not None:
                     outputs, output_grads = [segment_out], [grad_out[:, :, start:end]]
                 for tensor, grad in zip(plan.state_tensors(state_out), grad_state):
-                    if grad is not None and tensor.requires_grad:
+                    if grad is not None and tensor is not None and tensor.requires_grad:
                         outputs.append(tensor)
                         output_grads.append(grad)
                 wanted = ([t for t in pieces if t.requires_grad] + gammas
-                          + [t for t in state_leaves if t.requires_grad] + parameters)
+                          + [t for t in state_leaves if t is not None and t.requires_grad] + parameters)
                 found = (list(torch.autograd.grad(outputs, wanted, output_grads, allow_unused=True)) if outputs
                          else [None] * len(wanted))
             _add_pieces(found, pieces, grads, ((start, end),) * 3)
@@ -146,7 +146,7 @@ class _SegmentedCausal(torch.autograd.Function):
                 segment_grad = found.pop(0)
                 if segment_grad is not None:
                     grad_gamma = segment_grad if grad_gamma is None else grad_gamma + segment_grad
-            grad_state = [found.pop(0) if t.requires_grad else None for t in state_leaves]
+            grad_state = [found.pop(0) if t is not None and t.requires_grad else None for t in state_leaves]
             parameter_grads = _add(parameter_grads, found)
         grad_initial = grad_state if need_initial and grad_state else [None] * n_initial
         all_parameter_grads = iter(parameter_grads)
@@ -205,7 +205,7 @@ def _tail_states(sums):
 
 
 def _leaf(tensor, wanted=True):
-    return None if tensor is None else tensor.detach().requires_grad_(wanted)
+    return None if tensor is None else tensor.detach().requires_grad_(wanted and tensor.is_floating_point())
 
 
 class _SegmentedBidirectional(torch.autograd.Function):

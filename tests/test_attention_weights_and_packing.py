@@ -147,12 +147,12 @@ def test_window_weights_times_values_is_the_window_kernel_output(causal, learned
     padding[1, -3:] = False
     gamma = torch.tensor([0.2, 0.5, 0.7, 0.9]) if learned else None
     kwargs = dict(window=3, sinks=2, causal=causal, softmax_weight=gamma, key_padding_mask=padding, scaling=0.4)
-    weights = window_attention_weights(q, k, fm, **kwargs)
+    weights = window_attention_weights(q, k, v, fm, **kwargs)
     assert weights.shape == (2, 4, 12, 12) and bool((weights[1, :, :, -3:] == 0).all())
     applied = weights @ v.repeat_interleave(2, dim=1)
     torch.testing.assert_close(applied, window_linear_attention(q, k, v, fm, chunk_size=5, **kwargs), rtol=1e-4,
                                atol=1e-5)
-    weights64 = window_attention_weights(q.double(), k.double(), fm.double(), **kwargs)
+    weights64 = window_attention_weights(q.double(), k.double(), v.double(), fm.double(), **kwargs)
     torch.testing.assert_close(
         weights64 @ v.double().repeat_interleave(2, dim=1),
         reference_window_linear_attention(q.double(), k.double(), v.double(), fm, **kwargs),

@@ -8,6 +8,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING
 
 from hf_performer import WindowCacheLayer, make_feature_map, window_linear_attention
 from hf_performer.reference import reference_window_linear_attention
+from hf_performer.window_state import buffer_capacity
 
 SETTINGS = dict(window=3, sinks=2, chunk_size=4)
 
@@ -60,7 +61,7 @@ def test_crop_then_redecode_equals_decoding_without_the_rejected_tokens(rejected
     # Assisted generation: verify `rejected` draft tokens in one forward, crop them, decode the right ones.
     q, k, v = _qkv(seed=1)
     fm = _feature_map()
-    layer = WindowCacheLayer()  # max_rollback = window = 3
+    layer = WindowCacheLayer(max_rollback=3)
     _decode(layer, q, k, v, fm, [12, 1])
     drafts = [30 * t for t in _qkv(length=rejected, seed=2)]
     _forward(layer, *drafts, fm)
@@ -153,4 +154,4 @@ def test_past_recording_makes_a_whole_forward_croppable():
     torch.testing.assert_close(out, expected, rtol=1e-8, atol=1e-8)
     layer.record_past = False  # generate() turns it off at the end: the buffer shrinks back at the next forward
     _forward(layer, q[:, :, :1], k[:, :, :1], v[:, :, :1], fm)
-    assert layer.state.buffer_key.shape[2] == SETTINGS["window"] + 1
+    assert layer.state.buffer_key.shape[2] == buffer_capacity(SETTINGS["window"], SETTINGS["chunk_size"], 1)

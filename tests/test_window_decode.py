@@ -7,6 +7,7 @@ import torch
 from hf_performer import make_feature_map, window_linear_attention
 from hf_performer.reference import reference_window_linear_attention
 from hf_performer.window_attention import WindowAttentionState
+from hf_performer.window_state import buffer_capacity
 
 GAMMA = torch.tensor([0.1, 0.5, 0.9, 0.3], dtype=torch.float64)
 SPLITS = {
@@ -70,8 +71,8 @@ def test_consecutive_calls_equal_one_pass_and_the_reference(name, learned, split
     out, state = _run(q, k, v, fm, SPLITS[split], mask, max_rollback=3, **kwargs)
     expected = reference_window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
     _assert_close_on_tokens(out, expected, mask, rtol=1e-8, atol=1e-8)
-    # Every position before the buffer is folded (the rows' sinks and padding into nothing).
-    assert state.seen == 31 and state.folded == 31 - 7 and state.buffer_key.shape[2] == 7
+    # The buffer has its constant size (window - 1 + chunk + max_rollback tokens).
+    assert state.seen == 31 and state.buffer_key.shape[2] == buffer_capacity(4, 5, 3) == 11
     assert state.sink_position.tolist() == [[0, 1], [4, 5]] and state.sink_valid.all()
 
 
@@ -105,8 +106,8 @@ def test_rollback_then_redecode_equals_decoding_without_the_rejected_tokens(lear
     _, state = _run(q, k, v, fm, [15], mask, **kwargs)
     junk = _qkv(batch=2, length=sum(rejected_pieces), seed=4)
     junk = (junk[0], 30 * junk[1], 1e3 * junk[2])
-    _, drafted = _run(*junk, fm, rejected_pieces, state=state, **kwargs)
-    assert drafted.folded > state.folded  # the drafts pushed tokens out of the buffer
+    _, drafted = _run(*junk, fm, rejected_pieces, state=state, max_rollback=sum(rejected_pieces), **kwargs)
+    assert drafted.checkpoint is not None and drafted.rollback_capacity() >= sum(rejected_pieces)
     restored = drafted.rollback(sum(rejected_pieces))
     assert restored.seen == 15
     out, _ = _run(q[:, :, 15:], k[:, :, 15:], v[:, :, 15:], fm, [1, 4, 1, 10], mask[:, 15:], state=restored,
@@ -124,8 +125,8 @@ def test_rollback_capacity_and_errors():
         with pytest.raises(ValueError) as error:
             state.rollback(bad)
         assert "can drop between 0 and" in str(error.value) and "\n" not in str(error.value)
-    _, short = _run(q, k, v, fm, [5], window=4, sinks=2, max_rollback=3)  # nothing folded yet: anything goes
-    assert short.folded == 0 and short.rollback(5).seen == 0
+    _, short = _run(q, k, v, fm, [5], window=4, sinks=2, max_rollback=3)  # back to the first query at most
+    assert short.rollback_capacity() == 4 and short.rollback(4).seen == 1
 
 
 def test_state_size_does_not_grow_with_length():
@@ -142,7 +143,7 @@ def test_state_size_does_not_grow_with_length():
             if start + 100 in (100, 2000):
                 sizes[start + 100] = state.nbytes()
     assert sizes[100] == sizes[2000] > 0
-    assert state.buffer_key.shape[2] == 16 + 16 and state.sink_key.shape[2] == 4
+    assert state.buffer_key.shape[2] == buffer_capacity(16, 64, 0) and state.sink_key.shape[2] == 4
 
 
 def test_batch_rows_can_be_reordered_like_beams():
@@ -192,4 +193,4 @@ def test_no_tail_state_decodes_like_one_pass():
     out, state = _run(q, k, v, None, [9] + [1] * 22, mask, window=4, sinks=2, chunk_size=5)
     expected = window_linear_attention(q, k, v, None, window=4, sinks=2, key_padding_mask=mask, chunk_size=5)
     _assert_close_on_tokens(out, expected, mask, rtol=1e-8, atol=1e-8)
-    assert state.folded > 0 and state.buffer_features.shape[-1] == 0
+    assert state.current.tail_sums.shape[2] == 1  # the constant feature (no map)

@@ -96,7 +96,7 @@ def test_canonical_settings_record_the_window_keys_for_every_map_kind(feature_ma
     ({"layer_windows": {"x": {"window": 1}}}, "keys must be layer indices"),
     ({"layer_windows": {"-1": {"window": 1}}}, "keys must be layer indices"),
     ({"layer_windows": {"01": {"window": 1}}}, "keys must be layer indices"),
-    ({"layer_windows": {"0": {"widow": 1}}}, "must be a non-empty dict with keys among ['window', 'sinks']"),
+    ({"layer_windows": {"0": {"widow": 1}}}, "must be a non-empty dict with keys among ['window', 'sinks', 'sparse_cache']"),
     ({"layer_windows": {"0": {}}}, "must be a non-empty dict"),
     ({"layer_windows": {"0": 3}}, "must be a non-empty dict"),
     ({"layer_windows": {"0": {"sinks": -1}}}, "['layer_windows']['0']['sinks'] must be an int >= 0"),
@@ -344,7 +344,7 @@ def test_operator_without_feature_map_matches_the_reference(causal):
         # Padded queries of a window without sinks may see no key at all: their output is undefined (0/0).
         assert bool(torch.isfinite(out).all())
         torch.testing.assert_close(out.transpose(1, 2)[mask], ref.transpose(1, 2)[mask], rtol=1e-10, atol=1e-10)
-    with pytest.raises(ValueError, match="needs window > 0 or sinks > 0"):
+    with pytest.raises(ValueError, match="needs window, sinks or sparse_cache > 0"):
         window_linear_attention(q, k, v, None, window=0, sinks=0)
 
 

@@ -51,7 +51,7 @@ def test_operator_matches_the_reference_with_left_padding_and_holes(name, causal
         expected = reference_window_linear_attention(q, k, v, fm, **kwargs)
         torch.testing.assert_close(_on_tokens(out, mask), _on_tokens(expected, mask), rtol=1e-8, atol=1e-8,
                                    msg=f"window={window} sinks={sinks}")
-        weights = window_attention_weights(q, k, fm, **kwargs)  # output_attentions: the weights applied
+        weights = window_attention_weights(q, k, v, fm, **kwargs)  # output_attentions: the weights applied
         applied = weights @ v.repeat_interleave(2, dim=1)
         torch.testing.assert_close(_on_tokens(applied, mask), _on_tokens(expected, mask), rtol=1e-8, atol=1e-8)
 
@@ -69,7 +69,7 @@ def test_a_left_padded_row_equals_the_same_row_unpadded(causal, learned, impleme
 
     def run(q, k, v, **extra):
         if implementation == "weights":
-            return window_attention_weights(q, k, fm, **kwargs, **extra) @ v.repeat_interleave(2, dim=1)
+            return window_attention_weights(q, k, v, fm, **kwargs, **extra) @ v.repeat_interleave(2, dim=1)
         function = window_linear_attention if implementation == "operator" else reference_window_linear_attention
         return function(q, k, v, fm, chunk_size=4, **kwargs, **extra)
 
@@ -154,7 +154,8 @@ def test_rollback_across_a_sink_fill(learned):
     kwargs = dict(window=3, sinks=3, softmax_weight=GAMMA if learned else None, chunk_size=4)
     _, state = _run(q, k, v, fm, [11], mask, **kwargs)
     junk = tuple(t[:, :, :4] * scale for t, scale in zip(_qkv(seed=5), (1.0, 3.0, 100.0)))
-    _, drafted = _run(*junk, fm, [2, 1, 1], torch.ones(3, 4, dtype=torch.bool), state=state, **kwargs)
+    _, drafted = _run(*junk, fm, [2, 1, 1], torch.ones(3, 4, dtype=torch.bool), state=state, max_rollback=4,
+                      **kwargs)
     assert drafted.sink_valid[1].tolist() == [True, True, True]
     restored = drafted.rollback(4)
     assert restored.seen == 11 and restored.sink_valid[1].tolist() == [True, False, False]
@@ -229,7 +230,7 @@ def test_cache_layer_crop_across_a_sink_fill_and_beam_reorder():
         key, value = layer.update(k, v)
         return layer.attend(q, key, value, fm, key_padding_mask=mask, **settings)
 
-    layer = WindowCacheLayer()
+    layer = WindowCacheLayer(max_rollback=3)
     forward(layer, q[:, :, :11], k[:, :, :11], v[:, :, :11], mask[:, :11])
     drafts = [t[:, :, :3] * scale for t, scale in zip(_qkv(seed=8), (1.0, 3.0, 100.0))]
     forward(layer, *drafts, torch.ones(3, 3, dtype=torch.bool))  # fills row 1's 2nd and 3rd sink slots

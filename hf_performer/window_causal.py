@@ -1,0 +1,505 @@
+"""Causal window attention computed in blocks of ``C = chunk_size`` queries, all blocks at once.
+
+Each row is cut at its *boundaries* (``row_start + k C``, :mod:`.window_sparse_cache`), so the operator works in a
+per-row shifted frame where the boundaries are the multiples of ``C`` (a row is shifted by its first unpadded
+position modulo ``C``; rows without left padding are not moved). Query block ``n`` (positions ``nC .. nC + C - 1`` of
+that frame) then sees:
+
+* exactly: the row's sinks, its sparse cache at boundary ``nC`` and the band ``i - w < j <= i``, one shared tile of
+  ``C + w - 1`` keys per block (``[nC - w + 1, nC + C - 1]``);
+* through the tail: the tail sums at ``nC`` (every folded token) plus the *pending* tokens ``nC - w < j <= i - w``
+  (those that left the window since the boundary), the first ``C`` keys of the same tile under a strictly
+  lower-triangular mask. With a sparse cache the pending tokens stay exact instead (they wait in the tile for the
+  next selection, as in LoLA): the exact band is then ``nC - w < j <= i``, and the tail the sums alone.
+
+Blocks are batched matrix products over ``[B, Hkv, blocks, g C, .]`` (the ``g`` query heads of a key head stacked,
+so keys are never repeated). The sparse cache and the tail sums per boundary come from a loop over the boundaries
+(:func:`~.window_sparse_cache.select_hard_keys`); without a cache they are one prefix sum.
+
+Every tensor is float32 (float64 for float64 inputs) with autocast off. With ``c_i`` the largest exact score of a row,
+``u_i`` the tail's log factor (``lq_i + K``) and the weights of :mod:`.window_attention`:
+calibrated ``(E + T e^{u - c}) / .``, learned ``(gamma E + T e^{u}) / .``, both rescaled by ``e^{-rho}``,
+``rho = max(0, exponent)`` (detached), so that no term overflows.
+
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_state``,
+``window_sparse_cache`` and ``window_tail``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .feature_maps import Features, compute_dtype_for
+from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
+from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
+from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
+
+
+def _floor_div(x: torch.Tensor, divisor: int) -> torch.Tensor:
+    return torch.div(x, divisor, rounding_mode="floor")
+
+
+def rows_window(x: torch.Tensor, start: torch.Tensor, length: int, dim: int, fill=0):
+    """``x[b, ..., start_b : start_b + length, ...]`` along ``dim`` for each row ``b`` (``start`` ``[B]`` long), with
+    ``fill`` where that range leaves ``x``; one ``narrow`` view when every row starts at the same place inside."""
+    size = x.shape[dim]
+    first, last = int(start.min()), int(start.max())
+    if first == last and first >= 0 and first + length <= size:
+        return x.narrow(dim, first, length)
+    index = start[:, None] + torch.arange(length, device=x.device)  # [B, length]
+    inside = (index >= 0) & (index < size)
+    shape = [x.shape[0]] + [1] * (x.dim() - 1)
+    shape[dim] = length
+    index = index.clamp(0, max(size - 1, 0)).view(shape)
+    if size == 0:
+        return x.new_full(x.shape[:dim] + (length,) + x.shape[dim + 1:], fill)
+    picked = x.gather(dim, index.expand(x.shape[:dim] + (length,) + x.shape[dim + 1:]))
+    return picked.masked_fill(~inside.view(shape), fill)
+
+
+def _key_features(feature_map, key, root):
+    """The key features a window layer sums: its map's, or without a map (no linear tail) the constant feature 1,
+    which the sparse cache's selection then uses (its recall error is the distance to the mean value)."""
+    if feature_map is None:
+        return Features(key.new_ones(key.shape[:-1] + (1,)), None)
+    return feature_map.key_features(key * root)
+
+
+def _stack_tails(tails):
+    return torch.stack([t[0] for t in tails], dim=2), torch.stack([t[1] for t in tails], dim=2)
+
+
+def _select_blocks(tensor, index, dim=2):
+    """``tensor`` ``[B, Hkv, n, ...]`` at the per-row block ``index`` ``[B]`` along ``dim``: ``[B, Hkv, ...]``."""
+    shape = list(tensor.shape)
+    shape[dim] = 1
+    view = [tensor.shape[0]] + [1] * (tensor.dim() - 1)
+    return tensor.gather(dim, index.view(view).expand(shape)).squeeze(dim)
+
+
+class _Call(NamedTuple):
+    """What a block call prepares before attending (:func:`_prepare_call`): rows, blocks, layout, boundaries."""
+
+    seen: int
+    length: int
+    sinks: tuple  # (key, value, position, valid) of the sink slots after the call
+    row_start: torch.Tensor  # [B]
+    offset: torch.Tensor  # [B], the shift of each row's frame
+    entering: CommittedTail
+    last_block: torch.Tensor  # [B], the block of each row's last query
+    n_first: int
+    n_query: int
+    n_last: int
+    local: tuple  # (key, value, keep, start): the buffer and the new tokens, absolute positions [start, seen + L)
+    layout: tuple  # (key, value, keep) [B, Hkv, blocks C + w - 1, .] in the shifted frame
+    tiles: tuple  # (features, value_ones, keep) of the first blocks C keys of the layout
+    tails: tuple  # (sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])
+    caches: tuple | None  # (key, value_ones, pool index, valid) [B, Hkv, blocks, G, .]
+
+
+def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cache, key_padding_mask, scaling, state,
+                  chunk_size, eps) -> _Call:
+    """Sinks, rows, blocks, the layout and every boundary's tail sums and sparse cache for the next ``length``
+    tokens ``key`` / ``value`` (module docstring)."""
+    batch, kv_heads, _, head_dim = key.shape
+    size, w = chunk_size, window
+    root = (head_dim**-0.5 if scaling is None else float(scaling)) ** 0.5
+    dtype = compute_dtype_for(key)
+    device = key.device
+    seen = 0 if state is None else state.seen
+    unpadded = (torch.ones(batch, length, dtype=torch.bool, device=device) if key_padding_mask is None
+                else key_padding_mask)
+    sink_key, sink_value, sink_position, sink_valid, is_sink = row_sinks(key, value, unpadded, sinks, state, seen)
+    new_keep = unpadded & ~is_sink
+
+    # Rows: first unpadded position, offset of the boundaries, the block of the boundary each row continues from.
+    first_new = torch.where(unpadded.any(-1), seen + unpadded.long().argmax(-1), -1)
+    known_before = torch.full((batch,), -1, dtype=torch.long, device=device) if state is None else state.row_start
+    row_start = torch.where(known_before >= 0, known_before, first_new)
+    offset = torch.where(row_start >= 0, row_start % size, 0)
+    entering = _entering_tail(state, batch, kv_heads, head_dim, value.shape[-1], tail_features(feature_map, head_dim),
+                              dtype, key, value, device)
+    # A row new to this call starts empty one boundary before its first query: with a window, that boundary's
+    # candidates (positions <= b - w) are all before the row's first token; without one they include it.
+    commit_block = torch.where(known_before >= 0, _floor_div(entering.boundary - offset, size),
+                               _floor_div(seen - offset, size) - (1 if w == 0 else 0))
+    last_block = _floor_div(seen + length - 1 - offset, size)
+    n_first, n_last = int(commit_block.min()), int(last_block.max())
+    n_query = int(_floor_div(seen - offset, size).min())
+    blocks = n_last - n_first + 1
+
+    # The local sequence (absolute positions [local_start, seen + L)) laid out per row in the shifted frame.
+    if state is None:
+        local = (key, value, new_keep, seen)
+    else:
+        local = (torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
+                 torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
+                 torch.cat([state.buffer_keep, new_keep], dim=1), state.buffer_start)
+    to_local = n_first * size - w + 1 + offset - local[3]  # layout index 0 is shifted position n_first C - w + 1
+    layout_length = blocks * size + max(w - 1, 0)
+    layout = (rows_window(local[0].to(dtype), to_local, layout_length, 2),
+              rows_window(local[1].to(dtype), to_local, layout_length, 2),
+              rows_window(local[2], to_local, layout_length, 1, fill=False))
+
+    # The tiles: block n's first C keys [nC - w + 1, nC + C - w], its pending tokens and its boundary's candidates.
+    tile_key = layout[0][:, :, :blocks * size]
+    tile_keep = layout[2][:, :blocks * size]
+    tile_value_ones = _with_ones_column(layout[1][:, :, :blocks * size]).masked_fill(~tile_keep[:, None, :, None], 0.0)
+    tile_features = _key_features(feature_map, tile_key, root)
+    tails, caches = _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block, n_first,
+                                blocks, size, sparse_cache, feature_map, root, eps)
+    return _Call(seen, length, (sink_key, sink_value, sink_position, sink_valid), row_start, offset, entering,
+                 last_block, n_first, n_query, n_last, local, layout, (tile_features, tile_value_ones, tile_keep),
+                 tails, caches)
+
+
+def causal_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
+                            key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps):
+    """The causal operator (see :func:`~.window_attention.window_linear_attention`, already validated): ``out``
+    ``[B, H, L, dv]`` in ``value.dtype``, and the new :class:`~.window_state.WindowAttentionState` if
+    ``return_state``."""
+    scaling = query.shape[-1] ** -0.5 if scaling is None else float(scaling)
+    dtype = compute_dtype_for(query)
+    with _no_autocast(query.device.type):
+        call = _prepare_call(key, value, feature_map, length=query.shape[2], window=window, sinks=sinks,
+                             sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling,
+                             state=initial_state, chunk_size=chunk_size, eps=eps)
+        gamma = None if softmax_weight is None else softmax_weight.to(dtype)
+        out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window)
+        if not return_state:
+            return out.to(value.dtype)
+        new_state = _next_state(call, chunk_size, window, sinks, sparse_cache, max_rollback)
+    return out.to(value.dtype), new_state
+
+
+def sparse_cache_membership(key, value, feature_map, *, window, sinks, sparse_cache, key_padding_mask, scaling,
+                            chunk_size, eps=1e-12) -> torch.Tensor:
+    """Which older keys each query sees exactly through its sparse cache in one causal pass, ``[B, Hkv, L, L]`` bool:
+    the kept keys of its boundary (the operator's own selection) and the keys waiting for the next one (for
+    ``output_attentions``)."""
+    batch, kv_heads, length, _ = key.shape
+    with torch.no_grad(), _no_autocast(key.device.type):
+        call = _prepare_call(key, value, feature_map, length=length, window=window, sinks=sinks,
+                             sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling, state=None,
+                             chunk_size=chunk_size, eps=eps)
+        _, _, slot_index, valid = call.caches
+        positions = _slot_positions(slot_index, call.entering, call.n_first, chunk_size, call.offset, window)
+        query_position = torch.arange(length, device=key.device)
+        block = _floor_div(query_position[None, :] - call.offset[:, None], chunk_size) - call.n_first  # [B, L]
+        block = block.clamp(0, positions.shape[2] - 1)[:, None, :, None].expand(-1, kv_heads, -1, sparse_cache)
+        query_positions, query_valid = positions.gather(2, block), valid.gather(2, block)  # [B, Hkv, L, G]
+        member = torch.zeros(batch, kv_heads, length, length + 1, dtype=torch.bool, device=key.device)
+        member.scatter_(3, torch.where(query_valid, query_positions, length), True)
+        boundary = call.offset[:, None] + _floor_div(query_position[None, :] - call.offset[:, None],
+                                                     chunk_size) * chunk_size  # [B, L]
+        key_position = query_position[None, None, :]
+        waiting = ((key_position > boundary[..., None] - window) & (key_position <= query_position[:, None] - window)
+                   & call.local[2][:, None, :])  # [B, L, L]
+    return member[..., :length] | waiting[:, None]
+
+
+def tail_features(feature_map, head_dim: int) -> int:
+    """Features per key of the tail sums a layer keeps: the map's, or 1 (the constant feature) without a map."""
+    return 1 if feature_map is None else feature_map.nb_features
+
+
+def _entering_tail(state, batch, kv_heads, head_dim, value_dim, features, dtype, key, value, device) -> CommittedTail:
+    """The committed tail a call continues from: the checkpoint when rollbacks are kept (the call replays from it),
+    else the current tail; an empty one (at boundary -1, no cache, no sums) without a state."""
+    if state is not None:
+        tail = state.oldest if (state.current is None or state.checkpoint is not None) else state.current
+        return tail._replace(tail_sums=tail.tail_sums.to(dtype), cache_key=tail.cache_key.to(key.dtype),
+                             cache_value=tail.cache_value.to(value.dtype))
+    sums, tail_max = empty_tail_sum(batch, kv_heads, features, value_dim + 1, key.new_zeros((), dtype=dtype))
+    empty = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=device)
+    return CommittedTail(
+        boundary=torch.full((batch,), -1, dtype=torch.long, device=device),
+        cache_key=key.new_zeros(batch, kv_heads, 0, head_dim), cache_value=value.new_zeros(batch, kv_heads, 0, value_dim),
+        cache_position=empty, cache_valid=empty.bool(), tail_sums=sums, tail_max=tail_max)
+
+
+def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block, n_first, blocks, size,
+                capacity, selection_map, root, eps):
+    """The tail sums and sparse cache at each block's boundary, ``n_first .. n_first + blocks - 1``.
+
+    Returns ``tails`` ``(sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])`` and ``caches``, ``None`` without a
+    cache, else ``(key, value_ones, position, valid)`` per block ``[B, Hkv, blocks, G, .]``. Rows whose committed
+    boundary is at or after a block keep what they entered with (their tiles there were folded by an earlier call).
+    """
+    batch, kv_heads = tile_key.shape[:2]
+    features, log_scale = tile_features
+    entering_tail = (entering.tail_sums, entering.tail_max)
+    block_ids = n_first + torch.arange(blocks, device=tile_key.device)
+    # Tile k is folded (or a candidate) at the boundary of block k + 1, for rows that had not committed it yet.
+    new_at = (commit_block[:, None] < block_ids[None, :] + 1)  # [B, blocks]
+    candidate_keep = tile_keep.view(batch, blocks, size) & new_at[..., None]
+    if capacity == 0:
+        return _prefix_tails(entering_tail, features, log_scale, tile_value_ones, candidate_keep, blocks, size), None
+
+    # The pool of tokens a cache slot may hold: the entering cache's slots, then the tiles.
+    cache_features = _key_features(selection_map, entering.cache_key.to(features.dtype), root)
+    pool_features = torch.cat([cache_features.values, features], dim=2)
+    pool_log_scale = None if log_scale is None else torch.cat([cache_features.log_scale, log_scale], dim=2)
+    pool_values = torch.cat([_with_ones_column(entering.cache_value.to(features.dtype)), tile_value_ones], dim=2)
+    pool_keys = torch.cat([entering.cache_key.to(tile_key.dtype), tile_key], dim=2)
+    slots = entering.cache_key.shape[2]
+    index = torch.arange(slots, device=tile_key.device).expand(batch, kv_heads, slots)
+    valid = entering.cache_valid
+    if slots < capacity:  # a fresh state: empty slots
+        index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
+        valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
+    tail = entering_tail
+    indices, valids, tails = [index], [valid], [tail]
+    for block in range(1, blocks):
+        tile_index = slots + (block - 1) * size + torch.arange(size, device=tile_key.device)
+        candidates = torch.cat([index, tile_index.expand(batch, kv_heads, size)], dim=-1)
+        candidate_valid = torch.cat([valid, candidate_keep[:, None, block - 1].expand(-1, kv_heads, -1)], dim=-1)
+        gathered = [_gather_slots(pool_features, candidates), None if pool_log_scale is None else
+                    pool_log_scale.gather(2, candidates), _gather_slots(pool_values, candidates)]
+        new_tail, kept, kept_valid = select_hard_keys(tail, gathered[0], gathered[1], gathered[2], candidate_valid,
+                                                      capacity, eps)
+        active = new_at[:, block - 1]
+        index = torch.where(active[:, None, None], candidates.gather(-1, kept), index)
+        valid = torch.where(active[:, None, None], kept_valid, valid)
+        tail = (torch.where(active[:, None, None, None], new_tail[0], tail[0]),
+                torch.where(active[:, None], new_tail[1], tail[1]))
+        indices.append(index)
+        valids.append(valid)
+        tails.append(tail)
+    index = torch.stack(indices, dim=2)  # [B, Hkv, blocks, G]
+    flat = index.flatten(2)
+    cache_keys = _gather_slots(pool_keys, flat).unflatten(2, index.shape[2:])
+    cache_values = _gather_slots(pool_values, flat).unflatten(2, index.shape[2:])
+    return _stack_tails(tails), (cache_keys, cache_values, index, torch.stack(valids, dim=2))
+
+
+def _gather_slots(pool, index):
+    """``pool`` ``[B, Hkv, P, e]`` at ``index`` ``[B, Hkv, n]``: ``[B, Hkv, n, e]``."""
+    return pool.gather(2, index[..., None].expand(index.shape + pool.shape[-1:]))
+
+
+def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep, blocks, size):
+    """Without a sparse cache every candidate folds: the tail sums at block ``k``'s boundary are the entering sums
+    plus the tiles ``0 .. k - 1`` (``[B, Hkv, blocks, m, dv + 1]`` and ``[B, Hkv, blocks]``)."""
+    batch, kv_heads = features.shape[:2]
+    keep = candidate_keep[:, None].expand(-1, kv_heads, -1, -1)  # [B, Hkv, blocks, C]
+    tile_features = features.view(batch, kv_heads, blocks, size, -1)
+    tile_values = value_ones.view(batch, kv_heads, blocks, size, -1)
+    if log_scale is None:
+        weights = tile_features * keep[..., None].to(tile_features.dtype)
+        increments = torch.matmul(weights.transpose(-1, -2), tile_values)  # [B, Hkv, blocks, m, dv + 1]
+        before = torch.cumsum(increments, dim=2) - increments
+        sums = entering_tail[0][:, :, None] + before
+        return sums, entering_tail[1][:, :, None].expand(-1, -1, blocks)
+    tail, tails = entering_tail, [entering_tail]
+    tile_log_scale = log_scale.view(batch, kv_heads, blocks, size)
+    for block in range(blocks - 1):
+        tail = fold_into(tail, tile_features[:, :, block], tile_log_scale[:, :, block], tile_values[:, :, block],
+                         keep[:, :, block])
+        tails.append(tail)
+    return _stack_tails(tails)
+
+
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w):
+    """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
+    frame (module docstring)."""
+    layout_key, layout_value, layout_keep = call.layout
+    tile_features, tile_value_ones, tile_keep = call.tiles
+    sink_key, sink_value, sink_position, sink_valid = call.sinks
+    sink_key, sink_value = sink_key.to(query.dtype), sink_value.to(query.dtype)
+    offset, seen, n_first, n_query, n_last, caches = call.offset, call.seen, call.n_first, call.n_query, call.n_last, \
+        call.caches
+    root = scaling**0.5
+    batch, heads, length, head_dim = query.shape
+    kv_heads, groups = layout_key.shape[1], heads // layout_key.shape[1]
+    value_dim = layout_value.shape[-1]
+    blocks = n_last - n_query + 1
+    skip = (n_query - n_first) * size  # layout index of the first output block's tile
+    rows = groups * size
+    device = query.device
+
+    def per_block(x):  # [B, H, blocks * C, e] -> [B, Hkv, blocks, g C, e]
+        return (x.view(batch, kv_heads, groups, blocks, size, x.shape[-1]).transpose(2, 3)
+                .reshape(batch, kv_heads, blocks, rows, x.shape[-1]))
+
+    to_query = n_query * size + offset - seen  # query index of each row's first output slot
+    query_blocks = per_block(rows_window(query, to_query, blocks * size, 2))
+    query_position = n_query * size + offset[:, None] + torch.arange(blocks * size, device=device)  # [B, blocks C]
+    query_position = query_position.view(batch, blocks, 1, size).expand(-1, -1, groups, -1).reshape(batch, blocks, rows)
+
+    scores, values = [], []
+    if sink_key.shape[2]:
+        sink_scores = torch.matmul(query_blocks.flatten(2, 3), sink_key.transpose(-1, -2)) * scaling
+        sink_allowed = sink_valid[:, None, :] & (sink_position[:, None, :] <= query_position.flatten(1)[..., None])
+        sink_value_ones = _with_ones_column(sink_value)
+        scores.append(sink_scores.view(batch, kv_heads, blocks, rows, -1).masked_fill(
+            ~sink_allowed.view(batch, 1, blocks, rows, -1), float("-inf")))
+        values.append(lambda weights: torch.matmul(weights.flatten(2, 3), sink_value_ones).view(
+            batch, kv_heads, blocks, rows, -1))
+    if caches is not None:
+        cache_keys, cache_values, _, cache_valid = (t[:, :, n_query - n_first:] for t in caches)
+        cache_scores = torch.matmul(query_blocks, cache_keys.transpose(-1, -2)) * scaling
+        scores.append(cache_scores.masked_fill(~cache_valid[:, :, :, None, :], float("-inf")))
+        values.append(lambda weights: torch.matmul(weights, cache_values))
+    if w > 0 or (caches is not None and size > 1):
+        span = size + w - 1
+        band_key = layout_key[:, :, skip:skip + blocks * size + w - 1].unfold(2, span, size)  # [B, Hkv, n, d, span]
+        band_value = _with_ones_column(layout_value[:, :, skip:skip + blocks * size + w - 1]).unfold(2, span, size)
+        band_keep = layout_keep[:, skip:skip + blocks * size + w - 1].unfold(1, span, size)  # [B, n, span]
+        local_row = torch.arange(size, device=device).repeat(groups)[:, None]
+        column = torch.arange(span, device=device)[None, :]
+        # The band (i - w, i]; with a sparse cache, from the block's pending tokens on: (nC - w, i].
+        in_band = ((column >= local_row) if caches is None else (column >= 0)) & (column < local_row + w)  # [gC, span]
+        band_scores = torch.matmul(query_blocks, band_key) * scaling
+        scores.append(band_scores.masked_fill(~(in_band & band_keep[:, None, :, None, :]), float("-inf")))
+        values.append(lambda weights: torch.matmul(weights, band_value.transpose(-1, -2)))
+
+    exact, row_max = exact_terms(scores, values, gamma, query_blocks[..., 0], value_dim)
+    if gamma is not None:
+        exact = exact * gamma.view(kv_heads, groups, 1).expand(-1, -1, size).reshape(kv_heads, 1, rows, 1)
+    tail = log_factor = None
+    if feature_map is not None:
+        tail, log_factor = _tail_terms(query, feature_map, root, to_query, blocks, per_block, tile_features,
+                                       tile_value_ones, tile_keep, call.tails, skip, n_query - n_first, size, groups,
+                                       pending_in_tail=caches is None)
+    total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)
+    out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
+    # [B, Hkv, n, g C, dv] -> [B, H, n C, dv] -> each row's queries
+    out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
+        batch, heads, blocks * size, value_dim)
+    return rows_window(out, seen - n_query * size - offset, length, 2)
+
+
+def exact_terms(scores, values, gamma, rows, value_dim):
+    """The exact part ``sum_E exp(s - c) [v, 1]`` and the row maximum ``c`` (0 without exact keys; detached in
+    calibrated mode, where it cancels) from masked ``scores`` (``-inf`` = not allowed) and, per score tensor, the
+    function applying its weights to its values; ``rows`` is a tensor shaped as the query rows."""
+    if not scores:
+        return rows.new_zeros(rows.shape + (value_dim + 1,)), rows.new_zeros(rows.shape)
+    row_max = torch.stack([score.amax(-1) for score in scores]).amax(0)
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    if gamma is None:
+        row_max = row_max.detach()
+    exact = None
+    for score, apply in zip(scores, values):
+        part = apply(torch.exp(score - row_max[..., None]))
+        exact = part if exact is None else exact + part
+    return exact, row_max
+
+
+def combine(exact, row_max, tail, log_factor, calibrated: bool):
+    """``[numerator, denominator]`` of each query: the exact part (already times gamma in learned mode) plus the
+    tail sums times ``exp(u)`` (learned) or ``exp(u - c)`` (calibrated), ``u`` = ``log_factor`` (0 if ``None``),
+    everything rescaled by ``exp(-rho)``, ``rho = max(0, exponent)`` (detached), so that nothing overflows."""
+    if tail is None:
+        return exact
+    exponent = -row_max if calibrated else None
+    if log_factor is not None:
+        exponent = log_factor if exponent is None else exponent + log_factor
+    if exponent is None:
+        return exact + tail
+    rho = exponent.detach().clamp_min(0.0)
+    return exact * torch.exp(-rho)[..., None] + tail * torch.exp(exponent - rho)[..., None]
+
+
+def _tail_terms(query, tail_map, root, to_query, blocks, per_block, tile_features, tile_value_ones, tile_keep, tails,
+                skip, first_block, size, groups, pending_in_tail=True):
+    """The tail sums of each query ``[B, Hkv, n, g C, dv + 1]`` (its boundary's sums and, unless a sparse cache keeps
+    them exact, its pending tokens) and its log factor ``[B, Hkv, n, g C]`` (``None`` for maps without log-scales)."""
+    batch, kv_heads = tile_value_ones.shape[:2]
+    q_features = tail_map.query_features(query * root)
+    phi_q = per_block(rows_window(q_features.values, to_query, blocks * size, 2))
+    features, log_scale = tile_features
+    window = slice(skip, skip + blocks * size)
+    phi_k = features[:, :, window].view(batch, kv_heads, blocks, size, -1)
+    values = tile_value_ones[:, :, window].view(batch, kv_heads, blocks, size, -1)
+    keep = tile_keep[:, window].view(batch, 1, blocks, 1, size)
+    sums, tail_max = (t[:, :, first_block:first_block + blocks] for t in tails)
+    if not pending_in_tail:
+        q_log = None if log_scale is None else per_block(
+            rows_window(q_features.log_scale[..., None], to_query, blocks * size, 2))[..., 0]
+        return torch.matmul(phi_q, sums), None if q_log is None else q_log + tail_max[..., None]
+    local_row = torch.arange(size, device=query.device).repeat(groups)[:, None]
+    pending = (torch.arange(size, device=query.device)[None, :] < local_row) & keep  # [B, 1, n, g C, C]
+    if log_scale is None:
+        scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)).masked_fill(~pending, 0.0)
+        return torch.matmul(phi_q, sums) + torch.matmul(scores, values), None
+    # Each query's stabiliser: the largest log-scale of the keys in its tail (the sums', then its pending tokens'),
+    # never a later key's (a future token must not change a past output).
+    tile_log_scale = log_scale[:, :, window].view(batch, kv_heads, blocks, size)
+    masked = tile_log_scale.masked_fill(~keep.view(batch, 1, blocks, size), float("-inf"))
+    running = masked.detach().cummax(-1).values
+    before = torch.cat([torch.full_like(running[..., :1], float("-inf")), running[..., :-1]], dim=-1)  # u < row
+    stabilizer = torch.maximum(tail_max[..., None], before.repeat(1, 1, 1, groups))  # [B, Hkv, n, g C]
+    stabilizer = stabilizer.clamp_min(torch.finfo(sums.dtype).min)
+    decay = torch.exp(masked[..., None, :] - stabilizer[..., None]).masked_fill(~pending, 0.0)
+    scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)) * decay
+    carried = torch.matmul(phi_q, sums) * torch.exp(tail_max[..., None] - stabilizer)[..., None]
+    q_log = per_block(rows_window(q_features.log_scale[..., None], to_query, blocks * size, 2))[..., 0]
+    return carried + torch.matmul(scores, values), q_log + stabilizer
+
+
+def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAttentionState:
+    """The state after the call's tokens."""
+    tile_features, tile_value_ones, tile_keep = call.tiles
+    tails, caches, entering, n_first, offset = call.tails, call.caches, call.entering, call.n_first, call.offset
+    local_key, local_value, local_keep, local_start = call.local
+    seen, row_start, last_block = call.seen + call.length, call.row_start, call.last_block
+    batch, kv_heads = tile_value_ones.shape[:2]
+    known = row_start >= 0
+    blocks = tails[0].shape[2]
+
+    def tail_at(block):  # the committed tail at each row's block `block` [B] (shifted frame)
+        index = (block - n_first).clamp(0, blocks - 1)
+        sums = _select_blocks(tails[0], index)
+        tail_max = _select_blocks(tails[1], index)
+        boundary = torch.where(known, block * size + offset, -1)
+        if caches is None:
+            empty = torch.zeros(batch, kv_heads, 0, dtype=torch.long, device=sums.device)
+            return CommittedTail(boundary, entering.cache_key[:, :, :0], entering.cache_value[:, :, :0], empty,
+                                 empty.bool(), sums, tail_max)
+        keys, value_ones, slot_index, valid = (_select_blocks(t, index) for t in caches)
+        return CommittedTail(boundary, keys.to(entering.cache_key.dtype), value_ones[..., :-1].to(
+            entering.cache_value.dtype), _slot_positions(slot_index, entering, n_first, size, offset, w),
+            valid, sums, tail_max)
+
+    current = tail_at(last_block)
+    checkpoint = None
+    if max_rollback > 0:
+        checkpoint = tail_at(_floor_div(seen - 1 - max_rollback - offset, size).clamp_min(n_first))
+    # Pending sums of the last query (position `seen - 1`): the tokens of its block's tile up to `seen - 1 - w` (none
+    # with a sparse cache, which keeps them exact).
+    tile_index = (last_block - n_first).clamp(0, blocks - 1)
+    features, log_scale = tile_features
+    tile = lambda t: _select_blocks(t.view(t.shape[:2] + (blocks, size) + t.shape[3:]), tile_index)  # noqa: E731
+    tile_position = last_block[:, None] * size + offset[:, None] - w + 1 + torch.arange(size, device=offset.device)
+    pending_keep = tile_keep.view(batch, blocks, size).gather(1, tile_index.view(batch, 1, 1).expand(-1, 1, size))[:, 0]
+    pending_keep = pending_keep & (tile_position <= seen - 1 - w)
+    sums, tail_max = empty_tail_sum(batch, kv_heads, features.shape[-1], tile_value_ones.shape[-1], features)
+    pending = None if caches is not None else fold_into(
+        (sums, tail_max), tile(features), None if log_scale is None else tile(log_scale), tile(tile_value_ones),
+        pending_keep[:, None].expand(-1, kv_heads, -1))
+    buffer_key, buffer_value, buffer_keep = last_tokens(local_key, local_value, local_keep,
+                                                        buffer_capacity(w, size, max_rollback))
+    sink_key, sink_value, sink_position, sink_valid = call.sinks
+    return WindowAttentionState(
+        sink_key=sink_key.clone(), sink_value=sink_value.clone(), sink_position=sink_position.clone(),
+        sink_valid=sink_valid.clone(), buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
+        row_start=row_start,
+        current=current, pending=pending, checkpoint=checkpoint, seen=seen, window=w, sinks=sinks,
+        sparse_cache=capacity, chunk_size=size, max_rollback=max_rollback)
+
+
+def _slot_positions(slot_index, entering, n_first, size, offset, w):
+    """Absolute positions of pool slots ``slot_index`` ``[B, Hkv, ...]``: the entering cache's slots, then the tiles'
+    (pool slot ``G + p`` is layout index ``p``, at absolute ``n_first C - w + 1 + p + offset``)."""
+    slots = entering.cache_position.shape[2]
+    row_offset = offset.view((-1,) + (1,) * (slot_index.dim() - 1))
+    tile_position = n_first * size - w + 1 + (slot_index - slots) + row_offset
+    if not slots:
+        return tile_position
+    flat = slot_index.flatten(2).clamp_max(slots - 1)
+    from_cache = entering.cache_position.gather(2, flat).view(slot_index.shape)
+    return torch.where(slot_index < slots, from_cache, tile_position)

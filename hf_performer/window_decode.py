@@ -1,0 +1,181 @@
+"""One decoding step of causal window attention: one new token per row, constant work whatever was seen before.
+
+What :func:`~.window_causal.causal_window_attention` computes for a block, for a single query ``x`` per row, read
+from the :class:`~.window_state.WindowAttentionState`: its exact keys are the row's sinks, its sparse cache and the
+last ``w`` tokens (with a cache: every token after ``b - w``, ``b`` the row's boundary); its tail is the committed tail
+sums, plus without a cache the pending sums (the tokens that left the window since the boundary). At a row's boundary
+(``x = row_start + k C``) the sparse cache is selected first (:func:`~.window_sparse_cache.select_hard_keys` over the
+cache and the ``C`` tokens that left the window since the last boundary, their features recomputed from the buffer)
+and the pending sums restart empty; otherwise the token ``x - w`` joins the pending sums. So a step costs
+``O((sinks + G + w + C) d + m d)`` per head, plus ``O((G + C) m d)`` per key head once every ``C`` tokens.
+
+It serves the states without a checkpoint (``max_rollback == 0``), whose current tail is known: any other state
+(after a rollback, or keeping one for rollbacks) goes through the block path, which replays from the checkpoint.
+
+This module imports only ``torch`` and its siblings.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .feature_maps import compute_dtype_for
+from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
+from .window_causal import _key_features, combine, exact_terms, rows_window
+from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
+from .window_state import CommittedTail, buffer_capacity, last_tokens, row_sinks
+from .window_tail import _merge_tail_sums
+
+
+def can_decode_step(state, length: int, max_rollback: int) -> bool:
+    """Whether a call is one token continuing a state this module serves."""
+    return (state is not None and length == 1 and max_rollback == 0 and state.current is not None
+            and state.checkpoint is None)
+
+
+def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps):
+    """Outputs ``[B, H, 1, dv]`` of one new token per row and the state after it (arguments as
+    :func:`~.window_attention.window_linear_attention`, already validated; ``state`` passes
+    :func:`can_decode_step`)."""
+    batch, heads, _, head_dim = query.shape
+    kv_heads, value_dim = key.shape[1], value.shape[-1]
+    groups = heads // kv_heads
+    size, w, capacity, sinks = state.chunk_size, state.window, state.sparse_cache, state.sinks
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
+    root = scaling**0.5
+    dtype = compute_dtype_for(query)
+    device = query.device
+    x = state.seen
+    with _no_autocast(device.type):
+        gamma = None if softmax_weight is None else softmax_weight.to(dtype)
+        unpadded = (torch.ones(batch, 1, dtype=torch.bool, device=device) if key_padding_mask is None
+                    else key_padding_mask)
+        sink_key, sink_value, sink_position, sink_valid, is_sink = row_sinks(key, value, unpadded, sinks, state, x)
+        local_key = torch.cat([state.buffer_key.to(key.dtype), key], dim=2)
+        local_value = torch.cat([state.buffer_value.to(value.dtype), value], dim=2)
+        local_keep = torch.cat([state.buffer_keep, unpadded & ~is_sink], dim=1)
+        local_start = state.buffer_start
+        fresh = (state.row_start < 0) & unpadded[:, 0]
+        row_start = torch.where(fresh, x, state.row_start)
+        known = row_start >= 0
+        offset = torch.where(known, row_start % size, 0)
+        current = state.current
+        crossing = known & ((x - offset) % size == 0) & (fresh | (x > current.boundary))
+        current_sums = (current.tail_sums.to(dtype), current.tail_max)
+
+        def tokens(start, length):  # keys, values + ones (zero where not kept), keep of positions start.. per row
+            begin = start - local_start
+            keep = rows_window(local_keep, begin, length, 1, fill=False)
+            values = _with_ones_column(rows_window(local_value.to(dtype), begin, length, 2))
+            return rows_window(local_key.to(dtype), begin, length, 2), values.masked_fill(~keep[:, None, :, None], 0.0), \
+                keep
+
+        cache = current
+        if bool(crossing.any()):
+            cache, current_sums = _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x,
+                                                      size, w, capacity, eps)
+        # Without a cache the tokens that left the window since the boundary are in the tail (pending sums); with one
+        # they wait exactly for the next selection, in the band.
+        pending = None if capacity else _pending_sums(state, current, crossing, known, tokens, feature_map, root, x, w,
+                                                      current_sums)
+        boundary = torch.where(crossing, x, current.boundary)
+
+        # Exact keys: sinks, cache, the last w tokens.
+        query_rows = query.to(dtype).view(batch, kv_heads, groups, head_dim)
+        scores, values = [], []
+        if sinks:
+            sink_scores = torch.matmul(query_rows, sink_key.to(dtype).transpose(-1, -2)) * scaling
+            scores.append(sink_scores.masked_fill(~sink_valid[:, None, None, :], float("-inf")))
+            sink_value_ones = _with_ones_column(sink_value.to(dtype))
+            values.append(lambda weights: torch.matmul(weights, sink_value_ones))
+        if capacity:
+            cache_scores = torch.matmul(query_rows, cache.cache_key.to(dtype).transpose(-1, -2)) * scaling
+            scores.append(cache_scores.masked_fill(~cache.cache_valid[:, :, None, :], float("-inf")))
+            cache_value_ones = _with_ones_column(cache.cache_value.to(dtype))
+            values.append(lambda weights: torch.matmul(weights, cache_value_ones))
+        span = w if not capacity else w + size - 1
+        if span:
+            band_key, band_value_ones, band_keep = tokens(torch.full_like(row_start, x - span + 1), span)
+            if capacity:  # from the boundary's window edge: the waiting tokens
+                band_keep = band_keep & (x - span + 1 + torch.arange(span, device=device) > boundary[:, None] - w)
+            band_scores = torch.matmul(query_rows, band_key.transpose(-1, -2)) * scaling
+            scores.append(band_scores.masked_fill(~band_keep[:, None, None, :], float("-inf")))
+            values.append(lambda weights: torch.matmul(weights, band_value_ones))
+        exact, row_max = exact_terms(scores, values, gamma, query_rows[..., 0], value_dim)
+        if gamma is not None:
+            exact = exact * gamma.view(kv_heads, groups, 1)
+        tail = log_factor = None
+        if feature_map is not None:
+            q_features = feature_map.query_features(query.to(dtype) * root)
+            sums, tail_max = current_sums if pending is None else _merge_tail_sums(current_sums, pending)
+            tail = torch.matmul(q_features.values.view(batch, kv_heads, groups, -1), sums)
+            if q_features.log_scale is not None:
+                log_factor = q_features.log_scale.view(batch, kv_heads, groups) + tail_max[..., None]
+        total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)
+        out = (total[..., :-1] / _safe_denominator(total[..., -1:], eps)).reshape(batch, heads, 1, value_dim)
+
+        new_current = cache._replace(boundary=boundary, tail_sums=current_sums[0], tail_max=current_sums[1])
+        buffer_key, buffer_value, buffer_keep = last_tokens(local_key, local_value, local_keep,
+                                                            buffer_capacity(w, size, 0))
+        new_state = state._replace(
+            sink_key=sink_key, sink_value=sink_value, sink_position=sink_position, sink_valid=sink_valid,
+            buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
+            row_start=row_start, current=new_current, pending=pending, seen=x + 1)
+    return out.to(value.dtype), new_state
+
+
+def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps):
+    """The cache and tail sums of the rows at a boundary ``x`` (``crossing`` ``[B]``) after its selection; the other
+    rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer."""
+    batch, kv_heads = current.cache_valid.shape[:2]
+    tile_key, tile_value_ones, tile_keep = tokens(torch.full_like(current.boundary, x - size - w + 1), size)
+    tile_features = _key_features(feature_map, tile_key, root)
+    keep = tile_keep[:, None].expand(-1, kv_heads, -1)
+    if capacity == 0:
+        new_sums = fold_into(current_sums, *tile_features, tile_value_ones, keep)
+        cache = current
+    else:
+        cache_features = _key_features(feature_map, current.cache_key.to(tile_key.dtype), root)
+        features = torch.cat([cache_features.values, tile_features.values], dim=2)
+        log_scale = (None if tile_features.log_scale is None
+                     else torch.cat([cache_features.log_scale, tile_features.log_scale], dim=2))
+        value_ones = torch.cat([_with_ones_column(current.cache_value.to(tile_key.dtype)), tile_value_ones], dim=2)
+        valid = torch.cat([current.cache_valid, keep], dim=-1)
+        new_sums, kept, kept_valid = select_hard_keys(current_sums, features, log_scale, value_ones, valid, capacity,
+                                                      eps)
+        keys = torch.cat([current.cache_key.to(tile_key.dtype), tile_key], dim=2)
+        positions = torch.cat([current.cache_position,
+                               (x - size - w + 1 + torch.arange(size, device=keys.device)).expand(batch, kv_heads, -1)],
+                              dim=-1)
+        picked = lambda t: t.gather(2, kept[..., None].expand(kept.shape + t.shape[-1:]))  # noqa: E731
+        selected = CommittedTail(current.boundary, picked(keys).to(current.cache_key.dtype),
+                                 picked(value_ones)[..., :-1].to(current.cache_value.dtype),
+                                 positions.gather(-1, kept), kept_valid, *new_sums)
+        cache = selected.select_rows(crossing, current)
+    rows = crossing.view(-1, 1, 1, 1)
+    return cache, (torch.where(rows, new_sums[0], current_sums[0]), torch.where(crossing[:, None], new_sums[1],
+                                                                                current_sums[1]))
+
+
+def _pending_sums(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums):
+    """The tail sums of the tokens that left the window after each row's boundary, up to ``x - w``: empty at a
+    boundary, else the state's plus token ``x - w`` (recomputed from the buffer when the state has none)."""
+    batch, kv_heads, features, columns = current_sums[0].shape
+    empty = empty_tail_sum(batch, kv_heads, features, columns, current_sums[0])
+    if state.pending is None:  # the tokens (boundary - w, x - w] of each row
+        length = max(int((x - current.boundary[known]).max()) if bool(known.any()) else 0, 0)
+        if length == 0:
+            return empty
+        start = current.boundary - w + 1
+        keys, value_ones, keep = tokens(start, length)
+        keep = keep & (start[:, None] + torch.arange(length, device=keep.device) <= x - w)
+        pending = fold_into(empty, *_key_features(feature_map, keys, root), value_ones,
+                            keep[:, None].expand(-1, kv_heads, -1))
+    else:
+        key, value_ones, keep = tokens(torch.full_like(current.boundary, x - w), 1)
+        keep = keep & (x > current.boundary)[:, None]
+        pending = fold_into((state.pending[0].to(value_ones.dtype), state.pending[1]),
+                            *_key_features(feature_map, key, root), value_ones, keep[:, None].expand(-1, kv_heads, -1))
+    rows = (crossing | ~known)
+    return (torch.where(rows.view(-1, 1, 1, 1), empty[0], pending[0]),
+            torch.where(rows[:, None], empty[1], pending[1]))

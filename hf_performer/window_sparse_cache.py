@@ -1,0 +1,92 @@
+"""The sparse cache of hard keys of causal window attention: which older tokens stay exact (LoLA, arXiv 2505.23666).
+
+Besides its sinks and its window, a causal window layer may keep up to ``G`` older tokens per (example, key head)
+exact: the ones its linear tail would recall worst. Selection happens at the row's *boundaries*, every
+``chunk_size`` (``C``) positions from the row's first unpadded token (``o_r + k C``, ``o_r`` that token's position
+modulo ``C``, so that a left-padded row selects exactly what it selects alone). At boundary ``b`` the candidates are
+the tokens of the cache at ``b - C`` and the tokens that left the window since, ``b - C - w < j <= b - w`` (unpadded,
+not sinks); each is scored by its self-recall error against the tail sums that would hold every candidate,
+
+    err_j = || phi(k_j)^T S / phi(k_j)^T z - v_j ||^2,    (S, z) = tail sums at b - C + sum over the candidates,
+
+the ``G`` largest stay exact (ties: the older token), and the others fold into the tail sums for good. Queries
+``b <= i < b + C`` see the cache of ``b`` exactly, and the tokens that left the window after ``b`` as well: they wait,
+exact, for the next selection (as in LoLA, whose window is chunked), so that the tail holds only folded tokens and
+``G >= L`` is exact softmax. ``G = 0`` is today's window hybrid: no cache, and the tokens that left the window go to
+the tail at once (its sums at ``b`` hold every key ``j <= b - w``, the later ones are added per query).
+
+Selection is not differentiated (the error is computed on detached tensors); the tail sums it returns are
+differentiable in the folded keys' features and values, and the kept tokens are returned as candidate indices, so
+that callers gather their keys and values with gradients.
+
+A tail sum is ``(sums [B, Hkv, m, dv + 1], K [B, Hkv])``: ``sum_j values_j exp(lk_j - K) [v_j, 1]`` with ``K`` the
+detached maximum of the summed keys' log-scales (``finfo.min`` for none), as in :mod:`.window_tail`.
+
+This module imports only ``torch`` and its sibling ``window_tail``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .window_tail import _fold_keys
+
+
+def empty_tail_sum(batch: int, heads: int, features: int, columns: int, like: torch.Tensor):
+    """The tail sum over no key: zeros ``[B, Hkv, m, columns]`` and ``K = finfo.min``."""
+    return (like.new_zeros(batch, heads, features, columns),
+            like.new_full((batch, heads), torch.finfo(like.dtype).min))
+
+
+def fold_into(tail, features, log_scale, value_ones, mask):
+    """``tail`` plus the keys of ``mask`` ``[B, Hkv, n]`` (bool): their feature values ``features``
+    ``[B, Hkv, n, m]``, log-scales ``log_scale`` ``[B, Hkv, n]`` (or ``None``: maps without one) and
+    ``value_ones`` ``[B, Hkv, n, dv + 1]``. Differentiable in the features and values."""
+    sums, tail_max = tail
+    weights = features * mask[..., None].to(features.dtype)
+    if log_scale is None:
+        return sums + torch.matmul(weights.transpose(-1, -2), value_ones), tail_max
+    masked_log_scale = log_scale.masked_fill(~mask, float("-inf"))
+    new_max = torch.maximum(tail_max, masked_log_scale.detach().amax(-1)).clamp_min(torch.finfo(sums.dtype).min)
+    return _fold_keys(sums, tail_max, weights, masked_log_scale, value_ones, new_max), new_max
+
+
+def recall_error(features, value_ones, tail, eps: float):
+    """Self-recall error ``|| phi(k)^T S / phi(k)^T z - v ||^2`` ``[B, Hkv, n]`` of keys with feature values
+    ``features`` ``[B, Hkv, n, m]`` and ``value_ones`` ``[B, Hkv, n, dv + 1]`` against ``tail`` (the keys'
+    log-scales and the tail's stabiliser cancel in the ratio)."""
+    recalled = torch.matmul(features, tail[0])  # [B, Hkv, n, dv + 1]
+    denominator = recalled[..., -1:]
+    denominator = torch.where(denominator.abs() < eps, torch.full_like(denominator, eps), denominator)
+    return ((recalled[..., :-1] / denominator - value_ones[..., :-1]) ** 2).sum(-1)
+
+
+def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, capacity: int, eps: float):
+    """One boundary: keep the ``capacity`` candidates the tail would recall worst, fold the others.
+
+    Args:
+        tail: the tail sum before the boundary (differentiable or not).
+        features: ``[B, Hkv, n, m]`` the candidates' feature values, ``log_scale`` ``[B, Hkv, n]`` or ``None``,
+            ``value_ones`` ``[B, Hkv, n, dv + 1]``; candidates in position order (older first).
+        candidate_valid: ``[B, Hkv, n]`` bool, ``False`` for empty cache slots, padding, sinks.
+        capacity: ``G >= 1``.
+
+    Returns:
+        ``(tail', kept [B, Hkv, G] long, kept_valid [B, Hkv, G] bool)``: the tail sum with the folded candidates
+        added, and the kept candidates' indices (in candidate order, so older first; invalid slots point at 0).
+    """
+    with torch.no_grad():
+        every = fold_into((tail[0].detach(), tail[1]), features.detach(), None if log_scale is None else
+                          log_scale.detach(), value_ones.detach(), candidate_valid)
+        error = recall_error(features.detach(), value_ones.detach(), every, eps)
+        error = error.masked_fill(~candidate_valid, float("-inf"))
+        ranked = torch.sort(error, dim=-1, descending=True, stable=True).indices[..., :capacity]
+        kept = ranked.sort(dim=-1).values
+        kept_valid = candidate_valid.gather(-1, kept)
+        folded = candidate_valid.clone()
+        folded.scatter_(-1, kept, False)
+        if kept.shape[-1] < capacity:  # fewer candidates than slots: the extra slots are empty
+            missing = capacity - kept.shape[-1]
+            kept = torch.cat([kept, kept.new_zeros(kept.shape[:-1] + (missing,))], dim=-1)
+            kept_valid = torch.cat([kept_valid, kept_valid.new_zeros(kept_valid.shape[:-1] + (missing,))], dim=-1)
+    return fold_into(tail, features, log_scale, value_ones, folded), kept, kept_valid

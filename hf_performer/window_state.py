@@ -1,0 +1,251 @@
+"""The decoding state of causal window attention: sink slots, a buffer of recent tokens, the committed tail.
+
+A causal window layer (:mod:`.window_attention`) needs, for the next query, each row's sinks, the keys of its window,
+the tokens that left the window since its last boundary (the *pending* tokens, in its tail until the next boundary),
+its sparse cache of hard keys and the tail sums of every other older token (:mod:`.window_sparse_cache`). So the
+state holds, per row:
+
+* the sink slots (its first ``sinks`` unpadded tokens, with their positions);
+* a buffer of the last tokens' keys and values (:func:`buffer_capacity` of them, empty ones first while fewer were
+  seen), reaching ``w - 1`` tokens before the oldest boundary it may return to (the checkpoint's, or the current
+  one's): the window, the pending tokens, and what a rollback replays;
+* the *current* :class:`CommittedTail` (sparse cache and tail sums at the boundary of the last query) and the tail
+  sums of the pending tokens;
+* with ``max_rollback > 0``, a *checkpoint* :class:`CommittedTail` at a boundary old enough that dropping the last
+  ``max_rollback`` tokens never goes before it: :meth:`WindowAttentionState.rollback` returns to it and the next
+  call replays the selection over the buffered tokens.
+
+Its size depends on ``window``, ``sinks``, the cache ``G``, ``chunk_size`` and ``max_rollback``, not on the tokens
+seen. Features are never stored: the next call recomputes those of the few buffered tokens it needs.
+
+This module imports only ``torch``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class CommittedTail(NamedTuple):
+    """The sparse cache and the tail sums of each row at one of its boundaries.
+
+    Attributes:
+        boundary: ``[B]`` long, the boundary's absolute position per row.
+        cache_key: ``[B, Hkv, G, d]``, ``cache_value`` ``[B, Hkv, G, dv]``: the kept tokens (input dtype).
+        cache_position: ``[B, Hkv, G]`` long, their absolute positions; ``cache_valid`` ``[B, Hkv, G]`` bool.
+        tail_sums: ``[B, Hkv, m, dv + 1]`` ``sum_j values_j exp(lk_j - K) [v_j, 1]`` over the folded tokens
+            (compute dtype), ``tail_max`` ``[B, Hkv]`` their stabiliser ``K``.
+    """
+
+    boundary: torch.Tensor
+    cache_key: torch.Tensor
+    cache_value: torch.Tensor
+    cache_position: torch.Tensor
+    cache_valid: torch.Tensor
+    tail_sums: torch.Tensor
+    tail_max: torch.Tensor
+
+    def map_batch(self, fn) -> "CommittedTail":
+        return CommittedTail(*(fn(t) for t in self))
+
+    def select_rows(self, rows: torch.Tensor, other: "CommittedTail") -> "CommittedTail":
+        """This tail where ``rows`` ``[B]`` (bool) is True, ``other`` elsewhere."""
+        return CommittedTail(*(torch.where(rows.view((-1,) + (1,) * (mine.dim() - 1)), mine, theirs)
+                               for mine, theirs in zip(self, other)))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
+
+
+FLOAT_FIELDS = ("cache_key", "cache_value", "tail_sums")
+"""The differentiable tensors of a :class:`CommittedTail` (``tail_max`` is a detached stabiliser)."""
+
+
+class WindowAttentionState(NamedTuple):
+    """State of causal window attention after ``seen`` tokens (module docstring): constant size.
+
+    Attributes:
+        sink_key: ``[B, Hkv, sinks, d]``, ``sink_value`` ``[B, Hkv, sinks, dv]``: slot ``t`` holds the row's
+            ``t``-th unpadded token; ``sink_position`` ``[B, sinks]`` long; ``sink_valid`` ``[B, sinks]`` bool (the
+            filled slots, a prefix).
+        buffer_key: ``[B, Hkv, b, d]``, ``buffer_value``, ``buffer_keep`` ``[B, b]`` (``False`` for padding and the
+            rows' sinks): the tokens at positions ``[seen - b, seen)``.
+        row_start: ``[B]`` long, the position of the row's first unpadded token (its boundaries are
+            ``row_start + k chunk_size``), ``-1`` while the row has none.
+        current: the :class:`CommittedTail` at the boundary of the last query, or ``None`` after a rollback (the next
+            call rebuilds it from ``checkpoint``).
+        pending: ``(sums, K)`` the tail sums of the last query's pending tokens (those that left the window after
+            ``current``'s boundary, up to position ``seen - 1 - window``), or ``None`` (the next call recomputes
+            them).
+        checkpoint: a :class:`CommittedTail` at an older boundary that rollbacks return to, or ``None`` when
+            ``max_rollback == 0`` (then ``current`` is the only one).
+        seen: tokens seen (padding included); window, sinks, sparse_cache (``G``), chunk_size, max_rollback: the
+            settings the state was built with.
+    """
+
+    sink_key: torch.Tensor
+    sink_value: torch.Tensor
+    sink_position: torch.Tensor
+    sink_valid: torch.Tensor
+    buffer_key: torch.Tensor
+    buffer_value: torch.Tensor
+    buffer_keep: torch.Tensor
+    row_start: torch.Tensor
+    current: CommittedTail | None
+    pending: tuple | None
+    checkpoint: CommittedTail | None
+    seen: int
+    window: int
+    sinks: int
+    sparse_cache: int
+    chunk_size: int
+    max_rollback: int
+
+    @property
+    def buffer_start(self) -> int:
+        """Absolute position of the first buffered token."""
+        return self.seen - self.buffer_key.shape[2]
+
+    @property
+    def oldest(self) -> CommittedTail:
+        """The tail a rollback can return to: the checkpoint, else the current one."""
+        return self.current if self.checkpoint is None else self.checkpoint
+
+    def rollback_capacity(self) -> int:
+        """How many of the last tokens :meth:`rollback` can drop exactly (at least ``max_rollback``).
+
+        After dropping ``r`` tokens the last remaining query ``seen - r - 1`` must not be before the boundary of
+        :attr:`oldest` in any row that has one."""
+        known = self.row_start >= 0
+        if not bool(known.any()):
+            return self.seen
+        return int((self.seen - 1 - self.oldest.boundary[known]).min().clamp_min(0))
+
+    def rollback(self, tokens: int) -> "WindowAttentionState":
+        """The state without the last ``tokens`` tokens (assisted / speculative decoding): back to :attr:`oldest`,
+        the buffer and the sink slots cut; the next call replays the selection from there."""
+        capacity = self.rollback_capacity()
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens <= capacity:
+            raise ValueError(
+                f"window attention state: can drop between 0 and {capacity} of its last tokens exactly (window "
+                f"{self.window}, chunk_size {self.chunk_size}, max_rollback {self.max_rollback}, {self.seen} seen); "
+                f"got {tokens!r}"
+            )
+        if tokens == 0:
+            return self
+        seen = self.seen - tokens
+        buffer = self.buffer_key.shape[2] - tokens
+        # (A row keeps at least the query at its first boundary, its first unpadded token: it stays known.)
+        return self._replace(
+            sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
+            buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
+            current=None, pending=None, checkpoint=self.oldest, seen=seen,
+        )
+
+    def map_batch(self, fn) -> "WindowAttentionState":
+        """Apply ``fn`` to every tensor (all have the batch first): select / repeat / move rows."""
+        tensors = {name: fn(getattr(self, name)) for name in _ROW_TENSORS}
+        pending = None if self.pending is None else tuple(fn(t) for t in self.pending)
+        return self._replace(
+            current=None if self.current is None else self.current.map_batch(fn), pending=pending,
+            checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), **tensors)
+
+    def nbytes(self) -> int:
+        """Bytes held by the tensors (bounded by the settings, not by ``seen``)."""
+        total = sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in _ROW_TENSORS)
+        for tail in (self.current, self.checkpoint):
+            total += 0 if tail is None else tail.nbytes()
+        if self.pending is not None:
+            total += sum(t.numel() * t.element_size() for t in self.pending)
+        return total
+
+
+_ROW_TENSORS = ("sink_key", "sink_value", "sink_position", "sink_valid", "buffer_key", "buffer_value", "buffer_keep",
+                "row_start")
+_STATE_FLOATS = ("sink_key", "sink_value", "buffer_key", "buffer_value")
+
+
+def buffer_capacity(window: int, chunk_size: int, max_rollback: int) -> int:
+    """Tokens a state's buffer holds: everything after the oldest boundary it may return to, ``w - 1`` tokens before
+    it (the next queries' windows and tiles start there) and up to ``chunk_size - 1 + max_rollback`` after it."""
+    return max(window - 1, 0) + chunk_size + max_rollback
+
+
+def last_tokens(key, value, keep, capacity: int):
+    """The last ``capacity`` tokens of ``key`` / ``value`` ``[B, Hkv, n, .]`` and ``keep`` ``[B, n]`` (copies), with
+    empty (not kept) tokens before them when there are fewer: a buffer of constant size."""
+    missing = capacity - key.shape[2]
+    if missing <= 0:
+        return key[:, :, -capacity:].clone(), value[:, :, -capacity:].clone(), keep[:, -capacity:].clone()
+    pad = lambda t, dim: torch.cat([t.new_zeros(t.shape[:dim] + (missing,) + t.shape[dim + 1:]), t], dim=dim)  # noqa
+    return pad(key, 2), pad(value, 2), pad(keep, 1)
+
+
+def state_tensors(state: WindowAttentionState) -> list:
+    """The floating-point tensors of ``state`` that gradients flow through, in a fixed order (``None`` for an absent
+    part): the sink slots, the buffer, the current and checkpoint tails' cache keys / values and sums, the pending
+    sums."""
+    tensors = [getattr(state, name) for name in _STATE_FLOATS]
+    for tail in (state.current, state.checkpoint):
+        tensors += [None] * len(FLOAT_FIELDS) if tail is None else [getattr(tail, name) for name in FLOAT_FIELDS]
+    tensors.append(None if state.pending is None else state.pending[0])
+    return tensors
+
+
+def with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionState:
+    """``state`` with the tensors of :func:`state_tensors` replaced by ``tensors`` (same order)."""
+    tensors = list(tensors)
+    named = {name: tensors.pop(0) for name in _STATE_FLOATS}
+    tails = []
+    for tail in (state.current, state.checkpoint):
+        replaced = [tensors.pop(0) for _ in FLOAT_FIELDS]
+        tails.append(None if tail is None else tail._replace(**dict(zip(FLOAT_FIELDS, replaced))))
+    pending_sums = tensors.pop(0)
+    pending = None if state.pending is None else (pending_sums, state.pending[1])
+    return state._replace(current=tails[0], checkpoint=tails[1], pending=pending, **named)
+
+
+def row_sinks(key, value, keep, sinks, initial_state, seen):
+    """Each row's sinks after the new tokens: its first ``sinks`` unpadded tokens, stored or new.
+
+    Args:
+        key: ``[B, Hkv, L, d]``, value ``[B, Hkv, L, dv]``, keep ``[B, L]``: the new tokens (positions
+            ``seen..seen+L-1``; ``keep`` = unpadded).
+        initial_state: the :class:`WindowAttentionState` before them, or ``None``.
+
+    Returns:
+        ``(sink_key [B, Hkv, sinks, d], sink_value [B, Hkv, sinks, dv], sink_position [B, sinks] long,
+        sink_valid [B, sinks] bool, is_sink [B, L] bool)``: the slots (gathered, so gradients reach the new keys)
+        and which new tokens are sinks.
+    """
+    batch, kv_heads, length, _ = key.shape
+    positions = torch.arange(seen, seen + length, device=key.device)
+    if initial_state is None:
+        stored_key, stored_value = key[:, :, :0], value[:, :, :0]
+        stored_position = positions.new_zeros(batch, 0)
+        filled = positions.new_zeros(batch)
+    else:
+        stored_key = initial_state.sink_key.to(key.dtype)
+        stored_value = initial_state.sink_value.to(value.dtype)
+        stored_position = initial_state.sink_position
+        filled = initial_state.sink_valid.sum(-1)
+    stored = stored_key.shape[2]  # `sinks` slots in a state, none before it
+    rank = filled[:, None] + keep.long().cumsum(-1)  # 1-based count of the row's unpadded tokens so far
+    is_sink = keep & (rank <= sinks)
+    # Slot t takes candidate index[t] among [stored slots, new tokens]: a stored slot keeps its token, the new
+    # sink of rank r fills slot r - 1 (non-sinks go to a discarded extra column).
+    index = torch.arange(sinks, device=key.device).clamp_max(max(stored - 1, 0)).repeat(batch, 1)
+    index = torch.cat([index, index.new_zeros(batch, 1)], dim=1)
+    index = index.scatter(1, torch.where(is_sink, rank - 1, sinks), (stored + torch.arange(length, device=key.device))
+                          .repeat(batch, 1))[:, :sinks]
+    sink_valid = torch.arange(sinks, device=key.device)[None, :] < (filled + keep.sum(-1))[:, None]
+
+    def gather(stored_tensor, new_tensor):
+        # Without stored slots, gather from the input itself: autograd then saves no copy of the sequence.
+        candidates = torch.cat([stored_tensor, new_tensor], dim=2) if stored else new_tensor
+        return candidates.gather(2, index[:, None, :, None].expand(batch, kv_heads, sinks, candidates.shape[-1]))
+
+    sink_position = torch.cat([stored_position, positions.repeat(batch, 1)], dim=1).gather(1, index)
+    return gather(stored_key, key), gather(stored_value, value), sink_position, sink_valid, is_sink
