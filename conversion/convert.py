@@ -38,6 +38,8 @@ from hf_performer.favor_attention import (
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
+from .defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
+
 
 logger = logging.get_logger(__name__)
 
@@ -54,8 +56,6 @@ TOKENIZER_VOCAB_FILES = (
 )
 """Alternatives, any one of which gives the tokenizer its vocabulary (next to ``tokenizer_config.json``)."""
 
-DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
-"""Positions a shorter learned absolute table is extended to by ``hf-performer convert`` and ``quickstart``."""
 
 TOKENIZER_PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 """Text a usable tokenizer turns into known tokens (see :func:`tokenizer_is_usable`)."""

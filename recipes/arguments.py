@@ -45,7 +45,7 @@ class RecipeError(ValueError):
 def build_parser(kind: str) -> argparse.ArgumentParser:
     """The argument parser of the recipe ``kind`` (``"text-classification"`` or ``"causal-lm"``)."""
     from ..cli.arguments import add_favor_arguments
-    from ..favor_settings import FAVOR_DEFAULTS
+    from ..favor_schema import FAVOR_DEFAULTS
     from ..tasks.data import LM_DATASETS
 
     if kind not in KINDS:

@@ -53,7 +53,7 @@ REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
 CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "configuration_performer.py",
-              "favor_attention.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
+              "favor_attention.py", "favor_schema.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
               "linear_attention_autograd.py", "modeling_performer.py", "packed_sequences.py",
               "window_attention.py", "window_segments.py", "window_tail.py"]
 
@@ -607,7 +607,7 @@ def _remove(*names):
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
         (_remove("favor_attention.py"), "favor_attention.py: missing (needed by modeling_performer.py "
                                         "(from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps"),
-        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_settings.py (from .linear_attention"),
+        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by cache.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),
         (_lfs_pointer, "model.safetensors: not a safetensors file (bad header length; a Git LFS pointer"),

@@ -10,7 +10,7 @@ complete, so a failure leaves nothing half-written, and what a killed run leaves
 by the next one; an existing output folder is refused unless ``--overwrite`` is given, and an output that
 is, contains or lies inside SOURCE always is.
 
-The verb imports the conversion library at module level: its parser needs the model heads (``--task``) anyway.
+The parser imports no torch (``--help`` is fast): the conversion library is imported when the verb runs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import argparse
 import os
 import sys
 
-from ..conversion import ConversionError, convert_to_performer, fidelity_report, load_source
-from ..conversion.convert import DEFAULT_MAX_POSITION_EMBEDDINGS, TASKS, default_position_table_size
-from ..favor_settings import FAVOR_DEFAULTS
-from ..hub import write_model_card
+from ..conversion.defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
+from ..favor_schema import FAVOR_DEFAULTS, PERFORMER_TASKS
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
 from .arguments import (
@@ -45,7 +43,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
     parser.add_argument(
         "--task",
-        choices=TASKS,
+        choices=PERFORMER_TASKS,
         default=None,
         help="model head to build (default: the task of the class the checkpoint was saved from, else base)",
     )
@@ -92,6 +90,8 @@ def add_position_table_arguments(parser: argparse.ArgumentParser) -> None:
 def position_table_size(args: argparse.Namespace, source) -> int | None:
     """The position count to extend ``source``'s learned table to (``None``: leave it as it is), from the arguments
     of :func:`add_position_table_arguments`."""
+    from ..conversion.convert import default_position_table_size
+
     if args.max_position_embeddings is not None or args.keep_position_table:
         return args.max_position_embeddings
     return default_position_table_size(source)
@@ -100,6 +100,9 @@ def position_table_size(args: argparse.Namespace, source) -> int | None:
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``hf-performer convert`` (see :func:`add_parser`; ``quickstart`` runs it with ``args.command`` set to its
     own name, which labels the errors). Returns the exit status."""
+    from ..conversion import ConversionError, convert_to_performer, fidelity_report, load_source
+    from ..hub import write_model_card
+
     command = getattr(args, "command", None) or "convert"
     output = check_output_folder(args.output, args.overwrite, command, source=args.source)
 

@@ -29,7 +29,8 @@ import sys
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-from .arguments import LEARNED_MAP_INITS, add_favor_arguments
+from ..favor_schema import LEARNED_MAP_INITS
+from .arguments import add_favor_arguments
 
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
