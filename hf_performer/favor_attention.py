@@ -102,7 +102,11 @@ from .cache import (
     new_tokens_padding_mask,
     record_for_rollback,
 )
-from .clustered_attention import clustered_attention_from_settings, refuse_causal_clustered
+from .clustered_attention import (
+    clustered_attention_from_settings,
+    clustered_attention_weights_from_settings,
+    refuse_causal_clustered,
+)
 from .favor_settings import (
     build_feature_map,
     favor_settings_of,
@@ -633,8 +637,16 @@ def favor_attention_forward(
 
     if is_clustered(settings):
         refuse_causal_clustered(settings["attention"], layer_idx, causal)
-        out = clustered_attention_from_settings(query, key, value, _key_padding_mask(attention_mask, False), scaling,
-                                           settings, layer_idx)
+        if segment_ids is not None:
+            raise FavorMaskError(
+                f"clustered attention (layer {layer_idx}): packed sequences are not supported (the clusters would mix "
+                "sequences); pad the sequences into separate rows instead"
+            )
+        padding = _key_padding_mask(attention_mask, False)
+        if attention_weights_requested(kwargs):  # the applied weights, as for linear layers
+            weights = clustered_attention_weights_from_settings(query, key, padding, scaling, settings, layer_idx)
+            return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
+        out = clustered_attention_from_settings(query, key, value, padding, scaling, settings, layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
