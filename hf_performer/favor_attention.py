@@ -621,9 +621,9 @@ def favor_attention_forward(
     segment_ids, attention_mask = packed_sequences_of(attention_mask, query, kwargs)
 
     if layer_idx in settings["softmax_layers"]:
-        if segment_ids is not None:  # causal within each packed sequence, as a 4-D mask for sdpa
+        if segment_ids is not None:  # within each packed sequence (causally for a decoder), as a 4-D mask for sdpa
             attention_mask = allowed_attention_pairs(
-                query.shape[0], query.shape[2], key.shape[2], True, None, segment_ids, query.device
+                query.shape[0], query.shape[2], key.shape[2], causal, None, segment_ids, query.device
             )
         return _softmax_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
