@@ -191,21 +191,13 @@ class StageRecord:
 def read_training_text(files: list[str], max_chars: int | None = None) -> str:
     """The training text: the files in order (JSON lines: their ``text`` fields), joined by blank lines, cut to the
     first ``max_chars`` characters."""
-    from ..tasks.data import load_lm_text, read_records
+    from ..tasks.data import read_text_file
 
     parts, remaining = [], max_chars
     for path in files:
         if remaining is not None and remaining <= 0:
             break
-        name = path[:-3] if path.endswith(".gz") else path
-        if name.endswith((".jsonl", ".json")):
-            rows = read_records(path)
-            if not rows or "text" not in rows[0]:
-                raise RecipeError(f"{path}: JSON lines need a 'text' field")
-            text = "\n\n".join(str(row["text"]) for row in rows)
-            text = text if remaining is None else text[:remaining]
-        else:
-            text = load_lm_text(path, max_chars=remaining)
+        text = read_text_file(path, max_chars=remaining)
         parts.append(text)
         remaining = None if remaining is None else remaining - len(text) - 2
     return "\n\n".join(parts)

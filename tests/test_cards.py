@@ -144,3 +144,176 @@ def test_layer_kinds_and_ranges_follow_the_recorded_settings():
     assert layer_kinds({"attention": "clustered", "softmax_layers": [1]}, 3) == ["clustered", "softmax", "clustered"]
     assert layer_ranges([0, 1, 2], 3) == "all 3 layers"
     assert layer_ranges([1, 2, 4], 6) == "layers 1-2, 4" and layer_ranges([3], 6) == "layer 3"
+
+
+# --------------------------------------------------------------------------------------------
+# The measurements the cards quote
+# --------------------------------------------------------------------------------------------
+
+
+def _results(name: str) -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results" / f"{name}.json").read_text())
+
+
+def _machine(result: dict) -> str:
+    machine = result["machine"]
+    return f"{machine['cpu_count']}-core {machine['cpu']} CPU, torch {machine['torch']}, {machine['date'][:10]}"
+
+
+def _speedups(result: dict, implementation: str, mode: str) -> dict[int, float]:
+    sdpa = {r["length"]: r["seconds"] for r in result["records"] if r["implementation"] == "sdpa" and r["mode"] == mode}
+    return {r["length"]: round(sdpa[r["length"]] / r["seconds"], 2) for r in result["records"]
+            if r["implementation"] == implementation and r["mode"] == mode}
+
+
+def test_every_measured_figure_a_card_quotes_is_the_committed_benchmarks():
+    """model_cards/measured_speed.json, section by section, recomputed from the benchmarks/results file it names."""
+    from hf_performer.hub import MEASURED_SPEED as measured
+
+    for section in measured.values():
+        assert section["machine"] == _machine(_results(section["source"].split("/")[-1][:-len(".json")]))
+    speed = _results("attention_speed")
+    crossover = speed["summary"]["crossover_length_vs_sdpa"]
+    assert (measured["linear"]["crossover_bidirectional"], measured["linear"]["crossover_causal"]) == \
+        (round(crossover["bidirectional"]), round(crossover["causal"]))
+    for row in measured["linear"]["rows"]:
+        for mode in ("bidirectional", "causal"):
+            assert row[mode] == round(speed["summary"]["speedup_vs_sdpa"][mode][str(row["length"])], 2)
+    for name, key in (("linear_memory", "attention_memory"), ("window_memory", "attention_memory_window")):
+        summary = _results(key)["summary"]
+        ratios = summary["favor_over_sdpa"] if name == "linear_memory" else \
+            summary["over_sdpa_by_implementation"]["window"]
+        for mode in ("bidirectional", "causal"):
+            assert measured[name][mode] == round(ratios[mode][str(measured[name]["length"])], 2)
+    window = _speedups(_results("attention_speed_window"), "window", "causal")
+    assert {row["length"]: row["causal"] for row in measured["window"]["rows"]} == window
+    clustered = _results("clustered_speed")
+    for kind in ("clustered", "improved-clustered"):
+        assert {row["length"]: row[kind] for row in measured["clustered"]["rows"]} == \
+            _speedups(clustered, kind, "bidirectional")
+
+
+# --------------------------------------------------------------------------------------------
+# One card per attention kind and flow
+# --------------------------------------------------------------------------------------------
+
+STALE_CLAIMS = ("no recurrent cache layer yet", "returns no weights", "packed sequences) raise",
+                "assisted / speculative decoding is refused", "4.5x", "Where FAVOR+ is faster")
+"""Sentences of earlier cards that the runtime no longer bears out (or that belonged to another kind)."""
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("card-sources")
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).save_pretrained(root / "llama")
+    BertModel(tiny_bert_config()).save_pretrained(root / "bert")
+    return root
+
+
+def _convert(sources, tmp_path, source, *flags, capsys=None):
+    from hf_performer.cli import main
+
+    output = tmp_path / "model"
+    assert main(["convert", str(sources / source), str(output), "--overwrite", *flags]) == 0
+    text = (output / "README.md").read_text()
+    from hf_performer.hub import validate_model_card
+
+    tags = validate_model_card(text)["tags"]
+    for claim in STALE_CLAIMS:
+        assert claim not in text, claim
+    report = json.loads((output / "conversion_report.json").read_text())
+    return text, tags, report
+
+
+def test_window_hybrid_card_and_report(sources, tmp_path, capsys):
+    text, tags, report = _convert(sources, tmp_path, "llama", "--feature-map", "hedgehog", "--window", "16",
+                                  "--sinks", "2")
+    printed = capsys.readouterr().out
+    assert {"hedgehog", "sliding-window-attention", "linear-attention"} <= set(tags) and "favor+" not in tags
+    assert ("computed by a **sink + sliding-window hybrid**: exact softmax over the first 2 tokens (sinks) and the last "
+            "16 keys, **`hedgehog`** linear attention over the older keys (learned softmax weight)") in text
+    assert "[Zhang et al., 2025](https://arxiv.org/abs/2410.10254)" in text and "@inproceedings{zhang2025lolcats" in text
+    # what it supports, from LAYER_BEHAVIOURS["window"]
+    assert "| decoding cache (`generate`) | `WindowCacheLayer`, constant size |" in text
+    assert "| `output_attentions=True` | the `[B, H, L, L]` weights the layer applies" in text
+    # the report left the window: every layer sent positions through the tail, and the card shows them
+    assert report["num_tokens"] > 0 and all(layer["kind"] == "window" and layer["tail_positions"] > 0
+                                            for layer in report["layers"])
+    for layer in report["layers"]:
+        assert f"| {layer['layer']} | window | {layer['own_inputs_relative_error']:.4f} |" in text
+        assert text.count(f" {layer['tail_positions']} |") >= 1
+    assert min(layer["own_inputs_relative_error"] for layer in report["layers"]) > 0  # not a table of zeros
+    # an untrained learned tail on a causal LM: it needs linearize, said in the card and on the command line
+    assert "**Converted, not trained.**" in text and "hf-performer linearize SOURCE OUTPUT --train-file TEXT" in text
+    assert "warning: the model's learned `hedgehog` feature maps are untrained" in printed and "linearize" in printed
+    assert "positions via tail" in printed
+    # its own speed figures, no FAVOR+ crossover table
+    assert "- **Sink + window layers**" in text and "tokens bidirectional**" not in text
+    assert "the 2 window layers keep a `WindowCacheLayer`" in text
+
+
+def test_improved_clustered_card_names_clustered_attention_only(sources, tmp_path):
+    text, tags, report = _convert(sources, tmp_path, "bert", "--attention", "improved-clustered", "--clusters", "3",
+                                  "--topk", "4")
+    assert "clustered-attention" in tags and not {"favor+", "linear-attention"} & set(tags)
+    assert "**improved clustered attention**: 3 query clusters per head, exact softmax over each cluster's top 4 keys" \
+        in text and "[Vyas et al., 2020](https://arxiv.org/abs/2007.04825)" in text
+    for wrong in ("FAVOR+ linear attention", "random features per head", "256", "**Converted, not",
+                  "hf-performer linearize"):
+        assert wrong not in text, wrong
+    assert "| `attention` | `improved-clustered` | attention kind (`clustered`:" in text
+    assert "| `clusters` | 3 | query clusters per head" in text and "| `topk` | 4 |" in text
+    assert "Also recorded but not used by this attention: `chunk_size`, `feature_map`" in text
+    assert "**Zero-shot, not fine-tuned.**" in text and "- **Clustered attention**" in text
+    assert all(layer["kind"] == "improved-clustered" for layer in report["layers"])
+    assert "| `output_attentions=True` | the `[B, H, L, L]` weights" in text
+
+
+def test_learned_map_cards_say_which_command_trains_them(sources, tmp_path, capsys):
+    encoder, _, _ = _convert(sources, tmp_path, "bert", "--feature-map", "hedgehog")
+    assert "train them by attention transfer (`hf-performer distill`)" in encoder
+    assert "hf-performer linearize SOURCE" not in encoder
+    capsys.readouterr()
+    decoder, _, _ = _convert(sources, tmp_path, "llama", "--feature-map", "t2r")
+    assert "train it with `hf-performer linearize SOURCE OUTPUT --train-file TEXT`" in decoder
+    assert "the context leaves the window" not in decoder  # no window here
+    assert "warning:" in capsys.readouterr().out
+    _convert(sources, tmp_path, "llama", "--nb-features", "16")
+    assert "warning:" not in capsys.readouterr().out  # FAVOR+ has nothing to train before fine-tuning
+
+
+def test_kept_softmax_layers_are_their_own_column_and_grow_a_cache(sources, tmp_path):
+    text, _, report = _convert(sources, tmp_path, "llama", "--nb-features", "16", "--keep-softmax-layers", "1")
+    assert "every attention layer except 1 computed by **FAVOR+** linear attention" in text
+    assert "| | linear attention | exact softmax (kept) |" in text
+    assert "| decoding cache (`generate`) | `FavorCacheLayer`, constant size | `DynamicLayer`, grows with every token |" \
+        in text
+    assert "the 1 linear-attention layer keeps a recurrent state" in text
+    assert "the 1 softmax layer keeps a key/value cache that grows by" in text
+    assert "decoding memory does not grow with the context" not in text
+    assert [layer["kind"] for layer in report["layers"]] == ["linear", "softmax"]
+
+
+def test_layers_of_several_kinds_are_listed_one_by_one(sources, tmp_path):
+    text, _, _ = _convert(sources, tmp_path, "llama", "--nb-features", "16", "--window", "8", "--sinks", "1",
+                          "--layer-windows", '{"1": {"window": 0, "sinks": 0}}')
+    assert "its attention layers replaced as listed below" in text
+    assert "- layer 0: a **sink + sliding-window hybrid**: exact softmax over the first 1 token (sinks)" in text
+    assert "- layer 1: **FAVOR+** linear attention" in text
+
+
+def test_decoding_state_sizes_the_cards_state_are_the_caches(sources):
+    """The bytes per sequence a card quotes for FavorCacheLayer / WindowCacheLayer are those the caches hold."""
+    from hf_performer.hub.summary import linear_state_bytes, window_state_bytes
+
+    for settings, expected in ((dict(nb_features=16), lambda: linear_state_bytes(4, 8, 16)),
+                               (dict(feature_map="hedgehog", window=4, sinks=1),
+                                lambda: window_state_bytes(4, 2, 8, 16, 4, 1, 4))):
+        model = convert_to_performer(LlamaForCausalLM.from_pretrained(sources / "llama"), **settings).eval()
+        with torch.no_grad():
+            cache = model.generate(_ids(48), max_new_tokens=1, do_sample=False,
+                                   return_dict_in_generate=True).past_key_values
+        assert _cache_bytes(cache.layers[0]) == expected(), settings

@@ -74,6 +74,8 @@ ALLOWED_UPWARD = {
         "conversion report, whose name its writer declares (lazy import)",
     ("hf_performer.hub.card", "hf_performer.recipes.results"):
         "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
+    ("hf_performer.hub.card", "hf_performer.recipes.linearize"):
+        "the card reads linearize.json, whose name its writer declares (lazy import)",
     ("hf_performer.hub.results", "hf_performer.recipes.results"):
         "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
     ("hf_performer.hub.results", "hf_performer.recipes.arguments"):

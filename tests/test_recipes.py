@@ -10,6 +10,7 @@ import glob
 import json
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,7 @@ from transformers import (
 from transformers.utils import logging
 
 from hf_performer.recipes import arguments as recipe_arguments, results as recipe_results, train as training
+from hf_performer.recipes import selection as recipe_selection
 from hf_performer.recipes.arguments import RecipeError
 
 logging.set_verbosity_error()
@@ -342,7 +344,7 @@ def test_two_cpu_processes_train_one_ddp_run(workdir, tmp_path):
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "training with 2 processes (MULTI_CPU on cpu)" in done.stdout
-    assert done.stdout.count('"completed_steps"') == 1  # only rank 0 prints the result
+    assert done.stdout.count("recipe: 4 steps") == 1  # only rank 0 prints the result
 
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["num_processes"] == 2 and metrics["completed_steps"] == 4
@@ -495,6 +497,80 @@ def test_best_model_option_errors(workdir, tmp_path):
     with pytest.raises(RecipeError, match="accepted: accuracy, eval_loss"):
         training.train(_args(workdir, tmp_path / "b4", "--metric-for-best-model", "f1", "--early-stopping-split",
                              "0.2", "--load-best-model-at-end", "--eval-steps", "1"))
+
+
+def _mrpc_rows(n: int, seed: int) -> str:
+    rng = random.Random(seed)
+    lines = ["sentence1\tsentence2\tlabel"]
+    for i in range(n):
+        words = [rng.choice(WORDS) for _ in range(5)]
+        words.insert(2, rng.choice(["good", "great"] if i % 2 else ["bad", "awful"]))
+        lines.append(f"{' '.join(words)}\t{' '.join(rng.choice(WORDS) for _ in range(4))}\t{i % 2}")
+    return "\n".join(lines) + "\n"
+
+
+def test_best_step_is_chosen_on_the_tasks_main_metric_by_default(workdir, tmp_path):
+    """MRPC's main metric is F1 (metrics.json main_metric): the held-out selection follows it unless told otherwise."""
+    (tmp_path / "train.tsv").write_text(_mrpc_rows(40, 0))
+    (tmp_path / "dev.tsv").write_text(_mrpc_rows(8, 1))
+    args = _args(workdir, tmp_path / "mrpc", "--task", "mrpc", "--train-file", str(tmp_path / "train.tsv"),
+                 "--validation-file", str(tmp_path / "dev.tsv"), "--early-stopping-split", "0.2",
+                 "--load-best-model-at-end", "--eval-steps", "1", "--max-train-steps", "2",
+                 "--per-device-train-batch-size", "16", "--no-save-model")
+    assert recipe_selection.selection_metrics(args) == ("f1", "accuracy", "eval_loss")
+    metrics = training.train(args)
+    assert metrics["main_metric"] == "f1" and metrics["early_stopping"]["metric"] == "f1"
+    assert "held-out f1" in metrics["kept_reason"]
+
+
+def test_an_early_stopping_split_of_data_the_starting_model_was_trained_on_is_refused(workdir, tmp_path):
+    """The starting model's records say which data it was trained on (metrics.json's fingerprint, followed back
+    through a distilled folder's attention_transfer.json to the fine-tuned folder beside it): carving the held-out
+    split from that data would select on seen examples."""
+    first = tmp_path / "softmax-finetuned"
+    training.train(_args(workdir, first, "--attention", "softmax", "--max-train-steps", "1",
+                         "--per-device-train-batch-size", "8"))
+    assert json.loads((first / "metrics.json").read_text())["train_data_fingerprint"]
+    distilled = tmp_path / "distilled"
+    shutil.copytree(first, distilled)
+    (distilled / "metrics.json").unlink()
+    (distilled / "attention_transfer.json").write_text(json.dumps({"source": "softmax-finetuned",
+                                                                   "data": {"file": "wiki.txt"}}))
+    renamed = tmp_path / "renamed.tsv"  # same contents under another name
+    shutil.copy(workdir / "train.tsv", renamed)
+    for model in (first, distilled):
+        with pytest.raises(RecipeError) as error:
+            training.train(_args(workdir, tmp_path / "second", "--model", str(model), "--train-file", str(renamed),
+                                 "--early-stopping-split", "0.25", "--eval-steps", "1", "--max-train-steps", "1"))
+        assert "the starting model was trained on the same contents (softmax-finetuned/metrics.json)" in \
+            str(error.value) and "\n" not in str(error.value)
+    assert not (tmp_path / "second").exists()
+    (tmp_path / "unseen.tsv").write_text(_rows(32, 5))
+    training.train(_args(workdir, tmp_path / "third", "--model", str(distilled), "--train-file",
+                         str(tmp_path / "unseen.tsv"), "--early-stopping-split", "0.25", "--eval-steps", "1",
+                         "--max-train-steps", "1", "--no-save-model"))
+
+
+def test_resume_after_the_training_files_contents_changed_is_refused(workdir, tmp_path):
+    train_file = tmp_path / "train.tsv"
+    train_file.write_text((workdir / "train.tsv").read_text())
+    run = ["--train-file", str(train_file), "--max-train-steps", "2", "--checkpointing-steps", "1",
+           "--per-device-train-batch-size", "8", "--no-save-model"]
+    training.train(_args(workdir, tmp_path / "run", *run))
+    train_file.write_text(_rows(32, 9))  # same name, other examples
+    with pytest.raises(RecipeError, match=r"the contents of --train-file \(fingerprint\) \w+ \(now \w+\)"):
+        training.train(_args(workdir, tmp_path / "run", *run, "--resume-from-checkpoint", "latest"))
+
+
+def test_no_evaluation_trains_without_validation_data(workdir, tmp_path, capsys):
+    metrics = training.train(_args(workdir, tmp_path / "quiet", "--validation-file", str(tmp_path / "missing.tsv"),
+                                   "--no-evaluation", "--max-train-steps", "2", "--per-device-train-batch-size", "8"))
+    assert metrics["final"] == {} and metrics["completed_steps"] == 2 and metrics["eval_examples"] is None
+    out = capsys.readouterr()
+    assert "recipe: 2 steps, not evaluated" in out.out and "{" not in out.out  # one line, no JSON dump
+    assert "warning" not in out.err
+    with pytest.raises(RecipeError, match="--no-evaluation trains without evaluating: it takes no --eval-steps"):
+        training.train(_args(workdir, tmp_path / "q2", "--no-evaluation", "--eval-steps", "1"))
 
 
 def test_lora_trains_only_adapters_and_head(workdir, tmp_path):

@@ -129,8 +129,29 @@ def run_convert(args: argparse.Namespace) -> int:
         report.save(staging)
 
     print(report.format_table())
+    warning = untrained_maps_warning(performer)
+    if warning:
+        print(f"\nwarning: {warning}")
     print(f"\nwrote {output}")
     return 0
+
+
+def untrained_maps_warning(performer) -> str | None:
+    """What a freshly converted model with learned feature maps needs before use (``None`` for other maps): its
+    maps were never trained (``hf-performer linearize`` for a causal LM, ``distill`` for an encoder)."""
+    from ..favor_attention import find_attention_modules
+    from ..favor_settings import feature_map_kind, resolve_favor_settings
+    from ..hub.capabilities import layer_kinds
+    from ..hub.summary import untrained_map_advice
+
+    settings = resolve_favor_settings(performer.config.favor_settings)
+    modules = [module for _, module in find_attention_modules(performer)]
+    kinds = layer_kinds(settings, len(modules))
+    if feature_map_kind(settings["feature_map"]) != "learned" or not {"linear", "window"} & set(kinds):
+        return None
+    causal = any(getattr(module, "is_causal", False) for module in modules)
+    return untrained_map_advice(settings["feature_map"], settings["feature_map_options"].get("init"), causal,
+                                window="window" in kinds)
 
 
 def main(argv: list[str] | None = None) -> int:
