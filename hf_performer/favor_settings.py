@@ -276,6 +276,12 @@ def layer_window(settings: dict, layer_idx: int) -> tuple[int, int]:
     return override.get("window", settings.get("window", 0)), override.get("sinks", settings.get("sinks", 0))
 
 
+def largest_window(settings: dict) -> int:
+    """The largest ``window`` of any layer of ``settings`` (the model-wide one and the ``layer_windows`` overrides)."""
+    overrides = settings.get("layer_windows") or {}
+    return max([settings.get("window", 0), *(values.get("window", 0) for values in overrides.values())])
+
+
 def is_window_layer(settings: dict, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
     return any(value > 0 for value in layer_window(settings, layer_idx))

@@ -20,6 +20,14 @@ the last finished stage (and the LoRA stage from its last checkpoint):
 5. ``evaluate``: perplexity of the merged model with the protocol of :mod:`hf_performer.tasks.evaluation`
    (windows of ``eval_context`` tokens every ``eval_context // 2``).
 
+Before any stage (and before the staging area exists), :func:`check_inputs` reads and checks everything the stages
+will need: every training and evaluation file (readable, UTF-8, not empty, JSON lines with ``text``), the evaluation
+file is not the training text, the source is a causal LM (a bidirectional encoder would be trained on next tokens it
+can see), the text holds enough tokens for one transfer batch and one LoRA block; the contents' fingerprints decide,
+with the settings, whether a staging area may be continued. A GGUF source is de-quantized once into the staging area
+(``source/``) and every stage reads that folder. After the convert stage the run's time on this machine is
+estimated (:func:`estimate_run_seconds`) and printed.
+
 ``baseline="softmax"`` skips 1 and 2 and runs the same LoRA stage and evaluation on the softmax model (identical
 data, steps and seed). ``linear_tail=False`` (the ablation: sinks + window only) skips the transfer: there is no tail
 to transfer into. Zero steps skip a stage. :func:`run_linearize` leaves the finished model folder with its card and
@@ -34,7 +42,7 @@ import shutil
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .arguments import RecipeError
 
@@ -53,9 +61,8 @@ FEATURE_MAP_OPTIONS = {"tie_qk": False}
 """Learned maps have separate query and key maps (Hedgehog / LoLCATs); they start at ``feature_map_init``: the
 identity by default (a square projection: ``nb_features`` 2 x head_dim for hedgehog), or FAVOR+'s orthogonal
 random projection (``favor+``, any size)."""
-LORA_CHECK_CHARS = 16_000
-"""The LoRA stage's own closing evaluation (the recipe's) reads only this many characters; the reported perplexity is
-the ``evaluate`` stage's, on the merged model."""
+GGUF_SOURCE_FOLDER = "source"
+"""The staging-area folder a GGUF source is de-quantized into (float32 safetensors and its tokenizer)."""
 MIXED_PRECISIONS = ("no", "bf16")
 """Training precisions: ``bf16`` runs both training stages under bfloat16 autocast (projections and MLPs in bf16; the
 attention operators and feature maps keep their float32 islands); weights, optimizer states and the evaluation stay
@@ -87,8 +94,8 @@ class LinearizeSettings:
     transfer_schedule: str = "constant"
     lora_steps: int = 200
     block_size: int = 1024
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 8
     learning_rate: float = 1e-4
     lora_r: int = 8
     lora_alpha: int = 16
@@ -133,9 +140,11 @@ class LinearizeSettings:
                                   "(e.g. --teacher-weight 1)")
             from transformers import AutoConfig
 
+            from ..conversion.gguf import from_pretrained_arguments
             from .distillation import teacher_config
 
-            teacher_config(self.teacher_model, AutoConfig.from_pretrained(self.source))
+            path, gguf = from_pretrained_arguments(self.source)
+            teacher_config(self.teacher_model, AutoConfig.from_pretrained(path, **gguf))
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
         from ..conversion.attention_transfer import SCHEDULES
@@ -166,9 +175,20 @@ class LinearizeSettings:
                 raise RecipeError(f"no such file: {path} (--train-file / --eval-file take text files: raw text, or "
                                   "JSON lines with a 'text' field, .gz accepted)")
 
+    @property
+    def checkpoint_interval(self) -> int:
+        """LoRA optimizer steps between checkpoints (``checkpoint_every``, default a quarter of ``lora_steps``)."""
+        return self.checkpoint_every or max(1, self.lora_steps // 4)
+
     def identity(self) -> dict:
-        """The settings that decide what is trained (a resumed run must have the same)."""
-        return {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+        """The settings that decide what is trained (a resumed run must have the same), with the contents'
+        fingerprints of the training and evaluation files (a file changed under the same name is another run)."""
+        from ..tasks.data import file_fingerprint
+
+        identity = {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+        identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
+        identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
+        return identity
 
 
 @dataclass
@@ -223,6 +243,193 @@ def transfer_batches(token_ids: list[int], length: int, batch_size: int, seed: i
 
 
 # --------------------------------------------------------------------------------------------
+# Checks before any stage
+# --------------------------------------------------------------------------------------------
+
+
+def check_causal_source(source: str):
+    """Refuse a source that is not a causal LM: its attention must be causal (a BERT encoder has a causal-LM head
+    class, but trained through bidirectional attention its next-token predictions see the tokens they predict).
+    Returns the source's config.
+
+    Raises:
+        RecipeError: one line naming the source and what it is.
+    """
+    import torch
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    from ..configuration_performer import PerformerConfigError
+    from ..conversion.gguf import from_pretrained_arguments
+    from ..favor_attention import find_attention_modules
+    from ..modeling_performer import PERFORMER_CLASSES_BY_TASK
+
+    path, gguf = from_pretrained_arguments(source)
+    try:
+        config = AutoConfig.from_pretrained(path, **gguf)
+        model_class = PERFORMER_CLASSES_BY_TASK["causal-lm"].source_model_class(config)
+    except (OSError, ValueError, PerformerConfigError) as error:
+        raise RecipeError(f"{source}: not a causal LM this package converts ({' '.join(str(error).split())[:300]})") \
+            from None
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # BertLMHeadModel warns that a standalone causal LM needs is_decoder=True
+    try:
+        with torch.device("meta"):
+            modules = find_attention_modules(model_class(config))
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if not modules or not all(getattr(module, "is_causal", False) for _, module in modules):
+        raise RecipeError(
+            f"{source} is a bidirectional {config.model_type} model, not a causal LM: linearize trains next-token "
+            "prediction, which needs causal attention (Llama, GPT-2, Qwen2, Mistral, ...); convert an encoder with "
+            "`hf-performer convert` or `hf-performer distill`")
+    return config
+
+
+def conversion_arguments(settings: LinearizeSettings) -> dict:
+    """The keyword arguments of ``convert_to_performer`` for the convert stage."""
+    return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
+                feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
+                window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+                keep_softmax_layers=settings.softmax_layers)
+
+
+def check_conversion(settings: LinearizeSettings, config) -> None:
+    """Build the converted model on the meta device (no weights, no time) so that settings the convert stage would
+    refuse are refused now (a projection the map's init cannot have, a softmax layer the model lacks), and refuse a
+    window that covers every position the model takes (every layer would be exact softmax at a higher cost)."""
+    import torch
+
+    from ..configuration_performer import PerformerConfig, PerformerConfigError
+    from ..favor_settings import largest_window
+    from ..modeling_performer import PERFORMER_CLASSES_BY_TASK
+
+    arguments = conversion_arguments(settings)
+    favor = {("softmax_layers" if key == "keep_softmax_layers" else key): value for key, value in arguments.items()
+             if value is not None}
+    try:
+        with torch.device("meta"):
+            PERFORMER_CLASSES_BY_TASK["causal-lm"](PerformerConfig(source_config=config, favor_settings=favor))
+    except (PerformerConfigError, ValueError, TypeError) as error:
+        raise RecipeError(" ".join(str(error).split())) from None
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    if positions and largest_window(favor) >= positions:
+        raise RecipeError(f"--window {largest_window(favor)} covers all {positions} positions of the model: every "
+                          "input would fit in the window and every layer would compute exact softmax at a higher "
+                          "cost; give a smaller --window")
+
+
+def _source_tokenizer(source: str):
+    from transformers import AutoTokenizer
+
+    from ..conversion.gguf import from_pretrained_arguments
+
+    path, gguf = from_pretrained_arguments(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
+    except (OSError, ValueError, TypeError) as error:
+        raise RecipeError(f"{source}: no tokenizer could be loaded ({' '.join(str(error).split())[:200]})") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_inputs(settings: LinearizeSettings) -> dict:
+    """Everything the stages will read, checked before any stage runs (and before the staging area exists, so a
+    refused run leaves nothing behind): the source is a causal LM, every file reads as text
+    (:func:`~hf_performer.tasks.data.read_text_file`: one line naming the file otherwise), the evaluation text is not
+    the training text, and the training text holds one transfer batch and one LoRA block of tokens.
+
+    Returns:
+        ``{"train_tokens", "eval_tokens"}``: the token counts, for :func:`estimate_run_seconds`.
+
+    Raises:
+        RecipeError, DataError: what is wrong, in one line.
+    """
+    from ..tasks.data import file_fingerprint, read_text_file, tokenize_lm_text
+
+    settings.check()
+    config = check_causal_source(settings.source)
+    if not settings.baseline:
+        check_conversion(settings, config)
+    train_text = read_training_text(settings.train_files, settings.max_train_chars)
+    eval_text = read_text_file(settings.eval_file, settings.max_eval_chars) if settings.eval_file else None
+    if settings.eval_file and file_fingerprint(settings.eval_file) in {file_fingerprint(path)
+                                                                        for path in settings.train_files}:
+        raise RecipeError(f"--eval-file {settings.eval_file} has the same contents as a --train-file: the perplexity "
+                          "would measure the training text, not the model; evaluate on held-out text (e.g. "
+                          "wiki.test.raw when training on wiki.valid.raw)")
+    tokenizer = _source_tokenizer(settings.source)
+    train_tokens = len(tokenize_lm_text(train_text, tokenizer))
+    needs = []
+    if not settings.baseline and settings.linear_tail and settings.transfer_steps:
+        needs.append((settings.transfer_length * settings.transfer_batch_size,
+                      f"one transfer batch of {settings.transfer_batch_size} x {settings.transfer_length} tokens "
+                      "(--transfer-batch-size x --transfer-length)"))
+    if settings.lora_steps:
+        needs.append((settings.block_size, f"one LoRA block of {settings.block_size} tokens (--block-size)"))
+    for tokens, what in needs:
+        if train_tokens < tokens:
+            raise RecipeError(f"the training text has {train_tokens} tokens, fewer than {what}: give more text or "
+                              "smaller sizes")
+    eval_tokens = len(tokenize_lm_text(eval_text, tokenizer)) if eval_text is not None else 0
+    return {"train_tokens": train_tokens, "eval_tokens": eval_tokens}
+
+
+def estimate_run_seconds(settings: LinearizeSettings, folder: str, eval_tokens: int) -> dict:
+    """The run's time on this machine, from one timed training step and one timed evaluation window of the model in
+    ``folder`` at batch 1: ``{"transfer", "lora", "evaluate", "total", "train_step_s", "eval_window_s"}`` in seconds.
+    A rough guide: the transfer stage is counted as the training step at its length (it also runs a softmax teacher
+    per layer), the optimizer's own cost is left out."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    vocab = model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(settings.seed)
+
+    def seconds(length: int, train: bool) -> float:
+        ids = torch.randint(0, vocab, (1, length), generator=generator)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.mixed_precision == "bf16" and train):
+            started = time.perf_counter()
+            if train:
+                model(input_ids=ids, labels=ids).loss.backward()
+            else:
+                with torch.no_grad():
+                    model(input_ids=ids)
+            return time.perf_counter() - started
+
+    seconds(min(16, settings.block_size), True)  # warm-up: first-call allocations and kernel selection
+    train_step = seconds(settings.block_size, True)
+    transfer_step = train_step * settings.transfer_length / settings.block_size
+    transfer = 0.0
+    if not settings.baseline and settings.linear_tail:
+        transfer = settings.transfer_steps * settings.transfer_batch_size * transfer_step
+    lora = settings.lora_steps * settings.batch_size * settings.gradient_accumulation_steps * train_step
+    evaluate, eval_window = 0.0, 0.0
+    if settings.eval_file and eval_tokens:
+        eval_window = seconds(min(settings.eval_context, eval_tokens), False)
+        stride = max(settings.eval_context // 2, 1)
+        evaluate = (1 + max(0, -(-(eval_tokens - settings.eval_context) // stride))) * eval_window
+    return {"transfer": round(transfer, 1), "lora": round(lora, 1), "evaluate": round(evaluate, 1),
+            "total": round(transfer + lora + evaluate, 1), "train_step_s": round(train_step, 3),
+            "eval_window_s": round(eval_window, 3)}
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def format_estimate(estimate: dict, settings: LinearizeSettings) -> str:
+    """One line for the console."""
+    return (f"linearize: estimated time on this machine ~{_minutes(estimate['total'])} (transfer "
+            f"~{_minutes(estimate['transfer'])}, LoRA ~{_minutes(estimate['lora'])}, evaluation "
+            f"~{_minutes(estimate['evaluate'])}), from one timed training step of {settings.block_size} tokens "
+            f"({estimate['train_step_s']:.2f} s) scaled by the steps and batch sizes; --time-limit MINUTES bounds the "
+            "training stages, --preset cpu runs a smaller protocol")
+
+
+# --------------------------------------------------------------------------------------------
 # The staging area
 # --------------------------------------------------------------------------------------------
 
@@ -252,7 +459,8 @@ class StagingArea:
 
 
 def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingArea, dict]:
-    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings.
+    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings (one where no
+    stage finished is replaced).
 
     Raises:
         RecipeError: the folder holds a run with other settings (naming them), or is not a staging area.
@@ -269,6 +477,9 @@ def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingAr
     recorded, current = state["settings"], settings.identity()
     differing = [f"{key} {recorded.get(key)!r} (now {current.get(key)!r})" for key in sorted(set(recorded) | set(current))
                  if json.dumps(recorded.get(key)) != json.dumps(current.get(key))]
+    if differing and not state["stages"]:  # nothing finished there: nothing to continue, start this run instead
+        shutil.rmtree(path)
+        return open_staging_area(path, settings)
     if differing:
         raise RecipeError(f"an interrupted run with other settings is staged in {path}: {', '.join(differing)}; "
                           "rerun with its settings to continue it, or pass --overwrite to start over")
@@ -304,12 +515,7 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
         source, tokenizer = load_source(settings.source, "causal-lm")
         if tokenizer is None:
             raise RecipeError(f"{settings.source} has no usable tokenizer to encode the training text")
-        model = convert_to_performer(
-            source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
-            seed=settings.seed, feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
-            window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
-            keep_softmax_layers=settings.softmax_layers,
-        )
+        model = convert_to_performer(source, task="causal-lm", **conversion_arguments(settings))
     except (ConversionError, ValueError, TypeError) as error:
         raise RecipeError(str(error)) from None
     folder = area.file(STAGE_FOLDERS["convert"])
@@ -499,15 +705,12 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     checkpoints = os.path.join(folder, "checkpoints")
     resume = os.path.isdir(checkpoints) and any(name.startswith("step_") and not name.endswith(".partial")
                                                  for name in os.listdir(checkpoints))
-    every = settings.checkpoint_every or max(1, settings.lora_steps // 4)
-    argv = [
+    every = settings.checkpoint_interval
+    argv = [  # --no-evaluation: the evaluate stage scores the merged model, once
         "--model", model, "--attention", "softmax" if settings.baseline else "favor", "--lora",
         "--lora-r", str(settings.lora_r), "--lora-alpha", str(settings.lora_alpha),
-        "--train-file", train_text, "--validation-file", settings.eval_file or train_text,
-        "--max-eval-chars", str(min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)), "--block-size", str(settings.block_size),
-        "--context-length", str(min(settings.eval_context, settings.block_size)),
+        "--train-file", train_text, "--no-evaluation", "--block-size", str(settings.block_size),
         "--per-device-train-batch-size", str(settings.batch_size),
-        "--per-device-eval-batch-size", str(settings.eval_batch_size),
         "--gradient-accumulation-steps", str(settings.gradient_accumulation_steps),
         "--learning-rate", str(settings.learning_rate), "--max-train-steps", str(settings.lora_steps),
         "--seed", str(settings.seed), "--output-dir", folder, "--checkpointing-steps", str(every),
@@ -554,8 +757,6 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
                                                               "lora_dropout", "max_grad_norm")},
                  "lora_target_modules": metrics["args"].get("lora_target_modules"), "merged": True,
                  "train_loss_first": metrics["train_loss_first"], "train_loss_last": metrics["train_loss_last"],
-                 "check_perplexity": {**metrics["final"], "note": f"the recipe's own closing evaluation, first "
-                                      f"{min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)} characters only; the result is the evaluate stage's"},
                  "num_processes": metrics["num_processes"], "curve": curve},
     )
 
@@ -604,14 +805,53 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
     """
     from accelerate import PartialState
 
-    settings.check()
     if stop_after is not None and stop_after not in STAGES:
         raise RecipeError(f"stop_after must be one of {STAGES}, got {stop_after!r}")
     processes = PartialState()  # under accelerate launch / torchrun: only the LoRA stage runs in every process
     with processes.main_process_first():
+        inputs = check_inputs(settings) if processes.is_main_process else None  # before the staging area exists
         area, state = open_staging_area(staging_path, settings)
-    started_wall = time.time()
-    deadline = _deadline(settings, started_wall)
+    try:
+        staged = _stage_settings(settings, area, processes)
+        record = _run_stages(staged, area, state, processes, inputs, stop_after)
+        if record is None:
+            return None
+    except BaseException as error:
+        if processes.is_main_process and not state["stages"] and not isinstance(error, KeyboardInterrupt):
+            shutil.rmtree(area.path, ignore_errors=True)  # nothing finished: nothing to resume, nothing to block
+        raise
+    return _write_final(settings, staged, area, state, command, model_name)
+
+
+def _stage_settings(settings: LinearizeSettings, area: StagingArea, processes) -> LinearizeSettings:
+    """The settings the stages run with: a GGUF source is de-quantized once into the staging area's ``source/``
+    (float32 safetensors and tokenizer) and read from there; the record keeps the file's name."""
+    from ..conversion.gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
+
+    if not is_gguf_file(settings.source):
+        return settings
+    folder = area.file(GGUF_SOURCE_FOLDER)
+    if processes.is_main_process and not os.path.isfile(os.path.join(folder, "config.json")):
+        from transformers import AutoModelForCausalLM
+
+        path, gguf = from_pretrained_arguments(settings.source)
+        print(f"linearize: de-quantizing {os.path.basename(settings.source)} into the staging area (once)")
+        model = AutoModelForCausalLM.from_pretrained(path, **gguf)
+        forget_gguf_quantization(model)
+        shutil.rmtree(folder + ".partial", ignore_errors=True)
+        model.save_pretrained(folder + ".partial")
+        _source_tokenizer(settings.source).save_pretrained(folder + ".partial")
+        os.replace(folder + ".partial", folder)
+    processes.wait_for_everyone()
+    return replace(settings, source=folder)
+
+
+def _run_stages(settings: LinearizeSettings, area: StagingArea, state: dict, processes, inputs: dict | None,
+                stop_after: str | None) -> dict | None:
+    """Run every unfinished stage; ``state`` when all are done, ``None`` when stopped (``stop_after``, or a process
+    other than the main one after the LoRA stage). After the convert stage the main process estimates the run's time
+    on this machine (once, recorded in the staging area)."""
+    deadline = _deadline(settings, time.time())
     runners = {
         "convert": lambda: stage_convert(settings, area),
         "transfer": lambda: stage_transfer(settings, area, state, deadline),
@@ -631,20 +871,27 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
                 state["stages"][name] = asdict(record)
                 area.write(state)
                 print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
+        if name == "convert" and processes.is_main_process and "estimate" not in state and inputs is not None:
+            state["estimate"] = estimate_run_seconds(settings, _model_folder(settings, area, state, "transfer"),
+                                                     inputs["eval_tokens"])
+            area.write(state)
+            print(format_estimate(state["estimate"], settings))
         if name == stop_after or (name == "lora" and not processes.is_main_process):
             return None  # the recipe ended the process group: the main process evaluates and writes alone
-    return _write_final(settings, area, state, command, model_name)
+    return state
 
 
-def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, command: str | None,
-                 model_name: str | None) -> dict:
+def _write_final(settings: LinearizeSettings, staged: LinearizeSettings, area: StagingArea, state: dict,
+                 command: str | None, model_name: str | None) -> dict:
+    """Write ``final/``: the model the last stage left (``staged``: the settings the stages ran with), its
+    tokenizer, :data:`LINEARIZE_FILE` (``settings``: as given) and the model card."""
     from ..hub import write_model_card
     from .results import portable_name
 
     final = area.file("final")
     shutil.rmtree(final, ignore_errors=True)
-    model_folder = _model_folder(settings, area, state, "evaluate")
-    if model_folder == settings.source:  # baseline without LoRA: the source as it is
+    model_folder = _model_folder(staged, area, state, "evaluate")
+    if model_folder == staged.source:  # baseline without LoRA: the source as it is
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(model_folder).save_pretrained(final)
@@ -700,6 +947,7 @@ def linearize_record(settings: LinearizeSettings, state: dict, command: str | No
             k: evaluation["details"][k] for k in ("context_length", "stride", "windows", "num_tokens")},
         "tokens_seen": tokens,
         "wall_time_s": round(sum(stage["wall_time_s"] for stage in stages.values()), 2),
+        "estimate_s": state.get("estimate"),
         "curve": curve,
         "machine": machine_info(torch.device("cpu")),
         "command": command,

@@ -317,3 +317,31 @@ def test_decoding_state_sizes_the_cards_state_are_the_caches(sources):
             cache = model.generate(_ids(48), max_new_tokens=1, do_sample=False,
                                    return_dict_in_generate=True).past_key_values
         assert _cache_bytes(cache.layers[0]) == expected(), settings
+
+
+# --------------------------------------------------------------------------------------------
+# Flags that would be ignored or dead are refused before any work
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("source,flags,message", [
+    ("bert", ["--attention", "clustered", "--topk", "8"], "--topk would be ignored: it applies to --attention "
+                                                          "improved-clustered only"),
+    ("bert", ["--clusters", "8"], "--clusters would be ignored: they apply to --attention clustered"),
+    ("bert", ["--attention", "clustered", "--feature-map", "hedgehog"], "--feature-map would be ignored: --attention "
+                                                                        "clustered has no feature map"),
+    ("bert", ["--attention", "improved-clustered", "--nb-features", "64"], "--nb-features would be ignored"),
+    ("llama", ["--softmax-weight", "calibrated"], "--softmax-weight would be ignored: they apply to window layers"),
+    ("llama", ["--layer-windows", '{"99": {"window": 4}}'], "layer_windows [99] do not exist: the source model has 2"),
+    ("llama", ["--window", "8", "--keep-softmax-layers", "1", "--layer-windows", '{"1": {"window": 4}}'],
+     "layers [1] are in both softmax_layers and layer_windows"),
+    ("llama", ["--window", "256"], "--window 256 covers all 256 positions the model takes"),
+    ("bert", ["--window", "600", "--keep-position-table"], "--window 600 covers all 512 positions"),
+])
+def test_convert_refuses_flags_the_combination_would_ignore(sources, tmp_path, source, flags, message):
+    from hf_performer.cli import main
+
+    with pytest.raises(SystemExit) as failure:
+        main(["convert", str(sources / source), str(tmp_path / "out"), *flags])
+    assert message in str(failure.value) and "\n" not in str(failure.value)
+    assert not (tmp_path / "out").exists()

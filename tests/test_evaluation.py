@@ -393,7 +393,7 @@ def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt
     with pytest.raises(SystemExit, match="position range 0:64 must satisfy"):
         cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text_file, "--max-chars", "600",
                   "--context-length", "32", "--position-ranges", "0:64"])
-    with pytest.raises(SystemExit, match="--position-ranges applies to perplexity"):
+    with pytest.raises(SystemExit, match="--position-ranges would be ignored by --task sst2 \\(classification\\)"):
         cli_main(["evaluate", str(folder), "--task", "sst2", "--position-ranges", "0:16"])
 
 

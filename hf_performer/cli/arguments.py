@@ -164,6 +164,36 @@ def favor_settings_from_args(args: argparse.Namespace, settings) -> dict:
     return values
 
 
+FEATURE_MAP_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "orthogonal", "row_norms",
+                        "redraw_interval", "chunk_size")
+"""Settings that only a feature map uses (no clustered attention)."""
+
+
+def refuse_ignored_flags(values: dict, command: str) -> None:
+    """Refuse favor flags that the combination given would ignore, in one line naming them (``values``: what
+    :func:`favor_settings_from_args` returns): ``--clusters`` / ``--topk`` with linear attention, ``--topk`` with plain
+    clustered attention, the feature-map flags with clustered attention, ``--softmax-weight`` / ``--no-linear-tail``
+    without window layers."""
+    attention = values.get("attention", "linear")
+    problems = []
+    if attention == "linear":
+        problems.append(([key for key in ("clusters", "topk") if key in values],
+                         "they apply to --attention clustered / improved-clustered"))
+    else:
+        problems.append(([key for key in FEATURE_MAP_SETTINGS if key in values],
+                         f"--attention {attention} has no feature map"))
+        if attention == "clustered":
+            problems.append((["topk"] if "topk" in values else [], "it applies to --attention improved-clustered only"))
+    if not (values.get("window") or values.get("sinks") or values.get("layer_windows")):
+        problems.append(([key for key in ("softmax_weight", "linear_tail") if key in values],
+                         "they apply to window layers (--window / --sinks / --layer-windows)"))
+    for keys, why in problems:
+        if keys:
+            flags = ", ".join(FAVOR_FLAGS[key].flag for key in keys)
+            raise SystemExit(f"hf-performer {command}: error: {flags} would be ignored: {why}; drop "
+                             f"{'it' if len(keys) == 1 else 'them'}")
+
+
 def comma_separated_ints(text: str) -> list[int]:
     """argparse type of ``"512,1024,2048"`` -> ``[512, 1024, 2048]``."""
     try:

@@ -29,6 +29,7 @@ from .arguments import (
     add_deprecated_alias,
     add_favor_arguments,
     favor_settings_from_args,
+    refuse_ignored_flags,
 )
 
 CONVERT_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "softmax_layers", "seed", "orthogonal", "row_norms",
@@ -47,7 +48,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="model head to build (default: the task of the class the checkpoint was saved from, else base)",
     )
-    add_favor_arguments(parser, CONVERT_SETTINGS[:4], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
+    add_favor_arguments(parser, CONVERT_SETTINGS[:4],
+                        helps={"feature_map": f"feature map (default: {FAVOR_DEFAULTS['feature_map']}; not with "
+                                              "--attention clustered / improved-clustered)"})
     add_position_table_arguments(parser)
     favor_seed = add_favor_arguments(
         parser, CONVERT_SETTINGS[4:-len(WINDOW_FLAG_SETTINGS) - len(CLUSTERED_FLAG_SETTINGS)])["seed"]
@@ -97,6 +100,23 @@ def position_table_size(args: argparse.Namespace, source) -> int | None:
     return default_position_table_size(source)
 
 
+def check_window_fits(settings: dict, source, max_position_embeddings: int | None) -> None:
+    """Refuse a window as long as the inputs the model takes (its position table after any extension, or its
+    configured maximum): every input would fit in it, so the window layers would compute exact softmax at a higher
+    cost than softmax itself. Raises ``ConversionError``."""
+    from ..conversion import ConversionError, learned_position_count
+    from ..favor_settings import largest_window
+
+    window = largest_window(settings)
+    positions = max_position_embeddings or learned_position_count(source) or getattr(
+        source.config.get_text_config(), "max_position_embeddings", None)
+    if window and positions and window >= positions:
+        raise ConversionError(
+            f"--window {window} covers all {positions} positions the model takes: every input would fit in the window "
+            "and the layers would compute exact softmax at a higher cost; give a window below that (or "
+            "--max-position-embeddings N above it)")
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``hf-performer convert`` (see :func:`add_parser`; ``quickstart`` runs it with ``args.command`` set to its
     own name, which labels the errors). Returns the exit status."""
@@ -104,6 +124,8 @@ def run_convert(args: argparse.Namespace) -> int:
     from ..hub import write_model_card
 
     command = getattr(args, "command", None) or "convert"
+    settings = favor_settings_from_args(args, CONVERT_SETTINGS)
+    refuse_ignored_flags(settings, command)
     output = check_output_folder(args.output, args.overwrite, command, source=args.source)
 
     try:
@@ -111,9 +133,9 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.text and tokenizer is None:
             raise ConversionError(f"--text was given but {args.source} has no usable tokenizer to encode it")
         max_position_embeddings = position_table_size(args, source)
+        check_window_fits(settings, source, max_position_embeddings)
         performer = convert_to_performer(
-            source, task=args.task, max_position_embeddings=max_position_embeddings,
-            **favor_settings_from_args(args, CONVERT_SETTINGS),
+            source, task=args.task, max_position_embeddings=max_position_embeddings, **settings,
         )
         report = fidelity_report(source, performer, tokenizer, texts=args.text)
     except ConversionError as error:

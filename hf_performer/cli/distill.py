@@ -22,8 +22,8 @@ from ..conversion.defaults import TEXT_DATA, TRANSFER_LOSSES
 from ..favor_schema import LEARNED_MAP_DEFAULT_INIT, PERFORMER_TASKS
 from . import add_verb_parser
 from ._output import check_output_folder, public_command, staged_folder
-from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args
-from .convert import add_position_table_arguments, position_table_size
+from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args, refuse_ignored_flags
+from .convert import add_position_table_arguments, check_window_fits, position_table_size
 
 DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softmax_layers", *WINDOW_FLAG_SETTINGS)
 """The favor settings ``distill`` takes as flags (``--keep-softmax-layers`` listed after ``--task``)."""
@@ -86,6 +86,8 @@ def run_distill(args: argparse.Namespace) -> int:
     from ..feature_maps import available_feature_maps
     from ..hub import write_model_card
 
+    settings = favor_settings_from_args(args, DISTILL_SETTINGS)
+    refuse_ignored_flags(settings, "distill")
     output = check_output_folder(args.output, args.overwrite, "distill", source=args.source)
     for name in ("max_samples", "fidelity_samples", "max_length", "batch_size"):
         if getattr(args, name) < 1:
@@ -107,10 +109,11 @@ def run_distill(args: argparse.Namespace) -> int:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         max_position_embeddings = position_table_size(args, source)
+        check_window_fits(settings, source, max_position_embeddings)
         try:
             performer = convert_to_performer(
                 source, task=args.task, max_position_embeddings=max_position_embeddings, seed=args.seed,
-                **{"feature_map_options": {}, **favor_settings_from_args(args, DISTILL_SETTINGS)},
+                **{"feature_map_options": {}, **settings},
             )
         except TypeError as error:
             raise ConversionError(str(error)) from None

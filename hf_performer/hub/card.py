@@ -54,6 +54,8 @@ REQUIRED_CARD_TAGS = ("performer", "hf-performer", "custom_code")
 ATTENTION_TAGS = {"clustered": "clustered-attention", "improved-clustered": "clustered-attention",
                   "window": "sliding-window-attention", "window-no-tail": "sliding-window-attention"}
 """The tag of each layer kind (:mod:`.capabilities`) that is not plain linear attention."""
+ALL_SOFTMAX_TAG = "softmax-attention"
+"""The attention tag of a folder whose every layer went back to exact softmax (``linearize --softmax-worst``)."""
 
 
 def default_template_path() -> Path:
@@ -133,8 +135,10 @@ def card_tags(settings: dict, kinds: list[str], distilled: bool, linearized: boo
     map, the tag of each other attention kind, ``attention-transfer`` / ``linearized`` for those flows."""
     feature_map = settings.get("feature_map", "favor+")
     uses_map = not kinds or any(kind in LINEAR_KINDS for kind in kinds)
+    all_softmax = bool(kinds) and set(kinds) == {"softmax"}
     tags = ["performer", *([feature_map, "linear-attention"] if uses_map else []),
-            *(ATTENTION_TAGS[kind] for kind in kinds if kind in ATTENTION_TAGS), "hf-performer", "custom_code"]
+            *(ATTENTION_TAGS[kind] for kind in kinds if kind in ATTENTION_TAGS),
+            *([ALL_SOFTMAX_TAG] if all_softmax else []), "hf-performer", "custom_code"]
     tags += ["attention-transfer"] if distilled else []
     tags += ["linearized"] if linearized else []
     return list(dict.fromkeys(tags))
@@ -375,9 +379,10 @@ def validate_model_card(card: ModelCard | str, expected_results: list[EvalResult
     missing_tags = [tag for tag in REQUIRED_CARD_TAGS if tag not in found_tags]
     if missing_tags:
         raise ModelCardError(f"the card lacks the tags {missing_tags}")
-    if not any(tag in FEATURE_MAPS or tag in ATTENTION_TAGS.values() for tag in found_tags):
+    kind_tags = {*ATTENTION_TAGS.values(), ALL_SOFTMAX_TAG}
+    if not any(tag in FEATURE_MAPS or tag in kind_tags for tag in found_tags):
         raise ModelCardError(f"the card has no feature-map tag (one of {', '.join(sorted(FEATURE_MAPS))}) or "
-                             f"attention-kind tag ({', '.join(sorted(set(ATTENTION_TAGS.values())))})")
+                             f"attention-kind tag ({', '.join(sorted(kind_tags))})")
     for key in ("base_model", "datasets"):
         value = data.get(key)
         values = [value] if isinstance(value, str) else (value or [])
