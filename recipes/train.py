@@ -100,6 +100,12 @@ RESUMABLE_CHANGES = (
 """Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
 number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
 
+FSDP_ON_CPU = (
+    "an FSDP launch config was given, but Accelerate shards a model with FSDP on accelerator devices only (CUDA, XPU, "
+    "NPU, MLU, MUSA, HPU): on CPU processes it ignores the FSDP settings (the run would be plain DDP) or fails for want "
+    "of a device; on CPUs launch with recipes/configs/ddp.yaml or ACCELERATE_USE_CPU=true torchrun --nproc_per_node N")
+"""Why an FSDP launch on CPUs is refused (measured with accelerate 1.15 and torch 2.13: recipes/README.md)."""
+
 LossHook = Callable[[torch.nn.Module, dict, object, int], "torch.Tensor | None"]
 
 
@@ -301,7 +307,15 @@ def _start_run(args):
         accelerator_kwargs["mixed_precision"] = args.mixed_precision
     if args.report_to == "tensorboard":
         accelerator_kwargs.update(log_with="tensorboard", project_dir=args.output_dir)
-    accelerator = Accelerator(**accelerator_kwargs)
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    try:
+        accelerator = Accelerator(**accelerator_kwargs)
+    except RuntimeError as error:
+        if fsdp_asked and "no available devices" in str(error):
+            raise RecipeError(FSDP_ON_CPU) from None
+        raise
+    if fsdp_asked and accelerator.distributed_type.value != "FSDP":
+        raise RecipeError(f"{FSDP_ON_CPU} (this launch would run {accelerator.distributed_type.value})")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
         raise RecipeError(
