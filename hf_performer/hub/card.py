@@ -2,13 +2,13 @@
 
 :func:`build_model_card` renders ``model_cards/performer_card.md`` with ``huggingface_hub``'s
 ``ModelCard.from_template`` / ``ModelCardData``: metadata (``base_model``, ``library_name``, ``pipeline_tag``, tags,
-``datasets``, ``model-index`` results), the conversion settings (explained for the feature map's kind: random,
-learned or deterministic, with the map's own paper cited), the attention transfer (``attention_transfer.json``:
-data, steps, per-layer errors before and after), the fidelity report, recovery results and measured notes on where
-FAVOR+ is and is not faster. The card is parsed back and validated offline by :func:`validate_model_card`
-(``model-index`` round trip through ``huggingface_hub.repocard_data``). :func:`write_model_card` writes it as the
-folder's ``README.md``; :func:`write_recipe_card` writes the card of a fine-tuning recipe's output folder, with the
-results of its ``metrics.json``.
+``datasets``, ``model-index`` results), what each layer computes and what its kind supports (:mod:`.summary`,
+:mod:`.capabilities`), the conversion settings (explained for the kind, with its paper cited), the run records
+(``attention_transfer.json``, ``linearize.json``: :mod:`.runs`), the fidelity report, results and the measured speed,
+memory and decoding state of the model's kinds of attention. The card is parsed back and validated offline by
+:func:`validate_model_card` (``model-index`` round trip through ``huggingface_hub.repocard_data``).
+:func:`write_model_card` writes it as the folder's ``README.md``; :func:`write_recipe_card` writes the card of a
+fine-tuning recipe's output folder, with the results of its ``metrics.json``.
 """
 
 from __future__ import annotations
