@@ -70,13 +70,12 @@ def layer_kinds(settings: dict, num_layers: int) -> list[str]:
     """The kind of each of ``num_layers`` layers (a key of :data:`LAYER_BEHAVIOURS`) from a config's recorded
     ``favor_settings``: kept softmax layers, (improved) clustered attention, window layers (window or sinks > 0, with
     or without the linear tail) and plain linear attention."""
+    from ..favor_settings import layer_window
+
     softmax_layers = set(settings.get("softmax_layers") or [])
-    overrides = settings.get("layer_windows") or {}
     kinds = []
     for layer in range(num_layers):
-        override = overrides.get(str(layer), {})
-        window = override.get("window", settings.get("window", 0))
-        sinks = override.get("sinks", settings.get("sinks", 0))
+        window, sinks = layer_window(settings, layer)
         if layer in softmax_layers:
             kinds.append("softmax")
         elif settings.get("attention", "linear") != "linear":

@@ -282,11 +282,14 @@ def describe_map(feature_map: str, kinds: list[str], settings: dict, distilled: 
     return {
         "is_favor": is_favor and not clustered,
         "feature_map": feature_map,
-        "feature_map_kind": kind or "unknown",
-        "feature_map_title": "FAVOR+" if is_favor else f"`{feature_map}`",
         "fidelity_note": fidelity_note,
         "quality_note": quality,
     }
+
+
+def map_title(feature_map: str) -> str:
+    """``"FAVOR+"`` or ``"`name`"``: how the card names a feature map."""
+    return "FAVOR+" if feature_map == "favor+" else f"`{feature_map}`"
 
 
 def map_name(feature_map: str) -> str:

@@ -9,28 +9,31 @@ the model does not have.
 
 from __future__ import annotations
 
+from ..favor_settings import layer_window
 from .capabilities import LAYER_BEHAVIOURS, layer_kinds, layer_ranges
-from .describe import FEATURE_MAP_DESCRIPTIONS, MEASURED_SPEED, _map_default, _map_kind, effective_nb_features
+from .describe import (
+    FEATURE_MAP_DESCRIPTIONS,
+    MEASURED_SPEED,
+    _map_default,
+    _map_kind,
+    effective_nb_features,
+    map_title,
+)
 from .folder import _human_bytes
 
 LINEAR_KINDS = ("linear", "window")
 """Layer kinds that run the feature map (the others: no feature map, or none used)."""
 
 
-def map_title(feature_map: str) -> str:
-    return "FAVOR+" if feature_map == "favor+" else f"`{feature_map}`"
-
-
 def softmax_weight_mode(settings: dict) -> str:
-    mode = settings.get("softmax_weight", "auto")
-    if mode == "auto":
-        mode = "learned" if _map_kind(settings.get("feature_map", "favor+")) == "learned" else "calibrated"
-    return mode
+    """``"calibrated"`` or ``"learned"`` (:func:`hf_performer.favor_settings.softmax_weight_mode`), or the recorded
+    mode for a map this installation does not register."""
+    from ..favor_settings import softmax_weight_mode as resolved_mode
 
-
-def _layer_window(settings: dict, layer: int) -> tuple[int, int]:
-    override = (settings.get("layer_windows") or {}).get(str(layer), {})
-    return override.get("window", settings.get("window", 0)), override.get("sinks", settings.get("sinks", 0))
+    try:
+        return resolved_mode({"feature_map": "favor+", **settings})
+    except KeyError:
+        return settings.get("softmax_weight", "auto")
 
 
 def _kind_phrase(kind: str, settings: dict, layer: int, nb_features) -> str:
@@ -41,7 +44,7 @@ def _kind_phrase(kind: str, settings: dict, layer: int, nb_features) -> str:
         size = f", m = {nb_features} features per head" if nb_features else ""
         return f"**{map_title(feature_map)}** linear attention ({description}{size})"
     if kind in ("window", "window-no-tail"):
-        window, sinks = _layer_window(settings, layer)
+        window, sinks = layer_window(settings, layer)
         exact = " and ".join(part for part in (
             f"the first {sinks} token{'s' if sinks != 1 else ''} (sinks)" if sinks else "",
             f"the last {window} keys" if window else "") if part)
@@ -74,7 +77,7 @@ def attention_context(settings: dict, num_layers: int | None, head_dim: int | No
     converted = [text for text, layers in groups.items() if kinds[layers[0]] != "softmax"]
     if not kinds:  # a config without the source's layer count: the model-wide setting
         kind = "window" if settings.get("window") or settings.get("sinks") else settings.get("attention", "linear")
-        converted = [_kind_phrase(kind if kind != "linear" else "linear", settings, 0, nb_features)]
+        converted = [_kind_phrase(kind, settings, 0, nb_features)]
     if len(converted) == 1:
         except_ = f" except {', '.join(map(str, softmax_layers))}" if softmax_layers else ""
         full = " full" if "window" in converted[0] else ""
@@ -197,7 +200,7 @@ def speed_context(kinds: list[str], settings: dict, geometry: dict, is_causal: b
                             f"{_human_bytes(state)} in all (float32), whatever the context length")
         window_layers = [layer for layer, kind in enumerate(kinds) if kind in ("window", "window-no-tail")]
         if window_layers:
-            state = sum(window_state_bytes(heads, kv_heads, head_dim, nb_features, *_layer_window(settings, layer),
+            state = sum(window_state_bytes(heads, kv_heads, head_dim, nb_features, *layer_window(settings, layer),
                                            dtype_bytes) for layer in window_layers)
             decoding.append(f"the {_count(len(window_layers), 'window layer')} a "
                             f"`WindowCacheLayer` (sink and window keys/values, a rollback buffer, the tail sums) of "
