@@ -54,6 +54,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -286,6 +287,19 @@ def _prepare_causal_lm(args, accelerator, tokenizer):
     return train, eval_ids, default_data_collator
 
 
+def _check_validation_is_not_training(args) -> None:
+    """Warn (one line) when ``--validation-file`` has the contents of ``--train-file``: its metrics measure the
+    training data (a deliberate overfitting check may want that; a reported result does not)."""
+    from ..tasks.data import file_fingerprint
+
+    if args.no_evaluation or not (args.train_file and args.validation_file) or not all(
+            os.path.isfile(path) for path in (args.train_file, args.validation_file)):
+        return
+    if file_fingerprint(args.validation_file) == training_data_fingerprint(args):
+        print(f"warning: --validation-file {os.path.basename(args.validation_file)} has the same contents as "
+              "--train-file: the reported metrics measure the training data, not held-out data", file=sys.stderr)
+
+
 def _start_run(args):
     """Check the options and the output folder, start Accelerate, check a checkpoint to resume against the run's
     flags, clear a previous run with ``--overwrite`` and seed everything.
@@ -298,6 +312,7 @@ def _start_run(args):
     from accelerate.utils import set_seed
 
     _check_report_to(args.report_to)
+    _check_validation_is_not_training(args)
     check_selection_options(args)
     check_distillation_options(args)
     checkpoint = _check_output_dir(args)  # every process, before any of them writes

@@ -834,3 +834,11 @@ def test_distillation_option_errors(workdir, tmp_path):
     with pytest.raises(RecipeError, match=r"predicts 1 label\(s\) \(regression\); this task needs 2") as error:
         training.train(_args(workdir, tmp_path / "d4", "--teacher-model", str(regression)))
     assert "\n" not in str(error.value)
+
+
+def test_a_validation_file_with_the_training_files_contents_is_said(workdir, tmp_path, capsys):
+    copy = tmp_path / "dev.tsv"
+    copy.write_text((workdir / "train.tsv").read_text())
+    training.train(_args(workdir, tmp_path / "run", "--validation-file", str(copy), "--max-train-steps", "1",
+                         "--no-save-model"))
+    assert "warning: --validation-file dev.tsv has the same contents as --train-file" in capsys.readouterr().err

@@ -155,7 +155,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="stop once STAGE (convert, transfer, select or lora) is finished, keeping its model in the "
                           "staging area (.OUTPUT.linearize/converted, transferred, selected or lora) for a look; rerun "
                           "the same command without it to continue")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (transformers' loading / writing bars included)")
     parser.set_defaults(func=run_linearize_command)
     return parser
 
@@ -202,6 +203,10 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     from ..tasks.data import DataError
 
     settings = settings_from_args(args)
+    if args.no_progress:  # transformers' own bars too (loading and writing weights at every stage)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     stop_after = stop_after or args.stop_after
     try:
         settings.check()
