@@ -671,8 +671,10 @@ def _run_stages(settings: LinearizeSettings, area: StagingArea, state: dict, pro
                 area.write(state)
                 print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
         if name == "convert" and processes.is_main_process and "estimate" not in state and inputs is not None:
-            state["estimate"] = estimate_run_seconds(settings, _model_folder(settings, area, state, "transfer"),
-                                                     inputs["eval_tokens"])
+            convert = state["stages"]["convert"]
+            state["estimate"] = estimate_run_seconds(
+                settings, _model_folder(settings, area, state, "transfer"), inputs["eval_tokens"],
+                stage_overhead_s=convert["wall_time_s"] if convert["status"] == "done" else None)
             area.write(state)
             print(format_estimate(state["estimate"], settings))
         if name == stop_after or (name == "lora" and not processes.is_main_process):

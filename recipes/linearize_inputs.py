@@ -151,15 +151,20 @@ def check_inputs(settings: LinearizeSettings, conversion: dict | None) -> dict:
     return {"train_tokens": train_tokens, "eval_tokens": eval_tokens}
 
 
-def estimate_run_seconds(settings: LinearizeSettings, folder: str, eval_tokens: int) -> dict:
+def estimate_run_seconds(settings: LinearizeSettings, folder: str, eval_tokens: int,
+                         stage_overhead_s: float | None = None) -> dict:
     """The run's time on this machine, from one timed training step and one timed evaluation window of the model in
-    ``folder`` at batch 1: ``{"transfer", "lora", "evaluate", "total", "train_step_s", "eval_window_s"}`` in seconds.
-    A rough guide: the transfer stage is counted as the training step at its length (it also runs a softmax teacher
-    per layer), the optimizer's own cost is left out."""
+    ``folder`` at batch 1: ``{"transfer", "lora", "evaluate", "total", "train_step_s", "eval_window_s",
+    "stage_overhead_s"}`` in seconds. A rough guide: the transfer stage is counted as the training step at its length
+    (it also runs a softmax teacher per layer); each stage adds the loading and saving of a model
+    (``stage_overhead_s``, default: the time this call takes to load it), the LoRA stage also its checkpoints; the
+    optimizer's own cost and the load of a shared machine changing during the run are not foreseen."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(folder)
+    overhead = time.perf_counter() - started if stage_overhead_s is None else stage_overhead_s
     vocab = model.config.get_text_config().vocab_size
     generator = torch.Generator().manual_seed(settings.seed)
 
@@ -178,17 +183,21 @@ def estimate_run_seconds(settings: LinearizeSettings, folder: str, eval_tokens: 
     train_step = seconds(settings.block_size, True)
     transfer_step = train_step * settings.transfer_length / settings.block_size
     transfer = 0.0
-    if not settings.baseline and settings.linear_tail:
-        transfer = settings.transfer_steps * settings.transfer_batch_size * transfer_step
-    lora = settings.lora_steps * settings.batch_size * settings.gradient_accumulation_steps * train_step
+    if not settings.baseline and settings.linear_tail and settings.transfer_steps:
+        transfer = settings.transfer_steps * settings.transfer_batch_size * transfer_step + overhead
+    lora = 0.0
+    if settings.lora_steps:
+        checkpoints = settings.lora_steps // settings.checkpoint_interval
+        lora = (settings.lora_steps * settings.batch_size * settings.gradient_accumulation_steps * train_step
+                + (2 + checkpoints) * overhead)  # load, checkpoints, merge and save
     evaluate, eval_window = 0.0, 0.0
     if settings.eval_file and eval_tokens:
         eval_window = seconds(min(settings.eval_context, eval_tokens), False)
         stride = max(settings.eval_context // 2, 1)
-        evaluate = (1 + max(0, -(-(eval_tokens - settings.eval_context) // stride))) * eval_window
+        evaluate = (1 + max(0, -(-(eval_tokens - settings.eval_context) // stride))) * eval_window + overhead
     return {"transfer": round(transfer, 1), "lora": round(lora, 1), "evaluate": round(evaluate, 1),
             "total": round(transfer + lora + evaluate, 1), "train_step_s": round(train_step, 3),
-            "eval_window_s": round(eval_window, 3)}
+            "eval_window_s": round(eval_window, 3), "stage_overhead_s": round(overhead, 2)}
 
 
 def _minutes(seconds: float) -> str:
