@@ -842,3 +842,17 @@ def test_a_validation_file_with_the_training_files_contents_is_said(workdir, tmp
     training.train(_args(workdir, tmp_path / "run", "--validation-file", str(copy), "--max-train-steps", "1",
                          "--no-save-model"))
     assert "warning: --validation-file dev.tsv has the same contents as --train-file" in capsys.readouterr().err
+
+
+def test_accelerates_shared_tensor_note_is_dropped_at_checkpoints_only(caplog):
+    """A model with tied weights (an LM head tied to the embeddings) made accelerate's save_state log "Removed shared
+    tensor {...} while saving" at every checkpoint: dropped while a checkpoint is written, nothing else is."""
+    import logging
+
+    note_logger = logging.getLogger("accelerate.utils.other")
+    with caplog.at_level(logging.WARNING, logger="accelerate.utils.other"):
+        with training._shared_tensor_notes_dropped():
+            note_logger.warning("Removed shared tensor {'lm_head.weight'} while saving.")
+            note_logger.warning("another warning")
+        note_logger.warning("Removed shared tensor {'lm_head.weight'} while saving.")
+    assert [record.getMessage()[:20] for record in caplog.records] == ["another warning", "Removed shared tenso"]
