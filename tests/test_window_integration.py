@@ -381,7 +381,8 @@ def test_convert_flags_end_up_in_config_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--window", "-1"], "favor_settings['window'] must be an int >= 0"),
-    (["--softmax-weight", "learned"], "needs a learned feature map"),
+    (["--window", "4", "--softmax-weight", "learned"], "needs a learned feature map"),
+    (["--softmax-weight", "learned"], "--softmax-weight would be ignored: they apply to window layers"),
     (["--layer-windows", "[1]"], "expected a JSON object"),
     (["--layer-windows", "{bad"], "expected a JSON object"),
 ])
