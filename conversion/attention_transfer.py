@@ -47,11 +47,10 @@ from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 from hf_performer.window_attention import window_linear_attention
 
+from .defaults import TRANSFER_LOSSES as LOSSES, TRANSFER_SCHEDULES as SCHEDULES
+
 
 TRANSFER_ATTN_IMPLEMENTATION = "favor_transfer"
-LOSSES = ("weights", "output", "both")
-SCHEDULES = ("constant", "cosine")
-"""Learning-rate schedules of :func:`transfer_attention`."""
 
 TRANSFER_FILE_NAME = "attention_transfer.json"
 """The record of an attention transfer (``hf-performer distill`` writes it next to ``conversion_report.json``);

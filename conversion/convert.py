@@ -39,6 +39,9 @@ from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.linear_attention import LinearAttentionError
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
 
+from .defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
+from .gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
+
 
 logger = logging.get_logger(__name__)
 
@@ -55,8 +58,6 @@ TOKENIZER_VOCAB_FILES = (
 )
 """Alternatives, any one of which gives the tokenizer its vocabulary (next to ``tokenizer_config.json``)."""
 
-DEFAULT_MAX_POSITION_EMBEDDINGS = 4096
-"""Positions a shorter learned absolute table is extended to by ``hf-performer convert`` and ``quickstart``."""
 
 TOKENIZER_PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 0123456789"
 """Text a usable tokenizer turns into known tokens (see :func:`tokenizer_is_usable`)."""
@@ -105,9 +106,10 @@ def load_source(
     local folder, or a tokenizer transformers makes up, see :func:`_load_usable_tokenizer`).
 
     Args:
-        name_or_path: a local folder (or a Hub name available offline).
+        name_or_path: a local folder, a local GGUF file (de-quantized to float32, see :mod:`.gguf`), or a Hub name
+            available offline.
         task: one of :data:`TASKS`; ``None`` takes the task of the class the checkpoint was saved from
-            (``config.architectures``), else "base".
+            (``config.architectures``), else "base" ("causal-lm" for a GGUF file, which names no class).
         **from_pretrained_kwargs: passed to ``from_pretrained`` (e.g. ``dtype``).
 
     Raises:
@@ -117,29 +119,34 @@ def load_source(
     _check_task(task)
     config = _load_source_config(name_or_path)
     _check_architecture(config)
-    task = task or _task_from_architectures(config)
+    path, gguf = from_pretrained_arguments(name_or_path)
+    task = task or ("causal-lm" if gguf and not config.architectures else _task_from_architectures(config))
     performer_class = PERFORMER_CLASSES_BY_TASK[task]
     model_class = performer_class.source_model_class(config)
-    model = model_class.from_pretrained(name_or_path, **from_pretrained_kwargs)
+    model = model_class.from_pretrained(path, **gguf, **from_pretrained_kwargs)
+    forget_gguf_quantization(model)
     return model, _load_usable_tokenizer(name_or_path)
 
 
 def _load_source_config(name_or_path: str | os.PathLike):
     """The config of a source folder or offline Hub name; a one-line :class:`ConversionError` when there is none."""
     try:
-        return AutoConfig.from_pretrained(name_or_path)
+        path, gguf = from_pretrained_arguments(name_or_path)
+        return AutoConfig.from_pretrained(path, **gguf)
     except (OSError, ValueError) as error:
         if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
             reason = "the folder has no config.json: it is not a saved transformers model"
         elif os.path.isdir(name_or_path):
             reason = f"its config.json cannot be read: {str(error).splitlines()[0]}"
+        elif is_gguf_file(name_or_path):
+            reason = f"a GGUF file transformers cannot read ({str(error).splitlines()[0]})"
         elif os.path.exists(name_or_path):
-            reason = "not a folder"
+            reason = "not a folder (nor a .gguf file)"
         else:
             reason = "no such folder, and not a Hub name available offline"
         raise ConversionError(
             f"{os.fspath(name_or_path)}: {reason}; SOURCE must be a model folder (config.json and weights, as written "
-            "by save_pretrained) or a Hub name (namespace/name) already in the local Hugging Face cache"
+            "by save_pretrained), a .gguf file, or a Hub name (namespace/name) already in the local Hugging Face cache"
         ) from None
 
 
@@ -149,14 +156,15 @@ def _load_usable_tokenizer(name_or_path: str | os.PathLike):
 
     A local folder's own tokenizer is kept even when its vocabulary does not cover the probe text (it is the
     source's: it goes to the output folder); :func:`fidelity_report` then measures on random token ids."""
-    is_local = os.path.isdir(name_or_path)
-    if is_local and not any(
+    path, gguf = from_pretrained_arguments(name_or_path)  # a GGUF file holds its tokenizer
+    is_local = os.path.isdir(name_or_path) or bool(gguf)
+    if os.path.isdir(name_or_path) and not any(
         all(os.path.isfile(os.path.join(name_or_path, name)) for name in option) for option in TOKENIZER_VOCAB_FILES
     ):
         logger.info(f"no tokenizer files in {name_or_path}")
         return None
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **gguf)
     except (OSError, ValueError, TypeError) as error:
         logger.info(f"no tokenizer loaded from {name_or_path}: {error}")
         return None

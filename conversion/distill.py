@@ -15,10 +15,8 @@ import numpy as np
 
 from .attention_transfer import AttentionTransferResult, transfer_attention
 from .convert import ConversionError
+from .defaults import TEXT_DATA
 from .fidelity import FidelityReport, fidelity_report
-
-
-TEXT_DATA = "text"
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,7 +10,10 @@ tokenizer), both models run side by side and the report gives:
 * the mean cosine similarity of the final hidden states, token by token;
 * for models with a head: the agreement of the predicted classes / tokens (argmax), the mean
   ``KL(source || performer)`` of the predicted distributions, and the relative error of the logits;
-* for models with a learned absolute position table: whether it was extended (and from / to how many positions).
+* for models with a learned absolute position table: whether it was extended (and from / to how many positions);
+* per layer its kind (linear, window, clustered, softmax) and, for sink + window layers, how many query positions of
+  the inputs reached keys through the linear tail: the inputs include a sequence longer than every layer's window +
+  sinks, so that the tail is exercised (a report on inputs inside the window would show the exact softmax part only).
 
 :func:`fidelity_report` returns a :class:`FidelityReport`; ``report.save(folder)`` writes
 ``conversion_report.json`` and ``report.format_table()`` renders it for a terminal.
@@ -27,7 +30,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from hf_performer.favor_attention import find_attention_modules, uses_favor
+from hf_performer.favor_attention import find_attention_modules, layer_index_of, module_favor_settings, uses_favor
+from hf_performer.favor_settings import is_clustered, layer_window
 from hf_performer.modeling_performer import PerformerPreTrainedModel
 
 from .convert import learned_position_count, public_source_name, tokenizer_is_usable
@@ -47,6 +51,9 @@ DEFAULT_SENTENCES = (
 RANDOM_INPUTS = "random token ids (the source has no usable tokenizer)"
 """``FidelityReport.inputs`` when no usable tokenizer was given."""
 
+TAIL_POSITIONS = 32
+"""Query positions past every window layer's window + sinks that the longest sample input reaches (at least)."""
+
 
 @dataclass
 class LayerFidelity:
@@ -56,6 +63,8 @@ class LayerFidelity:
     attention: str  # "favor" or "softmax" (kept by keep_softmax_layers)
     own_inputs_relative_error: float
     propagated_relative_error: float
+    kind: str | None = None  # "linear", "window", "clustered", "improved-clustered" or "softmax" (None: older reports)
+    tail_positions: int | None = None  # window layers: query positions of the inputs that attended keys through the tail
 
 
 @dataclass
@@ -100,26 +109,21 @@ class FidelityReport:
 
     def format_table(self) -> str:
         """The report as a plain-text table."""
-        settings = self.favor_settings
-        features = settings.get("nb_features")
+        tails = any(layer.tail_positions is not None for layer in self.layers)
         lines = [
-            f"FAVOR+ fidelity: {self.source} ({self.source_class}) -> {self.performer_class}",
-            f"  feature map {settings.get('feature_map')}"
-            + (f", {features} features" if features is not None else "")
-            + (f", seed {settings['seed']}" if "seed" in settings else "")
-            + (f", window {settings.get('window', 0)}, sinks {settings.get('sinks', 0)}"
-               + (f" (per layer: {settings['layer_windows']})" if settings.get("layer_windows") else "")
-               + ("" if settings.get("linear_tail", True) else ", no linear tail")
-               if settings.get("window") or settings.get("sinks") or settings.get("layer_windows") else "")
-            + f"; inputs: {self.inputs} ({self.num_sequences} sequences, {self.num_tokens} tokens)",
+            f"Fidelity: {self.source} ({self.source_class}) -> {self.performer_class}",
+            f"  {describe_attention_settings(self.favor_settings)}",
+            f"  inputs: {self.inputs} ({self.num_sequences} sequences, {self.num_tokens} tokens)",
             *([f"  {self.position_table}"] if self.position_table else []),
             "",
-            f"  {'layer':>5}  {'attention':<9}  {'rel. error (own inputs)':>23}  {'rel. error (propagated)':>23}",
+            f"  {'layer':>5}  {'attention':<18}  {'rel. error (own inputs)':>23}  {'rel. error (propagated)':>23}"
+            + (f"  {'positions via tail':>18}" if tails else ""),
         ]
         for layer in self.layers:
+            tail = "" if not tails else f"  {'-' if layer.tail_positions is None else layer.tail_positions:>18}"
             lines.append(
-                f"  {layer.layer:>5}  {layer.attention:<9}  {layer.own_inputs_relative_error:>23.4f}  "
-                f"{layer.propagated_relative_error:>23.4f}"
+                f"  {layer.layer:>5}  {layer.kind or layer.attention:<18}  {layer.own_inputs_relative_error:>23.4f}  "
+                f"{layer.propagated_relative_error:>23.4f}{tail}"
             )
         lines += ["", f"  final hidden states: mean cosine similarity {self.final_hidden_state_cosine:.4f}"]
         if self.untrained_head:
@@ -135,36 +139,103 @@ class FidelityReport:
         return "\n".join(lines)
 
 
+def describe_attention_settings(settings: dict) -> str:
+    """One line on the attention a converted model computes, from its ``favor_settings`` (as recorded)."""
+    if is_clustered(settings):
+        text = f"{settings['attention']} attention, {settings.get('clusters')} query clusters per head"
+        text += f", exact softmax on each cluster's top {settings.get('topk')} keys" if "topk" in settings else ""
+    else:
+        features = settings.get("nb_features")
+        text = f"feature map {settings.get('feature_map')}" + (f", {features} features" if features is not None else "")
+        text += f", seed {settings['seed']}" if "seed" in settings else ""
+        if settings.get("window") or settings.get("sinks") or settings.get("layer_windows"):
+            text += (f"; window {settings.get('window', 0)}, sinks {settings.get('sinks', 0)}"
+                     + (f" (per layer: {settings['layer_windows']})" if settings.get("layer_windows") else "")
+                     + ("" if settings.get("linear_tail", True) else ", no linear tail"))
+    softmax_layers = settings.get("softmax_layers") or []
+    return text + (f"; softmax kept in layers {', '.join(map(str, softmax_layers))}" if softmax_layers else "")
+
+
+def layer_kind(module: nn.Module) -> str:
+    """``"linear"``, ``"window"``, ``"clustered"``, ``"improved-clustered"`` or ``"softmax"``: the attention a converted
+    model's attention module computes."""
+    if not uses_favor(module):
+        return "softmax"
+    settings = module_favor_settings(module)
+    if is_clustered(settings):
+        return settings["attention"]
+    return "window" if any(layer_window(settings, layer_index_of(module))) else "linear"
+
+
+def tail_query_positions(length: int, window: int, sinks: int, causal: bool) -> int:
+    """Query positions of an unpadded sequence of ``length`` tokens that attend at least one key through the linear
+    tail of a sink + window layer: a key that is neither a sink nor inside the window (causal: ``i - window < j``;
+    bidirectional: ``|i - j| < window``)."""
+    sinks = min(sinks, length)
+    if causal:
+        return max(0, length - window - sinks)
+    return sum(1 for i in range(length) if i - window >= sinks or max(i + window, sinks) <= length - 1)
+
+
 # --------------------------------------------------------------------------------------------
 # Inputs
 # --------------------------------------------------------------------------------------------
 
 
-def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, seed: int):
-    """A list of single-sequence input dicts and a description of where they come from."""
+def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, seed: int, long_length: int = 0):
+    """A list of single-sequence input dicts and a description of where they come from. ``long_length``: tokens of a
+    sequence the inputs must include (past the window layers' windows); a built-in one is added when no text reaches
+    it."""
+    limit = _position_limit(model, max_length)
+    long_length = min(long_length, limit)
     if tokenizer_is_usable(tokenizer):
         description = f"{len(texts)} user texts" if texts else f"{len(DEFAULT_SENTENCES)} built-in sentences"
         texts = list(texts) if texts else list(DEFAULT_SENTENCES)
         encodings = [
-            dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=max_length)) for text in texts
+            dict(tokenizer(text, return_tensors="pt", truncation=True, max_length=max(max_length, long_length)))
+            for text in texts
         ]
         encodings = [encoding for encoding in encodings if encoding["input_ids"].shape[-1] > 0]
         if not encodings:
             raise ValueError("fidelity_report: the sample texts encode to no tokens; give non-empty texts")
+        if long_length and max(encoding["input_ids"].shape[-1] for encoding in encodings) < long_length:
+            passage = " ".join(DEFAULT_SENTENCES)
+            while len(tokenizer(passage)["input_ids"]) < long_length:
+                passage += " " + " ".join(DEFAULT_SENTENCES)
+            encodings.append(dict(tokenizer(passage, return_tensors="pt", truncation=True, max_length=long_length)))
+            description += f" and a {long_length}-token passage of the built-in sentences (longer than the windows)"
         return encodings, description
     if texts:
         raise ValueError("fidelity_report: texts were given but no usable tokenizer to encode them")
-    config = model.config
-    vocab_size = config.vocab_size
-    limit = getattr(config, "max_position_embeddings", None) or max_length
+    vocab_size = model.config.vocab_size
     generator = torch.Generator().manual_seed(seed)
     low = 5 if vocab_size > 10 else 0  # keep clear of the special ids at the start of most vocabularies
     inputs = []
-    for length in (16, 32, 48):
-        length = min(length, limit - 2, max_length)
+    for length in (16, 32, 48, *([long_length] if long_length > 48 else [])):
+        length = min(length, limit - 2, max(max_length, long_length))
         input_ids = torch.randint(low, vocab_size, (1, length), generator=generator)
         inputs.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
     return inputs, RANDOM_INPUTS
+
+
+def _position_limit(model: PreTrainedModel, max_length: int) -> int:
+    """The longest input the source takes: its learned position table's size, else its configured maximum (rotary
+    models), else ``max_length``."""
+    learned = learned_position_count(model)
+    if learned is not None:
+        return learned
+    return getattr(model.config.get_text_config(), "max_position_embeddings", None) or max_length
+
+
+def _longest_window(performer_modules: list[nn.Module]) -> int:
+    """Tokens a sample must exceed for every window layer to use its tail: the largest window + sinks, plus
+    :data:`TAIL_POSITIONS`; 0 without window layers."""
+    spans = []
+    for module in performer_modules:
+        if layer_kind(module) == "window":
+            window, sinks = layer_window(module_favor_settings(module), layer_index_of(module))
+            spans.append(window + sinks + TAIL_POSITIONS)
+    return max(spans, default=0)
 
 
 def _position_table_note(source: PreTrainedModel, performer: PerformerPreTrainedModel) -> str | None:
@@ -291,7 +362,8 @@ def fidelity_report(
             f"the source ({len(source_modules)} attention modules) and the Performer model "
             f"({len(performer_modules)}) do not have the same attention layers"
         )
-    inputs, description = _sample_inputs(source, tokenizer, texts, max_length, seed)
+    inputs, description = _sample_inputs(source, tokenizer, texts, max_length, seed,
+                                         long_length=_longest_window(performer_modules))
     untrained_head = _head_is_newly_initialised(source)
     modes = (source.training, performer.training)
     source.eval()
@@ -349,15 +421,17 @@ def fidelity_report(
         source.train(modes[0])
         performer.train(modes[1])
 
-    layers = [
-        LayerFidelity(
-            layer=index,
-            attention="favor" if uses_favor(module) else "softmax",
-            own_inputs_relative_error=own.value,
-            propagated_relative_error=propagated.value,
-        )
-        for index, (module, own, propagated) in enumerate(zip(performer_modules, own_errors, propagated_errors))
-    ]
+    lengths = [int(encoding["input_ids"].shape[-1]) for encoding in inputs]  # single unpadded sequences
+    layers = []
+    for index, (module, own, propagated) in enumerate(zip(performer_modules, own_errors, propagated_errors)):
+        kind, tail = layer_kind(module), None
+        if kind == "window" and module_favor_settings(module)["linear_tail"]:
+            window, sinks = layer_window(module_favor_settings(module), layer_index_of(module))
+            causal = bool(getattr(module, "is_causal", False))
+            tail = sum(tail_query_positions(length, window, sinks, causal) for length in lengths)
+        layers.append(LayerFidelity(layer=index, attention="favor" if uses_favor(module) else "softmax",
+                                    own_inputs_relative_error=own.value, propagated_relative_error=propagated.value,
+                                    kind=kind, tail_positions=tail))
     has_logits = logits_error.reference > 0
     return FidelityReport(
         source=public_source_name(getattr(source, "name_or_path", "")) or source.config.model_type,

@@ -21,8 +21,10 @@ values ``[B, Hkv, Lk, d]`` (``Hkv`` divides ``H``: grouped-query attention).
 Cost per (example, head): ``O(Lq C bits iterations + Lq d bits)`` for the clustering, ``O(Lk C d)`` for the cluster
 attention and ``O(Lq topk d + C topk d)`` for the improved part, whose queries are grouped by cluster into segments
 of at most ``MAX_SEGMENT_SIZE`` so that each segment is one ``[S, d] x [d, topk]`` matmul against its cluster's
-gathered keys; memory ``O(Lq (C + bits) + C Lk + (Lq + C S) topk)``. No ``Lq x Lk`` tensor is ever built. Sums run in float32 (float64 for float64 inputs) with autocast off; the output
-is cast to ``value.dtype``. The float64 dense references are in ``reference.py``
+gathered keys; memory ``O(Lq (C + bits) + C Lk + (Lq + C S) topk)``. No ``Lq x Lk`` tensor is ever built, except by
+:func:`clustered_attention_weights` (``output_attentions=True``: the ``[B, H, Lq, Lk]`` weights both kinds apply, on
+request only). Sums run in float32 (float64 for float64 inputs) with autocast off; the output is cast to
+``value.dtype``. The float64 dense references are in ``reference.py``
 (:func:`~.reference.reference_clustered_attention`, :func:`~.reference.reference_improved_clustered_attention`)
 and take the same assignment from :func:`cluster_queries`.
 
@@ -345,6 +347,49 @@ def improved_clustered_attention(
     return out.to(out_dtype)
 
 
+def clustered_attention_weights(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    *,
+    clusters: int,
+    topk: int | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    hash_bits: int = DEFAULT_HASH_BITS,
+    iterations: int = DEFAULT_ITERATIONS,
+    seed: int = 0,
+    assignment: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``[B, H, Lq, Lk]`` weights (in ``query.dtype``) that clustered attention (``topk=None``) or improved
+    clustered attention applies: ``weights @ V`` is :func:`clustered_attention` / :func:`improved_clustered_attention`
+    of the same arguments (the same seeded clusters). Built on request only (``output_attentions=True``), in
+    ``O(Lq Lk)`` per head.
+
+    Clustered: query ``i`` of cluster ``c`` has its centroid's row ``A^c_c``. Improved: ``m_c`` times the softmax of
+    ``scaling q_i K^T`` over the cluster's top-k keys, ``A^c_c`` on the other keys (module docstring).
+    """
+    value = key  # _prepare checks a value's layout; the weights do not depend on it
+    assignment, clusters, keep_queries, keep_keys, scaling = _prepare(
+        query, key, value, key_padding_mask, scaling, clusters, topk, hash_bits, iterations, seed, False, assignment)
+    dtype, out_dtype = compute_dtype_for(query), query.dtype
+    batch, heads, q_len, _ = query.shape
+    with _no_autocast(query.device.type):
+        query, key = query.to(dtype), key.to(dtype)
+        centroid_weights, _ = _cluster_attention(query, key, key, assignment, clusters, keep_queries, keep_keys,
+                                                 scaling)  # [B, H, C, Lk]
+        if topk is None:
+            return _broadcast_to_members(centroid_weights, assignment).to(out_dtype)
+        top_weights, top_index = centroid_weights.topk(topk, dim=-1)  # [B, H, C, k]
+        rest = _broadcast_to_members(centroid_weights.scatter(-1, top_index, 0.0), assignment)  # [B, H, Lq, Lk]
+        mass = _broadcast_to_members(top_weights.sum(-1, keepdim=True), assignment)  # [B, H, Lq, 1]
+        top_index = _broadcast_to_members(top_index, assignment)  # [B, H, Lq, k]
+        keys = key.repeat_interleave(heads // key.shape[1], dim=1)  # [B, H, Lk, d]
+        scores = torch.matmul(query, keys.transpose(-1, -2)).gather(-1, top_index) * scaling  # [B, H, Lq, k]
+        valid = keep_keys[:, None, None, :].expand(batch, heads, q_len, key.shape[2]).gather(-1, top_index)
+        probabilities = torch.softmax(scores.masked_fill(~valid, torch.finfo(dtype).min), dim=-1) * valid
+        return rest.scatter_add(-1, top_index, mass * probabilities).to(out_dtype)
+
+
 def refuse_causal_clustered(kind: str, layer_idx: int, causal: bool) -> None:
     """One-line :class:`ClusteredAttentionError` for a causal layer set to (improved) clustered attention."""
     if causal:
@@ -354,16 +399,32 @@ def refuse_causal_clustered(kind: str, layer_idx: int, causal: bool) -> None:
         )
 
 
-def clustered_attention_from_settings(query, key, value, key_padding_mask, scaling, settings, layer_idx) -> torch.Tensor:
-    """(Improved) clustered attention of one bidirectional layer, ``[B, H, Lq, dv]``."""
+def _arguments_from_settings(key, key_padding_mask, scaling, settings, layer_idx) -> dict:
+    """The keyword arguments of one layer's (improved) clustered attention from its resolved settings."""
     k_len = key.shape[2]
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
         raise FavorMaskError(
             f"clustered attention (layer {layer_idx}): the attention mask covers {key_padding_mask.shape[-1]} keys "
             f"but there are {k_len} keys"
         )
-    common = dict(clusters=settings["clusters"], key_padding_mask=key_padding_mask, scaling=scaling,
-                  seed=settings["seed"] + layer_idx)
-    if settings["attention"] == "clustered":
-        return clustered_attention(query, key, value, **common)
-    return improved_clustered_attention(query, key, value, topk=min(settings["topk"], k_len), **common)
+    arguments = dict(clusters=settings["clusters"], key_padding_mask=key_padding_mask, scaling=scaling,
+                     seed=settings["seed"] + layer_idx)
+    if settings["attention"] == "improved-clustered":
+        arguments["topk"] = min(settings["topk"], k_len)
+    return arguments
+
+
+def clustered_attention_from_settings(query, key, value, key_padding_mask, scaling, settings, layer_idx) -> torch.Tensor:
+    """(Improved) clustered attention of one bidirectional layer, ``[B, H, Lq, dv]``."""
+    arguments = _arguments_from_settings(key, key_padding_mask, scaling, settings, layer_idx)
+    if "topk" in arguments:
+        return improved_clustered_attention(query, key, value, **arguments)
+    return clustered_attention(query, key, value, **arguments)
+
+
+def clustered_attention_weights_from_settings(query, key, key_padding_mask, scaling, settings,
+                                              layer_idx) -> torch.Tensor:
+    """The ``[B, H, Lq, Lk]`` weights of one bidirectional layer's (improved) clustered attention
+    (:func:`clustered_attention_weights`)."""
+    return clustered_attention_weights(query, key, **_arguments_from_settings(key, key_padding_mask, scaling, settings,
+                                                                              layer_idx))

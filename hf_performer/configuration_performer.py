@@ -314,17 +314,27 @@ class PerformerConfig(PreTrainedConfig):
         return config
 
     def _check_softmax_layers(self) -> None:
+        """The layers ``softmax_layers`` and ``layer_windows`` name exist, and no layer is in both (a softmax layer
+        has no window: its override would be silently dead)."""
         layers = self.favor_settings.get("softmax_layers", [])
-        if self.source_config is None or not layers:
+        windowed = [int(layer) for layer in self.favor_settings.get("layer_windows") or {}]
+        if self.source_config is None or not (layers or windowed):
             return
         num_layers = getattr(self.source_config, "num_hidden_layers", None)
         if isinstance(num_layers, int):
-            out_of_range = [i for i in layers if i >= num_layers]
-            if out_of_range:
-                raise PerformerConfigError(
-                    f"softmax_layers {out_of_range} do not exist: the source model has {num_layers} layers "
-                    f"(indices 0..{num_layers - 1})"
-                )
+            for name, named in (("softmax_layers", layers), ("layer_windows", windowed)):
+                out_of_range = [i for i in named if i >= num_layers]
+                if out_of_range:
+                    raise PerformerConfigError(
+                        f"{name} {out_of_range} do not exist: the source model has {num_layers} layers "
+                        f"(indices 0..{num_layers - 1})"
+                    )
+        both = sorted(set(layers) & set(windowed))
+        if both:
+            raise PerformerConfigError(
+                f"layers {both} are in both softmax_layers and layer_windows: a softmax layer has no window or sinks; "
+                "drop them from one of the two"
+            )
 
     def _sync_task_fields(self) -> None:
         """Copy ``id2label`` / ``label2id`` / ``problem_type`` into the source config (this config owns them)."""

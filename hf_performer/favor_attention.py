@@ -103,7 +103,11 @@ from .cache import (
     new_tokens_padding_mask,
     record_for_rollback,
 )
-from .clustered_attention import clustered_attention_from_settings, refuse_causal_clustered
+from .clustered_attention import (
+    clustered_attention_from_settings,
+    clustered_attention_weights_from_settings,
+    refuse_causal_clustered,
+)
 from .favor_settings import (
     build_feature_map,
     favor_settings_of,
@@ -636,9 +640,9 @@ def favor_attention_forward(
     segment_ids, attention_mask = packed_sequences_of(attention_mask, query, kwargs)
 
     if layer_idx in settings["softmax_layers"]:
-        if segment_ids is not None:  # causal within each packed sequence, as a 4-D mask for sdpa
+        if segment_ids is not None:  # within each packed sequence (causally for a decoder), as a 4-D mask for sdpa
             attention_mask = allowed_attention_pairs(
-                query.shape[0], query.shape[2], key.shape[2], True, None, segment_ids, query.device
+                query.shape[0], query.shape[2], key.shape[2], causal, None, segment_ids, query.device
             )
         return _softmax_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
@@ -652,8 +656,16 @@ def favor_attention_forward(
 
     if is_clustered(settings):
         refuse_causal_clustered(settings["attention"], layer_idx, causal)
-        out = clustered_attention_from_settings(query, key, value, _key_padding_mask(attention_mask, False), scaling,
-                                           settings, layer_idx)
+        if segment_ids is not None:
+            raise FavorMaskError(
+                f"clustered attention (layer {layer_idx}): packed sequences are not supported (the clusters would mix "
+                "sequences); pad the sequences into separate rows instead"
+            )
+        padding = _key_padding_mask(attention_mask, False)
+        if attention_weights_requested(kwargs):  # the applied weights, as for linear layers
+            weights = clustered_attention_weights_from_settings(query, key, padding, scaling, settings, layer_idx)
+            return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
+        out = clustered_attention_from_settings(query, key, value, padding, scaling, settings, layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)

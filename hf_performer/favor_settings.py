@@ -2,7 +2,8 @@
 its validation and what it builds.
 
 * :data:`FAVOR_SETTINGS`: one :class:`FavorSetting` per key (name, type, default, one-line meaning), the
-  declaration the configuration, the attention function and the command line read;
+  declaration the configuration, the attention function and the command line read (declared, without torch, in
+  :mod:`.favor_schema`, so that the command line's parsers need no torch);
 * :data:`FAVOR_DEFAULTS`: the defaults, ``{name: default}``;
 * :func:`resolve_favor_settings`: the one validation; a given settings dict is validated once and the result
   memoised (the configuration, every layer's attach and the cache factory ask for the same settings);
@@ -21,8 +22,14 @@ for ``trust_remote_code``.
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
 
+from .favor_schema import (  # the torch-free declaration (FAVOR_SETTINGS, FAVOR_DEFAULTS), re-exported here
+    ATTENTION_KINDS,
+    FAVOR_DEFAULTS,
+    FAVOR_SETTINGS,
+    SOFTMAX_WEIGHT_MODES,
+    FavorSetting,
+)
 from .feature_maps import (
     FEATURE_MAPS,
     FeatureMap,
@@ -31,77 +38,11 @@ from .feature_maps import (
     available_feature_maps,
     make_feature_map,
 )
-from .linear_attention import DEFAULT_CHUNK_SIZE
 
-
-@dataclass(frozen=True)
-class FavorSetting:
-    """One key of ``favor_settings``: its ``name``, the Python ``type`` of its values (``nb_features`` also takes
-    ``None``), its ``default`` and a one-line ``meaning``."""
-
-    name: str
-    type: type
-    default: object
-    meaning: str
-
-
-FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
-    FavorSetting("feature_map", str, "favor+",
-                 'a name of available_feature_maps() ("favor+", "trig", "relu", "elu+1", "hedgehog", "t2r", ...)'),
-    FavorSetting("nb_features", int, 256,
-                 "features m per head; None lets the map choose (hedgehog 2 * head_dim, t2r and elu+1 head_dim)"),
-    FavorSetting("orthogonal", bool, True, "random maps: orthogonal (True) or iid (False) projection rows"),
-    FavorSetting("row_norms", str, "chi", 'random maps: projection row norms, "chi" (sampled) or "fixed" (sqrt(d))'),
-    FavorSetting("redraw_interval", int, 0, "random maps: training calls between redraws of the projection, 0 = never"),
-    FavorSetting("seed", int, 0,
-                 'layer i draws its projection (random maps) or its "favor+" initialisation (learned maps) with '
-                 "seed + i"),
-    FavorSetting("chunk_size", int, DEFAULT_CHUNK_SIZE,
-                 "tokens per chunk of the causal scan (window layers with a sparse cache: tokens between its selections)"),
-    FavorSetting("softmax_layers", list, [], "layer indices kept on exact softmax attention (sdpa)"),
-    FavorSetting("feature_map_options", dict, {},
-                 'the map\'s own keyword options, e.g. {"init": "favor+", "tie_qk": False} (learned maps)'),
-    FavorSetting("window", int, 0,
-                 "exact softmax over the last `window` keys (encoders: the band |i-j| < window), the feature map for "
-                 "older keys; 0 = none. A layer with window or sinks > 0 runs window_linear_attention"),
-    FavorSetting("sinks", int, 0,
-                 "each row's first `sinks` unpadded tokens are always attended with exact softmax (causal LMs: 4; "
-                 "encoders: 1, [CLS])"),
-    FavorSetting("softmax_weight", str, "auto",
-                 'weight of the exact terms against the linear tail in window layers: "calibrated" (1, tail on the '
-                 'softmax scale), "learned" (a trained gamma per head, LoLCATs; learned maps only) or "auto" '
-                 '(learned for hedgehog/t2r, calibrated otherwise)'),
-    FavorSetting("sparse_cache", int, 0,
-                 "causal window layers: per key head, up to this many tokens older than the window stay exact, the ones "
-                 "the linear tail would recall worst, chosen every chunk_size tokens (LoLA); 0 = none"),
-    FavorSetting("layer_windows", dict, {},
-                 'per-layer overrides of window / sinks / sparse_cache, {"<layer index>": {"window": int, "sinks": '
-                 'int, "sparse_cache": int}}'),
-    FavorSetting("linear_tail", bool, True,
-                 "window layers attend to keys older than the window through the feature map; False = sinks + "
-                 "window exact softmax only (ablation)"),
-    FavorSetting("attention", str, "linear",
-                 '"linear" (the feature map), or the zero-shot "clustered" / "improved-clustered" attention of '
-                 "bidirectional models (no feature map; the seed of layer i hashes its queries with seed + i)"),
-    FavorSetting("clusters", int, 25, "(improved-)clustered attention: query clusters per head"),
-    FavorSetting("topk", int, 32,
-                 "improved-clustered attention: keys per cluster attended exactly (at most the sequence length)"),
-)
-
-FAVOR_DEFAULTS: dict = {setting.name: setting.default for setting in FAVOR_SETTINGS}
-"""Defaults of ``config.favor_settings``, ``{name: default}`` of :data:`FAVOR_SETTINGS`.
-
-* ``nb_features``: ``None`` lets the map choose (learned maps: ``2 * head_dim`` for hedgehog, ``head_dim``
-  for t2r; elu+1 always has ``head_dim`` and refuses an explicit value).
-* ``orthogonal``, ``row_norms``, ``redraw_interval``: options of random feature maps only.
-* ``feature_map_options``: checked against the map's signature, e.g. ``{"feature_epsilon": 1e-3}`` for relu.
-"""
 
 WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
-SOFTMAX_WEIGHT_MODES = ("auto", "calibrated", "learned")
 LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
-ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
 """The attention-kind keys (:func:`is_clustered`). A config records them only for clustered attention (``topk`` only
 for improved): a linear-attention config stays as before, and a config without them is linear attention."""
@@ -350,6 +291,12 @@ def layer_sparse_cache(settings: dict, layer_idx: int) -> int:
     else the model-wide ``sparse_cache``); 0 = none."""
     override = settings.get("layer_windows", {}).get(str(layer_idx), {})
     return override.get("sparse_cache", settings.get("sparse_cache", 0))
+
+
+def largest_window(settings: dict) -> int:
+    """The largest ``window`` of any layer of ``settings`` (the model-wide one and the ``layer_windows`` overrides)."""
+    overrides = settings.get("layer_windows") or {}
+    return max([settings.get("window", 0), *(values.get("window", 0) for values in overrides.values())])
 
 
 def is_window_layer(settings: dict, layer_idx: int) -> bool:

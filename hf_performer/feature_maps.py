@@ -32,7 +32,8 @@ only in training mode, every ``redraw_interval`` forward calls, from ``seed`` an
 New maps (learned ones included) subclass :class:`FeatureMap` and register a name with
 :func:`register_feature_map`; trainable parameters are ordinary ``nn.Parameter`` s.
 
-This module imports only ``torch``: it is copied next to saved models for ``trust_remote_code``.
+This module imports only ``torch`` (and the torch-free :mod:`.favor_schema`): it is copied next to saved models for
+``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from typing import Callable, NamedTuple
 
 import torch
 from torch import nn
+
+from .favor_schema import LEARNED_MAP_DEFAULT_INIT, LEARNED_MAP_INITS
 
 
 class Features(NamedTuple):
@@ -379,9 +382,6 @@ class EluPlusOneFeatureMap(FeatureMap):
 # Learned maps
 # --------------------------------------------------------------------------------------------
 
-LEARNED_MAP_INITS = ("identity", "favor+")
-
-
 class LearnedFeatureMap(FeatureMap):
     """A feature map with a trainable affine projection per head, ``z = x W_h + b_h`` (``W_h`` ``[d, p]``).
 
@@ -405,7 +405,7 @@ class LearnedFeatureMap(FeatureMap):
     """
 
     features_per_projection = 1
-    default_init = "favor+"
+    default_init = LEARNED_MAP_DEFAULT_INIT
 
     def __init__(
         self,

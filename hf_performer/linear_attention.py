@@ -34,13 +34,12 @@ from typing import NamedTuple
 
 import torch
 
+from .favor_schema import DEFAULT_CHUNK_SIZE
 from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention_autograd import _finite_min, _repeat_kv, _safe_denominator, chunked_linear_attention
 
-# Tokens per chunk of the causal scan (its [C, C] tiles): 64 runs fwd+bwd 10-15% faster than 128 at 8k-16k tokens
-# on a 2-core CPU (FAVOR+, 12 heads; benchmarks/README.md, issue 17). The bidirectional kernel, which has no
-# [C, C] tile, takes chunks of at least BIDIRECTIONAL_MIN_CHUNK tokens.
-DEFAULT_CHUNK_SIZE = 64
+# DEFAULT_CHUNK_SIZE: tokens per chunk of the causal scan (declared in favor_schema). The bidirectional kernel, which
+# has no [C, C] tile, takes chunks of at least BIDIRECTIONAL_MIN_CHUNK tokens.
 
 
 class LinearAttentionState(NamedTuple):

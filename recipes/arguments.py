@@ -45,7 +45,7 @@ class RecipeError(ValueError):
 def build_parser(kind: str) -> argparse.ArgumentParser:
     """The argument parser of the recipe ``kind`` (``"text-classification"`` or ``"causal-lm"``)."""
     from ..cli.arguments import add_favor_arguments
-    from ..favor_settings import FAVOR_DEFAULTS
+    from ..favor_schema import FAVOR_DEFAULTS
     from ..tasks.data import LM_DATASETS
 
     if kind not in KINDS:
@@ -155,6 +155,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                           help="mixed precision through Accelerate (default: the accelerate config's, else no)")
     training.add_argument("--eval-steps", type=int, default=None,
                           help="evaluate every N optimizer steps (default: only at the end)")
+    training.add_argument("--no-evaluation", action="store_true",
+                          help="train only: read no validation data and evaluate nothing (metrics.json has no final "
+                               "metrics), for a caller that evaluates the saved model itself (hf-performer linearize)")
     training.add_argument("--logging-steps", type=int, default=10, help="log the training loss every N steps")
     training.add_argument("--early-stopping-split", type=float, default=None, metavar="FRACTION",
                           help="carve this fraction of the training examples (seeded by --seed) as a held-out split, "
@@ -162,8 +165,9 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
                                "and --early-stopping-patience select on it, never on the reported validation split")
     training.add_argument("--metric-for-best-model", default=None, metavar="METRIC",
                           help="held-out metric that decides the best step: a metric of the task or eval_loss "
-                               "(default: the task's main metric; perplexity for causal LM); losses and perplexity "
-                               "are better lower, the others higher")
+                               "(default: the task's main metric, metrics.json's main_metric: MRPC and QQP f1, STS-B "
+                               "pearson, CoLA matthews_correlation, the others accuracy; perplexity for causal LM); "
+                               "losses and perplexity are better lower, the others higher")
     training.add_argument("--load-best-model-at-end", action="store_true",
                           help="save and report the model of the evaluation step with the best held-out metric "
                                "instead of the last step (needs --early-stopping-split and --eval-steps)")

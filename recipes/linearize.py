@@ -20,6 +20,14 @@ the last finished stage (and the LoRA stage from its last checkpoint):
 5. ``evaluate``: perplexity of the merged model with the protocol of :mod:`hf_performer.tasks.evaluation`
    (windows of ``eval_context`` tokens every ``eval_context // 2``).
 
+Before any stage (and before the staging area exists), :func:`~.linearize_inputs.check_inputs` reads and checks
+everything the stages will need: every training and evaluation file (readable, UTF-8, not empty, JSON lines with
+``text``), the evaluation file is not the training text, the source is a causal LM (a bidirectional encoder would be
+trained on next tokens it can see), the text holds enough tokens for one transfer batch and one LoRA block; the
+contents' fingerprints decide, with the settings, whether a staging area may be continued. A GGUF source is de-quantized once into the staging area
+(``source/``) and every stage reads that folder. After the convert stage the run's time on this machine is
+estimated (:func:`~.linearize_inputs.estimate_run_seconds`) and printed.
+
 ``baseline="softmax"`` skips 1 and 2 and runs the same LoRA stage and evaluation on the softmax model (identical
 data, steps and seed). ``linear_tail=False`` (the ablation: sinks + window only) skips the transfer: there is no tail
 to transfer into. Zero steps skip a stage. :func:`run_linearize` leaves the finished model folder with its card and
@@ -34,9 +42,10 @@ import shutil
 import statistics
 import time
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from .arguments import RecipeError
+from .linearize_inputs import check_inputs, estimate_run_seconds, format_estimate, load_tokenizer, read_training_text
 
 LINEARIZE_FILE = "linearize.json"
 """The record of a linearize run in its output folder: settings, every stage, the final perplexity, the curve."""
@@ -53,9 +62,8 @@ FEATURE_MAP_OPTIONS = {"tie_qk": False}
 """Learned maps have separate query and key maps (Hedgehog / LoLCATs); they start at ``feature_map_init``: the
 identity by default (a square projection: ``nb_features`` 2 x head_dim for hedgehog), or FAVOR+'s orthogonal
 random projection (``favor+``, any size)."""
-LORA_CHECK_CHARS = 16_000
-"""The LoRA stage's own closing evaluation (the recipe's) reads only this many characters; the reported perplexity is
-the ``evaluate`` stage's, on the merged model."""
+GGUF_SOURCE_FOLDER = "source"
+"""The staging-area folder a GGUF source is de-quantized into (float32 safetensors and its tokenizer)."""
 MIXED_PRECISIONS = ("no", "bf16")
 """Training precisions: ``bf16`` runs both training stages under bfloat16 autocast (projections and MLPs in bf16; the
 attention operators and feature maps keep their float32 islands); weights, optimizer states and the evaluation stay
@@ -87,8 +95,8 @@ class LinearizeSettings:
     transfer_schedule: str = "constant"
     lora_steps: int = 200
     block_size: int = 1024
-    batch_size: int = 8
-    gradient_accumulation_steps: int = 1
+    batch_size: int = 1
+    gradient_accumulation_steps: int = 8
     learning_rate: float = 1e-4
     lora_r: int = 8
     lora_alpha: int = 16
@@ -133,9 +141,11 @@ class LinearizeSettings:
                                   "(e.g. --teacher-weight 1)")
             from transformers import AutoConfig
 
+            from ..conversion.gguf import from_pretrained_arguments
             from .distillation import teacher_config
 
-            teacher_config(self.teacher_model, AutoConfig.from_pretrained(self.source))
+            path, gguf = from_pretrained_arguments(self.source)
+            teacher_config(self.teacher_model, AutoConfig.from_pretrained(path, **gguf))
         if self.eval_context < 2 or self.block_size < 2 or self.transfer_length < 2:
             raise RecipeError("--eval-context, --block-size and --transfer-length must be >= 2 tokens")
         from ..conversion.attention_transfer import SCHEDULES
@@ -166,9 +176,20 @@ class LinearizeSettings:
                 raise RecipeError(f"no such file: {path} (--train-file / --eval-file take text files: raw text, or "
                                   "JSON lines with a 'text' field, .gz accepted)")
 
+    @property
+    def checkpoint_interval(self) -> int:
+        """LoRA optimizer steps between checkpoints (``checkpoint_every``, default a quarter of ``lora_steps``)."""
+        return self.checkpoint_every or max(1, self.lora_steps // 4)
+
     def identity(self) -> dict:
-        """The settings that decide what is trained (a resumed run must have the same)."""
-        return {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+        """The settings that decide what is trained (a resumed run must have the same), with the contents'
+        fingerprints of the training and evaluation files (a file changed under the same name is another run)."""
+        from ..tasks.data import file_fingerprint
+
+        identity = {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+        identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
+        identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
+        return identity
 
 
 @dataclass
@@ -188,27 +209,12 @@ class StageRecord:
 # --------------------------------------------------------------------------------------------
 
 
-def read_training_text(files: list[str], max_chars: int | None = None) -> str:
-    """The training text: the files in order (JSON lines: their ``text`` fields), joined by blank lines, cut to the
-    first ``max_chars`` characters."""
-    from ..tasks.data import load_lm_text, read_records
-
-    parts, remaining = [], max_chars
-    for path in files:
-        if remaining is not None and remaining <= 0:
-            break
-        name = path[:-3] if path.endswith(".gz") else path
-        if name.endswith((".jsonl", ".json")):
-            rows = read_records(path)
-            if not rows or "text" not in rows[0]:
-                raise RecipeError(f"{path}: JSON lines need a 'text' field")
-            text = "\n\n".join(str(row["text"]) for row in rows)
-            text = text if remaining is None else text[:remaining]
-        else:
-            text = load_lm_text(path, max_chars=remaining)
-        parts.append(text)
-        remaining = None if remaining is None else remaining - len(text) - 2
-    return "\n\n".join(parts)
+def conversion_arguments(settings: LinearizeSettings) -> dict:
+    """The keyword arguments of ``convert_to_performer`` for the convert stage."""
+    return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
+                feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
+                window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+                keep_softmax_layers=settings.softmax_layers)
 
 
 def transfer_batches(token_ids: list[int], length: int, batch_size: int, seed: int) -> list[dict]:
@@ -260,7 +266,8 @@ class StagingArea:
 
 
 def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingArea, dict]:
-    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings.
+    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings (one where no
+    stage finished is replaced).
 
     Raises:
         RecipeError: the folder holds a run with other settings (naming them), or is not a staging area.
@@ -277,6 +284,9 @@ def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingAr
     recorded, current = state["settings"], settings.identity()
     differing = [f"{key} {recorded.get(key)!r} (now {current.get(key)!r})" for key in sorted(set(recorded) | set(current))
                  if json.dumps(recorded.get(key)) != json.dumps(current.get(key))]
+    if differing and not state["stages"]:  # nothing finished there: nothing to continue, start this run instead
+        shutil.rmtree(path)
+        return open_staging_area(path, settings)
     if differing:
         raise RecipeError(f"an interrupted run with other settings is staged in {path}: {', '.join(differing)}; "
                           "rerun with its settings to continue it, or pass --overwrite to start over")
@@ -292,15 +302,6 @@ def _deadline(settings: LinearizeSettings, started: float) -> float | None:
     return None if settings.time_limit is None else started + settings.time_limit * 60
 
 
-def _load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
 def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord:
     """Convert the source into a window-hybrid Performer saved in ``converted/``."""
     from ..conversion import ConversionError, convert_to_performer, load_source
@@ -312,12 +313,7 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
         source, tokenizer = load_source(settings.source, "causal-lm")
         if tokenizer is None:
             raise RecipeError(f"{settings.source} has no usable tokenizer to encode the training text")
-        model = convert_to_performer(
-            source, task="causal-lm", feature_map=settings.feature_map, nb_features=settings.nb_features,
-            seed=settings.seed, feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
-            window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
-            keep_softmax_layers=settings.softmax_layers,
-        )
+        model = convert_to_performer(source, task="causal-lm", **conversion_arguments(settings))
     except (ConversionError, ValueError, TypeError) as error:
         raise RecipeError(str(error)) from None
     folder = area.file(STAGE_FOLDERS["convert"])
@@ -343,7 +339,7 @@ def _packed_training_batches(settings: LinearizeSettings, area: StagingArea, sta
     from ..tasks.data import tokenize_lm_text
 
     folder = _model_folder(settings, area, state, stage)
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     text = read_training_text(settings.train_files, settings.max_train_chars)
     return folder, tokenizer, transfer_batches(tokenize_lm_text(text, tokenizer), settings.transfer_length,
                                                batch_size, settings.seed)
@@ -507,15 +503,12 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
     checkpoints = os.path.join(folder, "checkpoints")
     resume = os.path.isdir(checkpoints) and any(name.startswith("step_") and not name.endswith(".partial")
                                                  for name in os.listdir(checkpoints))
-    every = settings.checkpoint_every or max(1, settings.lora_steps // 4)
-    argv = [
+    every = settings.checkpoint_interval
+    argv = [  # --no-evaluation: the evaluate stage scores the merged model, once
         "--model", model, "--attention", "softmax" if settings.baseline else "favor", "--lora",
         "--lora-r", str(settings.lora_r), "--lora-alpha", str(settings.lora_alpha),
-        "--train-file", train_text, "--validation-file", settings.eval_file or train_text,
-        "--max-eval-chars", str(min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)), "--block-size", str(settings.block_size),
-        "--context-length", str(min(settings.eval_context, settings.block_size)),
+        "--train-file", train_text, "--no-evaluation", "--block-size", str(settings.block_size),
         "--per-device-train-batch-size", str(settings.batch_size),
-        "--per-device-eval-batch-size", str(settings.eval_batch_size),
         "--gradient-accumulation-steps", str(settings.gradient_accumulation_steps),
         "--learning-rate", str(settings.learning_rate), "--max-train-steps", str(settings.lora_steps),
         "--seed", str(settings.seed), "--output-dir", folder, "--checkpointing-steps", str(every),
@@ -562,8 +555,6 @@ def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, dead
                                                               "lora_dropout", "max_grad_norm")},
                  "lora_target_modules": metrics["args"].get("lora_target_modules"), "merged": True,
                  "train_loss_first": metrics["train_loss_first"], "train_loss_last": metrics["train_loss_last"],
-                 "check_perplexity": {**metrics["final"], "note": f"the recipe's own closing evaluation, first "
-                                      f"{min(LORA_CHECK_CHARS, settings.max_eval_chars or LORA_CHECK_CHARS)} characters only; the result is the evaluate stage's"},
                  "num_processes": metrics["num_processes"], "curve": curve},
     )
 
@@ -579,7 +570,7 @@ def stage_evaluate(settings: LinearizeSettings, area: StagingArea, state: dict) 
         return StageRecord("evaluate", "skipped", "no --eval-file")
     started = time.perf_counter()
     folder = _model_folder(settings, area, state, "evaluate")
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = tokenize_lm_text(load_lm_text(settings.eval_file, max_chars=settings.max_eval_chars), tokenizer)
     stride = max(settings.eval_context // 2, 1)
@@ -612,14 +603,54 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
     """
     from accelerate import PartialState
 
-    settings.check()
     if stop_after is not None and stop_after not in STAGES:
         raise RecipeError(f"stop_after must be one of {STAGES}, got {stop_after!r}")
     processes = PartialState()  # under accelerate launch / torchrun: only the LoRA stage runs in every process
     with processes.main_process_first():
+        conversion = None if settings.baseline else conversion_arguments(settings)
+        inputs = check_inputs(settings, conversion) if processes.is_main_process else None  # before staging exists
         area, state = open_staging_area(staging_path, settings)
-    started_wall = time.time()
-    deadline = _deadline(settings, started_wall)
+    try:
+        staged = _stage_settings(settings, area, processes)
+        record = _run_stages(staged, area, state, processes, inputs, stop_after)
+        if record is None:
+            return None
+    except BaseException as error:
+        if processes.is_main_process and not state["stages"] and not isinstance(error, KeyboardInterrupt):
+            shutil.rmtree(area.path, ignore_errors=True)  # nothing finished: nothing to resume, nothing to block
+        raise
+    return _write_final(settings, staged, area, state, command, model_name)
+
+
+def _stage_settings(settings: LinearizeSettings, area: StagingArea, processes) -> LinearizeSettings:
+    """The settings the stages run with: a GGUF source is de-quantized once into the staging area's ``source/``
+    (float32 safetensors and tokenizer) and read from there; the record keeps the file's name."""
+    from ..conversion.gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
+
+    if not is_gguf_file(settings.source):
+        return settings
+    folder = area.file(GGUF_SOURCE_FOLDER)
+    if processes.is_main_process and not os.path.isfile(os.path.join(folder, "config.json")):
+        from transformers import AutoModelForCausalLM
+
+        path, gguf = from_pretrained_arguments(settings.source)
+        print(f"linearize: de-quantizing {os.path.basename(settings.source)} into the staging area (once)")
+        model = AutoModelForCausalLM.from_pretrained(path, **gguf)
+        forget_gguf_quantization(model)
+        shutil.rmtree(folder + ".partial", ignore_errors=True)
+        model.save_pretrained(folder + ".partial")
+        load_tokenizer(settings.source).save_pretrained(folder + ".partial")
+        os.replace(folder + ".partial", folder)
+    processes.wait_for_everyone()
+    return replace(settings, source=folder)
+
+
+def _run_stages(settings: LinearizeSettings, area: StagingArea, state: dict, processes, inputs: dict | None,
+                stop_after: str | None) -> dict | None:
+    """Run every unfinished stage; ``state`` when all are done, ``None`` when stopped (``stop_after``, or a process
+    other than the main one after the LoRA stage). After the convert stage the main process estimates the run's time
+    on this machine (once, recorded in the staging area)."""
+    deadline = _deadline(settings, time.time())
     runners = {
         "convert": lambda: stage_convert(settings, area),
         "transfer": lambda: stage_transfer(settings, area, state, deadline),
@@ -639,24 +670,33 @@ def run_linearize(settings: LinearizeSettings, staging_path: str, *, stop_after:
                 state["stages"][name] = asdict(record)
                 area.write(state)
                 print(f"linearize: stage {name} {record.status}" + (f" ({record.reason})" if record.reason else ""))
+        if name == "convert" and processes.is_main_process and "estimate" not in state and inputs is not None:
+            convert = state["stages"]["convert"]
+            state["estimate"] = estimate_run_seconds(
+                settings, _model_folder(settings, area, state, "transfer"), inputs["eval_tokens"],
+                stage_overhead_s=convert["wall_time_s"] if convert["status"] == "done" else None)
+            area.write(state)
+            print(format_estimate(state["estimate"], settings))
         if name == stop_after or (name == "lora" and not processes.is_main_process):
             return None  # the recipe ended the process group: the main process evaluates and writes alone
-    return _write_final(settings, area, state, command, model_name)
+    return state
 
 
-def _write_final(settings: LinearizeSettings, area: StagingArea, state: dict, command: str | None,
-                 model_name: str | None) -> dict:
+def _write_final(settings: LinearizeSettings, staged: LinearizeSettings, area: StagingArea, state: dict,
+                 command: str | None, model_name: str | None) -> dict:
+    """Write ``final/``: the model the last stage left (``staged``: the settings the stages ran with), its
+    tokenizer, :data:`LINEARIZE_FILE` (``settings``: as given) and the model card."""
     from ..hub import write_model_card
     from .results import portable_name
 
     final = area.file("final")
     shutil.rmtree(final, ignore_errors=True)
-    model_folder = _model_folder(settings, area, state, "evaluate")
-    if model_folder == settings.source:  # baseline without LoRA: the source as it is
+    model_folder = _model_folder(staged, area, state, "evaluate")
+    if model_folder == staged.source:  # baseline without LoRA: the source as it is
         from transformers import AutoModelForCausalLM
 
         AutoModelForCausalLM.from_pretrained(model_folder).save_pretrained(final)
-        _load_tokenizer(model_folder).save_pretrained(final)
+        load_tokenizer(model_folder).save_pretrained(final)
     else:
         shutil.copytree(model_folder, final, ignore=lambda _, names: [n for n in names if n in _FINAL_EXCLUDED])
     record = linearize_record(settings, state, command)
@@ -708,6 +748,7 @@ def linearize_record(settings: LinearizeSettings, state: dict, command: str | No
             k: evaluation["details"][k] for k in ("context_length", "stride", "windows", "num_tokens")},
         "tokens_seen": tokens,
         "wall_time_s": round(sum(stage["wall_time_s"] for stage in stages.values()), 2),
+        "estimate_s": state.get("estimate"),
         "curve": curve,
         "machine": machine_info(torch.device("cpu")),
         "command": command,

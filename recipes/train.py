@@ -47,11 +47,14 @@ a teacher's predictions (:mod:`hf_performer.recipes.distillation`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import re
 import shutil
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -71,6 +74,15 @@ from .results import (
     without_local_paths,
     write_run_results,
 )
+from .selection import (
+    BestStepSelection,
+    carve_early_stopping_split,
+    check_selection_options,
+    early_stopping_record,
+    keep_model,
+    selection_metrics,
+    training_data_fingerprint,
+)
 
 
 CHECKPOINT_PREFIX = "step_"
@@ -84,10 +96,16 @@ new run's)."""
 RESUMABLE_CHANGES = (
     "output_dir", "resume_from_checkpoint", "overwrite", "eval_steps", "logging_steps", "checkpointing_steps",
     "report_to", "num_workers", "per_device_eval_batch_size", "no_save_model", "metrics_backend", "validation_file",
-    "max_eval_samples", "max_eval_chars", "context_length", "stride", "time_limit", "no_progress",
+    "max_eval_samples", "max_eval_chars", "context_length", "stride", "time_limit", "no_progress", "no_evaluation",
 )
 """Arguments a resumed run may change (logging, evaluation and output only); every other argument, and the
 number of processes, must be those recorded in the checkpoint (they decide the data order and the training)."""
+
+FSDP_ON_CPU = (
+    "an FSDP launch config was given, but Accelerate shards a model with FSDP on accelerator devices only (CUDA, XPU, "
+    "NPU, MLU, MUSA, HPU): on CPU processes it ignores the FSDP settings (the run would be plain DDP) or fails for want "
+    "of a device; on CPUs launch with recipes/configs/ddp.yaml or ACCELERATE_USE_CPU=true torchrun --nproc_per_node N")
+"""Why an FSDP launch on CPUs is refused (measured with accelerate 1.15 and torch 2.13: recipes/README.md)."""
 
 LossHook = Callable[[torch.nn.Module, dict, object, int], "torch.Tensor | None"]
 
@@ -123,92 +141,6 @@ def _dataloader(dataset, batch_size: int, collate_fn, sampler=None, num_workers:
     # run would diverge from the uninterrupted one.
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                       num_workers=num_workers, generator=torch.Generator().manual_seed(seed))
-
-
-def carve_early_stopping_split(dataset, fraction: float, seed: int):
-    """Split ``dataset`` (the training examples) into ``(train, held_out)``: ``round(fraction * n)`` examples
-    drawn with ``numpy.random.default_rng(seed)`` are held out, both parts keep the dataset's order.
-
-    Raises:
-        RecipeError: a fraction that leaves either part empty.
-    """
-    import numpy as np
-
-    total = len(dataset)
-    held_out = round(fraction * total)
-    if not 1 <= held_out < total:
-        raise RecipeError(f"--early-stopping-split {fraction} of {total} training examples holds out {held_out}: "
-                          "both the held-out and the training part need at least one example")
-    order = np.random.default_rng(seed).permutation(total)
-    return dataset.select(np.sort(order[held_out:]).tolist()), dataset.select(np.sort(order[:held_out]).tolist())
-
-
-class BestStepSelection:
-    """The best evaluation step on the held-out split (``--metric-for-best-model``), the evaluations since it
-    improved (early stopping), and, when ``keep_weights``, a CPU copy of the weights of that step."""
-
-    def __init__(self, metric: str, patience: int | None, keep_weights: bool):
-        self.metric = metric
-        self.greater_is_better = metric not in ("eval_loss", "perplexity")
-        self.patience = patience
-        self.keep_weights = keep_weights
-        self.best_step: int | None = None
-        self.best_value: float | None = None
-        self.evaluations_without_improvement = 0
-        self.best_weights: dict[str, torch.Tensor] | None = None
-
-    def update(self, step: int, value: float, model_weights: Callable[[], dict]) -> bool:
-        """Record the held-out ``value`` of ``step``; ``model_weights()`` is called only on improvement."""
-        improved = not math.isnan(value) and (
-            self.best_value is None
-            or (value > self.best_value if self.greater_is_better else value < self.best_value))
-        if improved:
-            self.best_step, self.best_value, self.evaluations_without_improvement = step, value, 0
-            if self.keep_weights:
-                self.best_weights = model_weights()
-        else:
-            self.evaluations_without_improvement += 1
-        return improved
-
-    @property
-    def should_stop(self) -> bool:
-        return self.patience is not None and self.evaluations_without_improvement >= self.patience
-
-    def state(self) -> dict:
-        return {"best_step": self.best_step, "best_value": self.best_value,
-                "evaluations_without_improvement": self.evaluations_without_improvement}
-
-    def load_state(self, state: dict, best_weights: dict | None) -> None:
-        self.best_step, self.best_value = state["best_step"], state["best_value"]
-        self.evaluations_without_improvement = state["evaluations_without_improvement"]
-        self.best_weights = best_weights
-
-
-def _selection_metrics(args) -> tuple[str, ...]:
-    """The metrics ``--metric-for-best-model`` accepts for the recipe's task."""
-    if args.kind == "causal-lm":
-        return ("perplexity", "eval_loss")
-    return (*get_task(args.task).metrics, "eval_loss")
-
-
-def _check_selection_options(args) -> None:
-    selects = args.load_best_model_at_end or args.early_stopping_patience is not None
-    if args.early_stopping_split is not None and not 0 < args.early_stopping_split < 1:
-        raise RecipeError(f"--early-stopping-split must be in (0, 1) (a fraction of the training examples), "
-                          f"got {args.early_stopping_split}")
-    if (selects or args.metric_for_best_model is not None) and args.early_stopping_split is None:
-        raise RecipeError("--load-best-model-at-end, --early-stopping-patience and --metric-for-best-model select on "
-                          "a split carved from the training data, never on the reported validation split: pass "
-                          "--early-stopping-split FRACTION (e.g. 0.1)")
-    if selects and not args.eval_steps:
-        raise RecipeError("--load-best-model-at-end and --early-stopping-patience choose among evaluations: pass "
-                          "--eval-steps N")
-    if args.early_stopping_patience is not None and args.early_stopping_patience < 1:
-        raise RecipeError(f"--early-stopping-patience must be >= 1, got {args.early_stopping_patience}")
-    accepted = _selection_metrics(args)
-    if args.metric_for_best_model is not None and args.metric_for_best_model not in accepted:
-        raise RecipeError(f"--metric-for-best-model {args.metric_for_best_model!r} is not a metric of this task; "
-                          f"accepted: {', '.join(accepted)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -251,6 +183,7 @@ def run_flags(args, num_processes: int) -> dict:
     """The flags that identify a run and its data order (recorded in each checkpoint, compared on resume)."""
     flags = {key: value for key, value in recorded_args(args).items() if key not in RESUMABLE_CHANGES}
     flags["num_processes"] = num_processes
+    flags["train_data_fingerprint"] = training_data_fingerprint(args)  # the file's contents, not only its name
     return flags
 
 
@@ -265,9 +198,13 @@ def check_resumable(checkpoint: str, state: dict, flags: dict) -> None:
         return
     differing = []
     for key in sorted(set(recorded) | set(flags)):
+        if key == "train_data_fingerprint" and key not in recorded:  # a checkpoint written before it was recorded
+            continue
         old, new = recorded.get(key), flags.get(key)
         if json.dumps(old) != json.dumps(new):
-            name = "processes" if key == "num_processes" else "--" + key.replace("_", "-")
+            name = {"num_processes": "processes",
+                    "train_data_fingerprint": "the contents of --train-file (fingerprint)"}.get(
+                key, "--" + key.replace("_", "-"))
             differing.append(f"{name} {old} (now {new})")
     if differing:
         raise RecipeError(
@@ -323,9 +260,11 @@ def _prepare_classification(args, accelerator, tokenizer):
     spec = get_task(args.task)
     with accelerator.main_process_first():
         train = load_task_split(spec, "train", args.train_file, args.max_train_samples, args.seed)
-        evaluation = load_task_split(spec, "validation", args.validation_file, args.max_eval_samples, args.seed)
         train = tokenize_task_dataset(train, tokenizer, spec, args.max_length)
-        evaluation = tokenize_task_dataset(evaluation, tokenizer, spec, args.max_length)
+        evaluation = None
+        if not args.no_evaluation:
+            evaluation = load_task_split(spec, "validation", args.validation_file, args.max_eval_samples, args.seed)
+            evaluation = tokenize_task_dataset(evaluation, tokenizer, spec, args.max_length)
     pad_to = 8 if accelerator.mixed_precision in ("fp16", "bf16") else None
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=pad_to)
     return spec, train, evaluation, collator
@@ -338,12 +277,27 @@ def _prepare_causal_lm(args, accelerator, tokenizer):
 
     with accelerator.main_process_first():
         train_text = load_lm_text(args.train_file, args.dataset, args.dataset_config, "train", args.max_train_chars)
-        eval_text = load_lm_text(args.validation_file, args.dataset, args.dataset_config, "validation",
-                                 args.max_eval_chars)
         train = group_into_blocks(tokenize_lm_text(train_text, tokenizer), args.block_size)
         train = select_subset(train, args.max_train_samples, args.seed)
-        eval_ids = tokenize_lm_text(eval_text, tokenizer)
+        eval_ids = None
+        if not args.no_evaluation:
+            eval_text = load_lm_text(args.validation_file, args.dataset, args.dataset_config, "validation",
+                                     args.max_eval_chars)
+            eval_ids = tokenize_lm_text(eval_text, tokenizer)
     return train, eval_ids, default_data_collator
+
+
+def _check_validation_is_not_training(args) -> None:
+    """Warn (one line) when ``--validation-file`` has the contents of ``--train-file``: its metrics measure the
+    training data (a deliberate overfitting check may want that; a reported result does not)."""
+    from ..tasks.data import file_fingerprint
+
+    if args.no_evaluation or not (args.train_file and args.validation_file) or not all(
+            os.path.isfile(path) for path in (args.train_file, args.validation_file)):
+        return
+    if file_fingerprint(args.validation_file) == training_data_fingerprint(args):
+        print(f"warning: --validation-file {os.path.basename(args.validation_file)} has the same contents as "
+              "--train-file: the reported metrics measure the training data, not held-out data", file=sys.stderr)
 
 
 def _start_run(args):
@@ -358,7 +312,8 @@ def _start_run(args):
     from accelerate.utils import set_seed
 
     _check_report_to(args.report_to)
-    _check_selection_options(args)
+    _check_validation_is_not_training(args)
+    check_selection_options(args)
     check_distillation_options(args)
     checkpoint = _check_output_dir(args)  # every process, before any of them writes
     os.makedirs(args.output_dir, exist_ok=True)
@@ -367,7 +322,15 @@ def _start_run(args):
         accelerator_kwargs["mixed_precision"] = args.mixed_precision
     if args.report_to == "tensorboard":
         accelerator_kwargs.update(log_with="tensorboard", project_dir=args.output_dir)
-    accelerator = Accelerator(**accelerator_kwargs)
+    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    try:
+        accelerator = Accelerator(**accelerator_kwargs)
+    except RuntimeError as error:
+        if fsdp_asked and "no available devices" in str(error):
+            raise RecipeError(FSDP_ON_CPU) from None
+        raise
+    if fsdp_asked and accelerator.distributed_type.value != "FSDP":
+        raise RecipeError(f"{FSDP_ON_CPU} (this launch would run {accelerator.distributed_type.value})")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched > accelerator.num_processes:
         raise RecipeError(
@@ -444,54 +407,6 @@ def _resume(accelerator, checkpoint: str | None, output_dir: str, selection: Bes
     return completed_steps, start_epoch, skip_batches, curve, resumed_from
 
 
-def _keep_model(accelerator, model, args, selection: BestStepSelection | None, curve: list[dict],
-                completed_steps: int, stopped_at: int | None) -> tuple[dict, str]:
-    """The kept model: the last step, or with ``--load-best-model-at-end`` the best held-out step (whose weights
-    are loaded back into ``model``).
-
-    Returns:
-        ``(kept_point, kept_reason)``: the kept step's point of the curve and why it was kept.
-    """
-    kept_point = curve[-1]
-    if stopped_at is not None:
-        kept_reason = (f"last step: early stopping after {selection.patience} evaluations without improvement of "
-                       f"the held-out {selection.metric} (best {selection.best_value:.4f} at step "
-                       f"{selection.best_step})")
-    else:
-        kept_reason = "last step"
-    if args.load_best_model_at_end and selection.best_step is not None:
-        kept_point = next(point for point in curve if point["step"] == selection.best_step)
-        if selection.best_step != completed_steps:
-            accelerator.unwrap_model(model).load_state_dict(selection.best_weights)
-        evaluated = ", ".join(str(point["step"]) for point in curve)
-        kept_reason = (f"--load-best-model-at-end: best held-out {selection.metric} ({selection.best_value:.4f}) at "
-                       f"step {selection.best_step} among the evaluations at steps {evaluated} on the early-stopping "
-                       f"split" + (f" (stopped early at step {stopped_at})" if stopped_at is not None else ""))
-    return kept_point, kept_reason
-
-
-def _early_stopping_record(args, selection: BestStepSelection | None, heldout_set, kept_point: dict,
-                           stopped_at: int | None) -> dict | None:
-    """``metrics.json``'s ``early_stopping``: the held-out split, the selection and the kept step's held-out
-    metrics (``None`` without ``--early-stopping-split``)."""
-    early_stopping = None
-    if selection is not None:
-        early_stopping = {
-            "split_fraction": args.early_stopping_split,
-            "split_examples": len(heldout_set),
-            "seed": args.seed,
-            "metric": selection.metric,
-            "greater_is_better": selection.greater_is_better,
-            "patience": selection.patience,
-            "load_best_model_at_end": bool(args.load_best_model_at_end),
-            "best_step": selection.best_step,
-            "best_value": selection.best_value,
-            "stopped_at_step": stopped_at,
-            "kept_heldout": {k[len("heldout_"):]: v for k, v in kept_point.items() if k.startswith("heldout_")},
-        }
-    return early_stopping
-
-
 def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
     """Run a recipe (see the module docstring for the stages).
 
@@ -520,7 +435,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         for config in (model.config, getattr(model.config, "source_config", None)):
             if config is not None and getattr(config, "pad_token_id", None) is None:
                 config.pad_token_id = tokenizer.pad_token_id
-        eval_loader = _dataloader(eval_set, args.per_device_eval_batch_size, collator, seed=args.seed)
+        eval_loader = None if eval_set is None else _dataloader(eval_set, args.per_device_eval_batch_size, collator,
+                                                                seed=args.seed)
     else:
         spec = None
         train_set, eval_ids, collator = _prepare_causal_lm(args, accelerator, tokenizer)
@@ -533,7 +449,7 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             heldout_loader = _dataloader(heldout_set, args.per_device_eval_batch_size, collator, seed=args.seed)
         else:  # the held-out blocks, joined again: scored with the same perplexity protocol
             heldout_ids = [token for block in heldout_set["input_ids"] for token in block]
-        selection = BestStepSelection(args.metric_for_best_model or _selection_metrics(args)[0],
+        selection = BestStepSelection(args.metric_for_best_model or selection_metrics(args)[0],
                                       args.early_stopping_patience, args.load_best_model_at_end)
         if args.load_best_model_at_end and accelerator.distributed_type.value in ("FSDP", "DEEPSPEED"):
             raise RecipeError("--load-best-model-at-end keeps full weights per process: use it with one process "
@@ -678,13 +594,15 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
             break
 
     progress.close()
-    if stopped_at is None:
+    if args.no_evaluation:  # the caller evaluates the saved model (hf-performer linearize)
+        last_result = {"_backend": None, "_note": None}
+    elif stopped_at is None:
         record_eval(epoch, last_train_loss)
     final_result = last_result
 
     # ---- the kept model: the last step, or the best held-out step with --load-best-model-at-end
-    kept_point, kept_reason = _keep_model(accelerator, model, args, selection, curve, completed_steps, stopped_at)
-    early_stopping = _early_stopping_record(args, selection, heldout_set, kept_point, stopped_at)
+    kept_point, kept_reason = keep_model(accelerator, model, args, selection, curve, completed_steps, stopped_at)
+    early_stopping = early_stopping_record(args, selection, heldout_set, kept_point, stopped_at)
 
     # ---- outputs
     final = {k: v for k, v in kept_point.items()
@@ -704,7 +622,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         "train_loss_first": first_losses[0] if first_losses else None,
         "train_loss_last": last_train_loss,
         "train_examples": len(train_set),
-        "eval_examples": len(eval_set) if spec is not None else None,
+        "eval_examples": len(eval_set) if spec is not None and eval_set is not None else None,
+        "train_data_fingerprint": flags["train_data_fingerprint"],
         "perplexity_protocol": final_result.get("_protocol"),
         "metrics_backend": final_result["_backend"],
         "metrics_note": without_local_paths(final_result["_note"]),
@@ -726,11 +645,31 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
         from ..hub import write_recipe_card
 
         write_recipe_card(args.output_dir)  # README.md model card of a Performer folder, results from metrics.json
-        print(json.dumps({"final": final, "completed_steps": completed_steps}, indent=2))
+        print(f"recipe: {completed_steps} steps, " + (", ".join(f"{k} {v:.4g}" for k, v in final.items()) or
+                                                      "not evaluated") + f"; wrote {args.output_dir}")
     # Last: end_training closes the trackers and, with several processes, the process group.
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return metrics
+
+
+class _SharedTensorNote(logging.Filter):
+    """Drops accelerate's "Removed shared tensor {...} while saving" warning: a checkpoint stores tied weights (an LM
+    head tied to the embeddings) once, and ``load_state`` restores them into the same tied model, so the line said
+    nothing at every checkpoint."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Removed shared tensor" not in record.getMessage()
+
+
+@contextlib.contextmanager
+def _shared_tensor_notes_dropped():
+    note_logger, note_filter = logging.getLogger("accelerate.utils.other"), _SharedTensorNote()
+    note_logger.addFilter(note_filter)
+    try:
+        yield
+    finally:
+        note_logger.removeFilter(note_filter)
 
 
 def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batches_in_epoch: int, curve: list,
@@ -742,7 +681,8 @@ def _save_checkpoint(accelerator, output_dir: str, step: int, epoch: int, batche
     if accelerator.is_main_process and os.path.isdir(staging):
         shutil.rmtree(staging)
     accelerator.wait_for_everyone()
-    accelerator.save_state(staging)
+    with _shared_tensor_notes_dropped():
+        accelerator.save_state(staging)
     accelerator.wait_for_everyone()  # every rank has written its own files (RNG states) before the rename
     if accelerator.is_main_process:
         state = {"completed_steps": step, "epoch": epoch, "batches_in_epoch": batches_in_epoch,

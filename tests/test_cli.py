@@ -46,12 +46,52 @@ def test_top_level_help_imports_neither_torch_nor_transformers():
 
 
 @pytest.mark.parametrize("verb,expected", [("results", "collect"), ("evaluate", "--validation-file"),
-                                           ("push", "--dry-run"), ("card", "--base-model")])
+                                           ("push", "--dry-run"), ("card", "--base-model"),
+                                           ("convert", "--feature-map"), ("distill", "--loss"),
+                                           ("quickstart", "--lengths"), ("linearize", "--train-file"),
+                                           ("bench", "BENCHMARK")])
 def test_verb_help_imports_neither_torch_nor_transformers(verb, expected):
     result = _run_console_script(verb, "--help")
     assert result.returncode == 0 and expected in result.stdout, result.stderr
     assert "torch" not in result.stdout.strip().splitlines()[-1]
     assert "transformers" not in result.stdout.strip().splitlines()[-1]
+
+
+def test_every_parser_and_help_text_is_built_without_torch():
+    """Every ``--help`` is fast (under 0.5 s on a loaded 2-core machine, where importing torch alone takes 1-2 s):
+    building every verb's parser and formatting every help text, the recipes' parsers too, imports no torch,
+    transformers or matplotlib."""
+    code = textwrap.dedent("""
+        import argparse, sys
+        sys.argv = ["/venv/bin/hf-performer"]
+        from hf_performer.cli import build_parser
+        from hf_performer.recipes.arguments import KINDS, build_parser as recipe_parser
+
+        def helps(parser):
+            yield parser.format_help()
+            for action in parser._actions:
+                if isinstance(action, argparse._SubParsersAction):
+                    for child in action.choices.values():
+                        yield from helps(child)
+
+        texts = [*helps(build_parser()), *(recipe_parser(kind).format_help() for kind in KINDS)]
+        assert len(texts) > 15, len(texts)
+        print(sorted(name for name in ("torch", "transformers", "matplotlib", "accelerate") if name in sys.modules))
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+def test_the_torch_free_declarations_match_what_the_runtime_registers():
+    from hf_performer import favor_schema, feature_maps
+    from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK
+
+    registered_here = sorted(name for name, factory in feature_maps.FEATURE_MAPS.items()
+                             if getattr(factory, "__module__", None) == feature_maps.__name__)
+    assert list(favor_schema.BUILTIN_FEATURE_MAPS) == registered_here
+    assert favor_schema.PERFORMER_TASKS == tuple(PERFORMER_CLASSES_BY_TASK)
+    assert feature_maps.LearnedFeatureMap.default_init == favor_schema.LEARNED_MAP_DEFAULT_INIT
 
 
 def test_a_verb_that_runs_finds_the_runtime_imported(tmp_path):
@@ -68,8 +108,13 @@ def test_verb_table_matches_the_verbs_parsers():
     assert registered == {name: help_text for name, help_text, _ in cli.VERBS}
 
 
-def test_an_exception_deep_inside_a_verb_is_one_line_with_status_2(capsys):
-    # torch.device("nosuchdevice") raises inside the benchmark, not in the parser.
+def test_an_exception_deep_inside_a_verb_is_one_line_with_status_2(capsys, monkeypatch):
+    # An error raised inside the benchmark, not in the parser or the checks of its arguments.
+    def run_speed_benchmark(**settings):
+        raise RuntimeError(f"cannot measure on {settings['device']}")
+
+    monkeypatch.setattr(attention, "run_speed_benchmark", run_speed_benchmark)
+    monkeypatch.setattr("hf_performer.bench.machine.check_device", lambda device: device)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["bench", "attention", "--device", "nosuchdevice", "--lengths", "16"])
     assert exit_info.value.code == 2
@@ -145,7 +190,7 @@ def test_the_favor_arguments_module_is_a_leaf():
     imported = {(node.level, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     imported |= {(0, alias.name) for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     assert imported <= {(0, "__future__"), (0, "argparse"), (0, "json"), (0, "sys"), (0, "dataclasses"),
-                        (2, "favor_settings"), (2, "feature_maps")}
+                        (2, "favor_schema")}
 
 
 def test_documented_entry_points_keep_working():
@@ -168,3 +213,33 @@ def test_documented_entry_points_keep_working():
     with pytest.warns(FutureWarning, match="hf_performer.recipes"):
         training = importlib.import_module("hf_performer.training")
     assert training.train is recipes_train.train and training.main is recipes_train.main
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["attention", "--lengths", "-64"], "--lengths must be integers >= 1, got -64"),
+    (["attention", "--lengths", "0,512"], "--lengths must be integers >= 1, got 0"),
+    (["attention", "--lengths", ""], "--lengths is empty"),
+    (["attention", "--heads", "0"], "--heads must be an integer >= 1, got 0"),
+    (["attention", "--repeats", "0"], "--repeats must be an integer >= 1, got 0"),
+    (["attention", "--window", "-1"], "--window must be an integer >= 0, got -1"),
+    (["memory", "--batch", "0"], "--batch must be an integer >= 1"),
+    (["approximation", "--seeds", "0"], "--seeds must be an integer >= 1"),
+    (["decode", "--context-lengths", "-5"], "--context-lengths must be integers >= 1"),
+    (["decode", "--device", "nonsense"], "--device nonsense: not a torch device name"),
+    (["model", "a", "--repeats", "0"], "--repeats must be an integer >= 1"),
+])
+def test_bench_sizes_are_checked_before_any_work_in_one_line(arguments, message, capsys):
+    with pytest.raises(cli.CommandFailed) as failure:
+        cli.main(["bench", *arguments])
+    line = str(failure.value)
+    assert message in line and "\n" not in line and line.startswith(f"hf-performer bench {arguments[0]}: error:")
+    assert capsys.readouterr().out == ""
+
+
+def test_bench_refuses_a_cuda_device_this_torch_does_not_have():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible")
+    with pytest.raises(cli.CommandFailed, match="--device cuda: .*use --device cpu"):
+        cli.main(["bench", "attention", "--device", "cuda"])

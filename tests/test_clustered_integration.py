@@ -192,3 +192,44 @@ def test_clustered_attention_takes_no_window():
     with pytest.raises(PerformerConfigError, match="takes no window, sinks or layer_windows") as error:
         PerformerConfig(source_config=tiny_bert_config(), attention="improved-clustered", window=4)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("attention,clusters", [("clustered", 3), ("improved-clustered", 3),
+                                                ("improved-clustered", LENGTH)])
+def test_output_attentions_returns_the_weights_clustered_attention_applies(attention, clusters):
+    """Not a silent ``()``: per layer the ``[B, H, L, L]`` weights whose product with the values is the layer's output
+    (rows of real tokens sum to 1, padded keys get none); with as many clusters as tokens they are softmax's."""
+    from hf_performer.clustered_attention import (
+        clustered_attention,
+        clustered_attention_weights,
+        improved_clustered_attention,
+    )
+
+    source = _bert()
+    performer = convert_to_performer(source, attention=attention, clusters=clusters, topk=4)
+    input_ids, attention_mask = _batch()
+    with torch.no_grad():
+        plain = performer(input_ids=input_ids, attention_mask=attention_mask).logits
+        outputs = performer(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True)
+        expected = source(input_ids=input_ids, attention_mask=attention_mask, output_attentions=True).attentions
+    torch.testing.assert_close(outputs.logits, plain, rtol=1e-4, atol=1e-5)
+    assert len(outputs.attentions) == 2
+    for weights, softmax in zip(outputs.attentions, expected):
+        assert weights.shape == (2, 4, LENGTH, LENGTH)
+        row_sums = weights.sum(-1).transpose(1, 2)[attention_mask.bool()]  # [tokens, heads]
+        torch.testing.assert_close(row_sums, torch.ones_like(row_sums))
+        assert float(weights[1, :, :, 8:].abs().max()) == 0.0
+        if clusters == LENGTH:
+            keep = attention_mask.bool()
+            torch.testing.assert_close(weights.transpose(1, 2)[keep], softmax.transpose(1, 2)[keep], atol=1e-5,
+                                       rtol=1e-4)
+    # the function itself against the kernels (grouped-query heads, padding)
+    generator = torch.Generator().manual_seed(3)
+    query, key, value = (torch.randn(2, heads, 20, 8, generator=generator) for heads in (4, 2, 2))
+    padding = torch.ones(2, 20, dtype=torch.bool)
+    padding[0, 15:] = False
+    for topk, kernel in ((None, clustered_attention), (5, improved_clustered_attention)):
+        arguments = dict(clusters=4, key_padding_mask=padding, seed=1, **({} if topk is None else {"topk": topk}))
+        weights = clustered_attention_weights(query, key, **arguments)
+        torch.testing.assert_close(weights @ value.repeat_interleave(2, dim=1), kernel(query, key, value, **arguments),
+                                   rtol=1e-5, atol=1e-5)

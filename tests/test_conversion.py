@@ -588,7 +588,7 @@ def test_unwritable_output_parent_is_refused_before_converting(source_folder, tm
     def no_loading(*args, **kwargs):
         raise AssertionError("the source was loaded before the output folder was checked")
 
-    monkeypatch.setattr(convert_cli, "load_source", no_loading)
+    monkeypatch.setattr("hf_performer.conversion.convert.load_source", no_loading)
     with pytest.raises(SystemExit) as error:
         convert_cli.main([str(source_folder), os.path.join(parent, "performer")])
     assert f"cannot write into {parent}" in str(error.value) and "\n" not in str(error.value)

@@ -6,7 +6,7 @@ import pytest
 
 from hf_performer import cli
 from hf_performer.bench.decode import run_decode_benchmark
-from hf_performer.bench.report import DECODE_IMPLEMENTATIONS as IMPLEMENTATIONS
+from hf_performer.bench.defaults import DECODE_IMPLEMENTATIONS as IMPLEMENTATIONS
 from hf_performer.bench.report import format_decode_table, plot_decode, write_result
 
 LAYERS, HEADS, EMBD, FEATURES, BATCH = 2, 2, 32, 16, 2

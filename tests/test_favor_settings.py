@@ -146,4 +146,4 @@ def test_settings_config_and_cache_do_not_import_the_attention_function():
         assert "favor_attention" not in imported, name
     tree = ast.parse((package / "favor_settings.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
-    assert imported == {"feature_maps", "linear_attention"}
+    assert imported == {"favor_schema", "feature_maps"}

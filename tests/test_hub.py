@@ -53,7 +53,7 @@ REPO_ID = "tester/tiny-performer"
 VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown fox jumps over a lazy dog".split(),
                 *"abcdefghijklmnopqrstuvwxyz.,"]
 CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "configuration_performer.py",
-              "favor_attention.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
+              "favor_attention.py", "favor_schema.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
               "linear_attention_autograd.py", "modeling_performer.py", "packed_sequences.py",
               "window_attention.py", "window_segments.py", "window_tail.py"]
 
@@ -121,7 +121,7 @@ def test_convert_writes_a_valid_card(converted):
     report = json.loads((converted / REPORT_FILE_NAME).read_text())
     assert len(report["layers"]) == 2
     for layer in report["layers"]:
-        row = (f"| {layer['layer']} | favor | {layer['own_inputs_relative_error']:.4f} | "
+        row = (f"| {layer['layer']} | linear | {layer['own_inputs_relative_error']:.4f} | "
                f"{layer['propagated_relative_error']:.4f} |")
         assert row in text
     assert f"mean cosine similarity {report['final_hidden_state_cosine']:.4f}" in text
@@ -188,7 +188,11 @@ def test_causal_card_describes_constant_memory_decoding(folder):
     text = card.text
     assert "AutoModelForCausalLM" in text and "model.generate(" in text
     # 2 layers x 2 heads x (m*d + m + 1) float32 with m=16, d=16: 2*2*273*4 bytes.
-    assert "**Constant-memory decoding.**" in text and "4.3 KiB per sequence" in text
+    assert "**Decoding.** Per sequence, the 2 linear-attention layers keep a recurrent state" in text
+    assert "4.3 KiB in all (float32), whatever the context length" in text
+    assert "decoding memory does not grow with the context" in text
+    assert "| decoding cache (`generate`) | `FavorCacheLayer`, constant size |" in text
+    assert "| prompt lookup / assisted decoding | supported (rejected candidates are rolled back" in text
     assert "(measured causal crossover: ~2369 tokens)" in text
 
 
@@ -289,7 +293,8 @@ def test_favor_card_keeps_its_favor_wording(converted):
     assert "Converted, not fine-tuned" in text and "The Performer paper reports 0.07" in text
     assert "## Fidelity right after conversion" in text and "the FAVOR+ estimator's variance is large there" in text
     assert "## Attention transfer" not in text and "hf-performer distill" not in text
-    assert "## Where FAVOR+ is faster, and where it is not" in text
+    assert "## Speed and memory: where this attention is faster, and where it is not" in text
+    assert "- **Sink + window layers**" not in text and "- **Clustered attention**" not in text
 
 
 def test_hedgehog_card_without_attention_transfer(hedgehog):
@@ -311,12 +316,13 @@ def test_hedgehog_card_without_attention_transfer(hedgehog):
     assert "| `feature_map_options` | none | the map's own options: `init` (start of the learned projections" in text
     assert "random features per head" not in text and "seed of the projections" not in text
     assert "| `orthogonal` |" not in text and "| `row_norms` |" not in text
-    # Untrained learned maps: a warning that says so, not the FAVOR+ one.
-    assert "Converted, not fine-tuned" in text and "(initialisation `favor+`)" in text
+    # Untrained learned maps: a warning that says so (an encoder: distill, then fine-tune), not the FAVOR+ one.
+    assert "**Converted, not trained.**" in text and "(initialisation `favor+`)" in text
+    assert "train them by attention transfer (`hf-performer distill`)" in text and "hf-performer linearize SOURCE" \
+        not in text
     assert "The Performer paper reports 0.07" not in text and "FAVOR+ estimator" not in text
     assert "## Fidelity right after conversion" in text and "This folder has no `conversion_report.json`" in text
     # Speed notes use the map's real size (2 x 16 features), and say the timings are of FAVOR+.
-    assert "## Where linear attention is faster, and where it is not" in text
     assert "With `m = 32` features and head dimension `d = 16`" in text and "These timings are of FAVOR+" in text
 
 
@@ -355,7 +361,8 @@ def test_every_map_kind_cites_its_paper_and_explains_its_settings(tmp_path, feat
     assert f"instead of softmax\n{intro}" in text
     for row in rows:
         assert row in text
-    assert "The Performer paper reports 0.07" not in text and "Converted, not fine-tuned" in text
+    warning = "**Converted, not trained.**" if feature_map in ("t2r", "hedgehog") else "**Converted, not fine-tuned.**"
+    assert "The Performer paper reports 0.07" not in text and warning in text
     if feature_map == "t2r":
         assert "unused here" not in text and "(initialisation `favor+`)" in text
 
@@ -506,7 +513,7 @@ def test_card_of_a_really_distilled_folder(distilled, tmp_path):
     # The fidelity section is conversion_report.json, i.e. the fidelity after transfer.
     assert "## Fidelity after attention transfer" in text and "From `conversion_report.json`: the model after" in text
     for layer in report["layers"]:
-        assert (f"| {layer['layer']} | {layer['attention']} | {layer['own_inputs_relative_error']:.4f} | "
+        assert (f"| {layer['layer']} | {layer['kind']} | {layer['own_inputs_relative_error']:.4f} | "
                 f"{layer['propagated_relative_error']:.4f} |") in text
     assert "The Performer paper reports 0.07" not in text and "Attention transfer only, not fine-tuned" in text
     assert str(distilled.parent) not in text  # no local path (source, data file, command) leaks into the card
@@ -607,7 +614,7 @@ def _remove(*names):
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
         (_remove("favor_attention.py"), "favor_attention.py: missing (needed by modeling_performer.py "
                                         "(from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps"),
-        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by favor_settings.py (from .linear_attention"),
+        (_remove("linear_attention.py"), "linear_attention.py: missing (needed by cache.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),
         (_lfs_pointer, "model.safetensors: not a safetensors file (bad header length; a Git LFS pointer"),
@@ -1024,24 +1031,6 @@ def test_fake_hub_is_local_and_bounded():
         assert not server.thread.is_alive()
 
 
-def test_speed_figures_quoted_in_cards_match_the_committed_benchmark():
-    """Cards quote hf_performer.hub.MEASURED_SPEED (model_cards/measured_speed.json); it must stay equal to
-    benchmarks/results/attention_speed.json."""
-    from pathlib import Path
-
-    from hf_performer.hub import MEASURED_SPEED
-
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "attention_speed.json"
-    result = json.loads(path.read_text())
-    crossover = result["summary"]["crossover_length_vs_sdpa"]
-    assert MEASURED_SPEED["crossover_bidirectional"] == round(crossover["bidirectional"])
-    assert MEASURED_SPEED["crossover_causal"] == round(crossover["causal"])
-    speedups = result["summary"]["speedup_vs_sdpa"]
-    for row in MEASURED_SPEED["rows"]:
-        for mode in ("bidirectional", "causal"):
-            assert row[mode] == round(speedups[mode][str(row["length"])], 2)
-
-
 def test_card_data_files_are_read_and_quoted_in_the_card(converted):
     """The citations and measured speeds are package data (model_cards/*.json), read by hub.describe and quoted
     in every card."""
@@ -1061,11 +1050,15 @@ def test_card_data_files_are_read_and_quoted_in_the_card(converted):
     performer = citations["papers"]["choromanski2021"]
     assert f"[{performer['cite']}]({performer['url']})" in text
     assert "\n".join(performer["bibtex"]) in text
-    assert f"({measured['setup']}; {measured['machine']})" in text
-    assert f"about **{measured['crossover_bidirectional']} tokens bidirectional**" in text
-    assert f"**{measured['crossover_causal']} tokens causal**" in text
-    for row in measured["rows"]:
+    linear = measured["linear"]
+    assert f"({linear['setup']}; {linear['machine']})" in text
+    assert f"about **{linear['crossover_bidirectional']} tokens bidirectional**" in text
+    assert f"**{linear['crossover_causal']} tokens causal**" in text
+    for row in linear["rows"]:
         assert f"| {row['length']} | {row['bidirectional']:.2f}x | {row['causal']:.2f}x |" in text
+    memory = measured["linear_memory"]
+    assert (f"was {memory['bidirectional']}x SDPA's bidirectional and\n  {memory['causal']}x causal at "
+            f"{memory['length']} tokens") in text
 
 
 # --------------------------------------------------------------------------------------------

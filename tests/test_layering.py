@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "hf_performer"
 
 # The runtime that ships with the weights: flat files at the root of hf_performer/ (those present are checked).
-RUNTIME_MODULES = ("feature_maps", "linear_attention", "linear_attention_autograd", "window_attention",
+RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_attention_autograd", "window_attention",
                    "clustered_attention", "reference", "favor_settings", "cache", "attention_weights", "packed_sequences",
                    "configuration_performer", "favor_attention", "modeling_performer", "window_tail", "window_segments",
                    "window_state", "window_sparse_cache", "window_causal", "window_decode")
@@ -75,6 +75,8 @@ ALLOWED_UPWARD = {
         "conversion report, whose name its writer declares (lazy import)",
     ("hf_performer.hub.card", "hf_performer.recipes.results"):
         "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
+    ("hf_performer.hub.card", "hf_performer.recipes.linearize"):
+        "the card reads linearize.json, whose name its writer declares (lazy import)",
     ("hf_performer.hub.results", "hf_performer.recipes.results"):
         "the card reads a recipe's metrics.json, whose name its writer declares (lazy import)",
     ("hf_performer.hub.results", "hf_performer.recipes.arguments"):

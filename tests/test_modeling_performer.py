@@ -55,6 +55,7 @@ CODE_FILES = (
     "modeling_performer.py",
     "configuration_performer.py",
     "favor_attention.py",
+    "favor_schema.py",
     "favor_settings.py",
     "cache.py",
     "clustered_attention.py",

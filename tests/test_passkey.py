@@ -155,6 +155,26 @@ def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config
         cli_main(["evaluate", str(folder), "--task", "passkey", "--context-lengths", "1024", "--no-progress"])
 
 
+@pytest.mark.parametrize("extra,message", [
+    (["--validation-file", "dev.tsv"], "--validation-file would be ignored by --task passkey (passkey)"),
+    (["--stride", "8"], "--stride would be ignored by --task passkey"),
+    (["--max-length", "64", "--metrics-backend", "local"], "--max-length, --metrics-backend would be ignored"),
+])
+def test_evaluate_refuses_flags_its_task_would_ignore_before_loading_anything(tmp_path, extra, message):
+    with pytest.raises(SystemExit) as failure:
+        cli_main(["evaluate", str(tmp_path / "not-loaded"), "--task", "passkey", *extra])
+    assert message in str(failure.value) and "\n" not in str(failure.value)
+
+
+def test_evaluate_checks_output_before_the_run(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for output, message in ((tmp_path, "is a folder"), (tmp_path / "file" / "out.json", "is a file, not a folder")):
+        with pytest.raises(SystemExit, match=message):  # before the (missing) model is loaded
+            cli_main(["evaluate", str(tmp_path / "not-loaded"), "--task", "passkey", "--output", str(output)])
+    with pytest.raises(SystemExit, match="--context-length would be ignored by --task sst2 \\(classification\\)"):
+        cli_main(["evaluate", str(tmp_path / "not-loaded"), "--task", "sst2", "--context-length", "64"])
+
+
 def test_a_converted_performer_is_scored_on_the_answer_logits_only(tokenizer, tiny_llama_config):
     from hf_performer.conversion import convert_to_performer
 

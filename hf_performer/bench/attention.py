@@ -38,6 +38,17 @@ from ..feature_maps import make_feature_map
 from ..linear_attention import DEFAULT_CHUNK_SIZE, linear_attention
 from ..reference import softmax_attention
 from ..window_attention import window_linear_attention
+from .defaults import (
+    ATTENTION_IMPLEMENTATIONS,
+    ATTENTION_MODES,
+    BIDIRECTIONAL_ONLY,
+    DEFAULT_ATTENTION_IMPLEMENTATIONS,
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_CLUSTERS,
+    DEFAULT_SINKS,
+    DEFAULT_TOPK,
+    DEFAULT_WINDOW,
+)
 from .lsh_attention import lsh_attention
 from .machine import (
     load_average,
@@ -49,20 +60,8 @@ from .machine import (
     run_in_fresh_process,
     timed_calls,
 )
-from .report import (
-    ATTENTION_IMPLEMENTATIONS,
-    ATTENTION_MODES,
-    BIDIRECTIONAL_ONLY,
-    DEFAULT_ATTENTION_IMPLEMENTATIONS,
-    summarize_memory,
-    summarize_speed,
-)
+from .report import summarize_memory, summarize_speed
 
-DEFAULT_CLUSTERS = 100
-DEFAULT_TOPK = 32
-DEFAULT_BUCKET_SIZE = 64
-DEFAULT_WINDOW = 64
-DEFAULT_SINKS = 4
 WINDOW_FEATURE_MAP = "hedgehog"  # the tail of the trained hybrids (LoLCATs): 2 d features, learned gamma
 WINDOW_GAMMA = 0.1  # gamma's initial value (sigmoid(w) at w = logit(0.1)); its value does not change the cost
 

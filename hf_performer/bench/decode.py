@@ -73,12 +73,11 @@ import time
 
 import torch
 
+from .defaults import DECODE_IMPLEMENTATIONS, FULL_CONTEXT_LENGTHS
 from .machine import PeakMemoryGrowth, load_average, machine_info, synchronize
-from .report import DECODE_IMPLEMENTATIONS, summarize_decode
+from .report import summarize_decode
 
 ATTN_IMPLEMENTATIONS = {"favor": "favor", "softmax": "sdpa"}
-FULL_CONTEXT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
-QUICK_CONTEXT_LENGTHS = (512, 1024, 2048)
 STATE_BLOCK = 1024  # tokens per call of the causal kernel when building favor states
 
 

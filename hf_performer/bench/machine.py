@@ -54,6 +54,25 @@ def machine_load_warning() -> str | None:
             "rerun on an idle machine for numbers to quote")
 
 
+def check_device(device: str) -> torch.device:
+    """The torch device named ``device``; ``ValueError`` (one line) for a name torch does not know or a device this
+    build or machine does not have (``cuda`` on a CPU-only torch)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as error:
+        raise ValueError(f"not a torch device name ({' '.join(str(error).split())}); e.g. cpu, cuda, cuda:1") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            build = f"this torch {torch.__version__} was built without CUDA" if torch.version.cuda is None else \
+                "no CUDA device is visible"
+            raise ValueError(f"{build}; use --device cpu")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"there are {torch.cuda.device_count()} CUDA devices (0..{torch.cuda.device_count() - 1})")
+    elif parsed.type not in ("cpu", "meta") and not getattr(torch, parsed.type, None):
+        raise ValueError("this torch has no such backend; use --device cpu")
+    return parsed
+
+
 def load_average() -> list[float] | None:
     """The 1, 5 and 15-minute load averages, rounded; ``None`` where the platform has none."""
     try:

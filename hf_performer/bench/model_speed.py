@@ -101,6 +101,37 @@ def _measure_in_fresh_process(folder: str, length: int, batch: int, backward: bo
         raise ModelBenchmarkError(f"measuring {os.path.basename(folder)} at {length} tokens failed: {error}") from None
 
 
+def backbone_geometry(config: dict) -> dict:
+    """``{model_type, layers, hidden_size, heads}`` of a saved ``config.json``: a Performer folder's are those of the
+    softmax model it was converted from (``source_config``)."""
+    source = config.get("source_config") or config
+    text = source.get("text_config") or source
+    pick = lambda *keys: next((text[key] for key in keys if text.get(key) is not None), None)  # noqa: E731
+    return {"model_type": source.get("model_type"),
+            "layers": pick("num_hidden_layers", "n_layer", "n_layers"),
+            "hidden_size": pick("hidden_size", "n_embd", "dim", "d_model"),
+            "heads": pick("num_attention_heads", "n_head", "n_heads")}
+
+
+def check_same_architecture(folders: list[str], labels: list[str]) -> None:
+    """Refuse folders whose backbones differ from the baseline's (the first): their time ratios would compare
+    unrelated models (a Llama baseline against a converted BERT)."""
+    import json
+
+    geometries = []
+    for folder in folders:
+        with open(os.path.join(folder, "config.json"), encoding="utf-8") as handle:
+            geometries.append(backbone_geometry(json.load(handle)))
+    baseline = geometries[0]
+    for label, geometry in zip(labels[1:], geometries[1:]):
+        differing = [f"{key} {geometry[key]} (baseline {baseline[key]})" for key in baseline
+                     if geometry[key] != baseline[key]]
+        if differing:
+            raise ModelBenchmarkError(
+                f"{label} is not the baseline {labels[0]}'s architecture ({', '.join(differing)}): the ratios would "
+                "compare unrelated models; give the softmax source first, then models converted from it")
+
+
 def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward: bool = False, repeats: int = 1,
                         labels=None, progress: bool = True) -> dict:
     """Time and extra peak memory of each model folder at each length, interleaved (length by length, every model
@@ -124,6 +155,7 @@ def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward
         raise ModelBenchmarkError(f"need one distinct label per folder, got {labels}")
     if batch < 1 or repeats < 1 or not lengths or min(lengths) < 1:
         raise ModelBenchmarkError("--batch, --repeats and every length must be >= 1")
+    check_same_architecture(folders, labels)
     records = []
     jobs = [(length, label, folder) for length in lengths for label, folder in zip(labels, folders)]
     for length, label, folder in tqdm(jobs, desc="model benchmark", disable=not progress):

@@ -13,13 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .defaults import ATTENTION_IMPLEMENTATIONS, DECODE_IMPLEMENTATIONS
 from .machine import machine_info
 
-ATTENTION_IMPLEMENTATIONS = ("favor", "window", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
-BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
-DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
-ATTENTION_MODES = ("bidirectional", "causal")
-DECODE_IMPLEMENTATIONS = ("favor", "softmax")
 FLATNESS_TARGET = 1.1
 SPEEDUP_TARGET = 3.0
 

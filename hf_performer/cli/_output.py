@@ -5,6 +5,7 @@ temporary folder beside the output and moved into place only once complete.
   ``--overwrite``, an unwritable parent; first puts right what interrupted runs left (:func:`recover_interrupted_runs`);
 * :func:`staged_folder`: the staged write (following the umask), so a failure leaves nothing half-written and a
   killed run leaves folders the next one cleans up or restores;
+* :func:`check_output_file`: an output file checked before any work (not a folder, its folder writable);
 * :func:`public_command`: the command line a written record quotes, without local absolute paths;
 * :func:`portable_evaluation_record`: an ``hf-performer evaluate`` record as written to a file, without them either.
 """
@@ -152,6 +153,24 @@ def _remove(path: str) -> None:
         shutil.rmtree(path)
     else:
         os.remove(path)
+
+
+def check_output_file(path: str, command: str) -> str:
+    """The absolute path of an output file, checked before any work (``hf-performer COMMAND: error: ...``): not a
+    folder, and its folder exists or can be created in a writable one."""
+    absolute = os.path.abspath(path)
+    if os.path.isdir(absolute):
+        raise SystemExit(f"hf-performer {command}: error: --output {path} is a folder; give a file name (e.g. "
+                         f"{os.path.join(path, 'metrics.json')})")
+    existing = os.path.dirname(absolute)
+    while not os.path.isdir(existing):
+        if os.path.exists(existing):
+            raise SystemExit(f"hf-performer {command}: error: --output {path}: {existing} is a file, not a folder")
+        existing = os.path.dirname(existing)
+    target = absolute if os.path.exists(absolute) else existing
+    if not os.access(target, os.W_OK):
+        raise SystemExit(f"hf-performer {command}: error: --output {path}: {target} is not writable")
+    return absolute
 
 
 def public_command(verb: str) -> str | None:

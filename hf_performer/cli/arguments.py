@@ -1,5 +1,5 @@
 """The favor flags of every command line, declared once, from the one schema
-:data:`hf_performer.favor_settings.FAVOR_SETTINGS` (name, type, default, meaning).
+:data:`hf_performer.favor_schema.FAVOR_SETTINGS` (name, type, default, meaning).
 
 :func:`add_favor_arguments` adds the flags a parser needs, each with one spelling (:data:`FAVOR_FLAGS`); its
 ``dest`` is the flag without dashes (``--favor-seed`` -> ``args.favor_seed``) and its default ``None`` (the
@@ -7,9 +7,10 @@ schema's default applies) unless the verb gives one. :func:`add_deprecated_alias
 for one release: using it prints one warning line naming the new spelling. :func:`favor_settings_from_args`
 turns the parsed flags back into ``favor_settings`` keys.
 
-This module is a leaf: it imports only argparse and the runtime (``favor_settings``, ``feature_maps``), so that
-the ``hf-performer`` verbs and the recipes' parser (:mod:`hf_performer.recipes.arguments`, the one module below
-``cli`` allowed to import it) share it without importing each other.
+This module is a leaf: it imports only argparse and the torch-free declaration :mod:`hf_performer.favor_schema` (a
+parser is built without torch: ``--help`` stays fast), so that the ``hf-performer`` verbs and the recipes' parser
+(:mod:`hf_performer.recipes.arguments`, the one module below ``cli`` allowed to import it) share it without importing
+each other.
 """
 
 from __future__ import annotations
@@ -19,8 +20,13 @@ import json
 import sys
 from dataclasses import dataclass
 
-from ..favor_settings import ATTENTION_KINDS, FAVOR_SETTINGS, SOFTMAX_WEIGHT_MODES
-from ..feature_maps import LEARNED_MAP_INITS, available_feature_maps
+from ..favor_schema import (
+    ATTENTION_KINDS,
+    BUILTIN_FEATURE_MAPS,
+    FAVOR_SETTINGS,
+    LEARNED_MAP_INITS,
+    SOFTMAX_WEIGHT_MODES,
+)
 
 
 def json_object(text: str) -> dict:
@@ -50,7 +56,7 @@ class FavorFlag:
 
 
 FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
-    FavorFlag("feature_map", "--feature-map", {"choices": available_feature_maps()}),
+    FavorFlag("feature_map", "--feature-map", {"choices": BUILTIN_FEATURE_MAPS}),
     FavorFlag("nb_features", "--nb-features", {"type": int}),
     FavorFlag("seed", "--favor-seed", {"type": int}),
     FavorFlag("orthogonal", "--projection", {"choices": ("orthogonal", "iid")}),
@@ -157,6 +163,36 @@ def favor_settings_from_args(args: argparse.Namespace, settings) -> dict:
             value = {"init": value}
         values["keep_softmax_layers" if setting == "softmax_layers" else setting] = value
     return values
+
+
+FEATURE_MAP_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "orthogonal", "row_norms",
+                        "redraw_interval", "chunk_size")
+"""Settings that only a feature map uses (no clustered attention)."""
+
+
+def refuse_ignored_flags(values: dict, command: str) -> None:
+    """Refuse favor flags that the combination given would ignore, in one line naming them (``values``: what
+    :func:`favor_settings_from_args` returns): ``--clusters`` / ``--topk`` with linear attention, ``--topk`` with plain
+    clustered attention, the feature-map flags with clustered attention, ``--softmax-weight`` / ``--no-linear-tail``
+    without window layers."""
+    attention = values.get("attention", "linear")
+    problems = []
+    if attention == "linear":
+        problems.append(([key for key in ("clusters", "topk") if key in values],
+                         "they apply to --attention clustered / improved-clustered"))
+    else:
+        problems.append(([key for key in FEATURE_MAP_SETTINGS if key in values],
+                         f"--attention {attention} has no feature map"))
+        if attention == "clustered":
+            problems.append((["topk"] if "topk" in values else [], "it applies to --attention improved-clustered only"))
+    if not (values.get("window") or values.get("sinks") or values.get("layer_windows")):
+        problems.append(([key for key in ("softmax_weight", "linear_tail") if key in values],
+                         "they apply to window layers (--window / --sinks / --layer-windows)"))
+    for keys, why in problems:
+        if keys:
+            flags = ", ".join(FAVOR_FLAGS[key].flag for key in keys)
+            raise SystemExit(f"hf-performer {command}: error: {flags} would be ignored: {why}; drop "
+                             f"{'it' if len(keys) == 1 else 'them'}")
 
 
 def comma_separated_ints(text: str) -> list[int]:

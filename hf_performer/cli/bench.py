@@ -1,7 +1,9 @@
 """``hf-performer bench attention | memory | approximation | decode``: the parsers of the benchmarks of
 :mod:`hf_performer.bench` and the functions that run them (print the table, write NAME.json and NAME.png).
 
-``bench approximation --nb-features`` is a sweep (a comma-separated list), not the favor setting.
+``bench approximation --nb-features`` is a sweep (a comma-separated list), not the favor setting. The parsers import
+no torch (``--help`` is fast); the sizes and the device are checked before any measurement, each bad one in one line
+naming its flag.
 """
 
 from __future__ import annotations
@@ -10,17 +12,60 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..bench import attention, decode, report
-from ..bench.decode import FULL_CONTEXT_LENGTHS, QUICK_CONTEXT_LENGTHS
-from ..bench.machine import machine_load_warning
-from ..bench.report import ATTENTION_IMPLEMENTATIONS, ATTENTION_MODES, DEFAULT_ATTENTION_IMPLEMENTATIONS
-from ..linear_attention import DEFAULT_CHUNK_SIZE
+from ..bench.defaults import (
+    ATTENTION_IMPLEMENTATIONS,
+    ATTENTION_MODES,
+    DEFAULT_ATTENTION_IMPLEMENTATIONS,
+    DEFAULT_BUCKET_SIZE,
+    DEFAULT_CLUSTERS,
+    DEFAULT_SINKS,
+    DEFAULT_TOPK,
+    DEFAULT_WINDOW,
+    FULL_CONTEXT_LENGTHS,
+    QUICK_CONTEXT_LENGTHS,
+)
+from ..favor_schema import DEFAULT_CHUNK_SIZE
 from . import add_verb_parser
 from ._output import public_command
 from .arguments import add_favor_arguments, comma_separated_ints
 
 
+POSITIVE_SIZES = ("lengths", "context_lengths", "nb_features", "batch", "heads", "head_dim", "chunk_size", "repeats",
+                  "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer", "n_head", "n_embd",
+                  "vocab_size")
+"""Arguments of the benchmarks that count something: each must be >= 1 (a list: non-empty, every entry >= 1)."""
+NON_NEGATIVE_SIZES = ("window", "sinks", "warmup", "verify_context", "eager_max_length")
+
+
+def check_sizes(args) -> None:
+    """Refuse a size a benchmark cannot measure (``--lengths -64``, ``0`` or ``""``, ``--heads 0``, ``--repeats 0``)
+    and a device this torch does not have, in one line naming the flag, before any work."""
+    for name, minimum in [*((name, 1) for name in POSITIVE_SIZES), *((name, 0) for name in NON_NEGATIVE_SIZES)]:
+        value = getattr(args, name, None)
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, list) and not value:
+            raise SystemExit(f"hf-performer bench {args.benchmark}: error: {flag} is empty; give comma-separated "
+                             f"integers >= {minimum}, e.g. 512,1024")
+        bad = [item for item in (value if isinstance(value, list) else [value]) if item < minimum]
+        if bad:
+            raise SystemExit(f"hf-performer bench {args.benchmark}: error: {flag} must be "
+                             f"{'integers' if isinstance(value, list) else 'an integer'} >= {minimum}, got "
+                             f"{', '.join(map(str, bad))}")
+    device = getattr(args, "device", None)
+    if device is not None:
+        from ..bench.machine import check_device
+
+        try:
+            check_device(device)
+        except ValueError as error:
+            raise SystemExit(f"hf-performer bench {args.benchmark}: error: --device {device}: {error}") from None
+
+
 def _warn_if_loaded() -> None:
+    from ..bench.machine import machine_load_warning
+
     warning = machine_load_warning()
     if warning:
         print(warning, file=sys.stderr)
@@ -28,6 +73,8 @@ def _warn_if_loaded() -> None:
 
 def _print_and_write(args, result: dict, table: str, plot) -> int:
     """Print ``table``; write NAME.json (with the command line that made it) and NAME.png into ``--output-dir``."""
+    from ..bench import report
+
     result = {"command": public_command(f"bench {args.benchmark}"), **result}
     print(table)
     for path in report.write_result(result, args.output_dir, args.name, plot):
@@ -37,6 +84,9 @@ def _print_and_write(args, result: dict, table: str, plot) -> int:
 
 def run_speed(args) -> int:
     """``hf-performer bench attention``: one attention layer's time and memory (:mod:`hf_performer.bench.attention`)."""
+    from ..bench import attention, report
+
+    check_sizes(args)
     _warn_if_loaded()
     result = attention.run_speed_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
@@ -50,6 +100,9 @@ def run_speed(args) -> int:
 
 def run_memory(args) -> int:
     """``hf-performer bench memory``: one attention call's extra peak memory, FAVOR+ vs SDPA (fresh processes)."""
+    from ..bench import attention, report
+
+    check_sizes(args)
     result = attention.run_memory_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
@@ -60,6 +113,9 @@ def run_memory(args) -> int:
 
 def run_approximation(args) -> int:
     """``hf-performer bench approximation``: FAVOR+'s error against softmax vs the number of features."""
+    from ..bench import attention, report
+
+    check_sizes(args)
     result = attention.run_approximation_benchmark(
         head_dim=args.head_dim, nb_features=args.nb_features, seeds=args.seeds, length=args.length,
         input_scale=args.input_scale,
@@ -69,6 +125,9 @@ def run_approximation(args) -> int:
 
 def run_decode(args) -> int:
     """``hf-performer bench decode``: per-token decode latency and cache memory (:mod:`hf_performer.bench.decode`)."""
+    from ..bench import decode, report
+
+    check_sizes(args)
     _warn_if_loaded()
     if args.model is not None:
         from ..bench.decode_converted import run_converted_decode_benchmark
@@ -93,6 +152,7 @@ def run_model(args) -> int:
     """``hf-performer bench model``: whole-model time and peak memory, converted models vs their softmax source."""
     from ..bench import model_speed
 
+    check_sizes(args)
     _warn_if_loaded()
     result = model_speed.run_model_benchmark(args.folders, lengths=args.lengths, batch=args.batch,
                                              backward=args.backward, repeats=args.repeats, labels=args.labels)
@@ -127,12 +187,12 @@ def add_parser(subparsers) -> None:
                             "are bidirectional only; window: the sink + sliding-window hybrid with a Hedgehog tail "
                             "(2 x head-dim features)")
     add_favor_arguments(speed, ("clusters", "topk"),
-                        defaults={"clusters": attention.DEFAULT_CLUSTERS, "topk": attention.DEFAULT_TOPK},
+                        defaults={"clusters": DEFAULT_CLUSTERS, "topk": DEFAULT_TOPK},
                         helps={"clusters": "query clusters per head of (improved-)clustered",
                                "topk": "keys per cluster computed exactly by improved-clustered"})
-    speed.add_argument("--bucket-size", type=int, default=attention.DEFAULT_BUCKET_SIZE, help="chunk length of lsh")
+    speed.add_argument("--bucket-size", type=int, default=DEFAULT_BUCKET_SIZE, help="chunk length of lsh")
     add_favor_arguments(speed, ("window", "sinks"),
-                        defaults={"window": attention.DEFAULT_WINDOW, "sinks": attention.DEFAULT_SINKS},
+                        defaults={"window": DEFAULT_WINDOW, "sinks": DEFAULT_SINKS},
                         helps={"window": "band of exact keys of the window hybrid (--implementations window)",
                                "sinks": "sink tokens of the window hybrid"})
     speed.add_argument("--eager-max-length", type=int, default=4096,

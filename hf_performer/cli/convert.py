@@ -10,7 +10,7 @@ complete, so a failure leaves nothing half-written, and what a killed run leaves
 by the next one; an existing output folder is refused unless ``--overwrite`` is given, and an output that
 is, contains or lies inside SOURCE always is.
 
-The verb imports the conversion library at module level: its parser needs the model heads (``--task``) anyway.
+The parser imports no torch (``--help`` is fast): the conversion library is imported when the verb runs.
 """
 
 from __future__ import annotations
@@ -19,10 +19,8 @@ import argparse
 import os
 import sys
 
-from ..conversion import ConversionError, convert_to_performer, fidelity_report, load_source
-from ..conversion.convert import DEFAULT_MAX_POSITION_EMBEDDINGS, TASKS, default_position_table_size
-from ..favor_settings import FAVOR_DEFAULTS
-from ..hub import write_model_card
+from ..conversion.defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
+from ..favor_schema import FAVOR_DEFAULTS, PERFORMER_TASKS
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
 from .arguments import (
@@ -31,6 +29,7 @@ from .arguments import (
     add_deprecated_alias,
     add_favor_arguments,
     favor_settings_from_args,
+    refuse_ignored_flags,
 )
 
 CONVERT_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "softmax_layers", "seed", "orthogonal", "row_norms",
@@ -45,11 +44,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
     parser.add_argument(
         "--task",
-        choices=TASKS,
+        choices=PERFORMER_TASKS,
         default=None,
         help="model head to build (default: the task of the class the checkpoint was saved from, else base)",
     )
-    add_favor_arguments(parser, CONVERT_SETTINGS[:4], defaults={"feature_map": FAVOR_DEFAULTS["feature_map"]})
+    add_favor_arguments(parser, CONVERT_SETTINGS[:4],
+                        helps={"feature_map": f"feature map (default: {FAVOR_DEFAULTS['feature_map']}; not with "
+                                              "--attention clustered / improved-clustered)"})
     add_position_table_arguments(parser)
     favor_seed = add_favor_arguments(
         parser, CONVERT_SETTINGS[4:-len(WINDOW_FLAG_SETTINGS) - len(CLUSTERED_FLAG_SETTINGS)])["seed"]
@@ -92,15 +93,39 @@ def add_position_table_arguments(parser: argparse.ArgumentParser) -> None:
 def position_table_size(args: argparse.Namespace, source) -> int | None:
     """The position count to extend ``source``'s learned table to (``None``: leave it as it is), from the arguments
     of :func:`add_position_table_arguments`."""
+    from ..conversion.convert import default_position_table_size
+
     if args.max_position_embeddings is not None or args.keep_position_table:
         return args.max_position_embeddings
     return default_position_table_size(source)
 
 
+def check_window_fits(settings: dict, source, max_position_embeddings: int | None) -> None:
+    """Refuse a window as long as the inputs the model takes (its position table after any extension, or its
+    configured maximum): every input would fit in it, so the window layers would compute exact softmax at a higher
+    cost than softmax itself. Raises ``ConversionError``."""
+    from ..conversion import ConversionError, learned_position_count
+    from ..favor_settings import largest_window
+
+    window = largest_window(settings)
+    positions = max_position_embeddings or learned_position_count(source) or getattr(
+        source.config.get_text_config(), "max_position_embeddings", None)
+    if window and positions and window >= positions:
+        raise ConversionError(
+            f"--window {window} covers all {positions} positions the model takes: every input would fit in the window "
+            "and the layers would compute exact softmax at a higher cost; give a window below that (or "
+            "--max-position-embeddings N above it)")
+
+
 def run_convert(args: argparse.Namespace) -> int:
     """Run ``hf-performer convert`` (see :func:`add_parser`; ``quickstart`` runs it with ``args.command`` set to its
     own name, which labels the errors). Returns the exit status."""
+    from ..conversion import ConversionError, convert_to_performer, fidelity_report, load_source
+    from ..hub import write_model_card
+
     command = getattr(args, "command", None) or "convert"
+    settings = favor_settings_from_args(args, CONVERT_SETTINGS)
+    refuse_ignored_flags(settings, command)
     output = check_output_folder(args.output, args.overwrite, command, source=args.source)
 
     try:
@@ -108,9 +133,9 @@ def run_convert(args: argparse.Namespace) -> int:
         if args.text and tokenizer is None:
             raise ConversionError(f"--text was given but {args.source} has no usable tokenizer to encode it")
         max_position_embeddings = position_table_size(args, source)
+        check_window_fits(settings, source, max_position_embeddings)
         performer = convert_to_performer(
-            source, task=args.task, max_position_embeddings=max_position_embeddings,
-            **favor_settings_from_args(args, CONVERT_SETTINGS),
+            source, task=args.task, max_position_embeddings=max_position_embeddings, **settings,
         )
         report = fidelity_report(source, performer, tokenizer, texts=args.text)
     except ConversionError as error:
@@ -126,8 +151,29 @@ def run_convert(args: argparse.Namespace) -> int:
         report.save(staging)
 
     print(report.format_table())
+    warning = untrained_maps_warning(performer)
+    if warning:
+        print(f"\nwarning: {warning}")
     print(f"\nwrote {output}")
     return 0
+
+
+def untrained_maps_warning(performer) -> str | None:
+    """What a freshly converted model with learned feature maps needs before use (``None`` for other maps): its
+    maps were never trained (``hf-performer linearize`` for a causal LM, ``distill`` for an encoder)."""
+    from ..favor_attention import find_attention_modules
+    from ..favor_settings import feature_map_kind, resolve_favor_settings
+    from ..hub.capabilities import layer_kinds
+    from ..hub.summary import untrained_map_advice
+
+    settings = resolve_favor_settings(performer.config.favor_settings)
+    modules = [module for _, module in find_attention_modules(performer)]
+    kinds = layer_kinds(settings, len(modules))
+    if feature_map_kind(settings["feature_map"]) != "learned" or not {"linear", "window"} & set(kinds):
+        return None
+    causal = any(getattr(module, "is_causal", False) for module in modules)
+    return untrained_map_advice(settings["feature_map"], settings["feature_map_options"].get("init"), causal,
+                                window="window" in kinds)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,20 +18,12 @@ import json
 import os
 import time
 
-import torch
-
-from ..conversion import AttentionTransferError, ConversionError, convert_to_performer, load_source
-from ..conversion.attention_transfer import LOSSES, TRANSFER_FILE_NAME
-from ..conversion.convert import TASKS, public_source_name
-from ..conversion.distill import TEXT_DATA, format_layer_table, transfer_and_measure
-from ..favor_settings import feature_map_kind
-from ..feature_maps import available_feature_maps, default_feature_map_init
-from ..hub import write_model_card
-from ..tasks.data import TASKS as DATA_TASKS
+from ..conversion.defaults import TEXT_DATA, TRANSFER_LOSSES
+from ..favor_schema import LEARNED_MAP_DEFAULT_INIT, PERFORMER_TASKS
 from . import add_verb_parser
 from ._output import check_output_folder, public_command, staged_folder
-from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args
-from .convert import add_position_table_arguments, position_table_size
+from .arguments import WINDOW_FLAG_SETTINGS, add_favor_arguments, favor_settings_from_args, refuse_ignored_flags
+from .convert import add_position_table_arguments, check_window_fits, position_table_size
 
 DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softmax_layers", *WINDOW_FLAG_SETTINGS)
 """The favor settings ``distill`` takes as flags (``--keep-softmax-layers`` listed after ``--task``)."""
@@ -39,19 +31,20 @@ DISTILL_SETTINGS = ("feature_map", "feature_map_options", "nb_features", "softma
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``distill`` subcommand to ``subparsers``."""
+    from ..tasks.data import TASKS as DATA_TASKS  # numpy only
     parser = add_verb_parser(subparsers, "distill", __doc__)
     parser.add_argument("source", metavar="SOURCE", help="folder (or offline Hub name) of the softmax model (the teacher)")
     parser.add_argument("output", metavar="OUTPUT", help="folder to write the Performer model to")
     add_favor_arguments(parser, DISTILL_SETTINGS[:3], defaults={"feature_map": "hedgehog"}, helps={
         "feature_map": "feature map; it must have trainable parameters (default: %(default)s)",
         "feature_map_options": "initial projection of the learned map (default: the map's own, "
-                               f"{default_feature_map_init('hedgehog')} for hedgehog: it fits better after transfer "
+                               f"{LEARNED_MAP_DEFAULT_INIT} for hedgehog: it fits better after transfer "
                                "than identity, the Hedgehog paper's start)",
         "nb_features": "features per head (default: the map's own, 2 * head_dim for hedgehog); more features fit the "
                        "softmax better and cost more per token (on MiniLM-L6, head_dim 32, STS-B after "
                        "transfer: 64 -> 67.2, 128 -> 72.5, 256 -> 76.8 dev Pearson)",
     })
-    parser.add_argument("--task", choices=TASKS, default=None,
+    parser.add_argument("--task", choices=PERFORMER_TASKS, default=None,
                         help="model head to build (default: the task of the class the checkpoint was saved from)")
     add_favor_arguments(parser, ("softmax_layers",),
                         helps={"softmax_layers": "layers that keep exact softmax attention (not transferred)"})
@@ -72,7 +65,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=None,
                         help="optimizer steps (default: one pass over --max-samples)")
     parser.add_argument("--learning-rate", type=float, default=1e-2, help="AdamW learning rate (default: %(default)s)")
-    parser.add_argument("--loss", choices=LOSSES, default="both",
+    parser.add_argument("--loss", choices=TRANSFER_LOSSES, default="both",
                         help="weights: KL of the attention weights (Hedgehog); output: MSE of the attention outputs "
                              "(LoLCATs); both (default)")
     parser.add_argument("--overwrite", action="store_true", help="replace OUTPUT if it exists")
@@ -83,6 +76,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_distill(args: argparse.Namespace) -> int:
     """Run ``hf-performer distill`` (see :func:`add_parser`). Returns the exit status."""
+    import torch
+
+    from ..conversion import AttentionTransferError, ConversionError, convert_to_performer, load_source
+    from ..conversion.attention_transfer import TRANSFER_FILE_NAME
+    from ..conversion.convert import public_source_name
+    from ..conversion.distill import format_layer_table, transfer_and_measure
+    from ..favor_settings import feature_map_kind
+    from ..feature_maps import available_feature_maps
+    from ..hub import write_model_card
+
+    settings = favor_settings_from_args(args, DISTILL_SETTINGS)
+    refuse_ignored_flags(settings, "distill")
     output = check_output_folder(args.output, args.overwrite, "distill", source=args.source)
     for name in ("max_samples", "fidelity_samples", "max_length", "batch_size"):
         if getattr(args, name) < 1:
@@ -104,10 +109,11 @@ def run_distill(args: argparse.Namespace) -> int:
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         max_position_embeddings = position_table_size(args, source)
+        check_window_fits(settings, source, max_position_embeddings)
         try:
             performer = convert_to_performer(
                 source, task=args.task, max_position_embeddings=max_position_embeddings, seed=args.seed,
-                **{"feature_map_options": {}, **favor_settings_from_args(args, DISTILL_SETTINGS)},
+                **{"feature_map_options": {}, **settings},
             )
         except TypeError as error:
             raise ConversionError(str(error)) from None

@@ -8,7 +8,17 @@ import json
 import os
 
 from . import add_verb_parser
-from ._output import portable_evaluation_record
+from ._output import check_output_file, portable_evaluation_record
+
+TASK_FLAGS = {
+    "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
+    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges"),
+    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials"),
+}
+"""The flags each kind of evaluation reads; a flag of another kind is refused (it would be ignored)."""
+DEFAULTS = {"max_length": 128, "metrics_backend": "auto", "split": "test", "context_lengths": [1024, 2048],
+            "trials": 5}
+"""The values of the task-specific flags whose parser default is ``None`` (so that a given flag is told apart)."""
 
 CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
 
@@ -47,15 +57,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="evaluate a seeded random subset of N examples (default: all)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the --max-eval-samples subset, or of the passkey keys and offsets (default: 0)")
-    parser.add_argument("--max-length", type=int, default=128, help="classification: tokens per example (default: 128)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="classification: tokens per example (default: 128)")
     parser.add_argument("--batch-size", type=int, default=32, help="examples (or windows) per batch (default: 32)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: MODEL)")
-    parser.add_argument("--metrics-backend", choices=METRIC_BACKENDS, default="auto",
+    parser.add_argument("--metrics-backend", choices=METRIC_BACKENDS, default=None,
                         help="evaluate (Hub), local (scikit-learn/scipy) or auto: evaluate when it loads (default)")
     parser.add_argument("--text-file", default=None,
                         help="perplexity: raw text file instead of the Hub dataset; passkey: filler text (default: the "
                              "classic repeated sentences)")
-    parser.add_argument("--split", default="test", help="perplexity: Hub split (default: test)")
+    parser.add_argument("--split", default=None, help="perplexity: Hub split (default: test)")
     parser.add_argument("--max-chars", type=int, default=None,
                         help="perplexity (passkey filler): use the first N characters of the text only")
     parser.add_argument("--context-length", type=int, default=None,
@@ -65,16 +76,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--position-ranges", nargs="+", default=None, metavar="START:END",
                         help="perplexity: also report the perplexity of window positions START..END-1 (e.g. 0:512 "
                              "512:1024; every window's predictions count)")
-    parser.add_argument("--context-lengths", nargs="+", type=int, default=[1024, 2048], metavar="N",
+    parser.add_argument("--context-lengths", nargs="+", type=int, default=None, metavar="N",
                         help="passkey: prompt lengths in tokens (default: 1024 2048)")
     parser.add_argument("--depths", nargs="+", type=float, default=None, metavar="FRACTION",
                         help="passkey: fractions of the filler before the key, in [0, 1] (default: 0 0.25 0.5 0.75 1)")
-    parser.add_argument("--trials", type=int, default=5,
+    parser.add_argument("--trials", type=int, default=None,
                         help="passkey: prompts (seeded keys) per context length and depth (default: 5)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
-    parser.add_argument("--output", default=None, help="write the metrics to this JSON file")
+    parser.add_argument("--output", default=None,
+                        help="write the metrics to this JSON file (checked before the evaluation runs)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is shown only when stderr is a terminal)")
     parser.set_defaults(func=run_evaluate)
@@ -83,30 +95,40 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``hf-performer evaluate`` (see :func:`add_parser`). Returns the exit status."""
-    from hf_performer.tasks.data import LM_DATASETS, DataError
+    from hf_performer.tasks.data import LM_DATASETS, TASKS, DataError
     from hf_performer.tasks.evaluation import (
         EvaluationError, evaluate_classification_model, evaluate_perplexity_model,
     )
     from hf_performer.tasks.passkey import DEFAULT_DEPTHS, evaluate_passkey_model
 
+    task = args.task.lower()
+    kind = ("passkey" if task == "passkey" else "perplexity" if task in LM_DATASETS else
+            "classification" if task.replace("-", "").replace("_", "") in TASKS or args.text_file is None
+            else "perplexity")
+    ignored = [name for other, names in TASK_FLAGS.items() if other != kind for name in names
+               if name not in TASK_FLAGS[kind] and getattr(args, name) is not None]
+    if ignored:
+        flags = ", ".join("--" + name.replace("_", "-") for name in dict.fromkeys(ignored))
+        raise SystemExit(f"hf-performer evaluate: error: {flags} would be ignored by --task {args.task} ({kind}); "
+                         f"it reads {', '.join('--' + name.replace('_', '-') for name in TASK_FLAGS[kind])}")
+    values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
+    if args.output:
+        check_output_file(args.output, "evaluate")
     try:
-        if args.task.lower() == "passkey":
+        if kind == "passkey":
             record = evaluate_passkey_model(
-                args.model, args.context_lengths, args.depths or DEFAULT_DEPTHS, args.trials, args.seed,
+                args.model, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
                 args.text_file, args.max_chars, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
                 show_progress=not args.no_progress)
-        elif args.position_ranges is not None and not (args.task.lower() in LM_DATASETS or args.text_file):
-            raise EvaluationError(f"--position-ranges applies to perplexity (a text dataset: "
-                                  f"{', '.join(LM_DATASETS)}, or --text-file), not to task {args.task!r}")
-        elif args.task.lower() in LM_DATASETS or args.text_file is not None:
+        elif kind == "perplexity":
             record = evaluate_perplexity_model(
-                args.model, args.task.lower(), args.text_file, args.split, args.max_chars, args.context_length,
+                args.model, task, args.text_file, values["split"], args.max_chars, args.context_length,
                 args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
                 show_progress=not args.no_progress, position_ranges=args.position_ranges)
         else:
             record = evaluate_classification_model(
-                args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, args.max_length,
-                args.batch_size, args.tokenizer, args.metrics_backend, args.device, args.trust_remote_code,
+                args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, values["max_length"],
+                args.batch_size, args.tokenizer, values["metrics_backend"], args.device, args.trust_remote_code,
                 show_progress=not args.no_progress)
     except (DataError, EvaluationError) as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None

@@ -13,11 +13,23 @@ Stages (recipes/README.md, "Linearize a causal LM"):
   lora      PEFT LoRA on the attention projections (maps and gamma frozen) on packed --block-size blocks, merged
   evaluate  perplexity on --eval-file: windows of --eval-context tokens every --eval-context / 2
 
+SOURCE is a model folder or a .gguf file (de-quantized to float32 once, in the staging area). Before any stage the
+source (a causal LM), the data (readable, UTF-8, not empty, JSON lines with 'text'; the evaluation file is not the
+training text) and the sizes are checked; after the convert stage the run's time on this machine is estimated from
+one timed step and printed.
+
 OUTPUT gets the model folder (loads with trust_remote_code=True), its tokenizer, README.md and linearize.json (every
-stage's settings, tokens, wall time, losses, the perplexity, a curve against tokens seen). Stages are recorded in the
-staging area .OUTPUT.linearize beside OUTPUT: rerunning the same command after an interruption continues from the
-last finished stage (and the LoRA stage from its last checkpoint); --overwrite starts over. The LoRA stage runs the
-recipes' Accelerate loop: `accelerate launch -m hf_performer.cli linearize ...` works as for the recipes.
+stage's settings, tokens, wall time, losses, the perplexity, a curve against tokens seen, the estimate). Stages are
+recorded in the staging area .OUTPUT.linearize beside OUTPUT: rerunning the same command after an interruption
+continues from the last finished stage (and the LoRA stage from its last checkpoint); --overwrite starts over. The
+LoRA stage runs the recipes' Accelerate loop: `accelerate launch -m hf_performer.cli linearize ...` works as for the
+recipes.
+
+Sizes: the defaults are the full protocol (200 transfer and 200 LoRA steps of 8 x 1024 tokens, 200,000 evaluation
+characters: hours on a 2-core CPU); the LoRA stage runs them as micro-batches of 1 x 1024 tokens accumulated 8 times,
+which fits 24 GiB (8 x 1024 at once was killed at 17 GB on SmolLM2-135M). --preset cpu is the protocol of the
+committed SmolLM2-135M runs: 120 transfer steps of 2 x 1024 tokens, 40 LoRA steps of 2 x 1024, 50,000 evaluation
+characters (about 35 min there); flags given explicitly override a preset.
 """
 
 from __future__ import annotations
@@ -29,7 +41,8 @@ import sys
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-from .arguments import LEARNED_MAP_INITS, add_favor_arguments
+from ..favor_schema import LEARNED_MAP_INITS
+from .arguments import add_favor_arguments
 
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
@@ -41,7 +54,16 @@ CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", 
 
 DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "transfer_steps": 200,
             "transfer_length": 1024, "transfer_batch_size": 8, "transfer_learning_rate": 1e-2,
-            "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0}
+            "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0, "lora_steps": 200,
+            "batch_size": 1, "gradient_accumulation_steps": 8, "max_eval_chars": 200_000}
+"""The value of every flag whose parser default is ``None`` (so that a preset can tell a given flag from an unset one)."""
+
+PRESETS = {
+    "cpu": {"transfer_steps": 120, "transfer_batch_size": 2, "lora_steps": 40, "batch_size": 1,
+            "gradient_accumulation_steps": 2, "max_eval_chars": 50_000},
+}
+"""``--preset NAME``: values for the flags not given. ``cpu``: the committed SmolLM2-135M protocol on a 2-core, 24 GiB
+CPU (benchmarks/results/window_hybrid_smollm2.json: 1,876 s of training for the hybrid)."""
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -57,8 +79,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="use the first N characters of the training text (default: all)")
     data.add_argument("--eval-file", default=None, metavar="FILE", help="evaluation text (default: no evaluation)")
     data.add_argument("--eval-context", type=int, default=1024, help="perplexity window in tokens (default: 1024)")
-    data.add_argument("--max-eval-chars", type=int, default=200_000,
-                      help="evaluate on the first N characters of --eval-file (default: 200000)")
+    data.add_argument("--max-eval-chars", type=int, default=None,
+                      help="evaluate on the first N characters of --eval-file (default: 200000; --preset cpu: 50000)")
     data.add_argument("--eval-batch-size", type=int, default=2, help="windows per forward pass (default: 2)")
 
     hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
@@ -87,10 +109,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                              "constant)")
 
     lora = parser.add_argument_group("LoRA fine-tuning (the recipes' loop)")
-    lora.add_argument("--lora-steps", type=int, default=200, help="optimizer steps, 0 = skip (default: 200)")
+    lora.add_argument("--lora-steps", type=int, default=None,
+                      help="optimizer steps, 0 = skip (default: 200; --preset cpu: 40)")
     lora.add_argument("--block-size", type=int, default=1024, help="tokens per training block (default: 1024)")
-    lora.add_argument("--batch-size", type=int, default=8, help="blocks per micro-batch (default: 8)")
-    lora.add_argument("--gradient-accumulation-steps", type=int, default=1, help="default: 1")
+    lora.add_argument("--batch-size", type=int, default=None,
+                      help="blocks per micro-batch (default: 1, accumulated --gradient-accumulation-steps times)")
+    lora.add_argument("--gradient-accumulation-steps", type=int, default=None,
+                      help="micro-batches per optimizer step (default: 8, i.e. 8 x 1024 tokens per step; --preset "
+                           "cpu: 2)")
     lora.add_argument("--learning-rate", type=float, default=1e-4,
                       help="peak learning rate, linear decay after 6%% warmup (default: 1e-4)")
     lora.add_argument("--lora-r", type=int, default=8, help="LoRA rank (default: 8)")
@@ -108,6 +134,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                       help="LoRA checkpoint every N steps, for resuming (default: a quarter of --lora-steps)")
 
     run = parser.add_argument_group("run")
+    run.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                     help="cpu: sizes for a 2-core, 24 GiB CPU (120 transfer steps of 2 x 1024 tokens, 40 LoRA steps "
+                          "of 2 x 1024, 50,000 evaluation characters; about 35 min for SmolLM2-135M); explicit flags "
+                          "override it")
     run.add_argument("--baseline", choices=("softmax",), default=None,
                      help="the fair baseline: no conversion or transfer, the same LoRA stage and evaluation on the "
                           "softmax model")
@@ -125,7 +155,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                      help="stop once STAGE (convert, transfer, select or lora) is finished, keeping its model in the "
                           "staging area (.OUTPUT.linearize/converted, transferred, selected or lora) for a look; rerun "
                           "the same command without it to continue")
-    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (transformers' loading / writing bars included)")
     parser.set_defaults(func=run_linearize_command)
     return parser
 
@@ -141,16 +172,17 @@ def settings_from_args(args: argparse.Namespace):
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise SystemExit(f"hf-performer linearize: error: --baseline softmax trains the softmax model without "
                              f"conversion or transfer; it takes no {flags}")
-    values = {name: getattr(args, name) if getattr(args, name) is not None else DEFAULTS[name] for name in DEFAULTS}
+    preset = PRESETS.get(getattr(args, "preset", None), {})
+    values = {name: getattr(args, name) if getattr(args, name) is not None else preset.get(name, DEFAULTS[name])
+              for name in DEFAULTS}
     values["softmax_layers"] = sorted(set(values["softmax_layers"]))
     return LinearizeSettings(
         source=args.source, train_files=list(args.train_file), max_train_chars=args.max_train_chars,
-        nb_features=args.nb_features, linear_tail=not args.no_tail, lora_steps=args.lora_steps,
-        block_size=args.block_size, batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps, learning_rate=args.learning_rate,
+        nb_features=args.nb_features, linear_tail=not args.no_tail,
+        block_size=args.block_size, learning_rate=args.learning_rate,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
         teacher_weight=args.teacher_weight, teacher_model=args.teacher_model,
-        eval_file=args.eval_file, eval_context=args.eval_context, max_eval_chars=args.max_eval_chars,
+        eval_file=args.eval_file, eval_context=args.eval_context,
         eval_batch_size=args.eval_batch_size, baseline=args.baseline, seed=args.seed,
         mixed_precision=args.mixed_precision, time_limit=args.time_limit,
         progress=not args.no_progress, checkpoint_every=args.checkpointing_steps, **values,
@@ -171,6 +203,10 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
     from ..tasks.data import DataError
 
     settings = settings_from_args(args)
+    if args.no_progress:  # transformers' own bars too (loading and writing weights at every stage)
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     stop_after = stop_after or args.stop_after
     try:
         settings.check()
@@ -187,6 +223,12 @@ def run_linearize_command(args: argparse.Namespace, stop_after: str | None = Non
                                model_name=os.path.basename(output))
     except (RecipeError, DataError) as error:
         raise SystemExit(f"hf-performer linearize: error: {error}") from None
+    except KeyboardInterrupt:
+        if os.path.isdir(staging):
+            print(f"linearize: interrupted; rerun the same command to resume from the last finished stage (the LoRA "
+                  f"stage from its last checkpoint, every {settings.checkpoint_interval} steps), or pass --overwrite to "
+                  "start over", file=sys.stderr)
+        raise
     if record is None:
         from accelerate import PartialState
 

@@ -13,22 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..bench.attention import attention_flops, forward_speed_comparison
-from ..bench.report import format_forward_speed_table
 from ..conversion import quickstart
-from ..conversion.convert import (
-    ConversionError,
-    extend_position_embeddings,
-    learned_position_count,
-    load_source,
-    task_of_source_class,
-)
+from ..conversion.defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 from ..conversion.quickstart import DEFAULT_OUTPUT_DIR
-from ..favor_attention import FEATURE_MAP_ATTRIBUTE, find_attention_modules
-from ..favor_settings import FAVOR_DEFAULTS
+from ..favor_schema import FAVOR_DEFAULTS
 from . import add_verb_parser
 from .arguments import FAVOR_FLAGS, add_favor_arguments, comma_separated_ints
-from .convert import DEFAULT_MAX_POSITION_EMBEDDINGS, run_convert
+from .convert import run_convert
 
 QUICKSTART_SETTINGS = ("feature_map", "nb_features")
 """The favor settings ``quickstart`` takes as flags; the others keep their defaults."""
@@ -38,6 +29,9 @@ def flops_crossover(performer) -> tuple[int, int, int]:
     """``(length, nb_features, head_dim)``: the input length from which the converted attention does fewer matmul
     FLOPs than softmax (forward; ``attention_flops``), with the feature count and head dimension of its first
     converted layer."""
+    from ..bench.attention import attention_flops
+    from ..favor_attention import FEATURE_MAP_ATTRIBUTE, find_attention_modules
+
     for _, module in find_attention_modules(performer):
         feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
         if feature_map is not None:
@@ -58,6 +52,16 @@ def compare_with_source(source_path: str, output: str, lengths: list[int], batch
     softmax source (SDPA) at ``lengths`` (those the model has positions for) and print the table and the FLOPs
     crossover length."""
     from hf_performer.modeling_performer import AUTO_CLASSES, PERFORMER_CLASSES_BY_TASK
+
+    from ..bench.attention import forward_speed_comparison
+    from ..bench.report import format_forward_speed_table
+    from ..conversion.convert import (
+        ConversionError,
+        extend_position_embeddings,
+        learned_position_count,
+        load_source,
+        task_of_source_class,
+    )
 
     try:
         source, _ = load_source(source_path, None)

@@ -9,7 +9,10 @@ attention transfer (``hf-performer distill``), ``attention_transfer.json``.
 * :mod:`.folder`: :func:`validate_folder` (would the folder load?) and :func:`upload_file_list`.
 * :mod:`.results`: :func:`normalize_results`, :func:`normalize_recovery`, :func:`load_metrics`,
   :func:`recipe_results` (a fine-tuning recipe's ``metrics.json``).
-* :mod:`.describe`: what the card says about the feature map, its settings, citations, speed and attention transfer.
+* :mod:`.describe`: what the card says about the feature map, its settings and citations.
+* :mod:`.capabilities`: what each kind of attention layer supports (checked against the runtime by a test).
+* :mod:`.summary`: the attention layer by layer, whether the model is ready, its measured speed and decoding state.
+* :mod:`.runs`: the run records of a folder (``attention_transfer.json``, ``linearize.json``).
 * :mod:`.card`: :func:`build_model_card`, :func:`validate_model_card`, :func:`write_model_card`,
   :func:`write_recipe_card`.
 * :mod:`.push`: :func:`push_folder`.
@@ -41,7 +44,6 @@ from .describe import (
     TRANSFER_LOSSES,
     effective_nb_features,
     setting_meanings,
-    transfer_context,
 )
 from .folder import (
     ARCHITECTURES,
@@ -58,6 +60,7 @@ from .folder import (
     validate_folder,
 )
 from .push import PushError, PushResult, push_folder
+from .runs import linearize_context, transfer_context
 from .results import (
     LM_HUB_DATASET_IDS,
     load_metrics,

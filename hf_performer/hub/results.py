@@ -208,6 +208,8 @@ def recipe_results(metrics: dict, where: str | None = None) -> list[dict]:
     final = metrics.get("final")
     if not isinstance(final, dict):
         raise ModelCardError(f"{where}: 'final' must be an object of metrics (a recipe's metrics.json), got {final!r}")
+    if not any(name != "eval_loss" and _is_number(value) and math.isfinite(value) for name, value in final.items()):
+        raise ModelCardError(f"{where}: 'final' holds no metric but the loss")
     if metrics.get("kind") == "causal-lm":
         run_args = metrics.get("args") or {}
         if run_args.get("validation_file"):
@@ -231,14 +233,11 @@ def recipe_results(metrics: dict, where: str | None = None) -> list[dict]:
         except DataError as error:
             raise ModelCardError(f"{where}: {error}") from None
         base = {"task": spec.name, "split": spec.validation_split}
-    results = [
+    return [
         {**base, "metric": name, "value": value}
         for name, value in final.items()
         if name != "eval_loss" and _is_number(value) and math.isfinite(value)
     ]
-    if not results:
-        raise ModelCardError(f"{where}: 'final' holds no metric but the loss")
-    return results
 
 
 def _is_recipe_run(folder: Path) -> bool:

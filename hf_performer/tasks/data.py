@@ -20,11 +20,14 @@ dataset's ``text`` rows joined with ``"\\n\\n"`` (the convention of the transfor
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
+import hashlib
 import io
 import json
 import os
+import zlib
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -191,6 +194,22 @@ def _open_text(path: str, gzipped: bool) -> io.TextIOBase:
     return open(path, encoding="utf-8-sig", newline="")
 
 
+@contextlib.contextmanager
+def _reading(path: str):
+    """Turn the errors of reading ``path`` as (gzipped) UTF-8 text into one-line :class:`DataError` s naming it."""
+    try:
+        yield
+    except UnicodeDecodeError as error:
+        raise DataError(f"{path}: not UTF-8 text (byte {error.object[error.start:error.start + 1]!r} at offset "
+                        f"{error.start}): a binary file? Text files must be UTF-8 (.gz accepted)") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as error:
+        raise DataError(f"{path}: not a readable gzip file ({error}); the name ends in .gz") from None
+    except IsADirectoryError:
+        raise DataError(f"{path}: a folder, not a file") from None
+    except PermissionError:
+        raise DataError(f"{path}: not readable (permission denied)") from None
+
+
 def read_records(path: str | os.PathLike, max_rows: int | None = None, header: bool | None = None,
                  headerless_columns: tuple[str, ...] | None = None) -> list[dict]:
     """Read rows of a local TSV / CSV / JSON-lines file as dicts (values as read: strings for TSV/CSV).
@@ -208,62 +227,68 @@ def read_records(path: str | os.PathLike, max_rows: int | None = None, header: b
     """
     path = os.fspath(path)
     kind, gzipped = _file_format(path)
-    rows: list[dict] = []
-    with _open_text(path, gzipped) as handle:
-        if kind == "json":
-            text_start = handle.read(1)
-            while text_start and text_start.isspace():
-                text_start = handle.read(1)
-            if text_start == "[":  # one JSON list of objects
-                try:
-                    data = json.loads(text_start + handle.read())
-                except json.JSONDecodeError as error:
-                    raise DataError(f"{path}: not valid JSON ({error}); accepted: JSON lines or a list") from None
-                rows = list(data[:max_rows] if max_rows is not None else data)
-            else:
-                first = text_start + handle.readline()
-                for line_number, line in enumerate(_chain([first], handle), start=1):
-                    if not line.strip():
-                        continue
-                    if max_rows is not None and len(rows) >= max_rows:
-                        break
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as error:
-                        raise DataError(
-                            f"{path}, line {line_number}: not a JSON object ({error}); JSON lines files hold one "
-                            "object per line, e.g. {\"text\": ..., \"label\": 1}"
-                        ) from None
-            for index, row in enumerate(rows):
-                if not isinstance(row, dict):
-                    raise DataError(f"{path}: row {index} is a {type(row).__name__}, not a JSON object")
-            return rows
+    with _reading(path), _open_text(path, gzipped) as handle:
+        return _read_rows(path, handle, kind, max_rows, header, headerless_columns)
 
-        # TSV files of GLUE contain unbalanced quote characters: no quoting for TSV.
-        reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else csv.reader(handle)
-        first = next(reader, None)
-        if first is None:
-            return []
-        if header is None:
-            header = (headerless_columns is None or len(first) != len(headerless_columns)
-                      or _looks_like_header(first, headerless_columns))
-        if header:
-            columns, pending = [c.strip() for c in first], []
+
+def _read_rows(path: str, handle, kind: str, max_rows: int | None, header: bool | None,
+               headerless_columns: tuple[str, ...] | None) -> list[dict]:
+    """The rows of :func:`read_records` from an open ``handle``."""
+    rows: list[dict] = []
+    if kind == "json":
+        text_start = handle.read(1)
+        while text_start and text_start.isspace():
+            text_start = handle.read(1)
+        if text_start == "[":  # one JSON list of objects
+            try:
+                data = json.loads(text_start + handle.read())
+            except json.JSONDecodeError as error:
+                raise DataError(f"{path}: not valid JSON ({error}); accepted: JSON lines or a list") from None
+            rows = list(data[:max_rows] if max_rows is not None else data)
         else:
-            if headerless_columns is None:
-                raise DataError(f"{path}: header=False needs the column names (headerless_columns)")
-            columns, pending = list(headerless_columns), [first]
-        for line_number, values in enumerate(_chain(pending, reader), start=2 if header else 1):
-            if max_rows is not None and len(rows) >= max_rows:
-                break
-            if not values or (len(values) == 1 and not values[0].strip()):
-                continue
-            if len(values) != len(columns):
-                raise DataError(
-                    f"{path}, row {line_number}: {len(values)} fields but {len(columns)} columns {columns}"
-                    + (" (is the header missing or the delimiter wrong?)" if kind == "csv" else "")
-                )
-            rows.append(dict(zip(columns, values)))
+            first = text_start + handle.readline()
+            for line_number, line in enumerate(_chain([first], handle), start=1):
+                if not line.strip():
+                    continue
+                if max_rows is not None and len(rows) >= max_rows:
+                    break
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as error:
+                    raise DataError(
+                        f"{path}, line {line_number}: not a JSON object ({error}); JSON lines files hold one "
+                        "object per line, e.g. {\"text\": ..., \"label\": 1}"
+                    ) from None
+        for index, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise DataError(f"{path}: row {index} is a {type(row).__name__}, not a JSON object")
+        return rows
+
+    # TSV files of GLUE contain unbalanced quote characters: no quoting for TSV.
+    reader = csv.reader(handle, delimiter="\t", quoting=csv.QUOTE_NONE) if kind == "tsv" else csv.reader(handle)
+    first = next(reader, None)
+    if first is None:
+        return []
+    if header is None:
+        header = (headerless_columns is None or len(first) != len(headerless_columns)
+                  or _looks_like_header(first, headerless_columns))
+    if header:
+        columns, pending = [c.strip() for c in first], []
+    else:
+        if headerless_columns is None:
+            raise DataError(f"{path}: header=False needs the column names (headerless_columns)")
+        columns, pending = list(headerless_columns), [first]
+    for line_number, values in enumerate(_chain(pending, reader), start=2 if header else 1):
+        if max_rows is not None and len(rows) >= max_rows:
+            break
+        if not values or (len(values) == 1 and not values[0].strip()):
+            continue
+        if len(values) != len(columns):
+            raise DataError(
+                f"{path}, row {line_number}: {len(values)} fields but {len(columns)} columns {columns}"
+                + (" (is the header missing or the delimiter wrong?)" if kind == "csv" else "")
+            )
+        rows.append(dict(zip(columns, values)))
     return rows
 
 
@@ -452,7 +477,8 @@ def load_lm_text(text_file: str | os.PathLike | None = None, dataset: str = "wik
     """The text of one causal-LM split as one string.
 
     Args:
-        text_file: a raw text file (e.g. ``wiki.test.raw``; ``.gz`` accepted), used as it is.
+        text_file: a raw text file (e.g. ``wiki.test.raw``; ``.gz`` accepted), used as it is, or JSON lines with a
+            ``text`` field (:func:`read_text_file`).
         dataset: else a Hub dataset name (``"wikitext"`` -> ``wikitext/wikitext-2-raw-v1``, see
             :data:`LM_DATASETS`) or any dataset with a ``text`` column; its rows are joined with ``"\\n\\n"``.
         dataset_config: the Hub configuration (default from :data:`LM_DATASETS`).
@@ -460,33 +486,77 @@ def load_lm_text(text_file: str | os.PathLike | None = None, dataset: str = "wik
         max_chars: keep only the first ``max_chars`` characters (a quick smoke evaluation).
     """
     if text_file is not None:
-        path = os.fspath(text_file)
-        if not os.path.isfile(path):
-            raise DataError(f"text file not found: {path!r}")
-        opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8-sig") as handle:  # a leading byte-order mark is not text
-            text = handle.read(max_chars) if max_chars is not None else handle.read()
-    else:
-        from datasets import load_dataset
+        return read_text_file(text_file, max_chars)
+    from datasets import load_dataset
 
-        hub = LM_DATASETS.get(dataset, (dataset,))
-        if dataset_config is not None:
-            hub = (hub[0], dataset_config)
-        try:
-            rows = load_dataset(*hub, split=split)
-        except Exception as error:  # noqa: BLE001
-            raise DataError(
-                f"could not load {'/'.join(hub)} split {split!r} from the Hugging Face Hub ({type(error).__name__}: "
-                f"{error}); without Hub access pass a raw text file (--text-file / --train-file)"
-            ) from error
-        if "text" not in rows.column_names:
-            raise DataError(f"{'/'.join(hub)} has no 'text' column (columns: {rows.column_names})")
-        text = "\n\n".join(rows["text"])
-        if max_chars is not None:
-            text = text[:max_chars]
+    hub = LM_DATASETS.get(dataset, (dataset,))
+    if dataset_config is not None:
+        hub = (hub[0], dataset_config)
+    try:
+        rows = load_dataset(*hub, split=split)
+    except Exception as error:  # noqa: BLE001
+        raise DataError(
+            f"could not load {'/'.join(hub)} split {split!r} from the Hugging Face Hub ({type(error).__name__}: "
+            f"{error}); without Hub access pass a raw text file (--text-file / --train-file)"
+        ) from error
+    if "text" not in rows.column_names:
+        raise DataError(f"{'/'.join(hub)} has no 'text' column (columns: {rows.column_names})")
+    text = "\n\n".join(rows["text"])
+    if max_chars is not None:
+        text = text[:max_chars]
     if not text.strip():
-        raise DataError(f"the causal-LM text ({text_file or dataset}) is empty")
+        raise DataError(f"the causal-LM text ({dataset}) is empty")
     return text
+
+
+def is_json_lines(path: str | os.PathLike) -> bool:
+    """Whether a causal-LM text file is JSON (lines) by its name (``.jsonl`` / ``.json``, optionally ``.gz``)."""
+    name = os.fspath(path).lower()
+    return name.removesuffix(".gz").endswith((".jsonl", ".json"))
+
+
+def read_text_file(path: str | os.PathLike, max_chars: int | None = None) -> str:
+    """The text of a causal-LM file: raw UTF-8 text as it is, or the ``text`` fields of a JSON lines file joined by
+    blank lines (``.gz`` accepted); only the first ``max_chars`` characters when given.
+
+    Raises:
+        DataError: one line naming the file: missing, a folder, unreadable, not UTF-8 (a binary file), a broken gzip
+            file, a JSON row without ``text``, or no text at all.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise DataError(f"text file not found: {path!r}" if not os.path.isdir(path) else f"{path}: a folder, not a "
+                        "text file")
+    if is_json_lines(path):
+        rows = read_records(path)
+        missing = next((index for index, row in enumerate(rows, start=1) if "text" not in row), None)
+        if missing is not None:
+            raise DataError(f"{path}: row {missing} has no 'text' field (keys {sorted(rows[missing - 1])}); JSON lines "
+                            'text files hold one {"text": ...} object per line')
+        text = "\n\n".join(str(row["text"]) for row in rows)
+        text = text if max_chars is None else text[:max_chars]
+    else:
+        opener = gzip.open if path.endswith(".gz") else open
+        with _reading(path), opener(path, "rt", encoding="utf-8-sig") as handle:  # a byte-order mark is not text
+            text = handle.read(max_chars) if max_chars is not None else handle.read()
+    if "\x00" in text:
+        raise DataError(f"{path}: holds NUL bytes: a binary file, not text")
+    if not text.strip():
+        raise DataError(f"{path}: no text (the file is empty or blank)")
+    return text
+
+
+def file_fingerprint(paths) -> str:
+    """A content fingerprint of data files (SHA-256 of their bytes in order, first 16 hex digits): what a record
+    keeps of its training data, so that a resumed run or a later one can tell the same data from other data whatever
+    the file names."""
+    digest = hashlib.sha256()
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
 
 
 def tokenize_lm_text(text: str, tokenizer) -> list[int]:
@@ -524,10 +594,13 @@ __all__ = [
     "get_task",
     "group_into_blocks",
     "load_hub_task",
+    "file_fingerprint",
+    "is_json_lines",
     "load_lm_text",
     "load_task_file",
     "load_task_split",
     "read_records",
+    "read_text_file",
     "records_to_task_columns",
     "select_subset",
     "tokenize_lm_text",

@@ -135,9 +135,9 @@ def compute_task_metrics(task: str | TaskSpec, predictions: Sequence, references
             return {name: float(results[name]) for name in spec.metrics}, "evaluate", None
         if backend == "evaluate":
             raise EvaluationError(f"evaluate.load failed for {spec.name}: {metric}") from metric
-        note = (f"evaluate.load({'glue, ' + repr(spec.name) if spec.hub[0] == 'glue' else repr('accuracy')}) "
-                f"is unavailable ({type(metric).__name__}: {str(metric).splitlines()[0][:160]}); the same metrics "
-                "were computed locally with scikit-learn / scipy")
+        loaded = f"'glue', {spec.name!r}" if spec.hub[0] == "glue" else repr("accuracy")
+        note = (f"metrics computed locally with scikit-learn / scipy (the same formulas): evaluate.load({loaded}) is "
+                f"not available here ({type(metric).__name__}); --metrics-backend local skips the attempt")
     return _local_metrics(spec, predictions, references), "local", note
 
 

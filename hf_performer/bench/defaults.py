@@ -1,0 +1,17 @@
+"""The choices and defaults of the benchmarks, declared without torch: the ``hf-performer bench`` parsers read them
+(``--help`` imports no torch); :mod:`.attention`, :mod:`.decode` and :mod:`.report` import them from here."""
+
+ATTENTION_IMPLEMENTATIONS = ("favor", "window", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
+BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
+DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
+ATTENTION_MODES = ("bidirectional", "causal")
+DECODE_IMPLEMENTATIONS = ("favor", "softmax")
+
+DEFAULT_CLUSTERS = 100
+DEFAULT_TOPK = 32
+DEFAULT_BUCKET_SIZE = 64
+DEFAULT_WINDOW = 64
+DEFAULT_SINKS = 4
+
+FULL_CONTEXT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+QUICK_CONTEXT_LENGTHS = (512, 1024, 2048)
