@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -42,7 +43,7 @@ from hf_performer.favor_attention import (
     layer_index_of,
     module_favor_settings,
 )
-from hf_performer.favor_settings import layer_window
+from hf_performer.favor_settings import layer_sparse_cache, layer_window
 from hf_performer.feature_maps import Features, FeatureMap
 from hf_performer.linear_attention import _repeat_kv as _repeat_heads
 from hf_performer.window_attention import window_linear_attention
@@ -218,7 +219,8 @@ def sdpa_teacher_output(query: torch.Tensor, key: torch.Tensor, value: torch.Ten
 def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  feature_map: FeatureMap | None, *, window: int, sinks: int,
                                  softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
-                                 key_padding_mask: torch.Tensor | None = None,
+                                 key_padding_mask: torch.Tensor | None = None, sparse_cache: int = 0,
+                                 chunk_size: int = 64,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
     softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
@@ -237,7 +239,8 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     teacher = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_mask)
     student = window_linear_attention(query.float(), key.float(), value.float(), feature_map, window=window,
                                       sinks=sinks, causal=causal, softmax_weight=softmax_weight,
-                                      key_padding_mask=key_padding_mask, scaling=scaling)
+                                      key_padding_mask=key_padding_mask, scaling=scaling, sparse_cache=sparse_cache,
+                                      chunk_size=chunk_size)
     squared = (student.float() - teacher).square().mean(-1)  # [B, H, L]
     if key_padding_mask is None:
         return teacher, torch.zeros((), device=query.device), squared.sum(), squared.numel()
@@ -245,14 +248,26 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     return teacher, torch.zeros((), device=query.device), squared[rows].sum(), int(rows.sum())
 
 
-def window_of_layer(module: nn.Module) -> tuple[int, int, nn.Module | None] | None:
-    """``(window, sinks, softmax-weight module or None)`` of a window-hybrid favor layer, ``None`` for a plain linear
-    layer (no window and no sinks)."""
+class WindowLayer(NamedTuple):
+    """The window settings of a window-hybrid favor layer and its learned gamma (a module, or ``None``)."""
+
+    window: int
+    sinks: int
+    sparse_cache: int
+    chunk_size: int
+    softmax_weight: nn.Module | None
+
+
+def window_of_layer(module: nn.Module) -> WindowLayer | None:
+    """The :class:`WindowLayer` of a window-hybrid favor layer, ``None`` for a plain linear layer (no window and no
+    sinks)."""
     settings = module_favor_settings(module)
-    window, sinks = layer_window(settings, layer_index_of(module))
+    layer = layer_index_of(module)
+    window, sinks = layer_window(settings, layer)
     if not window and not sinks:
         return None
-    return window, sinks, getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None)
+    return WindowLayer(window, sinks, layer_sparse_cache(settings, layer), settings["chunk_size"],
+                       getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None))
 
 
 def key_padding_of(attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor | None:
@@ -335,10 +350,11 @@ def favor_transfer_attention_forward(
                 output, *losses = layer_transfer_losses(query, key, value, feature_map, scaling, allowed)
             else:
                 padding = key_padding_of(attention_mask, key.shape[2])
-                gamma = window[2]() if window[2] is not None else None
+                gamma = window.softmax_weight() if window.softmax_weight is not None else None
                 output, *losses = window_layer_transfer_losses(
-                    query, key, value, feature_map if collector.with_tail else None, window=window[0],
-                    sinks=window[1], softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding)
+                    query, key, value, feature_map if collector.with_tail else None, window=window.window,
+                    sinks=window.sinks, softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding,
+                    sparse_cache=window.sparse_cache if causal else 0, chunk_size=window.chunk_size)
         collector.add(layer, *losses)
     elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
         output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
@@ -516,8 +532,8 @@ def transfer_attention(
         window = window_of_layer(module) if layer_index_of(module) in feature_maps else None
         if window is not None and loss == "weights":
             raise AttentionTransferError("window-hybrid layers train on their attention outputs: use loss='output'")
-        if window is not None and window[2] is not None:
-            parameters.extend(window[2].parameters())  # gamma, learned with the maps
+        if window is not None and window.softmax_weight is not None:
+            parameters.extend(window.softmax_weight.parameters())  # gamma, learned with the maps
     trainable = {id(p) for p in parameters}
     saved_flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved_flags:

@@ -110,6 +110,7 @@ from .clustered_attention import (
 )
 from .favor_settings import (
     build_feature_map,
+    canonical_favor_settings,
     favor_settings_of,
     is_clustered,
     is_int,
@@ -234,6 +235,27 @@ def uses_favor(module: nn.Module) -> bool:
     if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
         return False
     return layer_index_of(module) not in module_favor_settings(module)["softmax_layers"]
+
+
+def update_favor_settings(model: nn.Module, **changes) -> dict:
+    """Change ``favor_settings`` keys of a loaded model in place, e.g. ``sparse_cache=64`` to try a sparse cache on a
+    trained window hybrid without retraining: the configs its attention modules read get the validated settings
+    (the next forward uses them). Returns the new settings.
+
+    Raises:
+        ValueError: the changed settings are invalid (one line), or ``model`` has no favor attention module.
+    """
+    configs = {id(module.config): module.config for _, module in find_attention_modules(model) if uses_favor(module)}
+    if not configs:
+        raise ValueError(f"{type(model).__name__} has no attention module running favor attention to change")
+    settings = None
+    for config in configs.values():
+        settings = canonical_favor_settings({**(config.favor_settings or {}), **changes})
+        config.favor_settings = settings
+    top = getattr(model, "config", None)
+    if top is not None and getattr(top, "favor_settings", None) is not None and id(top) not in configs:
+        top.favor_settings = settings  # a Performer model's own config records them too
+    return settings
 
 
 def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMap:

@@ -32,7 +32,8 @@ from typing import NamedTuple
 import torch
 
 from .feature_maps import Features, compute_dtype_for
-from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
+from .linear_attention import _no_autocast, _with_ones_column
+from .window_blocks import BlockOperands, BlockSpec, attend_blocks, attend_blocks_naive
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
 
@@ -302,71 +303,49 @@ def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep
     return _stack_tails(tails)
 
 
-def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w):
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, fused=True):
     """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
-    frame (module docstring)."""
+    frame (module docstring) by :func:`~.window_blocks.attend_blocks` (``fused=False``: its autograd reference)."""
     layout_key, layout_value, layout_keep = call.layout
-    tile_features, tile_value_ones, tile_keep = call.tiles
+    tile_features, _, tile_keep = call.tiles
     sink_key, sink_value, sink_position, sink_valid = call.sinks
-    sink_key, sink_value = sink_key.to(query.dtype), sink_value.to(query.dtype)
     offset, seen, n_first, n_query, n_last, caches = call.offset, call.seen, call.n_first, call.n_query, call.n_last, \
         call.caches
-    root = scaling**0.5
-    batch, heads, length, head_dim = query.shape
+    batch, heads, length, _ = query.shape
     kv_heads, groups = layout_key.shape[1], heads // layout_key.shape[1]
-    value_dim = layout_value.shape[-1]
     blocks = n_last - n_query + 1
-    skip = (n_query - n_first) * size  # layout index of the first output block's tile
+    first = n_query - n_first  # the first output block among the call's blocks
+    skip = first * size  # layout index of the first output block's tile
     rows = groups * size
     device = query.device
+    pending_in_band = caches is not None
+    spec = BlockSpec(size, w, groups, scaling, scaling**0.5, feature_map, pending_in_band, eps)
 
-    def per_block(x):  # [B, H, blocks * C, e] -> [B, Hkv, blocks, g C, e]
-        return (x.view(batch, kv_heads, groups, blocks, size, x.shape[-1]).transpose(2, 3)
-                .reshape(batch, kv_heads, blocks, rows, x.shape[-1]))
-
-    to_query = n_query * size + offset - seen  # query index of each row's first output slot
-    query_blocks = per_block(rows_window(query, to_query, blocks * size, 2))
     query_position = n_query * size + offset[:, None] + torch.arange(blocks * size, device=device)  # [B, blocks C]
     query_position = query_position.view(batch, blocks, 1, size).expand(-1, -1, groups, -1).reshape(batch, blocks, rows)
-
-    scores, values = [], []
-    if sink_key.shape[2]:
-        sink_scores = torch.matmul(query_blocks.flatten(2, 3), sink_key.transpose(-1, -2)) * scaling
-        sink_allowed = sink_valid[:, None, :] & (sink_position[:, None, :] <= query_position.flatten(1)[..., None])
-        sink_value_ones = _with_ones_column(sink_value)
-        scores.append(sink_scores.view(batch, kv_heads, blocks, rows, -1).masked_fill(
-            ~sink_allowed.view(batch, 1, blocks, rows, -1), float("-inf")))
-        values.append(lambda weights: torch.matmul(weights.flatten(2, 3), sink_value_ones).view(
-            batch, kv_heads, blocks, rows, -1))
-    if caches is not None:
-        cache_keys, cache_values, _, cache_valid = (t[:, :, n_query - n_first:] for t in caches)
-        cache_scores = torch.matmul(query_blocks, cache_keys.transpose(-1, -2)) * scaling
-        scores.append(cache_scores.masked_fill(~cache_valid[:, :, :, None, :], float("-inf")))
-        values.append(lambda weights: torch.matmul(weights, cache_values))
-    if w > 0 or (caches is not None and size > 1):
-        span = size + w - 1
-        band_key = layout_key[:, :, skip:skip + blocks * size + w - 1].unfold(2, span, size)  # [B, Hkv, n, d, span]
-        band_value = _with_ones_column(layout_value[:, :, skip:skip + blocks * size + w - 1]).unfold(2, span, size)
-        band_keep = layout_keep[:, skip:skip + blocks * size + w - 1].unfold(1, span, size)  # [B, n, span]
-        local_row = torch.arange(size, device=device).repeat(groups)[:, None]
-        column = torch.arange(span, device=device)[None, :]
-        # The band (i - w, i]; with a sparse cache, from the block's pending tokens on: (nC - w, i].
-        in_band = ((column >= local_row) if caches is None else (column >= 0)) & (column < local_row + w)  # [gC, span]
-        band_scores = torch.matmul(query_blocks, band_key) * scaling
-        scores.append(band_scores.masked_fill(~(in_band & band_keep[:, None, :, None, :]), float("-inf")))
-        values.append(lambda weights: torch.matmul(weights, band_value.transpose(-1, -2)))
-
-    exact, row_max = exact_terms(scores, values, gamma, query_blocks[..., 0], value_dim)
-    if gamma is not None:
-        exact = exact * gamma.view(kv_heads, groups, 1).expand(-1, -1, size).reshape(kv_heads, 1, rows, 1)
-    tail = log_factor = None
-    if feature_map is not None:
-        tail, log_factor = _tail_terms(query, feature_map, root, to_query, blocks, per_block, tile_features,
-                                       tile_value_ones, tile_keep, call.tails, skip, n_query - n_first, size, groups,
-                                       pending_in_tail=caches is None)
-    total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)
-    out = total[..., :-1] / _safe_denominator(total[..., -1:], eps)
-    # [B, Hkv, n, g C, dv] -> [B, H, n C, dv] -> each row's queries
+    reach = skip + blocks * size + max(w - 1, 0)  # the tiles' last key + 1
+    band_keep = layout_keep[:, skip:reach]
+    band_keep = band_keep.unfold(1, spec.span, size) if spec.span > 0 else band_keep.new_zeros(batch, blocks, 0)
+    features, log_scale = tile_features
+    tail_blocks = slice(skip, skip + blocks * size)
+    with_pending = feature_map is not None and not pending_in_band
+    operands = BlockOperands(
+        query=rows_window(query, n_query * size + offset - seen, blocks * size, 2),
+        keys=layout_key[:, :, skip:reach], values=layout_value[:, :, skip:reach], band_keep=band_keep,
+        sink_key=sink_key.to(query.dtype), sink_value=sink_value.to(query.dtype),
+        sink_allowed=sink_valid[:, None, None, :] & (sink_position[:, None, None, :] <= query_position[..., None]),
+        cache_key=None if caches is None else caches[0][:, :, first:],
+        cache_value=None if caches is None else caches[1][:, :, first:, :, :-1],
+        cache_valid=None if caches is None else caches[3][:, :, first:],
+        tail_sums=None if feature_map is None else call.tails[0][:, :, first:first + blocks],
+        tail_max=None if feature_map is None else call.tails[1][:, :, first:first + blocks],
+        tile_features=features[:, :, tail_blocks].unflatten(2, (blocks, size)) if with_pending else None,
+        tile_log_scale=(log_scale[:, :, tail_blocks].unflatten(2, (blocks, size))
+                        if with_pending and log_scale is not None else None),
+        tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
+        gamma=gamma)
+    out = (attend_blocks if fused else attend_blocks_naive)(operands, spec)  # [B, Hkv, n, g C, dv]
+    value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)
     return rows_window(out, seen - n_query * size - offset, length, 2)
@@ -402,43 +381,6 @@ def combine(exact, row_max, tail, log_factor, calibrated: bool):
         return exact + tail
     rho = exponent.detach().clamp_min(0.0)
     return exact * torch.exp(-rho)[..., None] + tail * torch.exp(exponent - rho)[..., None]
-
-
-def _tail_terms(query, tail_map, root, to_query, blocks, per_block, tile_features, tile_value_ones, tile_keep, tails,
-                skip, first_block, size, groups, pending_in_tail=True):
-    """The tail sums of each query ``[B, Hkv, n, g C, dv + 1]`` (its boundary's sums and, unless a sparse cache keeps
-    them exact, its pending tokens) and its log factor ``[B, Hkv, n, g C]`` (``None`` for maps without log-scales)."""
-    batch, kv_heads = tile_value_ones.shape[:2]
-    q_features = tail_map.query_features(query * root)
-    phi_q = per_block(rows_window(q_features.values, to_query, blocks * size, 2))
-    features, log_scale = tile_features
-    window = slice(skip, skip + blocks * size)
-    phi_k = features[:, :, window].view(batch, kv_heads, blocks, size, -1)
-    values = tile_value_ones[:, :, window].view(batch, kv_heads, blocks, size, -1)
-    keep = tile_keep[:, window].view(batch, 1, blocks, 1, size)
-    sums, tail_max = (t[:, :, first_block:first_block + blocks] for t in tails)
-    if not pending_in_tail:
-        q_log = None if log_scale is None else per_block(
-            rows_window(q_features.log_scale[..., None], to_query, blocks * size, 2))[..., 0]
-        return torch.matmul(phi_q, sums), None if q_log is None else q_log + tail_max[..., None]
-    local_row = torch.arange(size, device=query.device).repeat(groups)[:, None]
-    pending = (torch.arange(size, device=query.device)[None, :] < local_row) & keep  # [B, 1, n, g C, C]
-    if log_scale is None:
-        scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)).masked_fill(~pending, 0.0)
-        return torch.matmul(phi_q, sums) + torch.matmul(scores, values), None
-    # Each query's stabiliser: the largest log-scale of the keys in its tail (the sums', then its pending tokens'),
-    # never a later key's (a future token must not change a past output).
-    tile_log_scale = log_scale[:, :, window].view(batch, kv_heads, blocks, size)
-    masked = tile_log_scale.masked_fill(~keep.view(batch, 1, blocks, size), float("-inf"))
-    running = masked.detach().cummax(-1).values
-    before = torch.cat([torch.full_like(running[..., :1], float("-inf")), running[..., :-1]], dim=-1)  # u < row
-    stabilizer = torch.maximum(tail_max[..., None], before.repeat(1, 1, 1, groups))  # [B, Hkv, n, g C]
-    stabilizer = stabilizer.clamp_min(torch.finfo(sums.dtype).min)
-    decay = torch.exp(masked[..., None, :] - stabilizer[..., None]).masked_fill(~pending, 0.0)
-    scores = torch.matmul(phi_q, phi_k.transpose(-1, -2)) * decay
-    carried = torch.matmul(phi_q, sums) * torch.exp(tail_max[..., None] - stabilizer)[..., None]
-    q_log = per_block(rows_window(q_features.log_scale[..., None], to_query, blocks * size, 2))[..., 0]
-    return carried + torch.matmul(scores, values), q_log + stabilizer
 
 
 def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAttentionState:

@@ -85,6 +85,7 @@ class LinearizeSettings:
     feature_map_init: str = "identity"
     window: int = 64
     sinks: int = 4
+    sparse_cache: int = 0
     linear_tail: bool = True
     softmax_layers: list[int] = field(default_factory=list)
     softmax_worst: int = 0
@@ -126,7 +127,7 @@ class LinearizeSettings:
         if self.mixed_precision not in MIXED_PRECISIONS:
             raise RecipeError(f"--mixed-precision {self.mixed_precision!r} is not known; accepted: "
                               f"{', '.join(MIXED_PRECISIONS)}")
-        for name in ("window", "sinks", "transfer_steps", "lora_steps", "softmax_worst"):
+        for name in ("window", "sinks", "sparse_cache", "transfer_steps", "lora_steps", "softmax_worst"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)}")
         for name in ("transfer_length", "transfer_batch_size", "block_size", "batch_size", "eval_context",
@@ -213,7 +214,8 @@ def conversion_arguments(settings: LinearizeSettings) -> dict:
     """The keyword arguments of ``convert_to_performer`` for the convert stage."""
     return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
                 feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
-                window=settings.window, sinks=settings.sinks, linear_tail=settings.linear_tail, softmax_weight="auto",
+                window=settings.window, sinks=settings.sinks, sparse_cache=settings.sparse_cache,
+                linear_tail=settings.linear_tail, softmax_weight="auto",
                 keep_softmax_layers=settings.softmax_layers)
 
 

@@ -311,7 +311,11 @@ def test_decoding_state_sizes_the_cards_state_are_the_caches(sources):
 
     for settings, expected in ((dict(nb_features=16), lambda: linear_state_bytes(4, 8, 16)),
                                (dict(feature_map="hedgehog", window=4, sinks=1),
-                                lambda: window_state_bytes(4, 2, 8, 16, 4, 1, 4))):
+                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4)),
+                               (dict(feature_map="hedgehog", window=4, sinks=1, sparse_cache=3),
+                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4, sparse_cache=3)),
+                               (dict(window=4, sinks=1, linear_tail=False),
+                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4, linear_tail=False))):
         model = convert_to_performer(LlamaForCausalLM.from_pretrained(sources / "llama"), **settings).eval()
         with torch.no_grad():
             cache = model.generate(_ids(48), max_new_tokens=1, do_sample=False,

@@ -12,8 +12,8 @@ from ._output import check_output_file, portable_evaluation_record
 
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
-    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges"),
-    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials"),
+    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges", "sparse_cache"),
+    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache"),
 }
 """The flags each kind of evaluation reads; a flag of another kind is refused (it would be ignored)."""
 DEFAULTS = {"max_length": 128, "metrics_backend": "auto", "split": "test", "context_lengths": [1024, 2048],
@@ -82,6 +82,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="passkey: fractions of the filler before the key, in [0, 1] (default: 0 0.25 0.5 0.75 1)")
     parser.add_argument("--trials", type=int, default=None,
                         help="passkey: prompts (seeded keys) per context length and depth (default: 5)")
+    parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
+                        help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
+                             "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
+                             "model's own setting)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
@@ -114,17 +118,18 @@ def run_evaluate(args: argparse.Namespace) -> int:
     values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
     if args.output:
         check_output_file(args.output, "evaluate")
+    favor_changes = {} if args.sparse_cache is None else {"sparse_cache": args.sparse_cache}
     try:
         if kind == "passkey":
             record = evaluate_passkey_model(
                 args.model, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
                 args.text_file, args.max_chars, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress)
+                show_progress=not args.no_progress, favor_changes=favor_changes)
         elif kind == "perplexity":
             record = evaluate_perplexity_model(
                 args.model, task, args.text_file, values["split"], args.max_chars, args.context_length,
                 args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress, position_ranges=args.position_ranges)
+                show_progress=not args.no_progress, position_ranges=args.position_ranges, favor_changes=favor_changes)
         else:
             record = evaluate_classification_model(
                 args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, values["max_length"],

@@ -47,12 +47,14 @@ from .arguments import add_favor_arguments
 STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
-CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "no_tail", "softmax_layers",
+CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "sparse_cache", "no_tail",
+                    "softmax_layers",
                     "softmax_worst", "transfer_steps", "transfer_length", "transfer_batch_size",
                     "transfer_learning_rate", "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
-DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "transfer_steps": 200,
+DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "sparse_cache": 0,
+            "transfer_steps": 200,
             "transfer_length": 1024, "transfer_batch_size": 8, "transfer_learning_rate": 1e-2,
             "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0, "lora_steps": 200,
             "batch_size": 1, "gradient_accumulation_steps": 8, "max_eval_chars": 200_000}
@@ -84,11 +86,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--eval-batch-size", type=int, default=2, help="windows per forward pass (default: 2)")
 
     hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
-    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks"), helps={
+    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks", "sparse_cache"), helps={
         "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
         "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
         "window": "exact-softmax keys per query: the last W tokens (default: 64)",
         "sinks": "first unpadded tokens of each row always attended exactly (default: 4)",
+        "sparse_cache": "per key head, up to G older tokens stay exact, the ones the tail would recall worst (a "
+                        "constant-size cache of hard keys; default: 0)",
     })
     hybrid.add_argument("--feature-map-init", choices=LEARNED_MAP_INITS, default=None,
                         help="the learned map's starting projection: identity (default; needs --nb-features 2 x "

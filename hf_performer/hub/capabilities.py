@@ -50,7 +50,7 @@ LAYER_BEHAVIOURS: dict[str, LayerBehaviour] = {
     "window": LayerBehaviour("sink + window softmax with a linear tail", output_attentions=True, packed_causal=False,
                              packed_bidirectional=False, causal=True, cache_layer="WindowCacheLayer",
                              constant_cache=True, assisted_decoding=True, attention_dropout=False),
-    "window-no-tail": LayerBehaviour("sink + window softmax, no tail", output_attentions=False, packed_causal=False,
+    "window-no-tail": LayerBehaviour("sink + window softmax, no tail", output_attentions=True, packed_causal=False,
                                      packed_bidirectional=False, causal=True, cache_layer="WindowCacheLayer",
                                      constant_cache=True, assisted_decoding=True, attention_dropout=False),
     "clustered": LayerBehaviour("clustered attention", output_attentions=True, packed_causal=False,

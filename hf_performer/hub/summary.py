@@ -9,7 +9,7 @@ the model does not have.
 
 from __future__ import annotations
 
-from ..favor_settings import layer_window
+from ..favor_settings import layer_sparse_cache, layer_window
 from .capabilities import LAYER_BEHAVIOURS, layer_kinds, layer_ranges
 from .describe import (
     FEATURE_MAP_DESCRIPTIONS,
@@ -152,16 +152,23 @@ def linear_state_bytes(heads: int, head_dim: int, nb_features: int) -> int:
     return heads * (nb_features * head_dim + nb_features + 1) * 4
 
 
-def window_state_bytes(heads: int, kv_heads: int, head_dim: int, nb_features: int, window: int, sinks: int,
-                       dtype_bytes: int, max_rollback: int | None = None) -> int:
+def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: int, sinks: int, dtype_bytes: int,
+                       sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
+                       linear_tail: bool = True) -> int:
     """Bytes of one window layer's decoding state (``WindowCacheLayer``) per sequence once the context is longer
-    than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window +
-    max_rollback`` keys and values (``max_rollback`` defaults to the window) with their key features and
-    log-scales (float32), and the float32 tail sums of a linear layer."""
-    buffer = window + (window if max_rollback is None else max_rollback)
+    than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
+    chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
+    current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
+    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache."""
     sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
-    buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1 + kv_heads * (nb_features + 1) * 4)
-    return sink_slots + buffer_bytes + linear_state_bytes(heads, head_dim, nb_features)
+    buffer = max(window - 1, 0) + chunk_size + max_rollback
+    buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1)
+    features = nb_features if linear_tail else 1  # without a tail the sums keep one empty feature
+    sums = kv_heads * (features * (head_dim + 1) + 1) * 4
+    committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
+    pending = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
+    tails = committed * (2 if max_rollback > 0 else 1) + pending
+    return sink_slots + buffer_bytes + 8 + tails
 
 
 def _count(number: int, noun: str) -> str:
@@ -200,10 +207,12 @@ def speed_context(kinds: list[str], settings: dict, geometry: dict, is_causal: b
                             f"{_human_bytes(state)} in all (float32), whatever the context length")
         window_layers = [layer for layer, kind in enumerate(kinds) if kind in ("window", "window-no-tail")]
         if window_layers:
-            state = sum(window_state_bytes(heads, kv_heads, head_dim, nb_features, *layer_window(settings, layer),
-                                           dtype_bytes) for layer in window_layers)
+            state = sum(window_state_bytes(kv_heads, head_dim, nb_features, *layer_window(settings, layer), dtype_bytes,
+                                           sparse_cache=layer_sparse_cache(settings, layer),
+                                           chunk_size=settings.get("chunk_size", 64),
+                                           linear_tail=kinds[layer] == "window") for layer in window_layers)
             decoding.append(f"the {_count(len(window_layers), 'window layer')} a "
-                            f"`WindowCacheLayer` (sink and window keys/values, a rollback buffer, the tail sums) of "
+                            f"`WindowCacheLayer` (sink and window keys/values, the sparse cache's kept keys, the tail sums) of "
                             f"{_human_bytes(state)} in all once the context is longer than the window")
         softmax_layers = kinds.count("softmax")
         if softmax_layers:

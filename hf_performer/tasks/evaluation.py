@@ -401,6 +401,26 @@ def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = Fa
     return model
 
 
+def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_changes: dict | None = None):
+    """A causal LM folder (:func:`load_trained_model`) with ``favor_changes`` made to its favor settings
+    (:func:`~hf_performer.favor_attention.update_favor_settings`, e.g. ``{"sparse_cache": 64}``).
+
+    Raises:
+        EvaluationError: missing weights, or changes the model does not take (a softmax model, an invalid value).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
+    if favor_changes:
+        from ..favor_attention import update_favor_settings
+
+        try:
+            update_favor_settings(model, **favor_changes)
+        except ValueError as error:
+            raise EvaluationError(f"{model_path}: cannot evaluate with {favor_changes}: {error}") from None
+    return model
+
+
 TRAINING_FILES = ("trainer_state.json", "training_args.bin", "all_results.json", "train_results.json")
 """Files a ``transformers.Trainer`` run leaves in its output folder: their presence marks a fine-tuned model."""
 
@@ -475,19 +495,20 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
                               stride: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
                               device: str | None = None, trust_remote_code: bool = False,
                               show_progress: bool = True,
-                              position_ranges: Sequence[str | Sequence[int]] | None = None) -> dict:
+                              position_ranges: Sequence[str | Sequence[int]] | None = None,
+                              favor_changes: dict | None = None) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
     --help``). Returns the metrics record written by the command; with ``position_ranges`` (see
     :func:`perplexity`) its metrics also hold ``perplexity_positions_START_END`` and the record
-    ``position_ranges``."""
+    ``position_ranges``; ``favor_changes`` (e.g. ``{"sparse_cache": 64}``) are applied to the loaded model
+    (:func:`load_causal_lm`) and recorded."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .. import modeling_performer  # noqa: F401
     from .data import load_lm_text, tokenize_lm_text
 
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     if context_length is None:
@@ -513,6 +534,8 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
         "eval_seconds": round(time.perf_counter() - start, 3),
         "device": str(device),
     }
+    if favor_changes:
+        record["favor_settings_changed"] = dict(favor_changes)
     if ranges:
         record["position_ranges"] = result["position_ranges"]
     return record
@@ -526,6 +549,7 @@ __all__ = [
     "compute_task_metrics",
     "evaluate_classification_model",
     "evaluate_perplexity_model",
+    "load_causal_lm",
     "load_trained_model",
     "parse_position_ranges",
     "perplexity",

@@ -32,7 +32,7 @@ import os
 import time
 from collections.abc import Sequence
 
-from .evaluation import EvaluationError, _load_tokenizer, _no_grad, _progress_bar, load_trained_model
+from .evaluation import EvaluationError, _load_tokenizer, _no_grad, _progress_bar, load_causal_lm
 
 HEADER = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
           "I will quiz you about the important information there.")
@@ -259,12 +259,11 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                            trials: int = 5, seed: int = 0, filler_file: str | None = None,
                            max_chars: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
                            device: str | None = None, trust_remote_code: bool = False,
-                           show_progress: bool = True) -> dict:
+                           show_progress: bool = True, favor_changes: dict | None = None) -> dict:
     """The passkey probe on a causal LM folder (``hf-performer evaluate MODEL --task passkey``). Returns the record
     the command writes: ``metrics`` (overall accuracy and per context length), ``cells``, the ``protocol``.
     Paths are recorded by base name (the record may be shared)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     from .. import modeling_performer  # noqa: F401 - registers the Performer classes with the Auto classes
     from .data import load_lm_text
@@ -272,7 +271,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
     check_passkey_settings(context_lengths, depths, trials)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     filler_text = load_lm_text(filler_file, max_chars=max_chars) if filler_file is not None else None
-    model = load_trained_model(AutoModelForCausalLM, model_path, trust_remote_code)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes)
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     longest = max(context_lengths)
     if positions is not None and longest + KEY_DIGITS + 2 > positions:
@@ -299,7 +298,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                                 "log-likelihood of the key's tokens in nats"},
         "eval_seconds": round(time.perf_counter() - start, 3),
         "device": str(device),
-    }
+    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {})
 
 
 __all__ = [

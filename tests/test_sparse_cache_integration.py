@@ -1,0 +1,115 @@
+"""The sparse cache of hard keys (issue 33) beyond the operator: convert / update_favor_settings on a loaded model,
+`hf-performer evaluate --sparse-cache`, the attention transfer's student and linearize's settings."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+from hf_performer import convert_to_performer
+from hf_performer.cli import main as cli_main
+from hf_performer.favor_attention import update_favor_settings
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
+
+
+@pytest.fixture(scope="module")
+def source(tiny_llama_config):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_update_favor_settings_equals_converting_with_the_sparse_cache(source):
+    ids = torch.randint(5, 90, (2, 70), generator=torch.Generator().manual_seed(1))
+    settings = dict(feature_map="hedgehog", window=4, sinks=1, seed=0)
+    direct = convert_to_performer(source, sparse_cache=3, **settings).eval()
+    updated = convert_to_performer(source, **settings).eval()
+    without = _logits(updated, ids)
+    assert update_favor_settings(updated, sparse_cache=3)["sparse_cache"] == 3
+    assert updated.config.favor_settings["sparse_cache"] == 3
+    torch.testing.assert_close(_logits(updated, ids), _logits(direct, ids))
+    assert (_logits(updated, ids) - without).abs().max() > 1e-4  # the cache changes what the model sees
+    # generate() with the cache decodes what one pass computes
+    with torch.no_grad():
+        generated = updated.generate(ids[:1], max_new_tokens=6, do_sample=False)
+        again = updated.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(generated, again)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(sparse_cache=-1), "sparse_cache"),
+    (dict(sparse_cache="many"), "sparse_cache"),
+])
+def test_update_favor_settings_refuses_bad_values_in_one_line(source, changes, message):
+    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)
+    with pytest.raises(ValueError, match=message) as failure:
+        update_favor_settings(model, **changes)
+    assert "\n" not in str(failure.value)
+
+
+def test_update_favor_settings_refuses_a_model_without_favor_attention(source):
+    with pytest.raises(ValueError, match="has no attention module running favor attention"):
+        update_favor_settings(source, sparse_cache=3)
+
+
+def test_a_sparse_cache_on_a_linear_model_is_refused(source):
+    with pytest.raises(ValueError, match="sparse_cache"):
+        convert_to_performer(source, nb_features=16, sparse_cache=3)
+
+
+@needs_shared
+def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_config):
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    folder = tmp_path / "hybrid"
+    convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    text = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
+    records = {}
+    for name, extra in (("off", []), ("on", ["--sparse-cache", "8"])):
+        output = tmp_path / f"{name}.json"
+        assert cli_main(["evaluate", str(folder), "--task", "wikitext", "--text-file", text, "--max-chars", "600",
+                         "--context-length", "48", "--stride", "24", "--no-progress", "--output", str(output),
+                         *extra]) == 0
+        records[name] = json.loads(output.read_text())
+    assert records["on"]["favor_settings_changed"] == {"sparse_cache": 8}
+    assert "favor_settings_changed" not in records["off"]
+    assert records["on"]["metrics"]["perplexity"] != records["off"]["metrics"]["perplexity"]
+    # the folder itself is unchanged
+    assert json.loads((folder / "config.json").read_text())["favor_settings"]["sparse_cache"] == 0
+    # a model without favor attention: one line, nothing written
+    plain = tmp_path / "plain"
+    source.save_pretrained(plain)
+    tokenizer.save_pretrained(plain)
+    with pytest.raises(SystemExit, match="cannot evaluate with") as failure:
+        cli_main(["evaluate", str(plain), "--task", "wikitext", "--text-file", text, "--max-chars", "600",
+                  "--context-length", "48", "--sparse-cache", "8", "--output", str(tmp_path / "plain.json")])
+    assert "\n" not in str(failure.value) and not (tmp_path / "plain.json").exists()
+
+
+def test_the_transfer_student_uses_the_layer_sparse_cache(source):
+    from hf_performer.conversion.attention_transfer import window_of_layer
+    from hf_performer.favor_attention import find_attention_modules
+
+    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, sparse_cache=5,
+                                 layer_windows={"1": {"window": 8, "sparse_cache": 0}})
+    layers = [window_of_layer(module) for _, module in find_attention_modules(model)]
+    assert [(layer.window, layer.sparse_cache) for layer in layers] == [(4, 5), (8, 0)]
+    assert all(layer.chunk_size == model.config.favor_settings["chunk_size"] for layer in layers)
+
+
+def test_linearize_passes_the_sparse_cache_to_the_conversion():
+    from hf_performer.recipes.linearize import LinearizeSettings, RecipeError, conversion_arguments
+
+    assert conversion_arguments(LinearizeSettings("source", ["train.txt"], sparse_cache=32))["sparse_cache"] == 32
+    with pytest.raises(RecipeError, match="--sparse-cache must be an int >= 0"):
+        LinearizeSettings("source", ["train.txt"], sparse_cache=-1).check()
