@@ -52,7 +52,8 @@ so projections and redraw counters live in the state dict and reload bit-identic
 with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that hands the
-layer's cache (``cache``, ``past_key_values`` before transformers 5.24) to the attention function and, for causal
+layer's cache (the ``Cache`` among the module's arguments, whatever the architecture names it: ``cache``,
+``past_key_values``, ``layer_past``, ...) to the attention function and, for causal
 favor layers, replaces an *empty* ``DynamicLayer`` of that cache (the layer ``generate()`` and the models create by
 default) by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer` for window layers: sinks, recent
 keys and the tail state, croppable for assisted generation). Prefill and token-by-token decoding then carry the
@@ -67,7 +68,7 @@ models for ``trust_remote_code``.
 
 from __future__ import annotations
 
-import inspect
+import sys
 import weakref
 
 import torch
@@ -95,7 +96,6 @@ from .attention_weights import (
 from .cache import (
     FavorCacheLayer,
     cache_from_kwargs,
-    cache_keyword_among,
     cache_layer_class,
     is_favor_cache_layer,
     is_window_cache_layer,
@@ -103,6 +103,7 @@ from .cache import (
     record_for_rollback,
 )
 from .clustered_attention import clustered_attention_from_settings, refuse_causal_clustered
+from .configuration_performer import reads_attention_registry
 from .favor_settings import (
     build_feature_map,
     favor_settings_of,
@@ -136,9 +137,7 @@ def is_attention_module(module: nn.Module) -> bool:
     """Whether ``module`` dispatches through transformers' attention registry, i.e. is the ``module``
     argument an attention function receives (``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``,
     ``DistilBertSelfAttention``, ...): its ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS``."""
-    forward = getattr(type(module), "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    return reads_attention_registry(type(module))
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -331,20 +330,14 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
 
 CACHE_ATTRIBUTE = "_favor_past_key_values"
 
-_CACHE_POSITION: dict[type, int | None] = {}
-
-
 def _cache_from_call(module: nn.Module, args: tuple, kwargs: dict):
+    """The cache an attention module's call carries, whatever the architecture names it (``cache``,
+    ``past_key_values``, ``past_key_value``, ``layer_past``, ...) and however it is passed (keyword or positional):
+    the :class:`~transformers.cache_utils.Cache` object among the call's arguments."""
     cache = cache_from_kwargs(kwargs, type(module).__name__)
     if cache is not None:
         return cache
-    cls = type(module)
-    if cls not in _CACHE_POSITION:
-        names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
-        keyword = cache_keyword_among(names)
-        _CACHE_POSITION[cls] = names.index(keyword) if keyword in names else None
-    position = _CACHE_POSITION[cls]
-    return args[position] if position is not None and position < len(args) else None
+    return next((value for value in (*kwargs.values(), *args) if isinstance(value, Cache)), None)
 
 
 def _self_attention_cache(cache) -> Cache | None:
@@ -449,9 +442,10 @@ def favor_attention_mask(
     a 2-D int64 mask of segment ids instead (``0`` = padding, ``1, 2, ...`` = sequences; see
     :mod:`.packed_sequences`).
 
-    Raises:
-        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional / packed causal
-            (sliding window, custom or/and mask functions).
+    Any other pattern (a sliding window, chunks during decoding, custom ``or``/``and`` mask functions) gives the 4-D
+    mask sdpa would get: the layers with a bounded span (sliding window, chunks) keep softmax attention
+    (:func:`~.configuration_performer.check_bounded_layers_kept`) and apply it exactly; a favor layer given such a
+    mask raises :class:`FavorMaskError` (:func:`_key_padding_from_4d`), as linear attention cannot express it.
     """
     if mask_function not in (causal_mask_function, bidirectional_mask_function):
         segment_ids = packed_segment_ids(
@@ -459,12 +453,9 @@ def favor_attention_mask(
         )
         if segment_ids is not None:
             return segment_ids
-        name = getattr(mask_function, "__qualname__", None) or repr(mask_function)
-        raise FavorMaskError(
-            f"favor (linear) attention can only express causal or bidirectional attention with key padding; the "
-            f"model asked for the mask pattern {name} (sliding-window or custom or/and masks cannot be expressed; "
-            "packed sequences and chunked attention can). Use attn_implementation='sdpa' for this model."
-        )
+        kwargs.update(allow_is_causal_skip=False, allow_is_bidirectional_skip=False)  # eager layers need it whole
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         **kwargs)
     return flash_attention_mask(
         batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
     )
@@ -477,7 +468,12 @@ def _key_padding_from_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
     elif mask.is_floating_point():
         allowed = mask == 0
         blocked_values = mask.masked_select(~allowed)
-        if blocked_values.numel() and bool((blocked_values > torch.finfo(mask.dtype).min / 2).any()):
+        # Masked entries hold a large negative value: the dtype's minimum, or one constant such as the -10000 of
+        # older models' "extended attention masks" (MarkupLM, ...); anything else is a bias on the scores.
+        old_style = blocked_values.numel() and bool((blocked_values == blocked_values[0]).all()) and \
+            float(blocked_values[0]) <= -1e4
+        if blocked_values.numel() and not old_style and \
+                bool((blocked_values > torch.finfo(mask.dtype).min / 2).any()):
             raise FavorMaskError(
                 "favor attention got a 4-D float mask holding biases other than 0 (attend) and a large negative "
                 "value (masked); linear attention cannot add a bias to attention scores. Pass a 2-D key padding "
@@ -538,13 +534,17 @@ def _key_padding_mask(attention_mask, causal: bool) -> torch.Tensor | None:
 def _softmax_attention_forward(module, query, key, value, attention_mask, scaling, dropout, causal, kwargs):
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
     cache_layer = _cache_layer_of(module, layer_index_of(module))
-    _reject_fixed_size_cache(cache_layer, layer_index_of(module))
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        # A 4-D mask was built by transformers for this layer's cache (a sliding window's too); the 2-D one is
+        # turned into a causal mask below, which needs the keys to be the tokens seen.
+        _reject_fixed_size_cache(cache_layer, layer_index_of(module))
     if is_favor_cache_layer(cache_layer) or is_window_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
             f"layer is a {type(cache_layer).__name__}, which does not keep every key/value; build the cache with "
             "make_favor_cache(model)"
         )
+    eager = _source_eager_attention(module, kwargs)
     if attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         # The 2-D padding mask of the favor mask builder: build what the model would have given sdpa.
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -562,7 +562,7 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 q_offset=kv_len - q_len,
                 mask_function=causal_mask_function,
                 attention_mask=padding_mask,
-                allow_is_causal_skip=True,
+                allow_is_causal_skip=eager is None,
                 device=query.device,
             )
         else:
@@ -573,15 +573,41 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 mask_function=bidirectional_mask_function,
                 attention_mask=padding_mask,
                 allow_is_causal_skip=False,
-                allow_is_bidirectional_skip=True,
+                allow_is_bidirectional_skip=eager is None,
                 device=query.device,
             )
+    if eager is not None:
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager functions add the mask
+            attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if attention_weights_requested(kwargs):
         # As transformers' eager attention, O(Lq Lk): the weights (after dropout) are applied and returned.
         weights = softmax_attention_weights(query, key, attention_mask, causal=causal, scaling=scaling)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
         return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+SOFTMAX_ONLY_OPTIONS = ("softcap", "s_aux")
+"""Options of some architectures' softmax attention that sdpa does not take: logit soft-capping (Gemma 2) and a
+learned sink logit per head (GPT-OSS). Softmax layers then run the architecture's own eager function; favor layers
+cannot apply them (see :func:`favor_attention_forward`)."""
+
+
+def _source_eager_attention(module: nn.Module, kwargs: dict):
+    """The ``eager_attention_forward`` of ``module``'s modeling file when the call carries an option of
+    :data:`SOFTMAX_ONLY_OPTIONS`, else ``None`` (sdpa serves)."""
+    if all(kwargs.get(option) is None for option in SOFTMAX_ONLY_OPTIONS):
+        return None
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        given = [option for option in SOFTMAX_ONLY_OPTIONS if kwargs.get(option) is not None]
+        raise LinearAttentionError(
+            f"softmax layer {layer_index_of(module)}: {type(module).__name__} passes {given}, which sdpa cannot apply, "
+            "and its modeling file has no eager_attention_forward to run instead"
+        )
+    return eager
 
 
 def favor_attention_forward(
@@ -625,6 +651,18 @@ def favor_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
         )
 
+    if kwargs.get("position_bias") is not None:
+        raise FavorMaskError(
+            f"favor attention (layer {layer_idx}): {type(module).__name__} adds a position bias to the attention "
+            "scores (relative positions or ALiBi), which linear attention cannot express"
+        )
+    dropped = [option for option in SOFTMAX_ONLY_OPTIONS if kwargs.get(option) is not None]
+    if dropped:
+        logger.warning_once(
+            f"favor attention: {type(module).__name__} passes {dropped} (logit soft-capping / a learned sink logit), "
+            "which linear attention cannot apply: its favor layers approximate softmax attention without them (its "
+            "softmax layers keep them)."
+        )
     if dropout > 0.0 and module.training:
         logger.warning_once(
             "favor attention: attention dropout (p>0) cannot be applied to linear attention, which never forms an "
