@@ -5,7 +5,8 @@ reused unchanged: the Performer model wraps the stock transformers model of the 
 loads the source state dict into it; only the attention function changes (``attn_implementation="favor"``)
 and each converted attention module gains its feature map (projection buffers). Optionally:
 
-* ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model);
+* ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model); the source's layers with a
+  bounded span (sliding window, chunks: ``bounded_attention_layers``) always do;
 * ``window`` / ``sinks`` (``layer_windows`` per layer): sink + sliding-window exact softmax with the feature map as
   the tail (``softmax_weight``: calibrated or a learned gamma per head, ``linear_tail=False``: no tail);
 * ``max_position_embeddings``: a longer learned absolute position table (BERT/RoBERTa 512, GPT-2 1024, ...),
@@ -26,6 +27,7 @@ from transformers.utils import logging
 from hf_performer.configuration_performer import (
     PerformerConfig,
     PerformerConfigError,
+    bounded_attention_layers,
     check_source_architecture,
 )
 from hf_performer.clustered_attention import ClusteredAttentionError
@@ -37,6 +39,8 @@ from hf_performer.favor_attention import (
 )
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
+
+from .probe import probe_converted_model
 
 
 logger = logging.get_logger(__name__)
@@ -265,7 +269,9 @@ def convert_to_performer(
         Every tensor of the source state dict is copied unchanged into ``performer.source_model``.
 
     Raises:
-        ConversionError: unsupported architecture or model class, unknown task, invalid settings.
+        ConversionError: unsupported architecture or model class, unknown task, invalid settings, or a converted
+            model that fails its probe run (:func:`~.probe.probe_converted_model`: a position bias, a mask pattern
+            linear attention cannot express, cached decoding that does not reproduce the full forward).
     """
     _check_task(task)
     if isinstance(model_or_name_or_path, (str, os.PathLike)):
@@ -289,8 +295,17 @@ def convert_to_performer(
             f"{', '.join(c.__name__ for t in TASKS for c in _classes_for(t, source.config))})"
         )
     task = task or source_task
+    if not find_attention_modules(source):
+        raise ConversionError(
+            f"{type(source).__name__} has no attention module that calls transformers' attention registry "
+            "(ALL_ATTENTION_FUNCTIONS): there is no attention to convert"
+        )
+    bounded = bounded_attention_layers(source.config)
+    if bounded:
+        logger.info(f"layers {sorted(bounded)} attend over {next(iter(bounded.values()))}: they keep their exact "
+                    "softmax attention (constant memory already)")
 
-    settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
+    settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers) | set(bounded))}
     default_init = default_feature_map_init(feature_map)
     if default_init is not None and "init" not in (feature_map_options or {}):
         # Learned maps: the config always names the start, so the folder says how its maps began whatever the
@@ -320,7 +335,11 @@ def convert_to_performer(
     performer.config.name_or_path = getattr(source, "name_or_path", "") or ""
     # Saved in config.json (meant for the Hub): no local path.
     performer.config.source_config._name_or_path = public_source_name(performer.config.name_or_path)
-    return performer.eval()
+    performer.eval()
+    problem = probe_converted_model(source, performer, causal_lm=task == "causal-lm")
+    if problem is not None:
+        raise ConversionError(f"{source.config.model_type} cannot be converted: {problem}")
+    return performer
 
 
 def keep_softmax_attention(model: PerformerPreTrainedModel, layers: Iterable[int]) -> list[int]:

@@ -245,8 +245,12 @@ class _ErrorAccumulator:
     def __init__(self):
         self.difference = 0.0
         self.reference = 0.0
+        self.ran = False
 
-    def add(self, approximation: torch.Tensor, reference: torch.Tensor):
+    def add(self, approximation: torch.Tensor | None, reference: torch.Tensor | None):
+        if approximation is None or reference is None:  # a module the model did not run (cross-attention)
+            return
+        self.ran = True
         approximation, reference = approximation.double(), reference.double()
         self.difference += float((approximation - reference).square().sum())
         self.reference += float(reference.square().sum())
@@ -349,6 +353,8 @@ def fidelity_report(
         source.train(modes[0])
         performer.train(modes[1])
 
+    run = [(module, own, propagated) for module, own, propagated in zip(performer_modules, own_errors, propagated_errors)
+           if propagated.ran]  # attention modules the model never called (a decoder's cross-attention) are left out
     layers = [
         LayerFidelity(
             layer=index,
@@ -356,7 +362,7 @@ def fidelity_report(
             own_inputs_relative_error=own.value,
             propagated_relative_error=propagated.value,
         )
-        for index, (module, own, propagated) in enumerate(zip(performer_modules, own_errors, propagated_errors))
+        for index, (module, own, propagated) in enumerate(run)
     ]
     has_logits = logits_error.reference > 0
     return FidelityReport(
