@@ -170,16 +170,19 @@ def layer_index_of(module: nn.Module) -> int:
 
 
 def _module_head_dim(module: nn.Module) -> int | None:
-    for attribute in ("head_dim", "attention_head_size", "head_size"):
+    """The head dimension of the module's queries and keys (what the feature map takes): ``qk_head_dim`` first, as
+    multi-head latent attention (DeepSeek V2/V3, ...) has one of its own beside its values' and its rotary part's."""
+    for attribute in ("qk_head_dim", "head_dim", "attention_head_size", "head_size"):
         value = getattr(module, attribute, None)
         if is_int(value):
             return value
     config = getattr(module, "config", None)
     if config is None:
         return None
-    head_dim = getattr(config, "head_dim", None)
-    if is_int(head_dim):
-        return head_dim
+    for attribute in ("qk_head_dim", "head_dim"):
+        head_dim = getattr(config, attribute, None)
+        if is_int(head_dim):
+            return head_dim
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if is_int(hidden) and is_int(heads) and heads > 0:
         return hidden // heads

@@ -98,6 +98,8 @@ def _tiny_kwargs(config_class, layers: int | None) -> dict:
     names = _field_names(config_class)
     aliases = getattr(config_class, "attribute_map", None) or {}
     sizes = dict(TINY_SIZES)
+    if "kv_lora_rank" in names:  # multi-head latent attention: keys have every head (no grouped-query sharing)
+        sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     if layers is not None:
         sizes.update({name: layers for name in LAYER_FIELDS})
     kwargs = {}
@@ -151,6 +153,8 @@ def tiny_source_model(model_type: str, head: str, is_attention_module) -> torch.
     for layers in LAYER_COUNTS:
         try:
             config = tiny_config_of_class(config_class, layers)
+            if head == "causal-lm":
+                config.is_decoder = True  # encoder architectures (BERT, RoBERTa, ...) decode only as decoders
             with torch.device("meta"):
                 meta = model_class(config)
             parameters = sum(parameter.numel() for parameter in meta.parameters())
