@@ -110,6 +110,10 @@ def dispatches_attention_registry(config: PreTrainedConfig) -> bool:
     )
 
 
+SELECTIVE_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "minimax_m3_sparse")
+"""``config.layer_types`` entries of sparse attention layers (DeepSeek's indexer, compressed keys): refused."""
+
 MODALITY_WORDS = ("vision", "audio", "image", "video", "speech")
 """A sub-config whose name holds one of these makes a model multimodal (a vision or audio tower beside the text)."""
 
@@ -193,6 +197,12 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
             f"source architecture {model_type!r} is not supported: no attention module of its transformers "
             "implementation calls the attention registry (ALL_ATTENTION_FUNCTIONS), so FAVOR+ cannot be plugged in. "
             f"Supported: {supported_architectures_message()}."
+        )
+    selective = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind in SELECTIVE_LAYER_TYPES})
+    if selective:
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} has {', '.join(selective)} layers, whose queries attend to keys picked "
+            "or compressed by an indexer (sparse attention), which linear attention cannot express"
         )
     bounded = bounded_attention_layers(config)
     num_layers = getattr(config, "num_hidden_layers", None)

@@ -8,8 +8,9 @@ sequence-classification head, and for each of those heads, a tiny random source 
 (:mod:`tiny_source_models`) and converted three ways: FAVOR+, the sink + sliding-window hybrid (window 4, 1 sink)
 and, for bidirectional models (encoders), zero-shot clustered attention. Each conversion is then
 
-1. converted as ``hf-performer convert`` does (``convert_to_performer`` then ``fidelity_report``): a
-   ``ConversionError`` is a refusal, recorded with its one-line reason; anything else is a failure;
+1. converted as ``hf-performer convert`` does (``convert_to_performer``, a shorter learned position table extended to
+   4096 positions, then ``fidelity_report``): a ``ConversionError`` is a refusal, recorded with its one-line reason;
+   anything else is a failure; an extended table then takes an input longer than the source's;
 2. run on a padded batch (left padding for causal heads, right padding otherwise): finite outputs, and each row's
    logits equal to that row run alone when the source softmax model has this property too;
 3. causal heads: ``generate()`` greedy with and without the cache (equal tokens, a batch of 2 with left padding), and
@@ -18,7 +19,9 @@ and, for bidirectional models (encoders), zero-shot clustered attention. Each co
    (equal logits on the padded batch).
 
 A head *works* when every variant not refused passed every step, the FAVOR+ variant included; it is *refused*
-when its FAVOR+ conversion was refused; otherwise it *fails* (the step and the error are recorded). An architecture
+when its FAVOR+ conversion was refused; otherwise it *fails* (the step and the error are recorded). A step the softmax
+source itself cannot do (assisted decoding of stateful hybrid models) is not run and noted; a tiny source this script
+cannot build, or that fails the probe batch itself, is *no tiny source*. An architecture
 works when all its heads work, is refused when all are refused, is partial when some work and the others are
 refused, and fails otherwise. The denominator of the target is the text-only architectures (no vision / audio
 sub-config); multimodal wrappers are listed apart.
@@ -30,6 +33,7 @@ writes nothing unless ``--output`` / ``--table`` are given.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import platform
@@ -140,6 +144,17 @@ def padding_mismatch(model, inputs: dict, causal: bool, sequence_level: bool) ->
     return (row - alone[0]).abs().max().item()
 
 
+def _long_input(source, performer) -> None:
+    """One row longer than the source's learned position table runs through the extended table."""
+    from hf_performer.conversion import learned_position_count
+
+    length = learned_position_count(source) + SEQ_LEN
+    input_ids = torch.randint(5, min(int(source.config.vocab_size), 200), (1, length),
+                              generator=torch.Generator().manual_seed(1))
+    if not torch.isfinite(_logits(performer, {"input_ids": input_ids})).all():
+        raise AssertionError(f"non-finite outputs for {length} tokens")
+
+
 def _generate(model, inputs: dict, pad: int, **kwargs):
     return model.generate(**inputs, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
                           pad_token_id=pad, output_scores=True, return_dict_in_generate=True, **kwargs)
@@ -161,34 +176,61 @@ def same_tokens(reference, other, what: str) -> None:
         raise AssertionError(f"{what}: tokens differ at generated position {step} (top-2 score gap {gap:.3g})")
 
 
+def _source_error(function, *args, **kwargs) -> str | None:
+    """``None`` if the softmax source model runs the step, else its error: a step transformers' own model of this
+    architecture cannot do is not run on the converted one."""
+    try:
+        function(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {_one_line(error)}"
+    return None
+
+
 def check_variant(source, head: str, variant: str, folder: str, reload_jobs: list, key: str) -> dict:
     from hf_performer.conversion import ConversionError, convert_to_performer, fidelity_report
+    from hf_performer.conversion.convert import default_position_table_size
 
     causal = head == "causal-lm"
+    positions = default_position_table_size(source)  # as hf-performer convert extends a shorter learned table
     try:
-        performer = convert_to_performer(source, **VARIANTS[variant])
+        performer = convert_to_performer(source, max_position_embeddings=positions, **VARIANTS[variant])
         fidelity_report(source, performer, None)
     except ConversionError as error:
         message = str(error)
         return {"status": "refused", "reason": message, "one_line": "\n" not in message}
     except Exception as error:  # noqa: BLE001
         return {"status": "fails", "step": "convert", "error": f"{type(error).__name__}: {_one_line(error)}"}
+    inputs = probe_inputs(source.config, causal)
+    source_error = _source_error(_logits, source, inputs)
+    if source_error is not None:  # the probe inputs do not suit this tiny source: nothing is measured
+        return {"status": "no tiny source", "error": f"the softmax source fails the probe batch: {source_error}"}
     try:
-        inputs = probe_inputs(source.config, causal)
         sequence_level = head == "sequence-classification"
         mismatch = _step("forward with padding", padding_mismatch, performer, inputs, causal, sequence_level)
         source_mismatch = padding_mismatch(source, inputs, causal, sequence_level)
         if source_mismatch <= TOLERANCE and mismatch > TOLERANCE:
             raise StepFailed("forward with padding", f"the padded row differs from the row alone by {mismatch:.3g}")
+        if positions is not None:
+            _step("longer than the source's position table", _long_input, source, performer)
+        skipped = {}
         if causal:
             pad = inputs["input_ids"][1, 0].item()
-            cached = _step("generate", _generate, performer, inputs, pad, use_cache=True)
-            uncached = _step("generate", _generate, performer, inputs, pad, use_cache=False)
-            _step("generate", same_tokens, uncached, cached, "cached vs uncached")
             single = _alone(inputs, causal)
-            greedy = _step("assisted decoding", _generate, performer, single, pad)
-            assisted = _step("assisted decoding", _generate, performer, single, pad, assistant_model=source)
-            _step("assisted decoding", same_tokens, greedy, assisted, "assisted vs greedy")
+            source_error = _source_error(_generate, source, inputs, pad, use_cache=True)
+            if source_error is None:
+                cached = _step("generate", _generate, performer, inputs, pad, use_cache=True)
+                uncached = _step("generate", _generate, performer, inputs, pad, use_cache=False)
+                _step("generate", same_tokens, uncached, cached, "cached vs uncached")
+            else:
+                skipped["generate"] = source_error
+            source_error = source_error or _source_error(_generate, source, single, pad,
+                                                         assistant_model=copy.deepcopy(source))
+            if source_error is None:
+                greedy = _step("assisted decoding", _generate, performer, single, pad)
+                assisted = _step("assisted decoding", _generate, performer, single, pad, assistant_model=source)
+                _step("assisted decoding", same_tokens, greedy, assisted, "assisted vs greedy")
+            else:
+                skipped["assisted decoding"] = source_error
         _step("save", performer.save_pretrained, folder)
         torch.save(inputs, os.path.join(folder, "sweep_inputs.pt"))
         torch.save(_logits(performer, inputs), os.path.join(folder, "sweep_expected.pt"))
@@ -197,7 +239,11 @@ def check_variant(source, head: str, variant: str, folder: str, reload_jobs: lis
     reload_jobs.append({"key": key, "folder": folder, "head": head, "tolerance": TOLERANCE,
                         "inputs": os.path.join(folder, "sweep_inputs.pt"),
                         "expected": os.path.join(folder, "sweep_expected.pt")})
-    return {"status": "works", "padding_mismatch": mismatch}
+    outcome = {"status": "works", "padding_mismatch": mismatch,
+               "softmax_layers": list(performer.config.favor_settings["softmax_layers"])}
+    if skipped:
+        outcome["not_run"] = {step: f"the softmax source fails it too: {error}" for step, error in skipped.items()}
+    return outcome
 
 
 def check_head(model_type: str, head: str, workdir: str, reload_jobs: list) -> dict:
@@ -206,9 +252,7 @@ def check_head(model_type: str, head: str, workdir: str, reload_jobs: list) -> d
     started = time.time()
     try:
         source = tiny.tiny_source_model(model_type, head, is_attention_module)
-        with torch.no_grad():
-            source(**probe_inputs(source.config, head == "causal-lm"))
-    except Exception as error:  # noqa: BLE001 - includes TinySourceError
+    except tiny.TinySourceError as error:
         return {"status": "no tiny source", "error": f"{type(error).__name__}: {_one_line(error)}"}
     bidirectional = not any(getattr(module, "is_causal", False) for module in source.modules()
                             if is_attention_module(module))
@@ -244,14 +288,22 @@ def summarise_head(result: dict) -> tuple[str, str]:
     if "variants" not in result:
         return result["status"], result["error"]
     variants = result["variants"]
+    if variants["favor+"]["status"] == "no tiny source":
+        return "no tiny source", variants["favor+"]["error"]
     failures = [f"{name} {outcome['step']}: {outcome['error']}" for name, outcome in variants.items()
                 if outcome["status"] == "fails"]
     if failures:
         return "fails", "; ".join(failures)
     if variants["favor+"]["status"] == "refused":
         return "refused", variants["favor+"]["reason"]
-    refused = [f"{name}: {outcome['reason']}" for name, outcome in variants.items() if outcome["status"] == "refused"]
-    return "works", "; ".join(refused)
+    notes = []
+    kept = variants["favor+"].get("softmax_layers")
+    if kept:
+        notes.append(f"layers {kept} keep softmax (sliding window or chunks)")
+    for step, reason in variants["favor+"].get("not_run", {}).items():
+        notes.append(f"{step} not run: {reason}")
+    notes += [f"{name}: {outcome['reason']}" for name, outcome in variants.items() if outcome["status"] == "refused"]
+    return "works", "; ".join(notes)
 
 
 def summarise_architecture(heads: dict) -> str:
@@ -295,11 +347,14 @@ def totals(architectures: dict) -> dict:
     for name, entry in text.items():
         by_status.setdefault(entry["status"], []).append(name)
     converting = len(by_status.get("works", [])) + len(by_status.get("partial", []))
+    tested = len(text) - len(by_status.get("no tiny source", []))
     pairs = [summarise_head(result)[0] for entry in text.values() for result in entry["heads"].values()]
     return {
         "text_architectures": len(text),
         "by_status": {status: sorted(names) for status, names in sorted(by_status.items())},
         "converting_share": round(converting / len(text), 4) if text else None,
+        "tested_architectures": tested,
+        "converting_share_of_tested": round(converting / tested, 4) if tested else None,
         "text_heads": len(pairs),
         "text_heads_by_status": {status: pairs.count(status) for status in sorted(set(pairs))},
         "multimodal_by_status": {name: entry["status"] for name, entry in architectures.items() if entry["multimodal"]},
@@ -314,18 +369,22 @@ def write_table(result: dict, path: str) -> None:
         f"Generated by `{result['command']}` (transformers {result['transformers']}, torch {result['torch']}); do not "
         "edit by hand. Every model type of the installed transformers whose attention goes through its registry "
         "(`ALL_ATTENTION_FUNCTIONS`) and that has a causal-LM, masked-LM or sequence-classification head, each head "
-        "on a tiny random model: converted with FAVOR+, the sink + sliding-window hybrid and (bidirectional heads) "
-        "clustered attention; run on a padded batch; `generate()` with and without the cache and assisted decoding "
+        "on a tiny random model: converted with FAVOR+, the sink + sliding-window hybrid and (bidirectional models) "
+        "clustered attention, a shorter learned position table extended as `hf-performer convert` does; run on a "
+        "padded batch; `generate()` with and without the cache and assisted decoding "
         "(causal heads); saved and reloaded with `trust_remote_code=True` where hf-performer cannot be imported.",
         "",
         f"**{summary['text_architectures']} text architectures**: "
         + ", ".join(f"{len(names)} {status}" for status, names in summary["by_status"].items())
-        + f" ({summary['converting_share']:.1%} convert, run, generate and reload for every head or every head that "
-        "is not refused). Heads: "
+        + f". {summary['converting_share']:.1%} of them convert, run, generate and reload (every head, or every head "
+        f"not refused); {summary['converting_share_of_tested']:.1%} of the {summary['tested_architectures']} that "
+        "had a tiny source. Heads: "
         + ", ".join(f"{count} {status}" for status, count in summary["text_heads_by_status"].items()) + ".",
         "",
         "works: every step passed; refused: `hf-performer convert` stops with the one-line reason shown, before "
-        "writing anything; partial: some heads work, the others are refused; fails: the step and the error.",
+        "writing anything; partial: some heads work, the others are refused; fails: the step and the error; no tiny "
+        "source: the sweep could not build a small random model of this type from its config class's defaults (a "
+        "limit of the sweep, not a verdict on the architecture).",
         "",
         "| architecture | status | head | head status | detail |",
         "|---|---|---|---|---|",

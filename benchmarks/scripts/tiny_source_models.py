@@ -26,14 +26,20 @@ TINY_SIZES = {
     "hidden_size": 64, "d_model": 64, "embedding_size": 64, "hidden_size_per_layer_input": 16,
     "intermediate_size": 64, "ffn_dim": 64, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "d_ff": 64, "ffn_hidden_size": 64,
     "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "expert_intermediate_size": 32,
+    "shared_intermediate_size": 32,
     "num_attention_heads": 4, "encoder_attention_heads": 4, "decoder_attention_heads": 4, "num_heads": 4,
     "num_key_value_heads": 2, "head_dim": 16, "d_kv": 16, "kv_channels": 16,
     "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1,
     "top_k_experts": 2, "moe_topk": 2, "n_group": 1, "topk_group": 1,
     "kv_lora_rank": 16, "q_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16,
     "index_head_dim": 16, "index_n_heads": 2, "rotary_dim": 8,
+    "coordinate_size": 8, "shape_size": 16,  # LayoutLMv3: 4 x coordinate + 2 x shape = hidden_size
+    "shape_vocab_size": 64, "pronunciation_vocab_size": 64, "shape_embed_dim": 16, "pronunciation_embed_dim": 16,
+    "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1,
+    "attn_layer_indices": [1],  # Bamba and GraniteMoeHybrid have no attention layer by default
 }
-"""Size fields of a config and their tiny values (a field is set only if the config class has it)."""
+"""Size fields of a config and their tiny values (a field is set only if the config class has it), and the one structure
+field that decides whether a hybrid model has attention at all."""
 
 LAYER_FIELDS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "num_layers", "num_decoder_layers")
 LAYER_COUNTS = (2, 4, 8, None)
@@ -94,10 +100,10 @@ def _field_names(config_class) -> set[str]:
     return set(inspect.signature(config_class.__init__).parameters)
 
 
-def _tiny_kwargs(config_class, layers: int | None) -> dict:
+def _tiny_kwargs(config_class, layers: int | None, variation: dict) -> dict:
     names = _field_names(config_class)
     aliases = getattr(config_class, "attribute_map", None) or {}
-    sizes = dict(TINY_SIZES)
+    sizes = {**TINY_SIZES, **variation}
     if "kv_lora_rank" in names:  # multi-head latent attention: keys have every head (no grouped-query sharing)
         sizes["num_key_value_heads"] = sizes["num_attention_heads"]
     if layers is not None:
@@ -110,14 +116,27 @@ def _tiny_kwargs(config_class, layers: int | None) -> dict:
     for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
         if isinstance(sub_class, type) and issubclass(sub_class, transformers.PreTrainedConfig):
             try:
-                kwargs[name] = tiny_config_of_class(sub_class, layers).to_dict()
+                kwargs[name] = tiny_config_of_class(sub_class, layers, variation).to_dict()
             except Exception:  # noqa: BLE001 - the parent's defaults for this part
                 pass
     return kwargs
 
 
-def tiny_config_of_class(config_class, layers: int | None = 2):
-    config = config_class(**_tiny_kwargs(config_class, layers))
+VARIATIONS = ({}, {"num_key_value_heads": 4}, {"num_experts_per_tok": 1},
+              {"num_key_value_heads": 4, "num_experts_per_tok": 1})
+"""Changes to :data:`TINY_SIZES` tried in turn when a config class's validation refuses them (no grouped-query
+attention, one expert per token)."""
+
+
+def tiny_config_of_class(config_class, layers: int | None = 2, variation: dict | None = None):
+    if variation is None:
+        for index, candidate in enumerate(VARIATIONS):
+            try:
+                return tiny_config_of_class(config_class, layers, candidate)
+            except Exception:  # noqa: BLE001 - the next variation, then the first one's error
+                if index == len(VARIATIONS) - 1:
+                    return tiny_config_of_class(config_class, layers, VARIATIONS[0])
+    config = config_class(**_tiny_kwargs(config_class, layers, variation))
     vocab = getattr(config, "vocab_size", None)
     if hasattr(config, "pad_token_id") and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification of decoders finds the last token through it
@@ -169,6 +188,9 @@ def tiny_source_model(model_type: str, head: str, is_attention_module) -> torch.
                 continue
             torch.manual_seed(0)
             model = model_class(config).eval()
+            languages = getattr(config, "languages", None)
+            if hasattr(model, "set_default_language") and languages:  # X-MOD: one adapter per language
+                model.set_default_language(languages[0])
             return model
         except Exception as error:  # noqa: BLE001 - any failure of transformers' own building: try the next count
             reason = f"{type(error).__name__}: {first_line(error)}"
