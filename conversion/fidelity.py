@@ -198,7 +198,8 @@ def _attention_output(output) -> torch.Tensor:
 
 
 class _Recorder:
-    """Forward hooks on attention modules: record inputs / outputs, optionally substitute inputs."""
+    """Forward hooks on attention modules: record inputs / outputs, optionally substitute inputs. A module called
+    several times in one forward (looped models run their layers more than once) is measured on its first call."""
 
     def __init__(self, modules: list[nn.Module], record_inputs=False, substitute_inputs=None):
         self.inputs: list[torch.Tensor | None] = [None] * len(modules)
@@ -215,6 +216,8 @@ class _Recorder:
 
     def _pre_hook(self, index, record_inputs, substitute_inputs):
         def hook(module, args, kwargs):
+            if self.outputs[index] is not None:  # a later call of a looped layer: left as it is
+                return None
             if record_inputs:
                 self.inputs[index] = _attention_input(args, kwargs).detach()
             if substitute_inputs is not None:
@@ -230,7 +233,8 @@ class _Recorder:
 
     def _hook(self, index):
         def hook(module, args, output):
-            self.outputs[index] = _attention_output(output).detach()
+            if self.outputs[index] is None:
+                self.outputs[index] = _attention_output(output).detach()
 
         return hook
 

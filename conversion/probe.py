@@ -2,8 +2,9 @@
 before anything is written.
 
 Some architectures do things to attention that only running them shows: they add a bias to the scores (relative
-positions, ALiBi, dynamic masks), ask for a mask pattern linear attention cannot express, or call one attention module
-several times per step (so that a recurrent cache would fold the same tokens twice). :func:`probe_converted_model`
+positions, ALiBi, dynamic masks), ask for a mask pattern linear attention cannot express, run their layers several
+times per forward (looped models: a recurrent cache per layer would fold the same tokens twice), or call the attention
+function in a way a recurrent cache cannot follow. :func:`probe_converted_model`
 runs the converted model on a padded batch of a few tokens and, for a causal LM, decodes one token from a cache
 prefilled with the others, which must give the logits of the full forward. A failure becomes a one-line
 :class:`~.convert.ConversionError` naming the cause, unless the softmax source fails the same probe (then the probe
@@ -20,7 +21,7 @@ from hf_performer.favor_attention import find_attention_modules
 
 logger = logging.get_logger(__name__)
 
-PROBE_LENGTH = 6
+PROBE_LENGTH = 16
 PROBE_PADDING = 2
 DECODE_TOLERANCE = 1e-3
 """Largest relative difference between the cached decoding step's logits and the full forward's (float32 models;
@@ -75,12 +76,23 @@ def probe_converted_model(source, performer, causal_lm: bool) -> str | None:
     """
     causal = any(getattr(module, "is_causal", False) for _, module in find_attention_modules(source))
     batch = _probe_batch(source, PROBE_LENGTH, left_padding=causal)
+    modules = find_attention_modules(performer)
+    calls = {name: 0 for name, _ in modules}
+    handles = [module.register_forward_pre_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+               for name, module in modules]
     try:
         _logits(performer, **batch)
     except Exception as error:  # noqa: BLE001 - anything the architecture does that favor attention cannot follow
         if _source_fails(source, lambda: _logits(source, **batch)):
             return None
         return f"the converted model cannot run: {_error_line(error)}"
+    finally:
+        for handle in handles:
+            handle.remove()
+    looped = [name for name, count in calls.items() if count > 1]
+    if causal and looped:
+        return (f"its attention module {looped[0]} runs {calls[looped[0]]} times per forward (a looped model): one "
+                "recurrent cache per layer cannot follow it")
     if not causal_lm:
         return None
     try:

@@ -8,8 +8,9 @@ Importing this module registers:
 * ``AttentionMaskInterface.register("favor", favor_attention_mask)``: without it transformers builds *no*
   mask for an unknown implementation and padding would be silently ignored. The mask is the 2-D key
   padding mask ``[batch, kv_length]`` (``True`` = token) of flash attention, or ``None`` when nothing
-  is padded; patterns linear attention cannot express (sliding windows, custom ``or``/``and`` mask
-  functions) raise an error; packed sequences become segment ids (:mod:`.packed_sequences`).
+  is padded; packed sequences become segment ids (:mod:`.packed_sequences`); other patterns (sliding windows,
+  custom ``or``/``and`` mask functions) become sdpa's 4-D mask, which the softmax layers apply (a source's
+  sliding-window layers stay softmax) and favor layers refuse;
 
 Behaviour of :func:`favor_attention_forward`:
 
@@ -31,7 +32,9 @@ Behaviour of :func:`favor_attention_forward`:
 * packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
   state restarts at each sequence (:mod:`.packed_sequences`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
-  softmax), with the 2-D padding mask turned into the mask sdpa would have been given;
+  softmax), with the 2-D padding mask turned into the mask sdpa would have been given, or to the architecture's own
+  eager function for options sdpa cannot apply (:data:`SOFTMAX_ONLY_OPTIONS`: soft-capping, attention sinks), which
+  favor layers cannot apply either (warned once); a ``position_bias`` (relative positions, ALiBi) is refused;
 * "window layers" (``favor_settings`` ``window`` or ``sinks`` > 0 for the layer, :func:`~.favor_settings.layer_window`)
   run :func:`~.window_attention.window_linear_attention`: exact softmax over the sink tokens and a sliding window,
   the feature map for older keys (none with ``linear_tail=False``), one shared normaliser. In learned mode

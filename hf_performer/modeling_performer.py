@@ -105,17 +105,13 @@ def _position_ids_from_mask(call: dict) -> torch.Tensor | None:
 
 
 def _are_mask_positions(position_ids, call: dict) -> bool:
-    """Whether ``position_ids`` are those of the real tokens of ``call``'s attention mask (or ``arange`` without one):
+    """Whether ``position_ids`` are those of the real tokens of ``call``'s attention mask (consecutive without one):
     what ``generate()`` passes when the model's forward names ``position_ids``."""
     if not isinstance(position_ids, torch.Tensor):
         return False
     expected = _position_ids_from_mask(call)
     if expected is None:
-        new_tokens = call.get("input_ids", call.get("inputs_embeds"))
-        if new_tokens is None or position_ids.shape[-1] != new_tokens.shape[1]:
-            return False
-        expected = torch.arange(position_ids.shape[-1], device=position_ids.device)[None]
-        expected = expected + (int(position_ids.min()) if position_ids.numel() else 0)
+        return bool((position_ids.diff(dim=-1) == 1).all())
     return position_ids.shape[-1] == expected.shape[-1] and bool((position_ids == expected.to(position_ids.device)).all())
 
 
