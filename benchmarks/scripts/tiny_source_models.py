@@ -37,6 +37,7 @@ TINY_SIZES = {
     "shape_vocab_size": 64, "pronunciation_vocab_size": 64, "shape_embed_dim": 16, "pronunciation_embed_dim": 16,
     "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 1,
     "attn_layer_indices": [1],  # Bamba and GraniteMoeHybrid have no attention layer by default
+    "n_input_layers": 1, "n_output_layers": 0,  # Dory: the other layers are the looped ones
 }
 """Size fields of a config and their tiny values (a field is set only if the config class has it), and the one structure
 field that decides whether a hybrid model has attention at all."""
@@ -45,6 +46,7 @@ LAYER_FIELDS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "num_la
 LAYER_COUNTS = (2, 4, 8, None)
 """Layer counts tried in turn (``None``: the default config's own count)."""
 
+HYBRID_LAYER_TYPES = ["linear_attention", "full_attention"]
 MAX_PARAMETERS = 5_000_000
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                    "cls_token_id", "mask_token_id")
@@ -111,7 +113,7 @@ def _tiny_kwargs(config_class, layers: int | None, variation: dict) -> dict:
     kwargs = {}
     for name, value in sizes.items():
         target = name if name in names else aliases.get(name)
-        if target in names:
+        if target in names and value is not None:
             kwargs[target] = value
     for name, sub_class in (getattr(config_class, "sub_configs", None) or {}).items():
         if isinstance(sub_class, type) and issubclass(sub_class, transformers.PreTrainedConfig):
@@ -123,9 +125,10 @@ def _tiny_kwargs(config_class, layers: int | None, variation: dict) -> dict:
 
 
 VARIATIONS = ({}, {"num_key_value_heads": 4}, {"num_experts_per_tok": 1},
-              {"num_key_value_heads": 4, "num_experts_per_tok": 1})
+              {"num_key_value_heads": 4, "num_experts_per_tok": 1},
+              {"mamba_n_heads": None, "mamba_d_head": None, "mamba_d_state": None, "mamba_n_groups": None})
 """Changes to :data:`TINY_SIZES` tried in turn when a config class's validation refuses them (no grouped-query
-attention, one expert per token)."""
+attention, one expert per token, the class's own Mamba sizes); ``None`` leaves a field at its default."""
 
 
 def tiny_config_of_class(config_class, layers: int | None = 2, variation: dict | None = None):
@@ -169,9 +172,11 @@ def tiny_source_model(model_type: str, head: str, is_attention_module) -> torch.
     except Exception:  # noqa: BLE001
         default_kinds = set()
     reason = "no layer count tried"
-    for layers in LAYER_COUNTS:
+    # Last, a hybrid whose default is all recurrent (GraniteMoeHybrid): one recurrent layer, one attention layer.
+    attempts = [(layers, None) for layers in LAYER_COUNTS] + [(2, {"layer_types": HYBRID_LAYER_TYPES})]
+    for layers, variation in attempts:
         try:
-            config = tiny_config_of_class(config_class, layers)
+            config = tiny_config_of_class(config_class, layers, variation)
             if head == "causal-lm":
                 config.is_decoder = True  # encoder architectures (BERT, RoBERTa, ...) decode only as decoders
             with torch.device("meta"):
