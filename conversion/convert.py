@@ -454,6 +454,7 @@ def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Embedding)
+        and module.weight.requires_grad  # a frozen table is computed (sinusoidal), not learned
         and module.num_embeddings == size
         and ("position" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")
     ]
@@ -471,6 +472,23 @@ def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.
     name, embedding = candidates[0]
     parent_name, _, attribute = name.rpartition(".")
     return model.get_submodule(parent_name), attribute, embedding
+
+
+def _buffer_for_positions(buffer: torch.Tensor, old_rows: int, new_rows: int) -> torch.Tensor | None:
+    """``buffer`` (one entry per position along its last dimension) made for ``new_rows`` positions, from what it
+    holds: position ids (``arange``), zeros (token type ids) or a causal mask (lower-triangular ``[.., n, n]``, as
+    GPT-BigCode keeps beside its position table); ``None`` for anything else."""
+    device, dtype, leading = buffer.device, buffer.dtype, buffer.shape[:-1]
+    if buffer.dim() >= 2 and buffer.shape[-2] == old_rows:
+        causal = torch.ones(old_rows, old_rows, dtype=torch.bool, device=device).tril()
+        if torch.equal(buffer.to(torch.bool), causal.expand_as(buffer)) and bool(((buffer == 0) | (buffer == 1)).all()):
+            mask = torch.ones(new_rows, new_rows, dtype=torch.bool, device=device).tril().to(dtype)
+            return mask.expand(*buffer.shape[:-2], new_rows, new_rows).contiguous()
+    if torch.equal(buffer, torch.arange(old_rows, device=device).to(dtype).expand_as(buffer)):
+        return torch.arange(new_rows, device=device).to(dtype).expand(*leading, new_rows)
+    if not bool(buffer.any()):
+        return torch.zeros(*leading, new_rows, dtype=dtype, device=device)
+    return None
 
 
 @torch.no_grad()
@@ -501,30 +519,25 @@ def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: 
             f"{max_position_embeddings!r}"
         )
     new_rows = max_position_embeddings + offset
-    new = nn.Embedding(
-        new_rows, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device, dtype=old.weight.dtype
-    )
-    positions = torch.arange(max_position_embeddings, device=old.weight.device)
-    new.weight[:offset] = old.weight[:offset]
-    new.weight[offset:] = old.weight[offset + positions % learned]
-    new.weight.requires_grad_(old.weight.requires_grad)
-    setattr(parent, attribute, new)
-
     old_rows = old.num_embeddings
+    positions = torch.arange(max_position_embeddings, device=old.weight.device)
+    weight = old.weight.new_empty(new_rows, old.embedding_dim)
+    weight[:offset] = old.weight[:offset]
+    weight[offset:] = old.weight[offset + positions % learned]
+    # Resized in place: the table keeps its class (some architectures subclass nn.Embedding with their own forward).
+    old.weight = nn.Parameter(weight, requires_grad=old.weight.requires_grad)
+    old.num_embeddings = new_rows
+
     for name, buffer in list(parent.named_buffers(recurse=False)):
         if buffer.dim() == 0 or buffer.shape[-1] != old_rows:
             continue
-        persistent = name not in parent._non_persistent_buffers_set
-        if name == "position_ids":
-            replacement = torch.arange(new_rows, dtype=buffer.dtype, device=buffer.device).expand((1, -1))
-        elif name == "token_type_ids":
-            replacement = torch.zeros((1, new_rows), dtype=buffer.dtype, device=buffer.device)
-        else:
+        replacement = _buffer_for_positions(buffer, old_rows, new_rows)
+        if replacement is None:
             raise ConversionError(
-                f"{type(parent).__name__}.{name} has one entry per position and is not a buffer this converter "
-                "knows how to extend"
+                f"{type(parent).__name__}.{name} has one entry per position and holds neither position ids, zeros nor "
+                "a causal mask, so this converter cannot extend it"
             )
-        parent.register_buffer(name, replacement, persistent=persistent)
+        parent.register_buffer(name, replacement, persistent=name not in parent._non_persistent_buffers_set)
 
     target.config.max_position_embeddings = new_rows
     return model

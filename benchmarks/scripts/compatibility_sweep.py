@@ -199,6 +199,9 @@ def check_variant(source, head: str, variant: str, folder: str, reload_jobs: lis
         message = str(error)
         return {"status": "refused", "reason": message, "one_line": "\n" not in message}
     except Exception as error:  # noqa: BLE001
+        source_error = tiny.own_run_error(source)
+        if source_error is not None:  # a malformed tiny source, not a verdict on the converter
+            return {"status": "no tiny source", "error": f"the softmax source cannot run alone: {source_error}"}
         return {"status": "fails", "step": "convert", "error": f"{type(error).__name__}: {_one_line(error)}"}
     inputs = probe_inputs(source.config, causal)
     source_error = _source_error(_logits, source, inputs)

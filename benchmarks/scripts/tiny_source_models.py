@@ -20,6 +20,8 @@ import torch
 import transformers
 from transformers.models.auto import configuration_auto, modeling_auto
 
+from hf_performer.configuration_performer import MODALITY_WORDS
+
 VOCAB_SIZE = 256
 TINY_SIZES = {
     "vocab_size": VOCAB_SIZE, "vocab_size_per_layer_input": VOCAB_SIZE,
@@ -47,6 +49,7 @@ LAYER_COUNTS = (2, 4, 8, None)
 """Layer counts tried in turn (``None``: the default config's own count)."""
 
 HYBRID_LAYER_TYPES = ["linear_attention", "full_attention"]
+CHECK_LENGTH = 16
 MAX_PARAMETERS = 5_000_000
 TOKEN_ID_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id",
                    "cls_token_id", "mask_token_id")
@@ -58,8 +61,9 @@ HEAD_MAPPINGS = {
 }
 """The heads the sweep converts, as hf-performer task names, with transformers' class-name mappings."""
 
-MODALITY_WORDS = ("vision", "audio", "image", "video", "speech", "vq", "text_config", "text_encoder")
-"""A sub-config whose name holds one of these makes a model type multimodal (a wrapper around a text model)."""
+WRAPPER_WORDS = (*MODALITY_WORDS, "vq", "text_config", "text_encoder")
+"""A sub-config whose name holds one of these makes a model type multimodal: a vision / audio tower (the converter's
+:data:`~hf_performer.configuration_performer.MODALITY_WORDS`), or a wrapper holding its text model apart."""
 
 
 class TinySourceError(RuntimeError):
@@ -93,7 +97,7 @@ def head_class(model_type: str, head: str) -> type:
 
 def is_multimodal(model_type: str) -> bool:
     sub_configs = getattr(configuration_auto.CONFIG_MAPPING[model_type], "sub_configs", None) or {}
-    return any(word in name for name in sub_configs for word in MODALITY_WORDS)
+    return any(word in name for name in sub_configs for word in WRAPPER_WORDS)
 
 
 def _field_names(config_class) -> set[str]:
@@ -200,6 +204,17 @@ def tiny_source_model(model_type: str, head: str, is_attention_module) -> torch.
         except Exception as error:  # noqa: BLE001 - any failure of transformers' own building: try the next count
             reason = f"{type(error).__name__}: {first_line(error)}"
     raise TinySourceError(reason)
+
+
+def own_run_error(model) -> str | None:
+    """``None`` if the tiny source runs one row of :data:`CHECK_LENGTH` tokens on its own (as the fidelity report
+    runs it), else the error: a config this builder shrank into something the architecture cannot run."""
+    try:
+        with torch.no_grad():
+            model(input_ids=torch.arange(5, 5 + CHECK_LENGTH)[None] % VOCAB_SIZE)
+    except Exception as error:  # noqa: BLE001
+        return f"{type(error).__name__}: {first_line(error)}"
+    return None
 
 
 def first_line(error: BaseException) -> str:
