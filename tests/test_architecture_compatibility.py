@@ -8,7 +8,8 @@ refused), multi-head latent attention (DeepSeek V3), an architecture that builds
 encoder-decoder family (BART: its decoder-only causal LM converts, the seq2seq heads are refused), an architecture
 whose attention goes through the registry without the class flag saying so (BioGPT), older additive masks (MarkupLM),
 masks with biases on the scores (Doge) and an attention module that a recurrent cache cannot follow (DiffLlama),
-multimodal wrappers, and the source's RoPE scaling. The full sweep over every architecture is
+multimodal wrappers, the source's RoPE scaling, and learned position tables extended with their causal-mask buffers
+(GPT-BigCode) or their own embedding class (Blenderbot). The full sweep over every architecture is
 ``benchmarks/scripts/compatibility_sweep.py``.
 """
 
@@ -246,3 +247,22 @@ def test_performer_config_requires_bounded_layers_on_softmax():
     with pytest.raises(PerformerConfigError, match="layers \\[0, 2\\] of 'gemma2' attend over a sliding window"):
         PerformerConfig(source_config=source)
     assert PerformerConfig(source_config=source, softmax_layers=[0, 2]).favor_settings["softmax_layers"] == [0, 2]
+
+
+def test_position_tables_are_extended_with_their_class_and_buffers():
+    # GPT-BigCode keeps a causal-mask buffer with one row per position beside its table (rebuilt for the new length);
+    # Blenderbot's table subclasses nn.Embedding with a forward of its own (kept: the table is resized in place).
+    bigcode = CAUSAL_SOURCES["gpt_bigcode"]()
+    blenderbot = tiny("BlenderbotConfig", "BlenderbotForCausalLM", d_model=32, decoder_layers=2, encoder_layers=1,
+                      decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=37, encoder_ffn_dim=37,
+                      max_position_embeddings=32, forced_eos_token_id=None)
+    for source, table_of, length in ((bigcode, lambda model: model.transformer.wpe, 100),
+                                     (blenderbot, lambda model: model.model.decoder.embed_positions, 48)):
+        performer = convert_to_performer(source, nb_features=16, max_position_embeddings=length)
+        table = table_of(performer.source_model)
+        assert type(table) is type(table_of(source)) and table.num_embeddings == length
+        with torch.no_grad():
+            logits = performer(input_ids=torch.arange(length - 2)[None].remainder(VOCAB - 3) + 3).logits
+        assert torch.isfinite(logits).all()
+    extended = convert_to_performer(bigcode, nb_features=16, max_position_embeddings=100)
+    assert torch.equal(extended.source_model.transformer.bias, torch.ones(100, 100, dtype=torch.bool).tril())
