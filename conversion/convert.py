@@ -499,8 +499,9 @@ def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: 
     The new rows repeat the learned ones: position ``p`` gets the learned row ``p mod L`` (``L`` learned
     positions), the usual initialisation for long-context fine-tuning. Rows before the first position are kept:
     RoBERTa-like tables start at ``padding_idx + 1`` (their config counts those extra rows, so its
-    ``max_position_embeddings`` becomes ``max_position_embeddings + padding_idx + 1``). The ``position_ids`` /
-    ``token_type_ids`` buffers of the embedding module are rebuilt and the config is updated.
+    ``max_position_embeddings`` becomes ``max_position_embeddings + padding_idx + 1``). The table is resized in place
+    (it keeps its class), the buffers with one entry per position beside it (position ids, token type ids, a causal
+    mask: :func:`_buffer_for_positions`) are rebuilt, and the config is updated.
 
     Args:
         model: a Performer model or a transformers model with one learned absolute position table.

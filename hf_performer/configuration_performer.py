@@ -30,11 +30,9 @@ import importlib
 import inspect
 from dataclasses import fields
 
-import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from .favor_settings import FAVOR_DEFAULTS, canonical_favor_settings, resolve_favor_settings
 
@@ -161,8 +159,9 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
     Accepted: any text transformers architecture whose modeling code has attention modules calling
     ``ALL_ATTENTION_FUNCTIONS`` (:func:`dispatches_attention_registry`, where "favor" is registered). Rejected:
     encoder-decoder models (their decoder-only causal-LM classes, e.g. ``BartForCausalLM``, are accepted: their
-    config says ``is_encoder_decoder=False``), multimodal wrappers (their text model is accepted), and models whose
-    every layer has a bounded attention span (:func:`bounded_attention_layers`: nothing would be converted).
+    config says ``is_encoder_decoder=False``), multimodal wrappers (their text model is accepted), sparse layer types
+    (:data:`SELECTIVE_LAYER_TYPES`) and models whose every layer has a bounded attention span
+    (:func:`bounded_attention_layers`: nothing would be converted).
     """
     model_type = getattr(config, "model_type", None)
     if model_type == PERFORMER_MODEL_TYPE:
