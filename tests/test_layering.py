@@ -38,6 +38,7 @@ PACKAGE = "hf_performer"
 # The runtime that ships with the weights: flat files at the root of hf_performer/ (those present are checked).
 RUNTIME_MODULES = ("feature_maps", "linear_attention", "linear_attention_autograd", "window_attention",
                    "clustered_attention", "reference", "favor_settings", "cache", "attention_weights", "packed_sequences",
+                   "favor_masks",
                    "configuration_performer", "favor_attention", "modeling_performer", "window_tail", "window_segments")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {
