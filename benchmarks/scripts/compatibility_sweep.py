@@ -89,10 +89,6 @@ print(json.dumps(results))
 """
 
 
-def _one_line(error: BaseException) -> str:
-    return tiny.first_line(error)
-
-
 class StepFailed(Exception):
     def __init__(self, step: str, error: str):
         super().__init__(f"{step}: {error}")
@@ -105,7 +101,7 @@ def _step(name: str, function, *args, **kwargs):
     except StepFailed:
         raise
     except Exception as error:  # noqa: BLE001 - every failure is recorded, the sweep goes on
-        raise StepFailed(name, f"{type(error).__name__}: {_one_line(error)}") from error
+        raise StepFailed(name, f"{type(error).__name__}: {tiny.first_line(error)}") from error
 
 
 def probe_inputs(config, causal: bool) -> dict:
@@ -124,7 +120,8 @@ def probe_inputs(config, causal: bool) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
-def _alone(inputs: dict, causal: bool) -> dict:
+def _alone(inputs: dict) -> dict:
+    """The padded row of :func:`probe_inputs` alone, without its padding."""
     real = inputs["attention_mask"][1].bool()
     return {name: tensor[1:2, real] for name, tensor in inputs.items()}
 
@@ -135,10 +132,10 @@ def _logits(model, inputs: dict) -> torch.Tensor:
     return output.logits
 
 
-def padding_mismatch(model, inputs: dict, causal: bool, sequence_level: bool) -> float:
+def padding_mismatch(model, inputs: dict, sequence_level: bool) -> float:
     """Largest difference between the padded row's logits in the batch and alone."""
     batched = _logits(model, inputs)
-    alone = _logits(model, _alone(inputs, causal))
+    alone = _logits(model, _alone(inputs))
     real = inputs["attention_mask"][1].bool()
     row = batched[1] if sequence_level else batched[1][real]
     return (row - alone[0]).abs().max().item()
@@ -182,7 +179,7 @@ def _source_error(function, *args, **kwargs) -> str | None:
     try:
         function(*args, **kwargs)
     except Exception as error:  # noqa: BLE001
-        return f"{type(error).__name__}: {_one_line(error)}"
+        return f"{type(error).__name__}: {tiny.first_line(error)}"
     return None
 
 
@@ -202,15 +199,15 @@ def check_variant(source, head: str, variant: str, folder: str, reload_jobs: lis
         source_error = tiny.own_run_error(source)
         if source_error is not None:  # a malformed tiny source, not a verdict on the converter
             return {"status": "no tiny source", "error": f"the softmax source cannot run alone: {source_error}"}
-        return {"status": "fails", "step": "convert", "error": f"{type(error).__name__}: {_one_line(error)}"}
+        return {"status": "fails", "step": "convert", "error": f"{type(error).__name__}: {tiny.first_line(error)}"}
     inputs = probe_inputs(source.config, causal)
     source_error = _source_error(_logits, source, inputs)
     if source_error is not None:  # the probe inputs do not suit this tiny source: nothing is measured
         return {"status": "no tiny source", "error": f"the softmax source fails the probe batch: {source_error}"}
     try:
         sequence_level = head == "sequence-classification"
-        mismatch = _step("forward with padding", padding_mismatch, performer, inputs, causal, sequence_level)
-        source_mismatch = padding_mismatch(source, inputs, causal, sequence_level)
+        mismatch = _step("forward with padding", padding_mismatch, performer, inputs, sequence_level)
+        source_mismatch = padding_mismatch(source, inputs, sequence_level)
         if source_mismatch <= TOLERANCE and mismatch > TOLERANCE:
             raise StepFailed("forward with padding", f"the padded row differs from the row alone by {mismatch:.3g}")
         if positions is not None:
@@ -218,7 +215,7 @@ def check_variant(source, head: str, variant: str, folder: str, reload_jobs: lis
         skipped = {}
         if causal:
             pad = inputs["input_ids"][1, 0].item()
-            single = _alone(inputs, causal)
+            single = _alone(inputs)
             source_error = _source_error(_generate, source, inputs, pad, use_cache=True)
             if source_error is None:
                 cached = _step("generate", _generate, performer, inputs, pad, use_cache=True)
@@ -256,7 +253,7 @@ def check_head(model_type: str, head: str, workdir: str, reload_jobs: list) -> d
     try:
         source = tiny.tiny_source_model(model_type, head, is_attention_module)
     except tiny.TinySourceError as error:
-        return {"status": "no tiny source", "error": f"{type(error).__name__}: {_one_line(error)}"}
+        return {"status": "no tiny source", "error": f"{type(error).__name__}: {tiny.first_line(error)}"}
     bidirectional = not any(getattr(module, "is_causal", False) for module in source.modules()
                             if is_attention_module(module))
     result = {"source_class": type(source).__name__, "variants": {}}
