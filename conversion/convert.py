@@ -5,7 +5,8 @@ reused unchanged: the Performer model wraps the stock transformers model of the 
 loads the source state dict into it; only the attention function changes (``attn_implementation="favor"``)
 and each converted attention module gains its feature map (projection buffers). Optionally:
 
-* ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model);
+* ``keep_softmax_layers``: layers that keep exact softmax attention (a hybrid model); the source's layers with a
+  bounded span (sliding window, chunks: ``bounded_attention_layers``) always do;
 * ``window`` / ``sinks`` (``layer_windows`` per layer): sink + sliding-window exact softmax with the feature map as
   the tail (``softmax_weight``: calibrated or a learned gamma per head, ``linear_tail=False``: no tail);
 * ``max_position_embeddings``: a longer learned absolute position table (BERT/RoBERTa 512, GPT-2 1024, ...),
@@ -26,6 +27,7 @@ from transformers.utils import logging
 from hf_performer.configuration_performer import (
     PerformerConfig,
     PerformerConfigError,
+    bounded_attention_layers,
     check_source_architecture,
 )
 from hf_performer.clustered_attention import ClusteredAttentionError
@@ -41,6 +43,7 @@ from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, Performer
 
 from .defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 from .gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
+from .probe import probe_converted_model
 
 
 logger = logging.get_logger(__name__)
@@ -277,7 +280,9 @@ def convert_to_performer(
         Every tensor of the source state dict is copied unchanged into ``performer.source_model``.
 
     Raises:
-        ConversionError: unsupported architecture or model class, unknown task, invalid settings.
+        ConversionError: unsupported architecture or model class, unknown task, invalid settings, or a converted
+            model that fails its probe run (:func:`~.probe.probe_converted_model`: a position bias, a mask pattern
+            linear attention cannot express, cached decoding that does not reproduce the full forward).
     """
     _check_task(task)
     if isinstance(model_or_name_or_path, (str, os.PathLike)):
@@ -301,8 +306,17 @@ def convert_to_performer(
             f"{', '.join(c.__name__ for t in TASKS for c in _classes_for(t, source.config))})"
         )
     task = task or source_task
+    if not find_attention_modules(source):
+        raise ConversionError(
+            f"{type(source).__name__} has no attention module that calls transformers' attention registry "
+            "(ALL_ATTENTION_FUNCTIONS): there is no attention to convert"
+        )
+    bounded = bounded_attention_layers(source.config)
+    if bounded:
+        logger.info(f"layers {sorted(bounded)} attend over {next(iter(bounded.values()))}: they keep their exact "
+                    "softmax attention (constant memory already)")
 
-    settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers))}
+    settings = {"feature_map": feature_map, "softmax_layers": sorted(set(keep_softmax_layers) | set(bounded))}
     default_init = default_feature_map_init(feature_map)
     if default_init is not None and "init" not in (feature_map_options or {}):
         # Learned maps: the config always names the start, so the folder says how its maps began whatever the
@@ -333,7 +347,11 @@ def convert_to_performer(
     performer.config.name_or_path = getattr(source, "name_or_path", "") or ""
     # Saved in config.json (meant for the Hub): no local path.
     performer.config.source_config._name_or_path = public_source_name(performer.config.name_or_path)
-    return performer.eval()
+    performer.eval()
+    problem = probe_converted_model(source, performer, causal_lm=task == "causal-lm")
+    if problem is not None:
+        raise ConversionError(f"{source.config.model_type} cannot be converted: {problem}")
+    return performer
 
 
 def keep_softmax_attention(model: PerformerPreTrainedModel, layers: Iterable[int]) -> list[int]:
@@ -448,6 +466,7 @@ def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.Embedding)
+        and module.weight.requires_grad  # a frozen table is computed (sinusoidal), not learned
         and module.num_embeddings == size
         and ("position" in name.rsplit(".", 1)[-1] or name.rsplit(".", 1)[-1] == "wpe")
     ]
@@ -467,6 +486,23 @@ def _learned_position_table(model: PreTrainedModel) -> tuple[nn.Module, str, nn.
     return model.get_submodule(parent_name), attribute, embedding
 
 
+def _buffer_for_positions(buffer: torch.Tensor, old_rows: int, new_rows: int) -> torch.Tensor | None:
+    """``buffer`` (one entry per position along its last dimension) made for ``new_rows`` positions, from what it
+    holds: position ids (``arange``), zeros (token type ids) or a causal mask (lower-triangular ``[.., n, n]``, as
+    GPT-BigCode keeps beside its position table); ``None`` for anything else."""
+    device, dtype, leading = buffer.device, buffer.dtype, buffer.shape[:-1]
+    if buffer.dim() >= 2 and buffer.shape[-2] == old_rows:
+        causal = torch.ones(old_rows, old_rows, dtype=torch.bool, device=device).tril()
+        if torch.equal(buffer.to(torch.bool), causal.expand_as(buffer)) and bool(((buffer == 0) | (buffer == 1)).all()):
+            mask = torch.ones(new_rows, new_rows, dtype=torch.bool, device=device).tril().to(dtype)
+            return mask.expand(*buffer.shape[:-2], new_rows, new_rows).contiguous()
+    if torch.equal(buffer, torch.arange(old_rows, device=device).to(dtype).expand_as(buffer)):
+        return torch.arange(new_rows, device=device).to(dtype).expand(*leading, new_rows)
+    if not bool(buffer.any()):
+        return torch.zeros(*leading, new_rows, dtype=dtype, device=device)
+    return None
+
+
 @torch.no_grad()
 def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: int) -> PreTrainedModel:
     """Extend the learned absolute position table of ``model`` so that sequences of
@@ -475,8 +511,9 @@ def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: 
     The new rows repeat the learned ones: position ``p`` gets the learned row ``p mod L`` (``L`` learned
     positions), the usual initialisation for long-context fine-tuning. Rows before the first position are kept:
     RoBERTa-like tables start at ``padding_idx + 1`` (their config counts those extra rows, so its
-    ``max_position_embeddings`` becomes ``max_position_embeddings + padding_idx + 1``). The ``position_ids`` /
-    ``token_type_ids`` buffers of the embedding module are rebuilt and the config is updated.
+    ``max_position_embeddings`` becomes ``max_position_embeddings + padding_idx + 1``). The table is resized in place
+    (it keeps its class), the buffers with one entry per position beside it (position ids, token type ids, a causal
+    mask: :func:`_buffer_for_positions`) are rebuilt, and the config is updated.
 
     Args:
         model: a Performer model or a transformers model with one learned absolute position table.
@@ -495,30 +532,25 @@ def extend_position_embeddings(model: PreTrainedModel, max_position_embeddings: 
             f"{max_position_embeddings!r}"
         )
     new_rows = max_position_embeddings + offset
-    new = nn.Embedding(
-        new_rows, old.embedding_dim, padding_idx=old.padding_idx, device=old.weight.device, dtype=old.weight.dtype
-    )
-    positions = torch.arange(max_position_embeddings, device=old.weight.device)
-    new.weight[:offset] = old.weight[:offset]
-    new.weight[offset:] = old.weight[offset + positions % learned]
-    new.weight.requires_grad_(old.weight.requires_grad)
-    setattr(parent, attribute, new)
-
     old_rows = old.num_embeddings
+    positions = torch.arange(max_position_embeddings, device=old.weight.device)
+    weight = old.weight.new_empty(new_rows, old.embedding_dim)
+    weight[:offset] = old.weight[:offset]
+    weight[offset:] = old.weight[offset + positions % learned]
+    # Resized in place: the table keeps its class (some architectures subclass nn.Embedding with their own forward).
+    old.weight = nn.Parameter(weight, requires_grad=old.weight.requires_grad)
+    old.num_embeddings = new_rows
+
     for name, buffer in list(parent.named_buffers(recurse=False)):
         if buffer.dim() == 0 or buffer.shape[-1] != old_rows:
             continue
-        persistent = name not in parent._non_persistent_buffers_set
-        if name == "position_ids":
-            replacement = torch.arange(new_rows, dtype=buffer.dtype, device=buffer.device).expand((1, -1))
-        elif name == "token_type_ids":
-            replacement = torch.zeros((1, new_rows), dtype=buffer.dtype, device=buffer.device)
-        else:
+        replacement = _buffer_for_positions(buffer, old_rows, new_rows)
+        if replacement is None:
             raise ConversionError(
-                f"{type(parent).__name__}.{name} has one entry per position and is not a buffer this converter "
-                "knows how to extend"
+                f"{type(parent).__name__}.{name} has one entry per position and holds neither position ids, zeros nor "
+                "a causal mask, so this converter cannot extend it"
             )
-        parent.register_buffer(name, replacement, persistent=persistent)
+        parent.register_buffer(name, replacement, persistent=name not in parent._non_persistent_buffers_set)
 
     target.config.max_position_embeddings = new_rows
     return model

@@ -269,7 +269,8 @@ def _attention_output(output) -> torch.Tensor:
 
 
 class _Recorder:
-    """Forward hooks on attention modules: record inputs / outputs, optionally substitute inputs."""
+    """Forward hooks on attention modules: record inputs / outputs, optionally substitute inputs. A module called
+    several times in one forward (looped models run their layers more than once) is measured on its first call."""
 
     def __init__(self, modules: list[nn.Module], record_inputs=False, substitute_inputs=None):
         self.inputs: list[torch.Tensor | None] = [None] * len(modules)
@@ -286,6 +287,8 @@ class _Recorder:
 
     def _pre_hook(self, index, record_inputs, substitute_inputs):
         def hook(module, args, kwargs):
+            if self.outputs[index] is not None:  # a later call of a looped layer: left as it is
+                return None
             if record_inputs:
                 self.inputs[index] = _attention_input(args, kwargs).detach()
             if substitute_inputs is not None:
@@ -301,7 +304,8 @@ class _Recorder:
 
     def _hook(self, index):
         def hook(module, args, output):
-            self.outputs[index] = _attention_output(output).detach()
+            if self.outputs[index] is None:
+                self.outputs[index] = _attention_output(output).detach()
 
         return hook
 
@@ -316,8 +320,12 @@ class _ErrorAccumulator:
     def __init__(self):
         self.difference = 0.0
         self.reference = 0.0
+        self.ran = False
 
-    def add(self, approximation: torch.Tensor, reference: torch.Tensor):
+    def add(self, approximation: torch.Tensor | None, reference: torch.Tensor | None):
+        if approximation is None or reference is None:  # a module the model did not run (cross-attention)
+            return
+        self.ran = True
         approximation, reference = approximation.double(), reference.double()
         self.difference += float((approximation - reference).square().sum())
         self.reference += float(reference.square().sum())
@@ -422,8 +430,10 @@ def fidelity_report(
         performer.train(modes[1])
 
     lengths = [int(encoding["input_ids"].shape[-1]) for encoding in inputs]  # single unpadded sequences
+    run = [(module, own, propagated) for module, own, propagated in zip(performer_modules, own_errors, propagated_errors)
+           if propagated.ran]  # attention modules the model never called (a decoder's cross-attention) are left out
     layers = []
-    for index, (module, own, propagated) in enumerate(zip(performer_modules, own_errors, propagated_errors)):
+    for index, (module, own, propagated) in enumerate(run):
         kind, tail = layer_kind(module), None
         if kind == "window" and module_favor_settings(module)["linear_tail"]:
             window, sinks = layer_window(module_favor_settings(module), layer_index_of(module))

@@ -26,13 +26,13 @@ This module imports only ``transformers`` and relative siblings: it is copied ne
 from __future__ import annotations
 
 import difflib
+import importlib
+import inspect
 from dataclasses import fields
 
-import transformers
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
 from .favor_settings import FAVOR_DEFAULTS, canonical_favor_settings, resolve_favor_settings
 
@@ -76,26 +76,92 @@ class PerformerConfigError(ValueError):
 
 def supported_architectures_message() -> str:
     return (
-        f"verified: {', '.join(VERIFIED_SOURCE_MODEL_TYPES)}; otherwise any decoder-only or encoder-only "
-        "transformers architecture whose attention goes through transformers' AttentionInterface registry "
-        "(its PreTrainedModel sets _supports_attention_backend = True)"
+        f"verified: {', '.join(VERIFIED_SOURCE_MODEL_TYPES)}; otherwise any text transformers architecture whose "
+        "attention modules call transformers' attention registry (ALL_ATTENTION_FUNCTIONS); encoder-decoder heads "
+        "and multimodal wrappers are not converted"
     )
 
 
-def _sliding_window_in_use(config: PreTrainedConfig) -> bool:
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any("sliding" in str(layer_type) for layer_type in layer_types):
-        return True
-    return getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True)
+def reads_attention_registry(module_class: type) -> bool:
+    """Whether ``module_class.forward`` looks up transformers' attention registry (``ALL_ATTENTION_FUNCTIONS``): such
+    a module is the ``module`` argument of the attention function, where "favor" plugs in. Read from its code, not
+    from a class flag."""
+    forward = getattr(module_class, "forward", None)
+    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
+    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+def dispatches_attention_registry(config: PreTrainedConfig) -> bool:
+    """Whether the modeling module of ``config``'s architecture (``models/<name>/modeling_<name>.py``, found from the
+    config class's module) defines a module class that reads the attention registry
+    (:func:`reads_attention_registry`)."""
+    config_module = type(config).__module__
+    if ".configuration_" not in config_module:
+        return False
+    try:
+        modeling = importlib.import_module(config_module.replace(".configuration_", ".modeling_"))
+    except ImportError:
+        return False
+    return any(
+        isinstance(value, type) and value.__module__ == modeling.__name__ and reads_attention_registry(value)
+        for value in vars(modeling).values()
+    )
+
+
+SELECTIVE_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                         "minimax_m3_sparse")
+"""``config.layer_types`` entries of sparse attention layers (DeepSeek's indexer, compressed keys): refused."""
+
+MODALITY_WORDS = ("vision", "audio", "image", "video", "speech")
+"""A sub-config whose name holds one of these makes a model multimodal (a vision or audio tower beside the text)."""
+
+BOUNDED_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+"""``config.layer_types`` entries of layers whose attention span is bounded (a sliding window, or chunks): they keep
+their exact softmax attention, whose cache is already of constant size."""
+
+
+def _layer_attribute(config: PreTrainedConfig, name: str, layer: int):
+    """``config.<name>`` of ``layer`` (heterogeneous configs hold some attributes per layer)."""
+    if getattr(config, "is_heterogeneous", False):
+        per_layer = config.per_layer_config
+        if layer < len(per_layer):
+            return getattr(per_layer[layer], name, None)
+    try:
+        return getattr(config, name, None)
+    except RuntimeError:  # a per-layer attribute read globally (AmbiguousGlobalPerLayerAttributeError)
+        return None
+
+
+def bounded_attention_layers(config: PreTrainedConfig) -> dict[int, str]:
+    """``{layer: "sliding window of W tokens" | "chunks of C tokens"}`` for the layers of ``config`` whose attention span
+    is bounded: ``layer_types`` entries of :data:`BOUNDED_LAYER_TYPES`, else every layer when a ``sliding_window`` is
+    set (and ``use_sliding_window`` is not False)."""
+    num_layers = getattr(config, "num_hidden_layers", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        layers = [index for index, kind in enumerate(layer_types) if kind in BOUNDED_LAYER_TYPES]
+    elif isinstance(num_layers, int) and getattr(config, "use_sliding_window", True) is not False:
+        layers = [index for index in range(num_layers) if _layer_attribute(config, "sliding_window", index)]
+    else:
+        layers = []
+    spans = {}
+    for layer in layers:
+        if layer_types and layer_types[layer] == "chunked_attention":
+            spans[layer] = f"chunks of {_layer_attribute(config, 'attention_chunk_size', layer)} tokens"
+        else:
+            spans[layer] = f"a sliding window of {_layer_attribute(config, 'sliding_window', layer)} tokens"
+    return spans
 
 
 def check_source_architecture(config: PreTrainedConfig) -> None:
     """Raise :class:`PerformerConfigError` unless FAVOR+ can replace the attention of ``config``'s architecture.
 
-    Accepted: the verified architectures (:data:`VERIFIED_SOURCE_MODEL_TYPES`) and any other transformers
-    architecture whose base model declares ``_supports_attention_backend`` (its attention modules call
-    ``ALL_ATTENTION_FUNCTIONS.get_interface``, where "favor" is registered). Rejected: encoder-decoder models
-    and sliding-window attention (a pattern linear attention cannot express).
+    Accepted: any text transformers architecture whose modeling code has attention modules calling
+    ``ALL_ATTENTION_FUNCTIONS`` (:func:`dispatches_attention_registry`, where "favor" is registered). Rejected:
+    encoder-decoder models (their decoder-only causal-LM classes, e.g. ``BartForCausalLM``, are accepted: their
+    config says ``is_encoder_decoder=False``), multimodal wrappers (their text model is accepted), sparse layer types
+    (:data:`SELECTIVE_LAYER_TYPES`) and models whose every layer has a bounded attention span
+    (:func:`bounded_attention_layers`: nothing would be converted).
     """
     model_type = getattr(config, "model_type", None)
     if model_type == PERFORMER_MODEL_TYPE:
@@ -105,27 +171,59 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
             f"unknown source architecture {model_type!r}: it is not a transformers model type. Supported: "
             f"{supported_architectures_message()}."
         )
-    if model_type not in VERIFIED_SOURCE_MODEL_TYPES:
-        class_name = MODEL_MAPPING_NAMES.get(model_type)
-        model_class = None
-        if isinstance(class_name, str):
-            model_class = getattr(transformers, class_name, None)
-        if model_class is None or not getattr(model_class, "_supports_attention_backend", False):
-            raise PerformerConfigError(
-                f"source architecture {model_type!r} is not supported: its transformers implementation does not "
-                f"dispatch attention through the AttentionInterface registry, so FAVOR+ cannot be plugged in. "
-                f"Supported: {supported_architectures_message()}."
-            )
     if getattr(config, "is_encoder_decoder", False):
         raise PerformerConfigError(
-            f"source architecture {model_type!r} is an encoder-decoder model, which this package does not convert. "
+            f"source architecture {model_type!r} is an encoder-decoder model, which this package does not convert "
+            "(its decoder-only causal-LM class, where transformers has one, can be converted). "
             f"Supported: {supported_architectures_message()}."
         )
-    if _sliding_window_in_use(config):
+    modalities = [name for name in getattr(config, "sub_configs", None) or {}
+                  if any(word in name for word in MODALITY_WORDS)]
+    if modalities:
         raise PerformerConfigError(
-            f"source architecture {model_type!r} is configured with sliding-window attention "
-            f"(sliding_window={getattr(config, 'sliding_window', None)}), which linear attention cannot express. "
-            "Set sliding_window=None (full causal attention) in the source config before converting."
+            f"source architecture {model_type!r} is a multimodal model ({', '.join(modalities)}), which this package "
+            f"does not convert. Supported: {supported_architectures_message()}."
+        )
+    text_config = config.get_text_config(decoder=True)
+    if text_config is not config:
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} is a multimodal wrapper around a {text_config.model_type!r} text "
+            f"model; convert the text model alone (its config is config.get_text_config()). "
+            f"Supported: {supported_architectures_message()}."
+        )
+    if not dispatches_attention_registry(config):
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} is not supported: no attention module of its transformers "
+            "implementation calls the attention registry (ALL_ATTENTION_FUNCTIONS), so FAVOR+ cannot be plugged in. "
+            f"Supported: {supported_architectures_message()}."
+        )
+    selective = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind in SELECTIVE_LAYER_TYPES})
+    if selective:
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} has {', '.join(selective)} layers, whose queries attend to keys picked "
+            "or compressed by an indexer (sparse attention), which linear attention cannot express"
+        )
+    bounded = bounded_attention_layers(config)
+    num_layers = getattr(config, "num_hidden_layers", None)
+    if bounded and len(bounded) == num_layers:
+        raise PerformerConfigError(
+            f"every layer of source architecture {model_type!r} attends over {next(iter(bounded.values()))} "
+            "(a bounded span, already of constant memory), so there is nothing to convert; set sliding_window=None in "
+            "the source config to convert it as full attention."
+        )
+
+
+def check_bounded_layers_kept(config: PreTrainedConfig, softmax_layers) -> None:
+    """Raise :class:`PerformerConfigError` if a layer with a bounded attention span (:func:`bounded_attention_layers`)
+    is not among ``softmax_layers``: linear attention cannot express a sliding window or chunks, and those layers
+    keep their exact (constant-memory) softmax attention."""
+    bounded = bounded_attention_layers(config)
+    missing = sorted(set(bounded) - set(softmax_layers))
+    if missing:
+        raise PerformerConfigError(
+            f"layers {missing} of {config.model_type!r} attend over {bounded[missing[0]]}, which linear attention "
+            f"cannot express: they must keep softmax attention (softmax_layers must include {sorted(bounded)}; "
+            "convert_to_performer adds them)"
         )
 
 
@@ -309,7 +407,7 @@ class PerformerConfig(PreTrainedConfig):
                 f"unknown source architecture {model_type!r}: it is not a transformers model type. Supported: "
                 f"{supported_architectures_message()}."
             )
-        config = CONFIG_MAPPING[model_type](**source)
+        config = CONFIG_MAPPING[model_type].from_dict(source)  # as from_pretrained reads a saved config
         check_source_architecture(config)
         return config
 
@@ -318,7 +416,7 @@ class PerformerConfig(PreTrainedConfig):
         has no window: its override would be silently dead)."""
         layers = self.favor_settings.get("softmax_layers", [])
         windowed = [int(layer) for layer in self.favor_settings.get("layer_windows") or {}]
-        if self.source_config is None or not (layers or windowed):
+        if self.source_config is None:
             return
         num_layers = getattr(self.source_config, "num_hidden_layers", None)
         if isinstance(num_layers, int):
@@ -335,6 +433,7 @@ class PerformerConfig(PreTrainedConfig):
                 f"layers {both} are in both softmax_layers and layer_windows: a softmax layer has no window or sinks; "
                 "drop them from one of the two"
             )
+        check_bounded_layers_kept(self.source_config, layers)
 
     def _sync_task_fields(self) -> None:
         """Copy ``id2label`` / ``label2id`` / ``problem_type`` into the source config (this config owns them)."""
@@ -374,6 +473,22 @@ class PerformerConfig(PreTrainedConfig):
         """Every FAVOR+ setting, defaults included (the dict the attention function works with)."""
         return resolve_favor_settings(self.favor_settings)
 
+    def validate_architecture(self) -> None:
+        """The source config validated its own architecture when it was built; the attributes read here through
+        forwarding are its (a heterogeneous per-layer config would raise on them)."""
+
+    def validate_layer_type(self) -> None:
+        """As :meth:`validate_architecture`: the source's ``layer_types`` (forwarded) were validated by the source
+        config, which may also expose layer kinds of its own (NemotronH's "mlp")."""
+
+    def _get_generation_parameters(self) -> dict:
+        """Generation parameters set on the config (``generate()`` refuses them), judged by the source config: its own
+        declared fields (e.g. BART's ``forced_eos_token_id``), read here through attribute forwarding, are not."""
+        source = self.__dict__.get("source_config")
+        if isinstance(source, PreTrainedConfig):
+            return source._get_generation_parameters()
+        return super()._get_generation_parameters()
+
     def get_text_config(self, decoder=None, encoder=None) -> PreTrainedConfig:
         """The source config (what generation, caches and embedding resizing need), or ``self`` without one."""
         source = self.__dict__.get("source_config")
@@ -397,8 +512,11 @@ class PerformerConfig(PreTrainedConfig):
         if name.startswith("_"):
             raise AttributeError(name)
         source = self.__dict__.get("source_config")
-        if isinstance(source, PreTrainedConfig) and hasattr(source, name):
-            return getattr(source, name)
+        try:
+            if isinstance(source, PreTrainedConfig) and hasattr(source, name):
+                return getattr(source, name)
+        except RuntimeError as error:  # a per-layer attribute of a heterogeneous source config, read globally
+            raise AttributeError(f"{type(self).__name__}.{name}: {str(error).splitlines()[0]}") from None
         raise AttributeError(f"{type(self).__name__} (and its source_config) has no attribute {name!r}")
 
     @property
@@ -441,5 +559,6 @@ __all__ = [
     "PerformerConfig",
     "PerformerConfigError",
     "VERIFIED_SOURCE_MODEL_TYPES",
+    "bounded_attention_layers",
     "check_source_architecture",
 ]

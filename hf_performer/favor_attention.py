@@ -8,8 +8,9 @@ Importing this module registers:
 * ``AttentionMaskInterface.register("favor", favor_attention_mask)``: without it transformers builds *no*
   mask for an unknown implementation and padding would be silently ignored. The mask is the 2-D key
   padding mask ``[batch, kv_length]`` (``True`` = token) of flash attention, or ``None`` when nothing
-  is padded; patterns linear attention cannot express (sliding windows, custom ``or``/``and`` mask
-  functions) raise an error; packed sequences become segment ids (:mod:`.packed_sequences`).
+  is padded; packed sequences become segment ids (:mod:`.packed_sequences`); other patterns (sliding windows,
+  custom ``or``/``and`` mask functions) become sdpa's 4-D mask, which the softmax layers apply (a source's
+  sliding-window layers stay softmax) and favor layers refuse;
 
 Behaviour of :func:`favor_attention_forward`:
 
@@ -31,7 +32,9 @@ Behaviour of :func:`favor_attention_forward`:
 * packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
   state restarts at each sequence (:mod:`.packed_sequences`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
-  softmax), with the 2-D padding mask turned into the mask sdpa would have been given;
+  softmax), with the 2-D padding mask turned into the mask sdpa would have been given, or to the architecture's own
+  eager function for options sdpa cannot apply (:data:`SOFTMAX_ONLY_OPTIONS`: soft-capping, attention sinks), which
+  favor layers cannot apply either (warned once); a ``position_bias`` (relative positions, ALiBi) is refused;
 * "window layers" (``favor_settings`` ``window`` or ``sinks`` > 0 for the layer, :func:`~.favor_settings.layer_window`)
   run :func:`~.window_attention.window_linear_attention`: exact softmax over the sink tokens and a sliding window,
   the feature map for older keys (none with ``linear_tail=False``), one shared normaliser. In learned mode
@@ -52,7 +55,8 @@ so projections and redraw counters live in the state dict and reload bit-identic
 with ``set_attn_implementation("favor")`` gets them lazily on its first forward.
 
 Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the attention modules that hands the
-layer's cache (``cache``, ``past_key_values`` before transformers 5.24) to the attention function and, for causal
+layer's cache (the ``Cache`` among the module's arguments, whatever the architecture names it: ``cache``,
+``past_key_values``, ``layer_past``, ...) to the attention function and, for causal
 favor layers, replaces an *empty* ``DynamicLayer`` of that cache (the layer ``generate()`` and the models create by
 default) by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer` for window layers: sinks, recent
 keys and the tail state, croppable for assisted generation). Prefill and token-by-token decoding then carry the
@@ -67,8 +71,8 @@ models for ``trust_remote_code``.
 
 from __future__ import annotations
 
-import inspect
 import types
+import sys
 import weakref
 
 import torch
@@ -80,7 +84,6 @@ from transformers.masking_utils import (
     AttentionMaskInterface,
     bidirectional_mask_function,
     causal_mask_function,
-    flash_attention_mask,
     sdpa_mask,
 )
 from transformers.utils import logging
@@ -96,7 +99,6 @@ from .attention_weights import (
 from .cache import (
     FavorCacheLayer,
     cache_from_kwargs,
-    cache_keyword_among,
     cache_layer_class,
     is_favor_cache_layer,
     is_window_cache_layer,
@@ -108,6 +110,8 @@ from .clustered_attention import (
     clustered_attention_weights_from_settings,
     refuse_causal_clustered,
 )
+from .configuration_performer import reads_attention_registry
+from .favor_masks import favor_attention_mask, key_padding_mask_of
 from .favor_settings import (
     build_feature_map,
     canonical_favor_settings,
@@ -121,7 +125,7 @@ from .favor_settings import (
 )
 from .feature_maps import FeatureMap, no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
-from .packed_sequences import packed_segment_ids, packed_sequences_of
+from .packed_sequences import packed_sequences_of
 from .window_attention import SoftmaxWeight, window_linear_attention
 
 
@@ -143,9 +147,7 @@ def is_attention_module(module: nn.Module) -> bool:
     """Whether ``module`` dispatches through transformers' attention registry, i.e. is the ``module``
     argument an attention function receives (``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``,
     ``DistilBertSelfAttention``, ...): its ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS``."""
-    forward = getattr(type(module), "forward", None)
-    code = getattr(inspect.unwrap(forward), "__code__", None) if forward is not None else None
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+    return reads_attention_registry(type(module))
 
 
 def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -178,16 +180,19 @@ def layer_index_of(module: nn.Module) -> int:
 
 
 def _module_head_dim(module: nn.Module) -> int | None:
-    for attribute in ("head_dim", "attention_head_size", "head_size"):
+    """The head dimension of the module's queries and keys (what the feature map takes): ``qk_head_dim`` first, as
+    multi-head latent attention (DeepSeek V2/V3, ...) has one of its own beside its values' and its rotary part's."""
+    for attribute in ("qk_head_dim", "head_dim", "attention_head_size", "head_size"):
         value = getattr(module, attribute, None)
         if is_int(value):
             return value
     config = getattr(module, "config", None)
     if config is None:
         return None
-    head_dim = getattr(config, "head_dim", None)
-    if is_int(head_dim):
-        return head_dim
+    for attribute in ("qk_head_dim", "head_dim"):
+        head_dim = getattr(config, attribute, None)
+        if is_int(head_dim):
+            return head_dim
     hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
     if is_int(hidden) and is_int(heads) and heads > 0:
         return hidden // heads
@@ -367,20 +372,14 @@ def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: t
 
 CACHE_ATTRIBUTE = "_favor_past_key_values"
 
-_CACHE_POSITION: dict[type, int | None] = {}
-
-
 def _cache_from_call(module: nn.Module, args: tuple, kwargs: dict):
+    """The cache an attention module's call carries, whatever the architecture names it (``cache``,
+    ``past_key_values``, ``past_key_value``, ``layer_past``, ...) and however it is passed (keyword or positional):
+    the :class:`~transformers.cache_utils.Cache` object among the call's arguments."""
     cache = cache_from_kwargs(kwargs, type(module).__name__)
     if cache is not None:
         return cache
-    cls = type(module)
-    if cls not in _CACHE_POSITION:
-        names = list(inspect.signature(cls.forward).parameters)[1:]  # drop self
-        keyword = cache_keyword_among(names)
-        _CACHE_POSITION[cls] = names.index(keyword) if keyword in names else None
-    position = _CACHE_POSITION[cls]
-    return args[position] if position is not None and position < len(args) else None
+    return next((value for value in (*kwargs.values(), *args) if isinstance(value, Cache)), None)
 
 
 def _self_attention_cache(cache) -> Cache | None:
@@ -474,108 +473,6 @@ def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Masks
-# --------------------------------------------------------------------------------------------
-
-
-def favor_attention_mask(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    mask_function=causal_mask_function,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor | None:
-    """Mask builder registered in ``AttentionMaskInterface`` for "favor": the 2-D key padding mask
-    ``[batch_size, kv_length]`` (bool, ``True`` = token) of flash attention, or ``None`` without padding.
-    Packed sequences (causal attention within consecutive blocks: ``position_ids`` restarting inside a row) give
-    a 2-D int64 mask of segment ids instead (``0`` = padding, ``1, 2, ...`` = sequences; see
-    :mod:`.packed_sequences`).
-
-    Raises:
-        FavorMaskError: the model asked for a pattern other than plain causal / bidirectional / packed causal
-            (sliding window, custom or/and mask functions).
-    """
-    if mask_function not in (causal_mask_function, bidirectional_mask_function):
-        segment_ids = packed_segment_ids(
-            mask_function, batch_size, q_length, kv_length, q_offset, attention_mask, kwargs.get("device")
-        )
-        if segment_ids is not None:
-            return segment_ids
-        name = getattr(mask_function, "__qualname__", None) or repr(mask_function)
-        raise FavorMaskError(
-            f"favor (linear) attention can only express causal or bidirectional attention with key padding; the "
-            f"model asked for the mask pattern {name} (sliding-window or custom or/and masks cannot be expressed; "
-            "packed sequences and chunked attention can). Use attn_implementation='sdpa' for this model."
-        )
-    return flash_attention_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask, **kwargs
-    )
-
-
-def _key_padding_from_4d(mask: torch.Tensor, causal: bool) -> torch.Tensor:
-    """``[B, Lk]`` key padding mask equal to a 4-D mask ``[B, 1 or H, Lq, Lk]``, or raise."""
-    if mask.dtype == torch.bool:
-        allowed = mask
-    elif mask.is_floating_point():
-        allowed = mask == 0
-        blocked_values = mask.masked_select(~allowed)
-        if blocked_values.numel() and bool((blocked_values > torch.finfo(mask.dtype).min / 2).any()):
-            raise FavorMaskError(
-                "favor attention got a 4-D float mask holding biases other than 0 (attend) and a large negative "
-                "value (masked); linear attention cannot add a bias to attention scores. Pass a 2-D key padding "
-                "mask [batch, key_length] instead."
-            )
-    else:
-        allowed = mask != 0
-    q_len, k_len = allowed.shape[-2:]
-    key_padding = allowed.any(dim=(1, 2))  # [B, Lk]
-    expected = key_padding[:, None, None, :].expand(allowed.shape)
-    if causal:
-        query_positions = torch.arange(q_len, device=mask.device)[:, None] + (k_len - q_len)
-        expected = expected & (torch.arange(k_len, device=mask.device)[None, :] <= query_positions)
-    padding_queries = ~allowed.any(dim=-1, keepdim=True)  # rows that attend to nothing
-    if not bool(((allowed == expected) | padding_queries).all()):
-        raise FavorMaskError(
-            f"favor attention got a 4-D attention mask of shape {tuple(mask.shape)} that is not "
-            f"'key padding AND {'causal' if causal else 'full'}': linear attention can only express a key padding "
-            "mask (plus causality). Pass a 2-D attention_mask [batch, key_length] (True/1 = token), or use "
-            "attn_implementation='sdpa' for arbitrary masks."
-        )
-    return key_padding
-
-
-def _key_padding_mask(attention_mask, causal: bool) -> torch.Tensor | None:
-    """The 2-D bool key padding mask ``[B, M]`` described by ``attention_mask`` (``None`` if nothing is padded)."""
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise FavorMaskError(
-            f"favor attention accepts None, a 2-D key padding mask or an equivalent 4-D mask; got "
-            f"{type(attention_mask).__name__}"
-        )
-    if attention_mask.dim() == 4:
-        mask = _key_padding_from_4d(attention_mask, causal)
-    elif attention_mask.dim() == 2:
-        mask = attention_mask
-        if mask.dtype != torch.bool:
-            if not bool(((mask == 0) | (mask == 1)).all()):
-                raise FavorMaskError(
-                    "a 2-D attention mask for favor attention must hold only 0 (padding) and 1 (token), or be bool; "
-                    f"got values {mask.unique()[:8].tolist()} (additive masks are not accepted)"
-                )
-            mask = mask != 0
-    else:
-        raise FavorMaskError(
-            f"favor attention accepts a 2-D key padding mask [batch, key_length] or an equivalent 4-D mask; got a "
-            f"{attention_mask.dim()}-D mask of shape {tuple(attention_mask.shape)}"
-        )
-    return None if bool(mask.all()) else mask
-
-
-# --------------------------------------------------------------------------------------------
 # Attention functions
 # --------------------------------------------------------------------------------------------
 
@@ -583,13 +480,17 @@ def _key_padding_mask(attention_mask, causal: bool) -> torch.Tensor | None:
 def _softmax_attention_forward(module, query, key, value, attention_mask, scaling, dropout, causal, kwargs):
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
     cache_layer = _cache_layer_of(module, layer_index_of(module))
-    _reject_fixed_size_cache(cache_layer, layer_index_of(module))
+    if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
+        # A 4-D mask was built by transformers for this layer's cache (a sliding window's too); the 2-D one is
+        # turned into a causal mask below, which needs the keys to be the tokens seen.
+        _reject_fixed_size_cache(cache_layer, layer_index_of(module))
     if is_favor_cache_layer(cache_layer) or is_window_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
             f"layer is a {type(cache_layer).__name__}, which does not keep every key/value; build the cache with "
             "make_favor_cache(model)"
         )
+    eager = _source_eager_attention(module, kwargs)
     if attention_mask is None or (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2):
         # The 2-D padding mask of the favor mask builder: build what the model would have given sdpa.
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -607,7 +508,7 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 q_offset=kv_len - q_len,
                 mask_function=causal_mask_function,
                 attention_mask=padding_mask,
-                allow_is_causal_skip=True,
+                allow_is_causal_skip=eager is None,
                 device=query.device,
             )
         else:
@@ -618,15 +519,41 @@ def _softmax_attention_forward(module, query, key, value, attention_mask, scalin
                 mask_function=bidirectional_mask_function,
                 attention_mask=padding_mask,
                 allow_is_causal_skip=False,
-                allow_is_bidirectional_skip=True,
+                allow_is_bidirectional_skip=eager is None,
                 device=query.device,
             )
+    if eager is not None:
+        if attention_mask is not None and attention_mask.dtype == torch.bool:  # eager functions add the mask
+            attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if attention_weights_requested(kwargs):
         # As transformers' eager attention, O(Lq Lk): the weights (after dropout) are applied and returned.
         weights = softmax_attention_weights(query, key, attention_mask, causal=causal, scaling=scaling)
         weights = nn.functional.dropout(weights, p=dropout, training=module.training)
         return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+SOFTMAX_ONLY_OPTIONS = ("softcap", "s_aux")
+"""Options of some architectures' softmax attention that sdpa does not take: logit soft-capping (Gemma 2) and a
+learned sink logit per head (GPT-OSS). Softmax layers then run the architecture's own eager function; favor layers
+cannot apply them (see :func:`favor_attention_forward`)."""
+
+
+def _source_eager_attention(module: nn.Module, kwargs: dict):
+    """The ``eager_attention_forward`` of ``module``'s modeling file when the call carries an option of
+    :data:`SOFTMAX_ONLY_OPTIONS`, else ``None`` (sdpa serves)."""
+    if all(kwargs.get(option) is None for option in SOFTMAX_ONLY_OPTIONS):
+        return None
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        given = [option for option in SOFTMAX_ONLY_OPTIONS if kwargs.get(option) is not None]
+        raise LinearAttentionError(
+            f"softmax layer {layer_index_of(module)}: {type(module).__name__} passes {given}, which sdpa cannot apply, "
+            "and its modeling file has no eager_attention_forward to run instead"
+        )
+    return eager
 
 
 def favor_attention_forward(
@@ -670,6 +597,18 @@ def favor_attention_forward(
             module, query, key, value, attention_mask, scaling, dropout, causal, kwargs
         )
 
+    if kwargs.get("position_bias") is not None:
+        raise FavorMaskError(
+            f"favor attention (layer {layer_idx}): {type(module).__name__} adds a position bias to the attention "
+            "scores (relative positions or ALiBi), which linear attention cannot express"
+        )
+    dropped = [option for option in SOFTMAX_ONLY_OPTIONS if kwargs.get(option) is not None]
+    if dropped:
+        logger.warning_once(
+            f"favor attention: {type(module).__name__} passes {dropped} (logit soft-capping / a learned sink logit), "
+            "which linear attention cannot apply: its favor layers approximate softmax attention without them (its "
+            "softmax layers keep them)."
+        )
     if dropout > 0.0 and module.training:
         logger.warning_once(
             "favor attention: attention dropout (p>0) cannot be applied to linear attention, which never forms an "
@@ -683,7 +622,7 @@ def favor_attention_forward(
                 f"clustered attention (layer {layer_idx}): packed sequences are not supported (the clusters would mix "
                 "sequences); pad the sequences into separate rows instead"
             )
-        padding = _key_padding_mask(attention_mask, False)
+        padding = key_padding_mask_of(attention_mask, False)
         if attention_weights_requested(kwargs):  # the applied weights, as for linear layers
             weights = clustered_attention_weights_from_settings(query, key, padding, scaling, settings, layer_idx)
             return apply_attention_weights(weights, value).transpose(1, 2).contiguous(), weights
@@ -691,7 +630,7 @@ def favor_attention_forward(
         return out.transpose(1, 2).contiguous(), None
 
     feature_map = _feature_map_for(module, layer_idx, settings, query, key)
-    key_padding_mask = _key_padding_mask(attention_mask, causal)
+    key_padding_mask = key_padding_mask_of(attention_mask, causal)
     q_len, k_len = query.shape[2], key.shape[2]
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
     _reject_fixed_size_cache(cache_layer, layer_idx)

@@ -79,6 +79,11 @@ _INPUT_ARGUMENTS = (
 )
 
 
+# Passed by generate() to every model; a source whose forward does not name them but takes **kwargs gets them there,
+# as from its own generate().
+_GENERATION_CONTROLS = ("use_cache", "cache_position")
+
+
 def _position_ids_from_mask(call: dict) -> torch.Tensor | None:
     """``[batch, seq_len]`` position ids of the new tokens counted over real tokens only, ``cumsum(mask) - 1``
     clamped at 0 (as ``generate()`` does), from a 2-D ``attention_mask`` ``[batch, past + seq_len]``; ``None``
@@ -97,6 +102,17 @@ def _position_ids_from_mask(call: dict) -> torch.Tensor | None:
         return None  # not a mask of past + new tokens: leave the inputs to the source model's own checks
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
     return position_ids[:, -seq_len:]
+
+
+def _are_mask_positions(position_ids, call: dict) -> bool:
+    """Whether ``position_ids`` are those of the real tokens of ``call``'s attention mask (consecutive without one):
+    what ``generate()`` passes when the model's forward names ``position_ids``."""
+    if not isinstance(position_ids, torch.Tensor):
+        return False
+    expected = _position_ids_from_mask(call)
+    if expected is None:
+        return bool((position_ids.diff(dim=-1) == 1).all())
+    return position_ids.shape[-1] == expected.shape[-1] and bool((position_ids == expected.to(position_ids.device)).all())
 
 
 class PerformerPreTrainedModel(PreTrainedModel):
@@ -320,7 +336,13 @@ class PerformerPreTrainedModel(PreTrainedModel):
             kwargs.pop(name, None)
         if cache is not None:
             call[source_cache_name] = cache
-        unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted]
+        if "position_ids" not in accepted and _are_mask_positions(call.get("position_ids"), call):
+            # What generate() derives from the mask because this class's forward names position_ids; a source that
+            # does not take them counts positions itself, as under its own generate().
+            del call["position_ids"]
+        takes_any_keyword = any(parameter.kind == inspect.Parameter.VAR_KEYWORD for parameter in accepted.values())
+        unsupported = [name for name in call if name in _INPUT_ARGUMENTS and name not in accepted
+                       and not (takes_any_keyword and name in _GENERATION_CONTROLS)]
         if unsupported:
             raise TypeError(
                 f"{type(self.source_model).__name__} (source architecture {self.config.source_config.model_type!r}) "
@@ -580,6 +602,11 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
                     "output_attentions, or generate without an assistant"
                 )
         return super().generate(*args, **kwargs)
+
+    def _supports_default_dynamic_cache(self) -> bool:
+        """The source causal LM's answer: transformers decides it by class name (MiniMax builds a cache of its own
+        in its forward), which this wrapper's name would hide."""
+        return type(self.source_model)._supports_default_dynamic_cache()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
         """transformers' cache preparation, with the favor layers' :class:`~.cache.FavorCacheLayer` put in the new

@@ -53,7 +53,8 @@ def packed_segment_ids(
 
     def allowed(kv_index: torch.Tensor) -> torch.Tensor:
         result = mask_function(batch, head, positions, kv_index.clamp(0, last))
-        return torch.as_tensor(result, device=positions.device).to(torch.bool).expand(batch_size, kv_length)
+        # contiguous: a mask function that does not depend on the batch gives a broadcast view, written to below
+        return torch.as_tensor(result, device=positions.device).to(torch.bool).expand(batch_size, kv_length).contiguous()
 
     sees_previous = allowed(positions - 1)
     sees_previous[:, 0] = False

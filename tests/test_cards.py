@@ -9,7 +9,6 @@
 """
 
 import json
-import shutil
 
 import pytest
 import torch

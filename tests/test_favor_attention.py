@@ -354,9 +354,17 @@ def test_unexpressible_4d_mask_raises():
         forward(model, input_ids, bias)
 
 
-def test_unexpressible_mask_patterns_raise():
-    with pytest.raises(FavorMaskError, match="causal or bidirectional"):
-        favor_attention_mask(1, 4, 4, mask_function=sliding_window_causal_mask_function(2))
+def test_unexpressible_mask_patterns_raise_in_favor_layers():
+    # A sliding window becomes the 4-D mask sdpa would get (softmax layers apply it: the source's sliding layers keep
+    # softmax); a favor layer given it raises instead of attending over every key.
+    mask = favor_attention_mask(1, 4, 4, mask_function=sliding_window_causal_mask_function(2))
+    assert mask.shape == (1, 1, 4, 4) and mask[0, 0].tolist() == [
+        [True, False, False, False], [True, True, False, False], [False, True, True, False], [False, False, True, True]]
+    model = build("llama")
+    query = torch.randn(1, 4, 4, 8)
+    module = model.model.layers[0].self_attn
+    with pytest.raises(FavorMaskError, match="not 'key padding AND causal'"):
+        favor_attention_forward(module, query, query, query, mask)
     # Packed sequences (positions restarting inside a row) are expressible: see test_transformers_conformance.py.
 
 

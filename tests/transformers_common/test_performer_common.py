@@ -38,6 +38,7 @@ if not _tests_folder:
     )
 
 import torch  # noqa: E402
+from transformers import GPTNeoXConfig  # noqa: E402
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
@@ -56,6 +57,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config  # noqa: E402
 
 logging.set_verbosity_error()
+
+TINY_GPT_NEOX = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37, vocab_size=99,
+                     rotary_pct=0.5)
+"""GPT-NeoX: partial rotary embeddings (half of each head: dynamic scaling needs at least 4 rotary dims), fused query_key_value, parallel residual, and the
+cache under ``layer_past`` in its attention modules (issue 35)."""
 
 TRANSFORMERS_TESTS_PACKAGE = "tests"
 """transformers' test files import each other as ``tests.exporters.test_export`` (absolute) and ``.generation...``
@@ -120,11 +126,12 @@ class PerformerModelTester:
 
     Args:
         parent: the ``unittest.TestCase`` running the tests.
-        source: "bert", "gpt2" or "llama" (the tiny source configs of ``tests/conftest.py``).
+        source: "bert", "gpt2", "llama" (the tiny source configs of ``tests/conftest.py``) or "gpt_neox".
         batch_size, seq_length: the inputs' ``[batch_size, seq_length]``.
     """
 
-    SOURCE_BUILDERS = {"bert": tiny_bert_config, "gpt2": tiny_gpt2_config, "llama": tiny_llama_config}
+    SOURCE_BUILDERS = {"bert": tiny_bert_config, "gpt2": tiny_gpt2_config, "llama": tiny_llama_config,
+                       "gpt_neox": lambda **overrides: GPTNeoXConfig(**{**TINY_GPT_NEOX, **overrides})}
 
     def __init__(self, parent, source: str, batch_size: int = 2, seq_length: int = 7, num_labels: int = 3):
         self.parent = parent
@@ -285,6 +292,19 @@ class PerformerGPT2CommonTest(_PerformerCausalCommonTests, unittest.TestCase):
 
 class PerformerLlamaCommonTest(_PerformerCausalCommonTests, unittest.TestCase):
     source = "llama"
+    all_model_classes = (
+        PerformerModel,
+        PerformerForCausalLM,
+        PerformerForSequenceClassification,
+        PerformerForTokenClassification,
+    )
+
+
+class PerformerGPTNeoXCommonTest(_PerformerCausalCommonTests, unittest.TestCase):
+    """Partial rotary embeddings (transformers' RoPE-scaling and partial-rotation tests run on it), fused QKV,
+    parallel residual, the cache as ``layer_past``."""
+
+    source = "gpt_neox"
     all_model_classes = (
         PerformerModel,
         PerformerForCausalLM,
