@@ -45,15 +45,17 @@ FENCE = re.compile(r"^```(\w+)[^\n]*\n(.*?)^```\s*$", re.DOTALL | re.MULTILINE)
 DIRECTIVE = re.compile(r"<!-- test: (parse-only|output|skip: \S.*) -->")
 RUN_LANGUAGES = ("python", "bash")
 
-WORDS = tuple(dict.fromkeys("the a an and of to in is was it this that film movie story actors plot music scenes ending time people "
-         "with for on at by from not very too so just really quite more most best worst good great fine bad awful "
-         "boring funny moving long short new old city river house year day night world life work family friend "
-         "capital france paris london language model attention tokens memory context window".split()))
+WORDS = tuple(dict.fromkeys((
+    "the a an and of to in is was it this that film movie story actors plot music scenes ending time people with for "
+    "on at by from not very too so just really quite more most best worst good great fine bad awful boring funny "
+    "moving long short new old city river house year day night world life work family friend capital france paris "
+    "london language model attention tokens memory context window").split()))
+"""The vocabulary of the tiny tokenizers and of the data files."""
 
 
 def parse_blocks(text: str) -> list[tuple[str, str, str | None]]:
     """``(language, code, directive)`` of every fenced block of ``text``; the directive is the test comment on the
-    line before the block (``parse-only`` or ``skip: REASON``), if any."""
+    line before the block (``parse-only``, ``output`` or ``skip: REASON``), if any."""
     blocks = []
     for match in FENCE.finditer(text):
         before = text[:match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
@@ -252,12 +254,13 @@ def test_page_blocks_run(page, sandbox, tmp_path, monkeypatch, one_torch_thread)
                 printed = output.getvalue()
                 sys.stdout.write(printed)
         else:
+            printed = None
             for line in command_lines(code):
                 run_command(line, variables, parse_only=directive == "parse-only")
 
 
 def test_directives_are_well_formed():
-    """Every test comment is one of the two forms and stands right before a block (a typo would run nothing)."""
+    """Every test comment is one of the known forms and stands right before a block (a typo would run nothing)."""
     for page in PAGES:
         text = page.read_text()
         assert not re.search(r"^[ \t]+```(python|bash)", text, re.MULTILINE), \

@@ -1,8 +1,8 @@
 """The markdown tables of the committed results, built from ``benchmarks/results/*.json`` alone.
 
 Each table has a name (:data:`TABLES`); ``update_readme_results.py`` writes it between the markers
-``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` wherever they stand in README.md and docs/, and ``--check`` (run by
-tests/test_results_tables.py) fails when a page's text differs from what the JSON gives. Every table states the
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` wherever they stand in README.md and docs/, and ``--check`` (as
+tests/test_docs_build.py does) fails when a page's text differs from what the JSON gives. Every table states the
 machine it was measured on and, for speed, the break-even length (from which the faster kernel stays faster at every
 longer measured length; log-log interpolation between measured lengths, as ``hf_performer.bench.report`` computes
 crossovers).
@@ -42,6 +42,12 @@ def machine(result: dict) -> str:
     if result.get("matmul_gflops_per_s"):
         parts.append(f"2048 x 2048 matmul {result['matmul_gflops_per_s']:.0f} GFLOP/s in the same run")
     return "Machine: " + ", ".join(parts) + "."
+
+
+def _latest_machine(names) -> str:
+    """The machine line of the latest of several runs made on one machine."""
+    latest = max((load(name) for name in names), key=lambda result: result["machine"]["date"])
+    return "Every run on one machine; the latest: " + machine(latest)[len("Machine: "):]
 
 
 def _fmt_length(length: float) -> str:
@@ -246,34 +252,34 @@ def model_speed(root: str) -> str:
     return "\n".join(lines + ["", "Machines: " + " ".join(machines)])
 
 
-def _decode_rows(result: dict) -> tuple[list[str], str]:
-    records = {(r["implementation"], r["context"]): r for r in result["records"]}
-    rows = []
-    for context in result["settings"]["context_lengths"]:
-        favor, softmax = records[("favor", context)], records[("softmax", context)]
-        rows.append(f"| {context} | {favor['seconds_per_token'] * 1e3:.1f} | {softmax['seconds_per_token'] * 1e3:.1f} | "
-                    f"**{softmax['seconds_per_token'] / favor['seconds_per_token']:.2f}x** | "
-                    f"{favor['paired_ratio_to_shortest']:.3f} | {favor['cache_bytes'] / MIB:.1f} MiB | "
-                    f"{softmax['cache_bytes'] / MIB:.1f} MiB |")
-    as_speed = [{"mode": "decode", "implementation": r["implementation"], "length": r["context"],
-                 "seconds": r["seconds_per_token"]} for r in result["records"]]
-    return rows, break_even(as_speed, "decode", "favor", baseline="softmax")
-
-
 DECODE_HEADER = ["| context | {label} (ms/step) | softmax + KV cache (ms/step) | softmax / {label} | {label} vs shortest "
                  "(paired) | {label} cache | softmax cache |", "|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def _decode_table(result: dict, label: str) -> tuple[list[str], str]:
+    """The lines of a decode result's table (``label``: the converted model's column) and its break-even length."""
+    records = {(r["implementation"], r["context"]): r for r in result["records"]}
+    lines = [line.format(label=label) for line in DECODE_HEADER]
+    for context in result["settings"]["context_lengths"]:
+        favor, softmax = records[("favor", context)], records[("softmax", context)]
+        lines.append(f"| {context} | {favor['seconds_per_token'] * 1e3:.1f} | {softmax['seconds_per_token'] * 1e3:.1f} | "
+                     f"**{softmax['seconds_per_token'] / favor['seconds_per_token']:.2f}x** | "
+                     f"{favor['paired_ratio_to_shortest']:.3f} | {favor['cache_bytes'] / MIB:.1f} MiB | "
+                     f"{softmax['cache_bytes'] / MIB:.1f} MiB |")
+    as_speed = [{"mode": "decode", "implementation": r["implementation"], "length": r["context"],
+                 "seconds": r["seconds_per_token"]} for r in result["records"]]
+    return lines, break_even(as_speed, "decode", "favor", baseline="softmax")
 
 
 def decode(root: str) -> str:
     result = load("decode.json")
     settings = result["settings"]
-    rows, crossover = _decode_rows(result)
-    header = [line.format(label="FAVOR+") for line in DECODE_HEADER]
+    table, crossover = _decode_table(result, "FAVOR+")
     model = settings["model"]
     lines = [f"One decode step (one new token per sequence through the whole model, cache update, LM head), "
              f"{model['architecture']}: {model['n_layer']} layers, {model['n_head']} heads, width {model['n_embd']}; "
              f"batch {settings['batch']}, {settings['dtype']}, median of {settings['repeats']} interleaved steps "
-             f"({_link(root, 'decode.json')}):", "", *header, *rows, "",
+             f"({_link(root, 'decode.json')}):", "", *table, "",
              f"Break-even against softmax + KV cache: {crossover}. {machine(result)}"]
     return "\n".join(lines)
 
@@ -281,14 +287,13 @@ def decode(root: str) -> str:
 def decode_window(root: str) -> str:
     result = load("decode_window_smollm2.json")
     settings = result["settings"]
-    rows, crossover = _decode_rows(result)
-    header = [line.format(label="window layers") for line in DECODE_HEADER]
+    table, crossover = _decode_table(result, "window layers")
     lengths = settings["context_lengths"]
     lines = [f"SmolLM2-135M converted to the window hybrid (window {settings['favor_settings']['window']}, "
              f"{settings['favor_settings']['sinks']} sinks, hedgehog tail in all "
              f"{len(settings['model']['window_layers'])} layers, `WindowCacheLayer`) against the same weights on "
              f"SDPA + `DynamicCache`, batch {settings['batch']}, {settings['dtype']}, median of "
-             f"{settings['repeats']} interleaved steps ({_link(root, 'decode_window_smollm2.json')}):", "", *header, *rows, "",
+             f"{settings['repeats']} interleaved steps ({_link(root, 'decode_window_smollm2.json')}):", "", *table, "",
              f"Break-even against softmax + KV cache: {crossover}, interpolated between the only two contexts measured "
              f"({lengths[0]:,} and {lengths[-1]:,}); below it the window model decodes slower (many small ops per "
              f"layer), above it faster, and its cache never grows. {machine(result)}"]
@@ -357,7 +362,7 @@ def encoder_hybrid(root: str) -> str:
         lines.append(f"| {_link(root, name, name.removesuffix('.json'))} | {result['task']} | {start}, "
                      f"{settings['nb_features']}, {settings['softmax_weight']} | {_flag(runs['e'].get('command'), '--steps')} "
                      f"| {taught} | " + " | ".join(cells) + " |")
-    return "\n".join(lines + ["", machine(load(ENCODER_HYBRID_FILES[-2]))])
+    return "\n".join(lines + ["", _latest_machine(ENCODER_HYBRID_FILES)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,7 +440,7 @@ def smollm2_hybrid(root: str) -> str:
             f"{_ratio(_ppl(hybrid, '2048'), _ppl(softmax, '2048'))} | {worst_cell} | "
             f"{_ratio(_ppl(arms.get('window_lora')), _ppl(softmax))} | "
             f"{_score(passkey.get(1024))} / {_score(passkey.get(2048))} |")
-    return "\n".join(lines + ["", *notes, machine(load(SMOLLM2_HYBRID_FILES[-1]))])
+    return "\n".join(lines + ["", *[note + "\n" for note in notes], _latest_machine(SMOLLM2_HYBRID_FILES)])
 
 
 def smollm2_tail(root: str) -> str:
@@ -487,7 +492,7 @@ def readme_headline(root: str) -> str:
     longest = max(speed["settings"]["lengths"])
     decode_summary, window_summary = decode_result["summary"], window_decode["summary"]
     decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
-    window_rows, window_break_even = _decode_rows(window_decode)
+    window_break_even = _decode_table(window_decode, "window layers")[1]
     worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
     lines = [
         "| | result | source |", "|---|---|---|",
@@ -542,7 +547,7 @@ def break_even_lengths(root: str) -> str:
     for name, what in (("decode.json", "FAVOR+ decoding (GPT-2 small geometry)"),
                        ("decode_window_smollm2.json", "window hybrid decoding (SmolLM2-135M)")):
         result = load(name)
-        rows.append(f"| {what} | SDPA + KV cache | {_decode_rows(result)[1]} | {_link(root, name)}, "
+        rows.append(f"| {what} | SDPA + KV cache | {_decode_table(result, 'FAVOR+')[1]} | {_link(root, name)}, "
                     f"{result['machine']['date'][:10]} |")
     return "\n".join(["| kind | against | break-even length | measured |", "|---|---|---|---|", *rows, "",
                       "All on the project's 2-core AMD EPYC CPU; the clustered row was measured under a load average "
@@ -555,7 +560,7 @@ def _command(result: dict) -> str | None:
         return command
     runs = result.get("runs")
     if isinstance(runs, dict) and all(isinstance(run, dict) and run.get("command") for run in runs.values()):
-        return "one per run: " + ", ".join(f"({label}) in `runs.{label}.command`" for label in runs)
+        return f"one per run ({', '.join(runs)}), in `runs.<label>.command`"
     return None
 
 

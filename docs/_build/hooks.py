@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import logging
 import os
@@ -83,13 +84,9 @@ def _site_link(page, target: str) -> str | None:
     return os.path.relpath(site_path, Path(page.file.src_uri).parent.as_posix() or ".").replace(os.sep, "/")
 
 
-_published_cache: set[str] = set()
-
-
-def _published() -> set[str]:
-    if not _published_cache:
-        _published_cache.update(published_files())
-    return _published_cache
+@functools.cache
+def _published() -> frozenset[str]:
+    return frozenset(published_files())
 
 
 def cli_help(verb: str) -> str:
@@ -111,12 +108,11 @@ def cli_help(verb: str) -> str:
     return "```text\n" + output.getvalue().rstrip() + "\n```"
 
 
+@functools.cache
 def _package_tree():
     import griffe
 
-    if not hasattr(_package_tree, "tree"):
-        _package_tree.tree = griffe.load("hf_performer", search_paths=[str(API_SOURCE)], try_relative_path=False)
-    return _package_tree.tree
+    return griffe.load("hf_performer", search_paths=[str(API_SOURCE)], try_relative_path=False)
 
 
 def names_object(path: str) -> bool:
