@@ -25,7 +25,6 @@ from hf_performer.recipes.report import table  # noqa: E402
 from hf_performer.recipes.results import ResultsError, load_results  # noqa: E402
 from results_tables import RECOVERY_COMMAND, TABLES  # noqa: E402
 
-COMMAND = RECOVERY_COMMAND
 REPO = Path(__file__).resolve().parents[2]
 PAGES = ("README.md", "docs/**/*.md")
 """The files (glob patterns from the repository root) whose blocks are generated."""
@@ -112,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give both JSON files and --readme (one recovery table), or neither (every block)")
     try:
         if args.results:
-            text = table([load_results(path) for path in args.results], sources=args.results, command=COMMAND)
+            text = table([load_results(path) for path in args.results], sources=args.results, command=RECOVERY_COMMAND)
             replace_in_readme(args.readme, text)
             sys.stdout.write(text)
             print(f"updated {args.readme}")
