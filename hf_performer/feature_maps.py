@@ -579,8 +579,8 @@ def make_feature_map(name: str, head_dim: int, nb_features: int | None = None, *
             maps) or ``num_heads``, ``num_key_value_heads``, ``init``, ``tie_qk`` (learned maps).
 
     Raises:
-        ValueError: for an unknown name. TypeError: for an option the map does not take, or a learned map
-        without ``num_heads``.
+        ValueError: for an unknown name.
+        TypeError: for an option the map does not take, or a learned map without ``num_heads``.
     """
     if name not in FEATURE_MAPS:
         raise ValueError(f"unknown feature map {name!r}; available: {', '.join(available_feature_maps())}")

@@ -12,7 +12,7 @@ the last finished stage (and the LoRA stage from its last checkpoint):
    states; packed ``transfer_length``-token sequences of the training text;
 3. ``select`` (only with ``softmax_worst`` K > 0): each layer's transfer loss is measured on the first
    :data:`SELECT_SEQUENCES` training sequences (teacher forcing) and the K layers the tail fits worst go back to exact
-   softmax (:func:`~hf_performer.conversion.keep_softmax_attention`): a trade of the constant decoding memory of those
+   softmax (:func:`~hf_performer.conversion.convert.keep_softmax_attention`): a trade of the constant decoding memory of those
    layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such layers up front instead;
 4. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
    resume) with PEFT LoRA on the attention projections (maps and gamma frozen, asserted by

@@ -1,25 +1,37 @@
-"""Rewrite the recovery results section of the README from the committed JSON files.
+"""Rewrite the generated results blocks of README.md and docs/ from the committed JSON files.
 
+    python benchmarks/scripts/update_readme_results.py            # every block of README.md and docs/**/*.md
+    python benchmarks/scripts/update_readme_results.py --check    # change nothing; exit 1 naming stale blocks
     python benchmarks/scripts/update_readme_results.py benchmarks/results/recovery_sst2.json \\
-        benchmarks/results/recovery_stsb.json benchmarks/results/recovery_imdb.json --readme README.md
+        benchmarks/results/recovery_stsb.json --readme docs/results/encoders.md   # one recovery table, given files
 
-The text between :data:`README_START` and :data:`README_END` is replaced by the table of
-:func:`hf_performer.recipes.report.table` (what ``hf-performer results table`` prints); nothing else changes.
+A block is the text between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``, NAME one of
+:data:`results_tables.TABLES`; its content is that table, built from ``benchmarks/results/*.json`` with links relative
+to the page; nothing else changes. With JSON files and ``--readme``, the ``recovery-results`` block of that file gets
+the table of :func:`hf_performer.recipes.report.table` (what ``hf-performer results table`` prints) for those files.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
+from pathlib import Path
 
-from hf_performer.recipes.report import table
-from hf_performer.recipes.results import ResultsError, load_results
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-COMMAND = "python benchmarks/scripts/update_readme_results.py"
+from hf_performer.recipes.report import table  # noqa: E402
+from hf_performer.recipes.results import ResultsError, load_results  # noqa: E402
+from results_tables import RECOVERY_COMMAND, TABLES  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[2]
+PAGES = ("README.md", "docs/**/*.md")
+"""The files (glob patterns from the repository root) whose blocks are generated."""
 
 README_START = "<!-- recovery-results:start -->"
 README_END = "<!-- recovery-results:end -->"
+BLOCK = re.compile(r"<!-- ([a-z0-9-]+):start -->\n(.*?)<!-- \1:end -->", re.DOTALL)
 
 
 def replace_in_readme(readme: str, content: str) -> None:
@@ -44,30 +56,82 @@ def replace_in_readme(readme: str, content: str) -> None:
     end = text.index(README_END)
     if end < start:
         raise ResultsError(f"{readme}: {README_END} comes before {README_START}")
-    new = text[:start] + "\n" + content.strip("\n") + "\n" + text[end:]
-    tmp = readme + ".tmp"
-    with open(tmp, "w") as handle:
-        handle.write(new)
-    os.replace(tmp, readme)
+    _write(readme, text[:start] + "\n" + content.strip("\n") + "\n" + text[end:])
 
+
+def _write(path: str | Path, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as handle:
+        handle.write(text)
+    os.replace(tmp, path)
+
+
+def pages(repo: Path = REPO) -> list[Path]:
+    """The files of :data:`PAGES` (sorted)."""
+    return sorted({path for pattern in PAGES for path in repo.glob(pattern)})
+
+
+def regenerate(page: Path, repo: Path = REPO) -> tuple[str, list[str]]:
+    """``page``'s text with every block regenerated, and the names of the blocks whose text changed.
+
+    Raises:
+        ResultsError: a block names no table of :data:`results_tables.TABLES`.
+    """
+    text = page.read_text()
+    root = os.path.relpath(repo, page.parent).replace(os.sep, "/") + "/"
+    root = "" if root == "./" else root
+    changed = []
+
+    def block(match: re.Match) -> str:
+        name = match.group(1)
+        if name not in TABLES:
+            raise ResultsError(f"{page.relative_to(repo)}: no table is named {name!r} (known: {', '.join(TABLES)})")
+        content = TABLES[name](root).strip("\n") + "\n"
+        if content != match.group(2):
+            changed.append(name)
+        return f"<!-- {name}:start -->\n{content}<!-- {name}:end -->"
+
+    return BLOCK.sub(block, text), changed
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="benchmarks/scripts/update_readme_results.py",
-        description=f"Write the recovery results table of collected JSON files (`hf-performer results collect`) "
-                    f"between {README_START} and {README_END} of the README (nothing else is changed).",
+        description="Rewrite the generated results blocks (<!-- NAME:start --> ... <!-- NAME:end -->) of README.md and "
+                    "docs/ from benchmarks/results/*.json; with JSON files and --readme, only the recovery table of "
+                    f"those files, between {README_START} and {README_END} of that file.",
     )
-    parser.add_argument("results", metavar="FILE.json", nargs="+", help="JSON files written by `results collect`")
-    parser.add_argument("--readme", default="README.md", help="the file holding the markers (default: README.md)")
+    parser.add_argument("results", metavar="FILE.json", nargs="*",
+                        help="JSON files written by `results collect` (with --readme)")
+    parser.add_argument("--readme", default=None, help="the file holding the recovery-results markers")
+    parser.add_argument("--check", action="store_true",
+                        help="write nothing; exit 1 naming every block whose text differs from the JSON's")
     args = parser.parse_args(argv)
+    if bool(args.results) != bool(args.readme):
+        parser.error("give both JSON files and --readme (one recovery table), or neither (every block)")
     try:
-        text = table([load_results(path) for path in args.results], sources=args.results, command=COMMAND)
-        replace_in_readme(args.readme, text)
+        if args.results:
+            text = table([load_results(path) for path in args.results], sources=args.results, command=RECOVERY_COMMAND)
+            replace_in_readme(args.readme, text)
+            sys.stdout.write(text)
+            print(f"updated {args.readme}")
+            return 0
+        stale = []
+        for page in pages():
+            text, changed = regenerate(page)
+            stale += [f"{page.relative_to(REPO)}: {name}" for name in changed]
+            if changed and not args.check:
+                _write(page, text)
     except ResultsError as error:
         raise SystemExit(f"update_readme_results.py: error: {error}") from None
-    sys.stdout.write(text)
-    print(f"updated {args.readme}")
+    if args.check:
+        if stale:
+            print("stale generated blocks (run python benchmarks/scripts/update_readme_results.py):\n  " +
+                  "\n  ".join(stale))
+            return 1
+        print("every generated block matches benchmarks/results/*.json")
+        return 0
+    print("updated: " + (", ".join(stale) if stale else "nothing (every block was up to date)"))
     return 0
 
 

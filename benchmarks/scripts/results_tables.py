@@ -1,0 +1,606 @@
+"""The markdown tables of the committed results, built from ``benchmarks/results/*.json`` alone.
+
+Each table has a name (:data:`TABLES`); ``update_readme_results.py`` writes it between the markers
+``<!-- NAME:start -->`` and ``<!-- NAME:end -->`` wherever they stand in README.md and docs/, and ``--check`` (as
+tests/test_docs_build.py does) fails when a page's text differs from what the JSON gives. Every table states the
+machine it was measured on and, for speed, the break-even length (from which the faster kernel stays faster at every
+longer measured length; log-log interpolation between measured lengths, as ``hf_performer.bench.report`` computes
+crossovers).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from hf_performer.bench.report import crossover_length
+from hf_performer.recipes.report import table as recovery_table
+from hf_performer.recipes.results import load_results
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+RESULTS_LINK = "benchmarks/results"  # the results folder as pages link it, from the repository root
+MIB = 2 ** 20
+RECOVERY_FILES = ("recovery_sst2.json", "recovery_stsb.json", "recovery_imdb.json")
+RECOVERY_COMMAND = "python benchmarks/scripts/update_readme_results.py"
+
+
+def load(name: str) -> dict:
+    with open(RESULTS / name) as handle:
+        return json.load(handle)
+
+
+def machine(result: dict) -> str:
+    """One line: where and when ``result`` was measured (CPU, cores, threads, torch, date, load, matmul rate)."""
+    info = result["machine"]
+    parts = [f"{info['cpu_count']}-core {info.get('cpu') or info['device_name']}",
+             f"torch {info['torch']}", f"{info['torch_threads']} thread{'s' if info['torch_threads'] > 1 else ''}",
+             info["date"][:16].replace("T", " ") + " UTC"]
+    load_average = info.get("load_average") or (info.get("load_average_1_5_15min") or {}).get("start")
+    if load_average:
+        parts.append(f"load average {load_average[0]:.1f} at the start")
+    if result.get("matmul_gflops_per_s"):
+        parts.append(f"2048 x 2048 matmul {result['matmul_gflops_per_s']:.0f} GFLOP/s in the same run")
+    return "Machine: " + ", ".join(parts) + "."
+
+
+def _latest_machine(names) -> str:
+    """The machine line of the latest of several runs made on one machine."""
+    latest = max((load(name) for name in names), key=lambda result: result["machine"]["date"])
+    return "Every run on one machine; the latest: " + machine(latest)[len("Machine: "):]
+
+
+def _fmt_length(length: float) -> str:
+    return f"{round(length):,}"
+
+
+def break_even(records: list[dict], mode: str, implementation: str, baseline: str = "sdpa") -> str:
+    """Where ``implementation`` becomes faster than ``baseline`` in ``mode``, in words."""
+    lengths = sorted(r["length"] for r in records if r["mode"] == mode and r["implementation"] == implementation)
+    crossover = crossover_length(records, mode, baseline=baseline, implementation=implementation)
+    if not lengths:
+        return "not measured"
+    if crossover is None:
+        return f"not reached (slower at {_fmt_length(lengths[-1])}, the longest measured)"
+    if crossover == lengths[0]:
+        return f"at most {_fmt_length(lengths[0])} tokens (faster at every measured length; shorter not measured)"
+    return f"about {_fmt_length(crossover)} tokens"
+
+
+def _speed_records(result: dict) -> dict:
+    return {(r["mode"], r["implementation"], r["length"]): r for r in result["records"]}
+
+
+def _speedup(result: dict, mode: str, implementation: str, length: int) -> float:
+    """SDPA's time over ``implementation``'s, same run, same length."""
+    records = _speed_records(result)
+    return records[(mode, "sdpa", length)]["seconds"] / records[(mode, implementation, length)]["seconds"]
+
+
+def _link(root: str, name: str, text: str | None = None) -> str:
+    """A markdown link to the result ``name`` from a page whose path to the repository root is ``root``."""
+    return f"[{text or name}]({root}{RESULTS_LINK}/{name})"
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+def attention_speed(root: str) -> str:
+    current, old = load("attention_speed_chunked.json"), load("attention_speed.json")
+    by_key = _speed_records(current)
+    lines = ["Today's kernel (chunked, features recomputed in the backward), forward + backward of one call, B=1, "
+             f"H={current['settings']['heads']}, d={current['settings']['head_dim']}, "
+             f"m={current['settings']['nb_features']}, float32, median of {current['settings']['repeats']} "
+             f"({_link(root, 'attention_speed_chunked.json')}):", "",
+             "| mode | L | FAVOR+ (s) | SDPA (s) | SDPA / FAVOR+ | FAVOR+ GFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
+    for mode in ("bidirectional", "causal"):
+        for length in current["settings"]["lengths"]:
+            favor, sdpa = by_key[(mode, "favor", length)], by_key[(mode, "sdpa", length)]
+            lines.append(f"| {mode} | {length} | {favor['seconds']:.3f} | {sdpa['seconds']:.3f} | "
+                         f"**{sdpa['seconds'] / favor['seconds']:.2f}x** | {favor['gflops_per_s']:.0f} |")
+    lines += ["", f"Break-even: bidirectional {break_even(current['records'], 'bidirectional', 'favor')}, causal "
+              f"{break_even(current['records'], 'causal', 'favor')}. {machine(current)}", ""]
+    by_key = _speed_records(old)
+    common = sorted(set(current["settings"]["lengths"]) & set(old["settings"]["lengths"]))
+    faster = all(_speedup(current, mode, "favor", length) > _speedup(old, mode, "favor", length)
+                 for mode in ("bidirectional", "causal") for length in common)
+    comparison = (f"today's kernel is faster than it at every length both measured ({common[0]:,}-{common[-1]:,}); "
+                  f"below {common[0]:,} only this older kernel was measured" if faster else
+                  "today's kernel is not faster than it at every length both measured")
+    lines += ["The kernel before issue 17 (it kept the `[L, m]` features for the backward, 128-token causal chunks), "
+              f"measured from {old['settings']['lengths'][0]} tokens ({_link(root, 'attention_speed.json')}): "
+              f"{comparison}.", "",
+              "| L | FAVOR+ bidir. (s) | SDPA bidir. (s) | speedup | FAVOR+ causal (s) | SDPA causal (s) | speedup |",
+              "|---:|---:|---:|---:|---:|---:|---:|"]
+    for length in old["settings"]["lengths"]:
+        cells = []
+        for mode in ("bidirectional", "causal"):
+            favor, sdpa = by_key[(mode, "favor", length)], by_key[(mode, "sdpa", length)]
+            cells += [f"{favor['seconds']:.3f}", f"{sdpa['seconds']:.3f}", f"{sdpa['seconds'] / favor['seconds']:.2f}x"]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    lines += ["", f"Break-even: bidirectional {break_even(old['records'], 'bidirectional', 'favor')}, causal "
+              f"{break_even(old['records'], 'causal', 'favor')}. {machine(old)}"]
+    return "\n".join(lines)
+
+
+def _memory_table(result: dict, implementation: str, label: str) -> list[str]:
+    records = {(r["mode"], r["implementation"], r["length"]): r["peak_memory_bytes"] for r in result["records"]}
+    lines = [f"| L | {label} bidir. (MiB) | SDPA bidir. (MiB) | ratio | {label} causal (MiB) | SDPA causal (MiB) | ratio |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for length in result["settings"]["lengths"]:
+        cells = []
+        for mode in ("bidirectional", "causal"):
+            ours, sdpa = records[(mode, implementation, length)], records[(mode, "sdpa", length)]
+            cells += [f"{ours / MIB:.1f}", f"{sdpa / MIB:.1f}", f"**{ours / sdpa:.2f}x**"]
+        lines.append(f"| {length} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def attention_memory(root: str) -> str:
+    result = load("attention_memory.json")
+    lines = ["Extra peak memory of one call, forward + backward (growth of the peak resident set of a fresh process), "
+             f"B=1, H={result['settings']['heads']}, d={result['settings']['head_dim']}, "
+             f"m={result['settings']['nb_features']}, float32 ({_link(root, 'attention_memory.json')}):", ""]
+    return "\n".join(lines + _memory_table(result, "favor", "FAVOR+") + ["", machine(result)])
+
+
+def window_speed(root: str) -> str:
+    result = load("attention_speed_window.json")
+    settings, by_key = result["settings"], _speed_records(result)
+    lines = [f"Causal forward + backward of `window_linear_attention` (window {settings['window']}, "
+             f"{settings['sinks']} sinks, a {settings['window_feature_map']} tail of {settings['window_nb_features']} "
+             f"features, learned gamma), B=1, H={settings['heads']}, d={settings['head_dim']}, float32, median of "
+             f"{settings['repeats']} ({_link(root, 'attention_speed_window.json')}):", "",
+             "| L | window (s) | SDPA (s) | SDPA / window |", "|---:|---:|---:|---:|"]
+    for length in settings["lengths"]:
+        window, sdpa = by_key[("causal", "window", length)], by_key[("causal", "sdpa", length)]
+        lines.append(f"| {length} | {window['seconds']:.3f} | {sdpa['seconds']:.3f} | "
+                     f"**{sdpa['seconds'] / window['seconds']:.2f}x** |")
+    lines += ["", f"Break-even: {break_even(result['records'], 'causal', 'window')}. {machine(result)}"]
+    return "\n".join(lines)
+
+
+def window_memory(root: str) -> str:
+    result = load("attention_memory_window.json")
+    settings = result["settings"]
+    lines = [f"Extra peak memory of one `window_linear_attention` call, forward + backward (window {settings['window']}, "
+             f"{settings['sinks']} sinks, {settings['window_feature_map']} tail of {settings['window_nb_features']} "
+             f"features), as above ({_link(root, 'attention_memory_window.json')}):", ""]
+    return "\n".join(lines + _memory_table(result, "window", "window") + ["", machine(result)])
+
+
+CLUSTERED_IMPLEMENTATIONS = (("favor", "FAVOR+"), ("clustered", "clustered"), ("improved-clustered", "improved clustered"),
+                             ("lsh", "LSH"))
+
+
+def clustered_speed(root: str) -> str:
+    result = load("clustered_speed.json")
+    settings, by_key = result["settings"], _speed_records(result)
+    lines = [f"Forward of one bidirectional call, B=1, H={settings['heads']}, d={settings['head_dim']}, float32, "
+             f"median of {settings['repeats']}: clustered attention with C={settings['clusters']} clusters, improved "
+             f"with top-{settings['topk']} keys, FAVOR+ (m={settings['nb_features']}), a shared-QK LSH attention "
+             f"(bucket {settings['bucket_size']}), against SDPA; time (SDPA time / time) "
+             f"({_link(root, 'clustered_speed.json')}):", "",
+             "| L | SDPA (s) | " + " | ".join(label for _, label in CLUSTERED_IMPLEMENTATIONS) + " |",
+             "|---:|---:|" + "---:|" * len(CLUSTERED_IMPLEMENTATIONS)]
+    for length in settings["lengths"]:
+        sdpa = by_key[("bidirectional", "sdpa", length)]["seconds"]
+        cells = [f"{by_key[('bidirectional', name, length)]['seconds']:.2f} s "
+                 f"({sdpa / by_key[('bidirectional', name, length)]['seconds']:.2f}x)"
+                 for name, _ in CLUSTERED_IMPLEMENTATIONS]
+        lines.append(f"| {length} | {sdpa:.2f} | " + " | ".join(cells) + " |")
+    crossovers = ", ".join(f"{label} {break_even(result['records'], 'bidirectional', name)}"
+                           for name, label in CLUSTERED_IMPLEMENTATIONS[:3])
+    lines += ["", f"Break-even against SDPA: {crossovers}. {machine(result)} A heavily loaded machine: absolute "
+              "times are 10-20x the idle ones; read only the same-run ratios."]
+    return "\n".join(lines)
+
+
+def approximation(root: str) -> str:
+    result = load("approximation.json")
+    settings = result["settings"]
+    by_key = {(r["nb_features"], r["projection"]): r for r in result["records"]}
+    lines = [f"MSE of FAVOR+ attention against exact softmax attention (float64), d={settings['head_dim']}, "
+             f"L={settings['length']}, inputs {settings['input_scale']} N(0, I), {settings['seeds']} projection seeds "
+             f"per point ({_link(root, 'approximation.json')}):", "",
+             "| m | orthogonal MSE | iid MSE | orthogonal / iid (means) | (medians) |", "|---:|---:|---:|---:|---:|"]
+    for features in settings["nb_features"]:
+        orthogonal, iid = by_key[(features, "orthogonal")], by_key[(features, "iid")]
+        lines.append(f"| {features} | {orthogonal['mse_mean']:.2e} | {iid['mse_mean']:.2e} | "
+                     f"{orthogonal['mse_mean'] / iid['mse_mean']:.2f} | "
+                     f"{orthogonal['mse_median'] / iid['mse_median']:.2f} |")
+    return "\n".join(lines + ["", machine(result)])
+
+
+def throughput_bound(root: str) -> str:
+    result = load("favor_throughput_bound.json")
+    lines = ["Throughput of the FAVOR+ call against the bound of its own products and exps at this CPU's best rates, "
+             f"as a share of the plain matmul rate ({result['matmul_gflops']:.0f} GFLOP/s in the same run; "
+             f"{_link(root, 'favor_throughput_bound.json')}):", "",
+             "| mode, L | achieved | bound: products + exps | bound: products only |", "|---|---:|---:|---:|"]
+    for record in result["records"]:
+        share = {key: record[key] / result["matmul_gflops"]
+                 for key in ("achieved_gflops", "bound_gflops", "bound_products_only_gflops")}
+        lines.append(f"| {record['mode']} {record['length'] // 1024}k | {share['achieved_gflops']:.0%} | "
+                     f"{share['bound_gflops']:.0%} | {share['bound_products_only_gflops']:.0%} |")
+    return "\n".join(lines + ["", machine(result)])
+
+
+# --------------------------------------------------------------------------------------------
+# Whole models and decoding
+# --------------------------------------------------------------------------------------------
+
+
+def model_speed(root: str) -> str:
+    lines = ["| model, pass | L | softmax (s) | FAVOR+ (s) | speedup | softmax extra MiB | FAVOR+ extra MiB | memory ratio |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    machines = []
+    for name, label in (("model_speed_bert_base.json", "BERT-base geometry, 4 layers, forward + backward"),
+                        ("model_speed_smollm2.json", "SmolLM2-135M, 30 layers, forward")):
+        result = load(name)
+        softmax_label, favor_label = result["settings"]["models"]
+        records = {(r["model"], r["length"]): r for r in result["records"]}
+        for index, length in enumerate(result["settings"]["lengths"]):
+            softmax, favor = records[(softmax_label, length)], records[(favor_label, length)]
+            lines.append(f"| {label if index == 0 else ''} | {length} | {softmax['seconds']:.1f} | "
+                         f"{favor['seconds']:.1f} | **{softmax['seconds'] / favor['seconds']:.2f}x** | "
+                         f"{softmax['peak_memory_bytes'] / MIB:.0f} | {favor['peak_memory_bytes'] / MIB:.0f} | "
+                         f"{favor['peak_memory_bytes'] / softmax['peak_memory_bytes']:.2f}x |")
+        machines.append(f"{_link(root, name)}: {machine(result)[len('Machine: '):]}")
+    return "\n".join(lines + ["", "Machines: " + " ".join(machines)])
+
+
+DECODE_HEADER = ["| context | {label} (ms/step) | softmax + KV cache (ms/step) | softmax / {label} | {label} vs shortest "
+                 "(paired) | {label} cache | softmax cache |", "|---:|---:|---:|---:|---:|---:|---:|"]
+
+
+def _decode_table(result: dict, label: str) -> tuple[list[str], str]:
+    """The lines of a decode result's table (``label``: the converted model's column) and its break-even length."""
+    records = {(r["implementation"], r["context"]): r for r in result["records"]}
+    lines = [line.format(label=label) for line in DECODE_HEADER]
+    for context in result["settings"]["context_lengths"]:
+        favor, softmax = records[("favor", context)], records[("softmax", context)]
+        lines.append(f"| {context} | {favor['seconds_per_token'] * 1e3:.1f} | {softmax['seconds_per_token'] * 1e3:.1f} | "
+                     f"**{softmax['seconds_per_token'] / favor['seconds_per_token']:.2f}x** | "
+                     f"{favor['paired_ratio_to_shortest']:.3f} | {favor['cache_bytes'] / MIB:.1f} MiB | "
+                     f"{softmax['cache_bytes'] / MIB:.1f} MiB |")
+    as_speed = [{"mode": "decode", "implementation": r["implementation"], "length": r["context"],
+                 "seconds": r["seconds_per_token"]} for r in result["records"]]
+    return lines, break_even(as_speed, "decode", "favor", baseline="softmax")
+
+
+def decode(root: str) -> str:
+    result = load("decode.json")
+    settings = result["settings"]
+    table, crossover = _decode_table(result, "FAVOR+")
+    model = settings["model"]
+    lines = [f"One decode step (one new token per sequence through the whole model, cache update, LM head), "
+             f"{model['architecture']}: {model['n_layer']} layers, {model['n_head']} heads, width {model['n_embd']}; "
+             f"batch {settings['batch']}, {settings['dtype']}, median of {settings['repeats']} interleaved steps "
+             f"({_link(root, 'decode.json')}):", "", *table, "",
+             f"Break-even against softmax + KV cache: {crossover}. {machine(result)}"]
+    return "\n".join(lines)
+
+
+def decode_window(root: str) -> str:
+    result = load("decode_window_smollm2.json")
+    settings = result["settings"]
+    table, crossover = _decode_table(result, "window layers")
+    lengths = settings["context_lengths"]
+    lines = [f"SmolLM2-135M converted to the window hybrid (window {settings['favor_settings']['window']}, "
+             f"{settings['favor_settings']['sinks']} sinks, hedgehog tail in all "
+             f"{len(settings['model']['window_layers'])} layers, `WindowCacheLayer`) against the same weights on "
+             f"SDPA + `DynamicCache`, batch {settings['batch']}, {settings['dtype']}, median of "
+             f"{settings['repeats']} interleaved steps ({_link(root, 'decode_window_smollm2.json')}):", "", *table, "",
+             f"Break-even against softmax + KV cache: {crossover}, interpolated between the only two contexts measured "
+             f"({lengths[0]:,} and {lengths[-1]:,}); below it the window model decodes slower (many small ops per "
+             f"layer), above it faster, and its cache never grows. {machine(result)}"]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Encoders
+# --------------------------------------------------------------------------------------------
+
+
+def recovery_results(root: str) -> str:
+    paths = [f"{RESULTS_LINK}/{name}" for name in RECOVERY_FILES]
+    results = [load_results(str(RESULTS / name)) for name in RECOVERY_FILES]
+    return recovery_table(results, sources=paths, command=RECOVERY_COMMAND).strip("\n")
+
+
+def clustered_zero_shot(root: str) -> str:
+    lines = []
+    for name, what in (("clustered_zero_shot_stsb.json", "STS-B dev Pearson"),
+                       ("clustered_zero_shot_imdb.json", "IMDB test accuracy")):
+        result = load(name)
+        settings = result["settings"]
+        records = result["records"]
+        softmax = records[0]["main_metric"]
+        lines += [f"{what}, {settings['num_examples']} examples ({settings['mean_tokens']:.0f} tokens on average, "
+                  f"at most {settings['max_tokens']}), each row a zero-shot swap of the fine-tuned softmax model's "
+                  f"attention ({_link(root, name)}):", "",
+                  f"| attention (no training after the swap) | {result['main_metric']} | vs softmax | "
+                  f"agreement with softmax |", "|---|---:|---:|---:|"]
+        for record in records:
+            lines.append(f"| {record['name']} | {record['main_metric']:.4f} | {record['main_metric'] - softmax:+.4f} | "
+                         f"{record['agreement_with_softmax']:.3f} |")
+        lines += ["", f"Agreement: {result['agreement_metric']}. {machine(result)}", ""]
+    return "\n".join(lines).rstrip("\n")
+
+
+ENCODER_HYBRID_FILES = ("recovery_stsb_window16_identity_start.json", "recovery_stsb_window16_favor_start.json",
+                        "recovery_stsb_window16_favor_start_learned.json",
+                        "recovery_stsb_window16_favor_start_learned_1536.json",
+                        "recovery_stsb_window16_favor_start_learned_3072.json",
+                        "recovery_stsb_window16_favor_start_learned_6144.json",
+                        "recovery_stsb_window16_favor_start_learned_6144_teacher.json", "recovery_sst2_window16.json")
+
+
+def _flag(command: str | None, flag: str) -> str | None:
+    match = re.search(rf"{flag}[ =](\S+)", command or "")
+    return match.group(1) if match else None
+
+
+def encoder_hybrid(root: str) -> str:
+    lines = ["Every layer a hybrid: band `|i - j| < 16` and the [CLS] sink exact, a hedgehog tail for the other pairs. "
+             "(a) the fine-tuned softmax model, (e) (a) converted and its tail transferred with (a) as the teacher "
+             "(no labels), (f) (e) fine-tuned again with (a)'s schedule:", "",
+             "| result | task | tail start, features, gamma | transfer steps | (f) taught by (a) | (a) | (e) | (f) |",
+             "|---|---|---|---:|---|---:|---:|---:|"]
+    for name in ENCODER_HYBRID_FILES:
+        result = load(name)
+        runs, metric = result["runs"], result["main_metric"]
+        settings = runs["e"]["favor_settings"]
+        start = (settings.get("feature_map_options") or {}).get("init", "identity")
+        taught = "yes" if "--teacher-model" in (runs["f"].get("command") or "") else "no"
+        a = runs["a"]["metric"]
+        cells = [f"{metric} {a:.4f}"] + [f"{runs[label]['metric']:.4f} ({runs[label]['metric'] / a:.1%})"
+                                          for label in ("e", "f")]
+        lines.append(f"| {_link(root, name, name.removesuffix('.json'))} | {result['task']} | {start}, "
+                     f"{settings['nb_features']}, {settings['softmax_weight']} | {_flag(runs['e'].get('command'), '--steps')} "
+                     f"| {taught} | " + " | ".join(cells) + " |")
+    return "\n".join(lines + ["", _latest_machine(ENCODER_HYBRID_FILES)])
+
+
+# --------------------------------------------------------------------------------------------
+# Causal LM (SmolLM2-135M)
+# --------------------------------------------------------------------------------------------
+
+
+SMOLLM2_HYBRID_FILES = ("window_hybrid_smollm2.json", "window_hybrid_smollm2_transfer2048.json",
+                        "window_hybrid_smollm2_lora_lr1e-3.json", "window_hybrid_smollm2_lora_lr1e-3_worst10.json",
+                        "window_hybrid_smollm2_lora360_bf16_taught.json", "window_hybrid_smollm2_tail512.json",
+                        "window_hybrid_smollm2_w256_bf16_taught.json")
+
+
+SOFTMAX_BASELINE_FROM = {"window_hybrid_smollm2_tail512.json": "window_hybrid_smollm2_lora_lr1e-3.json"}
+"""A run without a softmax + LoRA arm of its own, and the run whose arm had its LoRA budget."""
+
+
+def _ppl(arm: dict | None, context: str = "1024") -> float | None:
+    return ((arm or {}).get("perplexity") or {}).get(context, {}).get("perplexity")
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _score(value: float | None) -> str:
+    return "-" if value is None else f"{value:g}"
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> str:
+    return f"{numerator / denominator:.3f}x" if numerator and denominator else "-"
+
+
+def smollm2_transfer(root: str) -> str:
+    lines = ["| result | softmax | softmax, fine-tuned | hedgehog after transfer | hedgehog, transfer + fine-tuning | "
+             "ratio to fine-tuned softmax |", "|---|---:|---:|---:|---:|---:|"]
+    for name in ("attention_transfer_smollm2_transfer48.json", "attention_transfer_smollm2.json"):
+        result = load(name)
+        by_name = {run["name"]: run["perplexity"] for run in result["runs"]}
+        lines.append(f"| {_link(root, name, name.removesuffix('.json'))} | {by_name['softmax_base']:.2f} | "
+                     f"{by_name['softmax_finetuned']:.2f} | {by_name['transfer']:.1f} | "
+                     f"{by_name['transfer_finetuned']:.1f} | "
+                     f"**{result['comparison']['ratio_transfer_finetuned_to_softmax_finetuned']:.2f}x** |")
+    return "\n".join(lines + ["", machine(load("attention_transfer_smollm2.json"))])
+
+
+def smollm2_hybrid(root: str) -> str:
+    lines = ["WikiText-2 test perplexity at context 1024 (first 200,000 characters) of each run's arms; the ratio is "
+             "against softmax + LoRA with the same LoRA budget (the target: at most 1.10x):", "",
+             "| result | window | transfer tokens | LoRA tokens (lr) | hybrid | softmax + LoRA | ratio | at 2048 | "
+             "worst layers on softmax | window only + LoRA | passkey 1k / 2k |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    notes = []
+    for name in SMOLLM2_HYBRID_FILES:
+        result = load(name)
+        arms = result["arms"]
+        hybrid, softmax = arms.get("hybrid_lora"), arms.get("softmax_lora")
+        baseline_from = SOFTMAX_BASELINE_FROM.get(name)
+        if softmax is None and baseline_from:
+            softmax = load(baseline_from)["arms"]["softmax_lora"]
+            notes.append(f"{name.removesuffix('.json')} has no softmax arm: its ratio is against the softmax + LoRA "
+                         f"of {baseline_from.removesuffix('.json')} (the same LoRA steps and rate).")
+        record = hybrid["linearize"]
+        settings = record["settings"]
+        worst = arms.get("hybrid_worst_softmax_lora")
+        worst_cell = "-"
+        if worst:
+            layers = len(worst["linearize"]["softmax_layers"])
+            worst_cell = f"{layers} layers: {_ratio(_ppl(worst), _ppl(softmax))}"
+        passkey = {row["context_length"]: row["accuracy"] for row in result["passkey"] if row["arm"] == "hybrid_lora"}
+        lines.append(
+            f"| {_link(root, name, name.removesuffix('.json'))} | {settings['window']} | "
+            f"{record['transfer_tokens_seen']:,} | {record['lora_tokens_seen']:,} ({settings['learning_rate']:g}) | "
+            f"{_ppl(hybrid):.2f} | {_number(_ppl(softmax))} | **{_ratio(_ppl(hybrid), _ppl(softmax))}** | "
+            f"{_ratio(_ppl(hybrid, '2048'), _ppl(softmax, '2048'))} | {worst_cell} | "
+            f"{_ratio(_ppl(arms.get('window_lora')), _ppl(softmax))} | "
+            f"{_score(passkey.get(1024))} / {_score(passkey.get(2048))} |")
+    return "\n".join(lines + ["", *[note + "\n" for note in notes], _latest_machine(SMOLLM2_HYBRID_FILES)])
+
+
+def smollm2_tail(root: str) -> str:
+    result = load("window_hybrid_smollm2_tail_error.json")
+    lines = [f"Each window layer's attention-output error against exact softmax (1000 x MSE, teacher forcing, "
+             f"{result['sequences']} x {result['length']} tokens of {result['text_file']}), with the transferred tail "
+             f"and with it dropped ({_link(root, 'window_hybrid_smollm2_tail_error.json')}):", "",
+             "| transferred model | window | mean error, window only | with the tail | share the tail removes |",
+             "|---|---:|---:|---:|---:|"]
+    for label, model in result["models"].items():
+        means = model["mean"]
+        lines.append(f"| {label} | {model['window']} | {means['window_only']:.2f} | {means['hybrid']:.2f} | "
+                     f"{1 - means['hybrid'] / means['window_only']:.0%} |")
+    lines += ["", machine(result), ""]
+    probe = load("window_hybrid_smollm2_tail_probe.json")
+    lines += [f"Tail probes: {probe['title']} ({_link(root, 'window_hybrid_smollm2_tail_probe.json')}):", "",
+              "| tail | mean layer loss | worst layer (loss) | transfer tokens | transfer wall time |",
+              "|---|---:|---:|---:|---:|"]
+    for probe_run in probe["probes"].values():
+        losses = probe_run["layer_losses"]
+        worst = max(losses, key=losses.get)
+        lines.append(f"| {probe_run['nb_features']} features from {probe_run['feature_map_init']} | "
+                     f"{sum(losses.values()) / len(losses):.2f} | {worst} ({losses[worst]:.1f}) | "
+                     f"{probe_run['transfer']['tokens_seen']:,} | {probe_run['transfer']['wall_time_s']:.0f} s |")
+    return "\n".join(lines + ["", machine(probe)])
+
+
+# --------------------------------------------------------------------------------------------
+# Summaries: the README's headline, the break-even lengths, the index of every committed result
+# --------------------------------------------------------------------------------------------
+
+
+def _memory_ratio_range(result: dict, implementation: str, from_length: int = 4096) -> tuple[float, float]:
+    ratios = [value for mode in result["summary"]["over_sdpa_by_implementation"][implementation].values()
+              for length, value in mode.items() if int(length) >= from_length]
+    return min(ratios), max(ratios)
+
+
+def _best_ratio(name: str, arm: str = "hybrid_lora") -> float:
+    arms = load(name)["arms"]
+    return _ppl(arms[arm]) / _ppl(arms["softmax_lora"])
+
+
+def readme_headline(root: str) -> str:
+    speed, memory = load("attention_speed_chunked.json"), load("attention_memory.json")
+    decode_result, window_decode = load("decode.json"), load("decode_window_smollm2.json")
+    sst2, stsb_hybrid = load("recovery_sst2.json"), load("recovery_stsb_window16_favor_start_learned_6144_teacher.json")
+    low, high = _memory_ratio_range(memory, "favor")
+    longest = max(speed["settings"]["lengths"])
+    decode_summary, window_summary = decode_result["summary"], window_decode["summary"]
+    decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
+    window_break_even = _decode_table(window_decode, "window layers")[1]
+    worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
+    lines = [
+        "| | result | source |", "|---|---|---|",
+        f"| one FAVOR+ attention call, forward + backward, vs SDPA | **{_speedup(speed, 'bidirectional', 'favor', 8192):.1f}x** "
+        f"bidirectional and **{_speedup(speed, 'causal', 'favor', 8192):.1f}x** causal at 8k tokens, "
+        f"{_speedup(speed, 'causal', 'favor', longest):.1f}x causal at {longest // 1024}k; break-even "
+        f"{break_even(speed['records'], 'causal', 'favor')} | {_link(root, 'attention_speed_chunked.json', 'kernels')} |",
+        f"| its extra peak memory, 4k-32k tokens | {low:.2f}-{high:.2f}x SDPA's | "
+        f"{_link(root, 'attention_memory.json', 'memory')} |",
+        f"| decoding at a {decode_context // 1024}k context, GPT-2-small geometry | "
+        f"**{decode_summary['softmax_over_favor_latency_at_longest']['value']:.1f}x** faster than softmax + KV cache, "
+        f"cache {decode_summary['cache_bytes_at_longest']['favor'] / MIB:.1f} MiB against "
+        f"{decode_summary['cache_bytes_at_longest']['softmax'] / MIB:,.0f} MiB | {_link(root, 'decode.json', 'decoding')} |",
+        f"| SmolLM2-135M window hybrid, decoding | "
+        f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x softmax's speed at 16k, "
+        f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}); cache "
+        f"{window_summary['cache_bytes_at_longest']['favor'] / MIB:.0f} MiB at any context | "
+        f"{_link(root, 'decode_window_smollm2.json', 'window decoding')} |",
+        f"| SST-2 accuracy, MiniLM-L6 (softmax {100 * sst2['runs']['a']['metric']:.2f}) | FAVOR+ after recovery "
+        f"fine-tuning {100 * sst2['runs']['c']['metric']:.2f}; learned (hedgehog) maps, transfer + fine-tuning "
+        f"**{100 * sst2['runs']['f']['metric']:.2f}** | {_link(root, 'recovery_sst2.json', 'recovery')} |",
+        f"| STS-B Pearson, MiniLM-L6 as a band-16 + [CLS] hybrid | **{stsb_hybrid['attention_transfer_target']['ratio']:.1%}** "
+        f"of softmax ({stsb_hybrid['runs']['f']['metric']:.4f} against {stsb_hybrid['runs']['a']['metric']:.4f}) | "
+        f"{_link(root, 'recovery_stsb_window16_favor_start_learned_6144_teacher.json', 'encoder hybrid')} |",
+        f"| SmolLM2-135M window hybrid, WikiText-2 perplexity / softmax + LoRA (goal 1.10x) | "
+        f"{_best_ratio('window_hybrid_smollm2_lora360_bf16_taught.json'):.3f}x at window 64, "
+        f"**{_best_ratio('window_hybrid_smollm2_w256_bf16_taught.json'):.3f}x** at window 256, "
+        f"{_best_ratio('window_hybrid_smollm2_lora_lr1e-3_worst10.json', 'hybrid_worst_softmax_lora'):.3f}x with "
+        f"{len(worst10['arms']['hybrid_worst_softmax_lora']['linearize']['softmax_layers'])} of 30 layers on softmax | "
+        f"{_link(root, 'window_hybrid_smollm2_w256_bf16_taught.json', 'causal LM')} |",
+        "",
+        f"All measured on a {speed['machine']['cpu_count']}-core {speed['machine']['cpu']} CPU with torch "
+        f"{speed['machine']['torch']}; each result records its machine, date and load.",
+    ]
+    return "\n".join(lines)
+
+
+def break_even_lengths(root: str) -> str:
+    """Where each kind of attention starts to pay against softmax, per committed measurement."""
+    rows = []
+    for name, mode, implementation, what in (
+            ("attention_speed_chunked.json", "bidirectional", "favor", "FAVOR+, bidirectional, forward + backward"),
+            ("attention_speed_chunked.json", "causal", "favor", "FAVOR+, causal, forward + backward"),
+            ("attention_speed.json", "bidirectional", "favor", "FAVOR+, bidirectional (previous kernel)"),
+            ("attention_speed.json", "causal", "favor", "FAVOR+, causal (previous kernel)"),
+            ("attention_speed_window.json", "causal", "window", "window hybrid, causal, forward + backward"),
+            ("clustered_speed.json", "bidirectional", "clustered", "clustered C=100, forward"),
+            ("clustered_speed.json", "bidirectional", "improved-clustered", "improved clustered C=100 top-32, forward")):
+        result = load(name)
+        rows.append(f"| {what} | SDPA | {break_even(result['records'], mode, implementation)} | "
+                    f"{_link(root, name)}, {result['machine']['date'][:10]} |")
+    for name, what in (("decode.json", "FAVOR+ decoding (GPT-2 small geometry)"),
+                       ("decode_window_smollm2.json", "window hybrid decoding (SmolLM2-135M)")):
+        result = load(name)
+        rows.append(f"| {what} | SDPA + KV cache | {_decode_table(result, 'FAVOR+')[1]} | {_link(root, name)}, "
+                    f"{result['machine']['date'][:10]} |")
+    return "\n".join(["| kind | against | break-even length | measured |", "|---|---|---|---|", *rows, "",
+                      "All on the project's 2-core AMD EPYC CPU; the clustered row was measured under a load average "
+                      "of ~15 (ratios only). The results pages give each table with its machine."])
+
+
+def _command(result: dict) -> str | None:
+    command = result.get("command")
+    if isinstance(command, str):
+        return command
+    runs = result.get("runs")
+    if isinstance(runs, dict) and all(isinstance(run, dict) and run.get("command") for run in runs.values()):
+        return f"one per run ({', '.join(runs)}), in `runs.<label>.command`"
+    return None
+
+
+def results_index(root: str) -> str:
+    """Every committed result JSON (and its plot), when it was measured and the command recorded in it."""
+    lines = ["| result | plot | measured | command recorded in the JSON |", "|---|---|---|---|"]
+    for path in sorted(RESULTS.glob("*.json")):
+        result = json.loads(path.read_text())
+        plot = path.with_suffix(".png")
+        date = (result.get("machine") or {}).get("date", "")[:10] or "-"
+        command = _command(result)
+        if command and not command.startswith("one per run"):
+            command = "`" + command.replace("|", "\\|") + "`"
+        lines.append(f"| {_link(root, path.name, path.stem)} | "
+                     f"{_link(root, plot.name, 'PNG') if plot.exists() else '-'} | {date} | "
+                     f"{command or 'not recorded: see the research log'} |")
+    folders = sorted(folder.name for folder in RESULTS.iterdir() if folder.is_dir())
+    return "\n".join(lines + ["", "Folders of evaluation records behind two of these results: " +
+                              ", ".join(f"`{RESULTS_LINK}/{folder}/`" for folder in folders) + "."])
+
+
+TABLES = {
+    "recovery-results": recovery_results,
+    "attention-speed": attention_speed,
+    "attention-memory": attention_memory,
+    "window-speed": window_speed,
+    "window-memory": window_memory,
+    "clustered-speed": clustered_speed,
+    "approximation": approximation,
+    "throughput-bound": throughput_bound,
+    "model-speed": model_speed,
+    "decode": decode,
+    "decode-window": decode_window,
+    "clustered-zero-shot": clustered_zero_shot,
+    "encoder-hybrid": encoder_hybrid,
+    "smollm2-transfer": smollm2_transfer,
+    "smollm2-hybrid": smollm2_hybrid,
+    "smollm2-tail": smollm2_tail,
+    "readme-headline": readme_headline,
+    "break-even": break_even_lengths,
+    "results-index": results_index,
+}
+"""Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""
