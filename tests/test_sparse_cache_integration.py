@@ -113,3 +113,48 @@ def test_linearize_passes_the_sparse_cache_to_the_conversion():
     assert conversion_arguments(LinearizeSettings("source", ["train.txt"], sparse_cache=32))["sparse_cache"] == 32
     with pytest.raises(RecipeError, match="--sparse-cache must be an int >= 0"):
         LinearizeSettings("source", ["train.txt"], sparse_cache=-1).check()
+
+
+@needs_shared
+def test_the_sparse_cache_sweep_collector_writes_its_result(tmp_path, tiny_llama_config, monkeypatch):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "sparse_cache_sweep.py"
+    spec = importlib.util.spec_from_file_location("_script_sparse_cache_sweep", script)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    for name, model in (("hybrid", convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)),
+                        ("softmax", source)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "results" / "sweep.json"
+    arguments = ["hybrid", "--baseline", "softmax", "--cache-sizes", "0", "8", "--text-file",
+                 str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--context-length", "48",
+                 "--position-ranges", "0:24", "24:48", "--passkey-lengths", "128", "--depths", "0.5", "--trials", "1",
+                 "--work-dir", str(tmp_path / "work"), "--no-progress", "--output", "results/sweep.json"]
+    assert sweep.main(arguments) == 0
+    result = json.loads(output.read_text())
+    assert (tmp_path / "results" / "sweep.png").is_file()
+    assert set(result["runs"]) == {"0", "8"} and result["baseline"]["perplexity"] > 1
+    assert result["runs"]["8"]["perplexity"] != result["runs"]["0"]["perplexity"]
+    assert set(result["runs"]["0"]["perplexity_by_position"]) == {"0:24", "24:48"}
+    assert result["runs"]["0"]["perplexity_ratio"] == pytest.approx(
+        result["runs"]["0"]["perplexity"] / result["baseline"]["perplexity"])
+    assert str(tmp_path) not in output.read_text()
+    # resumed from the work dir: nothing is evaluated again
+    from hf_performer.tasks import evaluation, passkey
+
+    def evaluated_again(*args, **kwargs):
+        raise AssertionError("a kept evaluation was run again")
+
+    monkeypatch.setattr(evaluation, "evaluate_perplexity_model", evaluated_again)
+    monkeypatch.setattr(passkey, "evaluate_passkey_model", evaluated_again)
+    assert sweep.main(arguments) == 0
+    assert json.loads(output.read_text())["runs"] == result["runs"]
+    with pytest.raises(SystemExit, match="--cache-sizes must be >= 0"):
+        sweep.main([*arguments[:4], "-1", *arguments[5:]])
