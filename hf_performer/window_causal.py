@@ -291,7 +291,10 @@ def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep
     if log_scale is None:
         weights = tile_features * keep[..., None].to(tile_features.dtype)
         increments = torch.matmul(weights.transpose(-1, -2), tile_values)  # [B, Hkv, blocks, m, dv + 1]
-        before = torch.cumsum(increments, dim=2) - increments
+        # exclusive prefix over the blocks as one small matmul (cumsum along a middle dim, and its flipped
+        # backward, cost more than the increments themselves)
+        earlier = torch.ones(blocks, blocks, dtype=increments.dtype, device=increments.device).tril(-1)
+        before = torch.matmul(earlier, increments.flatten(3)).view_as(increments)
         sums = entering_tail[0][:, :, None] + before
         return sums, entering_tail[1][:, :, None].expand(-1, -1, blocks)
     tail, tails = entering_tail, [entering_tail]
