@@ -1,6 +1,6 @@
 """The blocks of causal window attention as one autograd function with a hand-written backward.
 
-What :func:`~.window_causal.attend_blocks_naive` computes with autograd (the slow reference beside this fast path, same
+What :func:`attend_blocks_naive` computes with autograd (the slow reference beside this fast path, same
 operands), :func:`attend_blocks` computes group of blocks by group of blocks, keeping nothing between them but the
 outputs and three numbers per query row (its exact-score maximum ``c``, its denominator ``D`` and its stabiliser
 ``rho``); the backward recomputes each group's scores and features and writes the gradients, as a flash-style softmax
@@ -250,19 +250,14 @@ def _tail_pieces(operands: BlockOperands, spec: BlockSpec, phi):
     queries."""
     phi_q, log_q = phi
     sums, tail_max = operands.tail_sums, operands.tail_max
-    pending = None
     if operands.tile_features is None:  # a sparse cache keeps the pending tokens exact: only the boundary's sums
         tail = torch.matmul(phi_q, sums)
         return (tail, phi_q, None, None, None), None if log_q is None else log_q + tail_max[..., None]
     if operands.tile_log_scale is None:
-        stabilizer, carried = None, None
-        tail = torch.matmul(phi_q, sums)
-        if operands.tile_features is not None:
-            mask = spec.pending_mask(phi_q.device) & operands.tile_keep[:, None, :, None, :]
-            scores = torch.matmul(phi_q, operands.tile_features.transpose(-1, -2)).masked_fill_(~mask, 0.0)
-            tail = tail + torch.matmul(scores, _pending_values(operands, spec))
-            pending = (scores, None)
-        return (tail, phi_q, carried, pending, stabilizer), None
+        mask = spec.pending_mask(phi_q.device) & operands.tile_keep[:, None, :, None, :]
+        scores = torch.matmul(phi_q, operands.tile_features.transpose(-1, -2)).masked_fill_(~mask, 0.0)
+        tail = torch.matmul(phi_q, sums) + torch.matmul(scores, _pending_values(operands, spec))
+        return (tail, phi_q, None, (scores, None), None), None
     # Each row's stabiliser: the largest log-scale of the keys in its tail, never a later key's.
     keep = operands.tile_keep[:, None]  # [B, 1, n, C]
     masked = operands.tile_log_scale.masked_fill(~keep, float("-inf"))

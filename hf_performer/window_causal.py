@@ -33,7 +33,7 @@ import torch
 
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
-from .window_blocks import BlockOperands, BlockSpec, attend_blocks, attend_blocks_naive
+from .window_blocks import BlockOperands, BlockSpec, attend_blocks
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
 
@@ -306,9 +306,9 @@ def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep
     return _stack_tails(tails)
 
 
-def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, fused=True):
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w):
     """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
-    frame (module docstring) by :func:`~.window_blocks.attend_blocks` (``fused=False``: its autograd reference)."""
+    frame (module docstring) by :func:`~.window_blocks.attend_blocks`."""
     layout_key, layout_value, layout_keep = call.layout
     tile_features, _, tile_keep = call.tiles
     sink_key, sink_value, sink_position, sink_valid = call.sinks
@@ -347,7 +347,7 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
                         if with_pending and log_scale is not None else None),
         tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
         gamma=gamma)
-    out = (attend_blocks if fused else attend_blocks_naive)(operands, spec)  # [B, Hkv, n, g C, dv]
+    out = attend_blocks(operands, spec)  # [B, Hkv, n, g C, dv]
     value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)
