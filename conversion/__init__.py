@@ -21,6 +21,8 @@ _NAMES_BY_MODULE = {
                 "tokenizer_is_usable"),
     "defaults": ("DEFAULT_MAX_POSITION_EMBEDDINGS",),
     "attention_transfer": ("AttentionTransferError", "AttentionTransferResult", "transfer_attention"),
+    "cache_budget": ("CacheAllocation", "CacheBudgetError", "allocate_cache_budget", "apply_cache_allocation",
+                     "measure_option_errors"),
     "fidelity": ("DEFAULT_SENTENCES", "REPORT_FILE_NAME", "FidelityReport", "LayerFidelity", "fidelity_report"),
 }
 _MODULE_OF = {name: module for module, names in _NAMES_BY_MODULE.items() for name in names}

@@ -297,10 +297,12 @@ class LayerTransferLoss:
 
 
 class _Collector:
-    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None, with_tail: bool = True):
+    def __init__(self, compute_student: bool, backward: tuple[str, float] | None = None, with_tail: bool = True,
+                 sparse_cache: int | None = None):
         self.compute_student = compute_student
         self.backward = backward
         self.with_tail = with_tail
+        self.sparse_cache = sparse_cache
         self.layers: dict[int, LayerTransferLoss] = {}
 
     def add(self, layer: int, kl, squared_error, rows: int) -> None:
@@ -354,7 +356,8 @@ def favor_transfer_attention_forward(
                 output, *losses = window_layer_transfer_losses(
                     query, key, value, feature_map if collector.with_tail else None, window=window.window,
                     sinks=window.sinks, softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding,
-                    sparse_cache=window.sparse_cache if causal else 0, chunk_size=window.chunk_size)
+                    sparse_cache=(window.sparse_cache if collector.sparse_cache is None else collector.sparse_cache)
+                    if causal else 0, chunk_size=window.chunk_size)
         collector.add(layer, *losses)
     elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
         output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
@@ -372,13 +375,15 @@ AttentionMaskInterface.register(TRANSFER_ATTN_IMPLEMENTATION, sdpa_mask)
 
 @contextlib.contextmanager
 def collect_transfer_losses(compute_student: bool = True, backward: tuple[str, float] | None = None,
-                            with_tail: bool = True) -> Iterator[dict[int, LayerTransferLoss]]:
+                            with_tail: bool = True, sparse_cache: int | None = None,
+                            ) -> Iterator[dict[int, LayerTransferLoss]]:
     """Within the block, forwards of a model switched to ``"favor_transfer"`` record each layer's losses into the
     yielded dict ``{layer index: LayerTransferLoss}``. With ``backward=(loss, output_loss_factor)`` each layer's
     objective is back-propagated as soon as it is computed (gradients accumulate; the recorded losses are detached).
     With ``with_tail=False`` only window-hybrid layers are recorded, their student being the sinks + window alone (the
-    linear tail dropped): the reference a tail's gain is measured against."""
-    collector = _Collector(compute_student, backward, with_tail)
+    linear tail dropped): the reference a tail's gain is measured against. ``sparse_cache=G`` measures every causal
+    window layer's student with a sparse cache of ``G`` keys instead of its own setting."""
+    collector = _Collector(compute_student, backward, with_tail, sparse_cache)
     _ACTIVE.append(collector)
     try:
         yield collector.layers
@@ -459,11 +464,14 @@ def _run_backbone(model: nn.Module, batch: dict) -> None:
 
 
 @torch.no_grad()
-def measure_transfer_losses(model: nn.Module, batches: Iterable[dict], with_tail: bool = True) -> dict[int, dict]:
+def measure_transfer_losses(model: nn.Module, batches: Iterable[dict], with_tail: bool = True,
+                            sparse_cache: int | None = None) -> dict[int, dict]:
     """Each layer's mean weights cross-entropy and output squared error over ``batches`` (no training); with
-    ``with_tail=False`` the window-hybrid layers' errors with their linear tail dropped (sinks + window alone)."""
+    ``with_tail=False`` the window-hybrid layers' errors with their linear tail dropped (sinks + window alone), with
+    ``sparse_cache=G`` the causal window layers' errors with a sparse cache of ``G`` keys (their setting otherwise)."""
     sums: dict[int, list[float]] = {}
-    with teacher_forcing(model), collect_transfer_losses(compute_student=False, with_tail=with_tail) as layers:
+    with teacher_forcing(model), collect_transfer_losses(compute_student=False, with_tail=with_tail,
+                                                         sparse_cache=sparse_cache) as layers:
         for batch in batches:
             _run_backbone(model, batch)
     for layer, entry in sorted(layers.items()):

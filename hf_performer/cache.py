@@ -92,6 +92,12 @@ def cache_of_output(output):
     return cache if cache is not None else getattr(output, "past_key_values", None)
 
 
+def linear_state_bytes(heads: int, head_dim: int, nb_features: int) -> int:
+    """Bytes of one linear layer's decoding state (``FavorCacheLayer``: ``S [H, m, d]``, ``z [H, m]`` and the
+    stabiliser ``[H]``, float32) per sequence."""
+    return heads * (nb_features * head_dim + nb_features + 1) * 4
+
+
 class FavorCacheLayer(CacheLayerMixin):
     """Cache layer of one causal linear-attention layer: a token counter and the recurrent state.
 

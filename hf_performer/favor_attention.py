@@ -30,7 +30,8 @@ Behaviour of :func:`favor_attention_forward`:
   softmax weights. Cached decoding from a recurrent state has no past keys: ``None`` with a one-time warning,
   as transformers' sdpa does;
 * packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
-  state restarts at each sequence (:mod:`.packed_sequences`);
+  state restarts at each sequence (:mod:`.packed_sequences`); window layers (causal or bidirectional) run each
+  sequence as its own padded row (:class:`~.packed_sequences.SegmentRows`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given, or to the architecture's own
   eager function for options sdpa cannot apply (:data:`SOFTMAX_ONLY_OPTIONS`: soft-capping, attention sinks), which
@@ -125,7 +126,7 @@ from .favor_settings import (
 )
 from .feature_maps import FeatureMap, no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
-from .packed_sequences import packed_sequences_of
+from .packed_sequences import SegmentRows, packed_sequences_of
 from .window_attention import SoftmaxWeight, window_linear_attention
 
 
@@ -635,20 +636,23 @@ def favor_attention_forward(
     cache_layer = _cache_layer_of(module, layer_idx) if causal else None
     _reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
-    if segment_ids is not None and (not causal or k_len != q_len or is_favor_cache_layer(cache_layer)):
+    window_layer = is_window_layer(settings, layer_idx)
+    if segment_ids is not None and ((not causal and not window_layer) or k_len != q_len or
+                                    is_favor_cache_layer(cache_layer)):
         raise FavorMaskError(
-            f"favor attention (layer {layer_idx}): packed sequences are supported for causal attention without a "
-            f"cache (got causal={causal}, {q_len} queries, {k_len} keys, cache layer "
+            f"favor attention (layer {layer_idx}): packed sequences are supported for causal attention (and window "
+            f"layers) without a cache (got causal={causal}, {q_len} queries, {k_len} keys, cache layer "
             f"{type(cache_layer).__name__ if cache_layer is not None else None}); run packed batches with "
             "use_cache=False"
         )
 
-    if is_window_layer(settings, layer_idx):
-        if segment_ids is not None:
-            raise FavorMaskError(
-                f"favor attention (layer {layer_idx}): packed sequences are not supported by window layers yet; pad "
-                "the sequences into separate rows instead"
-            )
+    if window_layer:
+        if segment_ids is not None:  # each packed sequence as its own padded row (window, sinks, tail restart)
+            rows = SegmentRows(segment_ids)
+            out, weights = _window_attention_forward(
+                module, rows.split(query), rows.split(key), rows.split(value), feature_map, rows.key_padding_mask,
+                causal, None, settings, layer_idx, common, kwargs)
+            return rows.merge(out), rows.merge_weights(weights)
         return _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal,
                                          cache_layer, settings, layer_idx, common, kwargs)
     if is_window_cache_layer(cache_layer):

@@ -111,3 +111,58 @@ def packed_sequences_of(attention_mask, query: torch.Tensor, kwargs: dict):
                 f"{query.shape[2]} tokens (batch {query.shape[0]}); pass cumulative lengths [0, ..., {query.shape[2]}]"
             )
     return segment_ids, attention_mask
+
+
+class SegmentRows:
+    """Packed sequences as separate right-padded rows, and back: the window operator's way to packed batches (each
+    sequence alone, with the operator's guarantee that a padded row behaves as alone).
+
+    ``segment_ids`` ``[B, L]`` (``0`` = padding, ``1, 2, ...`` = the sequences of a row, in order) give ``S``
+    sequences, each a row of ``max_length`` positions: :meth:`split` ``[B, H, L, d] -> [S, H, max_length, d]``,
+    :attr:`key_padding_mask` ``[S, max_length]`` its tokens, :meth:`merge` ``[S, max_length, H, d] -> [B, L, H, d]``
+    (padding positions 0) and :meth:`merge_weights` ``[S, H, max_length, max_length] -> [B, H, L, L]`` (block
+    diagonal). Gradients flow through all of them.
+    """
+
+    def __init__(self, segment_ids: torch.Tensor):
+        batch, length = segment_ids.shape
+        self.batch, self.length = batch, length
+        token = segment_ids != 0
+        row_keys = torch.arange(batch, device=segment_ids.device)[:, None] * (length + 1) + segment_ids
+        self.positions = torch.arange(batch * length, device=segment_ids.device).view(batch, length)[token]
+        _, counts = torch.unique_consecutive(row_keys[token], return_counts=True)
+        self.count = counts.numel()
+        self.max_length = int(counts.max()) if self.count else 0
+        self.segment = torch.repeat_interleave(torch.arange(self.count, device=segment_ids.device), counts)
+        starts = counts.cumsum(0) - counts
+        self.offset = torch.arange(self.positions.numel(), device=segment_ids.device) - starts[self.segment]
+        self.key_padding_mask = torch.zeros(self.count, self.max_length, dtype=torch.bool, device=segment_ids.device)
+        self.key_padding_mask[self.segment, self.offset] = True
+
+    def split(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``[B, H, L, d]`` -> ``[S, H, max_length, d]`` (zeros after each sequence)."""
+        heads, dim = tensor.shape[1], tensor.shape[-1]
+        tokens = tensor.transpose(1, 2).reshape(self.batch * self.length, heads, dim)[self.positions]
+        rows = tensor.new_zeros(self.count, self.max_length, heads, dim)
+        rows = rows.index_put((self.segment, self.offset), tokens)
+        return rows.transpose(1, 2)
+
+    def merge(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[S, max_length, H, d]`` -> ``[B, L, H, d]`` (the packed layout; padding positions 0)."""
+        tokens = rows[self.segment, self.offset]
+        merged = rows.new_zeros(self.batch * self.length, *rows.shape[2:])
+        merged = merged.index_put((self.positions,), tokens)
+        return merged.view(self.batch, self.length, *rows.shape[2:])
+
+    def merge_weights(self, weights: torch.Tensor | None) -> torch.Tensor | None:
+        """``[S, H, max_length, max_length]`` -> ``[B, H, L, L]``: each sequence's weights on its block, 0 across."""
+        if weights is None:
+            return None
+        heads = weights.shape[1]
+        rows, columns = self.positions // self.length, self.positions % self.length
+        same = self.segment[:, None] == self.segment[None, :]
+        query_index, key_index = same.nonzero(as_tuple=True)
+        values = weights[self.segment[query_index], :, self.offset[query_index], self.offset[key_index]]
+        merged = weights.new_zeros(self.batch, self.length, self.length, heads)
+        merged = merged.index_put((rows[query_index], columns[query_index], columns[key_index]), values)
+        return merged.permute(0, 3, 1, 2)

@@ -28,6 +28,26 @@ from typing import NamedTuple
 import torch
 
 
+def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: int, sinks: int, dtype_bytes: int,
+                       sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
+                       linear_tail: bool = True) -> int:
+    """Bytes of one window layer's decoding state (``WindowCacheLayer``) per sequence once the context is longer
+    than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
+    chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
+    current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
+    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache."""
+    sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
+    buffer = max(window - 1, 0) + chunk_size + max_rollback
+    buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1)
+    features = nb_features if linear_tail else 1  # without a tail the sums keep one empty feature
+    sums = kv_heads * (features * (head_dim + 1) + 1) * 4
+    committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
+    pending = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
+    tails = committed * (2 if max_rollback > 0 else 1) + pending
+    return sink_slots + buffer_bytes + 8 + tails
+
+
+
 class CommittedTail(NamedTuple):
     """The sparse cache and the tail sums of each row at one of its boundaries.
 

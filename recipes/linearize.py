@@ -10,10 +10,13 @@ the last finished stage (and the LoRA stage from its last checkpoint):
 2. ``transfer``: attention transfer of the tail (:func:`~hf_performer.conversion.attention_transfer.transfer_attention`
    with the window-output loss, x1000): only the maps and gamma train, every layer is fed the teacher's hidden
    states; packed ``transfer_length``-token sequences of the training text;
-3. ``select`` (only with ``softmax_worst`` K > 0): each layer's transfer loss is measured on the first
+3. ``select`` (only with ``softmax_worst`` K > 0 or a ``cache_budget``): each layer's transfer loss is measured on the first
    :data:`SELECT_SEQUENCES` training sequences (teacher forcing) and the K layers the tail fits worst go back to exact
    softmax (:func:`~hf_performer.conversion.convert.keep_softmax_attention`): a trade of the constant decoding memory of those
-   layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such layers up front instead;
+   layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such layers up front instead.
+   With ``cache_budget`` (bytes or softmax tokens at ``budget_context`` tokens) the errors are measured for every
+   sparse-cache size instead and :func:`~hf_performer.conversion.cache_budget.allocate_cache_budget` gives each window
+   layer the sparse cache (or softmax) that the budget buys best;
 4. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
    resume) with PEFT LoRA on the attention projections (maps and gamma frozen, asserted by
    :func:`~hf_performer.recipes.model.apply_lora`) on packed ``block_size``-token blocks, then merged;
@@ -46,11 +49,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .arguments import RecipeError
 from .linearize_inputs import check_inputs, estimate_run_seconds, format_estimate, load_tokenizer, read_training_text
+from .linearize_staging import StagingArea, open_staging_area
 
 LINEARIZE_FILE = "linearize.json"
 """The record of a linearize run in its output folder: settings, every stage, the final perplexity, the curve."""
-RUN_FILE = "run.json"
-"""The staging area's record: the run's settings and the finished stages (what a resumed run reads)."""
 STAGES = ("convert", "transfer", "select", "lora", "evaluate")
 STAGE_FOLDERS = {"convert": "converted", "transfer": "transferred", "select": "selected", "lora": "lora"}
 """The staging-area folder of the model each stage writes (``evaluate`` writes none)."""
@@ -89,6 +91,8 @@ class LinearizeSettings:
     linear_tail: bool = True
     softmax_layers: list[int] = field(default_factory=list)
     softmax_worst: int = 0
+    cache_budget: str | None = None
+    budget_context: int = 16384
     transfer_steps: int = 200
     transfer_length: int = 1024
     transfer_batch_size: int = 8
@@ -156,6 +160,17 @@ class LinearizeSettings:
                               f"{', '.join(SCHEDULES)}")
         if any(not isinstance(layer, int) or layer < 0 for layer in self.softmax_layers):
             raise RecipeError(f"--softmax-layers takes layer indices >= 0, got {self.softmax_layers}")
+        if self.cache_budget is not None:
+            if self.softmax_worst:
+                raise RecipeError("--cache-budget and --softmax-worst both choose the softmax layers; give one")
+            if not self.linear_tail or self.baseline:
+                raise RecipeError("--cache-budget allocates the sparse caches of window layers with a tail; it takes "
+                                  "no --no-tail or --baseline")
+            if self.budget_context < 1:
+                raise RecipeError(f"--budget-context must be an int >= 1, got {self.budget_context}")
+            from ..conversion.cache_budget import parse_cache_budget
+
+            parse_cache_budget(self.cache_budget, 1)  # the form; the bytes depend on the model
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
         from ..favor_settings import feature_map_kind
@@ -188,6 +203,8 @@ class LinearizeSettings:
         from ..tasks.data import file_fingerprint
 
         identity = {key: value for key, value in asdict(self).items() if key not in _IN_TIME_ONLY}
+        if self.cache_budget is None:  # runs staged before the cache budget existed continue
+            del identity["cache_budget"], identity["budget_context"]
         identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
         identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
         return identity
@@ -239,63 +256,6 @@ def transfer_batches(token_ids: list[int], length: int, batch_size: int, seed: i
 
 
 # --------------------------------------------------------------------------------------------
-# The staging area
-# --------------------------------------------------------------------------------------------
-
-
-class StagingArea:
-    """The folder of a run's stages (``converted/``, ``transferred/``, ``lora/``, ``final/``, :data:`RUN_FILE`)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def file(self, *names: str) -> str:
-        return os.path.join(self.path, *names)
-
-    def read(self) -> dict | None:
-        try:
-            with open(self.file(RUN_FILE)) as handle:
-                return json.load(handle)
-        except FileNotFoundError:
-            return None
-
-    def write(self, state: dict) -> None:
-        """Write :data:`RUN_FILE` atomically (a killed run never leaves it half-written)."""
-        temporary = self.file(RUN_FILE + ".tmp")
-        with open(temporary, "w") as handle:
-            json.dump(state, handle, indent=2)
-        os.replace(temporary, self.file(RUN_FILE))
-
-
-def open_staging_area(path: str, settings: LinearizeSettings) -> tuple[StagingArea, dict]:
-    """The staging area at ``path``: a new one, or the one of an interrupted run with the same settings (one where no
-    stage finished is replaced).
-
-    Raises:
-        RecipeError: the folder holds a run with other settings (naming them), or is not a staging area.
-    """
-    area = StagingArea(path)
-    state = area.read()
-    if state is None:
-        if os.path.isdir(path) and os.listdir(path):
-            raise RecipeError(f"{path} exists but is not a linearize staging area; remove it or pass --overwrite")
-        os.makedirs(path, exist_ok=True)
-        state = {"settings": settings.identity(), "stages": {}}
-        area.write(state)
-        return area, state
-    recorded, current = state["settings"], settings.identity()
-    differing = [f"{key} {recorded.get(key)!r} (now {current.get(key)!r})" for key in sorted(set(recorded) | set(current))
-                 if json.dumps(recorded.get(key)) != json.dumps(current.get(key))]
-    if differing and not state["stages"]:  # nothing finished there: nothing to continue, start this run instead
-        shutil.rmtree(path)
-        return open_staging_area(path, settings)
-    if differing:
-        raise RecipeError(f"an interrupted run with other settings is staged in {path}: {', '.join(differing)}; "
-                          "rerun with its settings to continue it, or pass --overwrite to start over")
-    return area, state
-
-
-# --------------------------------------------------------------------------------------------
 # Stages
 # --------------------------------------------------------------------------------------------
 
@@ -318,6 +278,8 @@ def stage_convert(settings: LinearizeSettings, area: StagingArea) -> StageRecord
         model = convert_to_performer(source, task="causal-lm", **conversion_arguments(settings))
     except (ConversionError, ValueError, TypeError) as error:
         raise RecipeError(str(error)) from None
+    if settings.cache_budget is not None:
+        _budget_plan(settings, model)  # refused now, not after the transfer
     folder = area.file(STAGE_FOLDERS["convert"])
     shutil.rmtree(folder, ignore_errors=True)
     model.save_pretrained(folder)
@@ -458,11 +420,15 @@ def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) ->
 
     if settings.baseline:
         return StageRecord("select", "skipped", "--baseline softmax: every layer is softmax")
-    if settings.softmax_worst == 0:
+    if settings.softmax_worst == 0 and settings.cache_budget is None:
         return StageRecord("select", "skipped", "--softmax-worst 0: no layer goes back to softmax")
     started = time.perf_counter()
     folder, tokenizer, batches = _packed_training_batches(settings, area, state, "select", 1)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if settings.cache_budget is not None:
+        details = _allocate_budget(settings, model, batches[:SELECT_SEQUENCES])
+        _save_stage_model(area, "select", model, tokenizer)
+        return StageRecord("select", "done", wall_time_s=round(time.perf_counter() - started, 2), details=details)
     measured = measure_transfer_losses(model, batches[:SELECT_SEQUENCES])
     losses = {layer: OUTPUT_LOSS_FACTOR * entry["output_squared_error"] for layer, entry in measured.items()}
     if settings.softmax_worst > len(losses):
@@ -470,10 +436,7 @@ def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) ->
                           f"window / tail; accepted: 0 to {len(losses)}")
     worst = sorted(sorted(losses, key=losses.get, reverse=True)[:settings.softmax_worst])
     softmax_layers = keep_softmax_attention(model, worst)  # the layers come from the model: no index to refuse
-    target = area.file(STAGE_FOLDERS["select"])
-    shutil.rmtree(target, ignore_errors=True)
-    model.save_pretrained(target)
-    tokenizer.save_pretrained(target)
+    _save_stage_model(area, "select", model, tokenizer)
     return StageRecord(
         "select", "done", wall_time_s=round(time.perf_counter() - started, 2),
         details={"loss": f"{OUTPUT_LOSS_FACTOR:g} x MSE of each layer's attention output against exact softmax, "
@@ -482,6 +445,49 @@ def stage_select(settings: LinearizeSettings, area: StagingArea, state: dict) ->
                  "layer_losses": {str(layer): round(value, 4) for layer, value in sorted(losses.items())},
                  "worst_layers": worst, "softmax_layers": softmax_layers},
     )
+
+
+def _save_stage_model(area: StagingArea, stage: str, model, tokenizer) -> None:
+    target = area.file(STAGE_FOLDERS[stage])
+    shutil.rmtree(target, ignore_errors=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+
+
+def _budget_plan(settings: LinearizeSettings, model) -> tuple[int, list[int], int]:
+    """``(budget bytes, sparse-cache sizes to measure, dtype bytes)`` of ``--cache-budget`` for ``model``, refused in
+    one line when the budget is below the model's smallest decoding state (checked right after the conversion)."""
+    from ..conversion.cache_budget import (
+        CACHE_SIZES, CacheBudgetError, check_budget_reachable, parse_cache_budget, softmax_cache_bytes,
+        torch_dtype_bytes,
+    )
+
+    config = model.config
+    dtype_bytes = torch_dtype_bytes(model)
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = config.num_hidden_layers * softmax_cache_bytes(kv_heads, head_dim, dtype_bytes, 1)
+    sizes = [size for size in sorted({*CACHE_SIZES, settings.sparse_cache}) if 2 * size <= settings.transfer_length]
+    try:
+        budget = parse_cache_budget(settings.cache_budget, per_token)
+        check_budget_reachable(model, budget, settings.budget_context, sizes, dtype_bytes)
+    except CacheBudgetError as error:
+        raise RecipeError(str(error)) from None
+    return budget, sizes, dtype_bytes
+
+
+def _allocate_budget(settings: LinearizeSettings, model, batches: list[dict]) -> dict:
+    """``--cache-budget``: each window layer's sparse cache (or softmax) chosen by
+    :func:`~hf_performer.conversion.cache_budget.allocate_cache_budget` from its measured errors; the model gets it."""
+    from ..conversion.cache_budget import allocate_cache_budget, apply_cache_allocation, measure_option_errors
+
+    budget, sizes, dtype_bytes = _budget_plan(settings, model)
+    errors = measure_option_errors(model, batches, sizes)
+    allocation = allocate_cache_budget(model, errors, budget, settings.budget_context, dtype_bytes=dtype_bytes)
+    apply_cache_allocation(model, allocation)
+    return {"cache_budget": allocation.to_dict(),
+            "loss": f"mean squared error of each layer's attention output against exact softmax, teacher forcing, on "
+                    f"the first {len(batches)} training sequences of {settings.transfer_length} tokens"}
 
 
 def stage_lora(settings: LinearizeSettings, area: StagingArea, state: dict, deadline: float | None) -> StageRecord:

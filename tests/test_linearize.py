@@ -842,3 +842,36 @@ def test_a_gguf_file_is_a_source_where_a_folder_is(tmp_path):
     staged = json.loads((tmp_path / ".out.linearize" / "run.json").read_text())
     assert staged["settings"]["source"] == gguf and staged["estimate"]["train_step_s"] > 0
     assert (tmp_path / ".out.linearize" / "source" / "config.json").is_file()
+
+
+def test_cache_budget_gives_each_window_layer_its_measured_choice(tiny_models, tmp_path):
+    """--cache-budget: the select stage measures every layer's error for each sparse-cache size that fits the
+    transfer sequences, allocates the budget and the folder carries the per-layer settings LoRA trained with."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.cli import main as cli_main
+    from hf_performer.favor_settings import layer_sparse_cache
+
+    flags = ["--window", "4", "--sinks", "1", "--transfer-steps", "1", "--transfer-length", "64",
+             "--transfer-batch-size", "1"]
+    output = tmp_path / "budget"
+    assert _run(_argv(tiny_models, "llama", output, *flags, "--cache-budget", "40000", "--budget-context", "256")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    allocation = record["stages"]["select"]["details"]["cache_budget"]
+    assert allocation["total_bytes"] <= allocation["budget_bytes"] == 40000 and allocation["context"] == 256
+    assert set(allocation["errors"]["0"]) == {"0", "32"}  # sizes up to half the 64-token transfer sequences
+    settings = json.loads((output / "config.json").read_text())["favor_settings"]
+    for layer, entry in allocation["layers"].items():
+        if entry["option"] == "softmax":
+            assert int(layer) in settings["softmax_layers"]
+        else:
+            assert layer_sparse_cache(settings, int(layer)) == entry["option"]
+    model = AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True)
+    assert model(torch.tensor([[1, 2, 3, 4, 5]])).logits.isfinite().all()
+    for extra, message in ((["--cache-budget", "lots"], "is not a size"),
+                           (["--cache-budget", "1KiB", "--softmax-worst", "1"], "give one"),
+                           (["--cache-budget", "100"], "below this model's smallest decoding state")):
+        with pytest.raises(SystemExit) as failure:
+            cli_main(_argv(tiny_models, "llama", tmp_path / "refused", *flags, *extra))
+        line = str(failure.value)
+        assert message in line and "\n" not in line and not (tmp_path / "refused").exists()

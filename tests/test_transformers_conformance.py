@@ -131,11 +131,17 @@ def _packed_batch(lengths=(4, 6, 3), seed=0):
     return batch, sequences
 
 
+WINDOW_LAYERS = dict(feature_map="hedgehog", nb_features=None, window=2, sinks=1)
+PACKED_LAYERS = {"linear": {}, "hybrid": dict(softmax_layers=[1]), "window": WINDOW_LAYERS,
+                 "window-cache": dict(WINDOW_LAYERS, sparse_cache=1, chunk_size=2),
+                 "window-no-tail": dict(WINDOW_LAYERS, linear_tail=False)}
+
+
 @pytest.mark.parametrize("source", CAUSAL)
-@pytest.mark.parametrize("softmax_layers", [[], [1]], ids=["linear", "hybrid"])
+@pytest.mark.parametrize("layers", list(PACKED_LAYERS))
 @pytest.mark.parametrize("marker", ["position_ids", "cu_seq_lens"])
-def test_packed_sequences_equal_each_sequence_alone(source, softmax_layers, marker):
-    model = build(PerformerForCausalLM, source, softmax_layers=softmax_layers)
+def test_packed_sequences_equal_each_sequence_alone(source, layers, marker):
+    model = build(PerformerForCausalLM, source, **PACKED_LAYERS[layers])
     batch, sequences = _packed_batch()
     if marker == "position_ids":
         kwargs = dict(position_ids=batch["position_ids"])
@@ -150,8 +156,10 @@ def test_packed_sequences_equal_each_sequence_alone(source, softmax_layers, mark
 
 
 @pytest.mark.parametrize("source", CAUSAL)
-def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source):
-    model = build(PerformerForCausalLM, source)  # eval: no dropout, so both runs are deterministic; same backward
+@pytest.mark.parametrize("layers", ["linear", "window-cache"])
+def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source, layers):
+    # eval: no dropout, so both runs are deterministic; same backward
+    model = build(PerformerForCausalLM, source, **PACKED_LAYERS[layers])
     batch, sequences = _packed_batch()
     packed_loss = model(
         batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"], use_cache=False
@@ -168,6 +176,35 @@ def test_packed_training_loss_and_gradients_equal_each_sequence_alone(source):
     torch.testing.assert_close(packed_loss, alone_loss, rtol=1e-5, atol=1e-6)
     for packed_grad, parameter in zip(packed_grads, model.parameters()):
         torch.testing.assert_close(packed_grad, parameter.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_sequences_in_a_window_encoder_equal_each_sequence_alone():
+    model = build(PerformerForMaskedLM, "bert", **dict(WINDOW_LAYERS, window=3))
+    batch, sequences = _packed_batch()
+    lengths = batch["cu_seq_lens_q"]
+    packed = model(batch["input_ids"], cu_seq_lens_q=lengths, cu_seq_lens_k=lengths,
+                   max_length_q=batch["max_length_q"], max_length_k=batch["max_length_k"],
+                   position_ids=batch["position_ids"]).logits
+    alone = torch.cat([model(torch.tensor([s])).logits for s in sequences], dim=1)
+    torch.testing.assert_close(packed, alone, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("layers", ["linear", "window-cache"])
+def test_packed_attention_weights_are_each_sequence_alone_on_its_block(layers):
+    model = build(PerformerForCausalLM, "llama", **PACKED_LAYERS[layers])
+    batch, sequences = _packed_batch()
+    packed = model(batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
+                   output_attentions=True).attentions
+    start = 0
+    for sequence in sequences:
+        alone = model(torch.tensor([sequence]), use_cache=False, output_attentions=True).attentions
+        end = start + len(sequence)
+        for packed_weights, alone_weights in zip(packed, alone):
+            torch.testing.assert_close(packed_weights[:, :, start:end, start:end], alone_weights, rtol=1e-4,
+                                       atol=1e-5)
+            assert bool((packed_weights[:, :, start:end, :start] == 0).all())
+            assert bool((packed_weights[:, :, start:end, end:] == 0).all())
+        start = end
 
 
 def test_mask_builder_turns_packed_and_chunked_patterns_into_segment_ids():

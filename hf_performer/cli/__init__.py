@@ -28,6 +28,8 @@ VERBS = (
      "hf_performer.cli.distill"),
     ("linearize", "train a causal LM into sink + window softmax with a learned linear tail (convert, transfer, LoRA, "
      "evaluate)", "hf_performer.cli.linearize"),
+    ("budget", "spend one decoding-memory budget on per-layer sparse caches / softmax layers of a window hybrid",
+     "hf_performer.cli.budget"),
     ("bench", "benchmarks of the attention kernels", "hf_performer.cli.bench"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
      "hf_performer.cli.evaluate"),

@@ -9,7 +9,8 @@ Stages (recipes/README.md, "Linearize a causal LM"):
   convert   window settings (--window, --sinks), a learned map (hedgehog) from the identity, separate q / k maps
   transfer  only the maps and gamma train: 1000 x MSE of each layer's attention output against exact softmax, every
             layer fed the teacher's hidden states (--transfer-*); skipped with --no-tail / --baseline
-  select    with --softmax-worst K: the K layers the tail fits worst (transfer loss) go back to exact softmax
+  select    with --softmax-worst K: the K layers the tail fits worst (transfer loss) go back to exact softmax;
+            with --cache-budget SIZE: each window layer gets the sparse cache (or softmax) the budget buys best
   lora      PEFT LoRA on the attention projections (maps and gamma frozen) on packed --block-size blocks, merged
   evaluate  perplexity on --eval-file: windows of --eval-context tokens every --eval-context / 2
 
@@ -49,14 +50,15 @@ STAGING_SUFFIX = ".linearize"
 
 CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "sparse_cache", "no_tail",
                     "softmax_layers",
-                    "softmax_worst", "transfer_steps", "transfer_length", "transfer_batch_size",
+                    "softmax_worst", "cache_budget", "budget_context", "transfer_steps", "transfer_length", "transfer_batch_size",
                     "transfer_learning_rate", "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
 DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "sparse_cache": 0,
             "transfer_steps": 200,
             "transfer_length": 1024, "transfer_batch_size": 8, "transfer_learning_rate": 1e-2,
-            "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0, "lora_steps": 200,
+            "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0, "cache_budget": None,
+            "budget_context": 16384, "lora_steps": 200,
             "batch_size": 1, "gradient_accumulation_steps": 8, "max_eval_chars": 200_000}
 """The value of every flag whose parser default is ``None`` (so that a preset can tell a given flag from an unset one)."""
 
@@ -104,6 +106,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     hybrid.add_argument("--softmax-worst", type=int, default=None, metavar="K",
                         help="after the transfer, put the K layers with the largest transfer loss back on exact "
                              "softmax (the select stage; default: 0)")
+    hybrid.add_argument("--cache-budget", default=None, metavar="SIZE",
+                        help="after the transfer, give each window layer the sparse cache (or exact softmax) that "
+                             "this decoding state per sequence buys best, measured (the select stage): bytes with a "
+                             "unit (16MiB) or softmax tokens (2048tokens); see hf-performer budget")
+    hybrid.add_argument("--budget-context", type=int, default=None, metavar="TOKENS",
+                        help="context length --cache-budget holds at (default: 16384)")
     hybrid.add_argument("--transfer-steps", type=int, default=None, help="optimizer steps, 0 = skip (default: 200)")
     hybrid.add_argument("--transfer-length", type=int, default=None, help="tokens per sequence (default: 1024)")
     hybrid.add_argument("--transfer-batch-size", type=int, default=None, help="sequences per step (default: 8)")

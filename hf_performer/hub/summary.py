@@ -10,6 +10,8 @@ the model does not have.
 from __future__ import annotations
 
 from ..favor_settings import layer_sparse_cache, layer_window
+from ..cache import linear_state_bytes
+from ..window_state import window_state_bytes
 from .capabilities import LAYER_BEHAVIOURS, layer_kinds, layer_ranges
 from .describe import (
     FEATURE_MAP_DESCRIPTIONS,
@@ -144,31 +146,6 @@ def status_warning(*, kinds: list[str], settings: dict, is_causal: bool, fine_tu
                           "loading pretrained weights into FAVOR+, recovered in a small fraction of the\n> original "
                           "training.")
     return warning + ": fine-tune it before use."
-
-
-def linear_state_bytes(heads: int, head_dim: int, nb_features: int) -> int:
-    """Bytes of one linear layer's decoding state (``FavorCacheLayer``: ``S [H, m, d]``, ``z [H, m]`` and the
-    stabiliser ``[H]``, float32) per sequence."""
-    return heads * (nb_features * head_dim + nb_features + 1) * 4
-
-
-def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: int, sinks: int, dtype_bytes: int,
-                       sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
-                       linear_tail: bool = True) -> int:
-    """Bytes of one window layer's decoding state (``WindowCacheLayer``) per sequence once the context is longer
-    than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
-    chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
-    current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
-    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache."""
-    sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
-    buffer = max(window - 1, 0) + chunk_size + max_rollback
-    buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1)
-    features = nb_features if linear_tail else 1  # without a tail the sums keep one empty feature
-    sums = kv_heads * (features * (head_dim + 1) + 1) * 4
-    committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
-    pending = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
-    tails = committed * (2 if max_rollback > 0 else 1) + pending
-    return sink_slots + buffer_bytes + 8 + tails
 
 
 def _count(number: int, noun: str) -> str:

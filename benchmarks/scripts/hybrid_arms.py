@@ -1,0 +1,244 @@
+"""Window-hybrid arms against softmax at several context lengths: perplexity, passkey and decoding memory.
+
+Each ``--arm NAME FOLDER [KEY=VALUE ...]`` is a trained causal LM folder, optionally with favor settings changed at
+load time (``sparse_cache=256``, ``linear_tail=false``: :func:`hf_performer.favor_attention.update_favor_settings`)
+and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only.
+Every arm and the ``--baseline`` (softmax after the same LoRA) get the one protocol of the window-hybrid results:
+perplexity with windows of each ``--contexts`` length every half window on the first ``--max-chars`` characters of
+``--text-file`` (the first context also split by ``--position-ranges``), and the passkey probe at each
+``--passkey-lengths``. The decoding state of one sequence is computed from each arm's configuration at
+``--memory-lengths`` (:func:`hf_performer.conversion.cache_budget.option_bytes`, the formula the tests hold equal to
+the cache layers' bytes) and the training time read from its ``linearize.json`` when present.
+
+    python benchmarks/scripts/hybrid_arms.py --baseline ../runs/r33/softmax \\
+        --arm tail ../runs/r33/hybrid --arm tail+cache ../runs/r33/hybrid_g256 \\
+        --text-file ../shared/data/wikitext-2-raw/wiki.test.raw --output benchmarks/results/hybrid_arms_smollm2.json
+
+Every evaluation is kept in ``--work-dir`` as it finishes (an interrupted run resumes there); the JSON (paths relative,
+the command, the machine) and a PNG beside it are written at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+
+def _parse_changes(items: list[str], contexts: list[int]) -> tuple[dict, list[int]]:
+    changes = {}
+    for item in items:
+        key, _, text = item.partition("=")
+        if not key or not text:
+            raise SystemExit(f"hybrid_arms: --arm settings are KEY=VALUE (e.g. sparse_cache=256), got {item!r}")
+        if key == "contexts":
+            subset = [int(value) for value in text.split(",") if value.strip().isdigit()]
+            if not subset or not set(subset) <= set(contexts):
+                raise SystemExit(f"hybrid_arms: contexts={text} must name some of --contexts {contexts}")
+            contexts = subset
+            continue
+        changes[key] = json.loads(text.lower()) if text.lower() in ("true", "false") or text.isdigit() else text
+    return changes, contexts
+
+
+def _kept(work_dir: str, name: str, compute) -> dict:
+    """The record ``name`` of the work dir, computed (and kept) when it is missing."""
+    path = os.path.join(work_dir, f"{name}.json")
+    if os.path.isfile(path):
+        with open(path) as handle:
+            return json.load(handle)
+    print(f"{name} ...", flush=True)
+    record = compute()
+    with open(path + ".partial", "w") as handle:
+        json.dump(record, handle, indent=2)
+    os.replace(path + ".partial", path)
+    return record
+
+
+def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int]) -> dict:
+    from hf_performer.tasks.evaluation import evaluate_perplexity_model
+    from hf_performer.tasks.passkey import evaluate_passkey_model
+
+    summary = {"perplexity": {}, "eval_seconds": 0.0}
+    for index, context in enumerate(contexts):
+        ranges = args.position_ranges if index == 0 else None
+        record = _kept(args.work_dir, f"{name}_perplexity_{context}", lambda: evaluate_perplexity_model(
+            folder, "wikitext", args.text_file, max_chars=args.max_chars, context_length=context,
+            stride=context // 2, batch_size=args.batch_size, show_progress=not args.no_progress,
+            position_ranges=ranges, favor_changes=changes))
+        summary["perplexity"][str(context)] = record["metrics"]["perplexity"]
+        summary["eval_seconds"] += record["eval_seconds"]
+        if ranges:
+            summary["perplexity_by_position"] = {f"{r['start']}:{r['end']}": r["perplexity"]
+                                                 for r in record["position_ranges"]}
+    record = _kept(args.work_dir, f"{name}_passkey", lambda: evaluate_passkey_model(
+        folder, args.passkey_lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
+        show_progress=not args.no_progress, favor_changes=changes))
+    summary["passkey_by_length"] = {key.rsplit("_", 1)[1]: value for key, value in record["metrics"].items()
+                                    if key.startswith("passkey_accuracy_")}
+    summary["eval_seconds"] = round(summary["eval_seconds"] + record["eval_seconds"], 1)
+    return summary
+
+
+def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict:
+    """Bytes of the decoding state of one sequence at each length, the favor settings, the training record."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.conversion.cache_budget import SOFTMAX, layer_geometries, option_bytes, torch_dtype_bytes
+    from hf_performer.favor_attention import update_favor_settings
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    dtype_bytes = torch_dtype_bytes(model)
+    info: dict = {}
+    if getattr(model.config, "favor_settings", None) is not None:
+        if changes:
+            update_favor_settings(model, **changes)
+        geometries = layer_geometries(model)
+        info["favor_settings"] = {key: model.config.favor_settings[key] for key in
+                                  ("window", "sinks", "sparse_cache", "linear_tail", "layer_windows", "softmax_layers")}
+        info["cache_bytes"] = {str(length): sum(option_bytes(
+            g, SOFTMAX if g.kind == SOFTMAX else g.sparse_cache, length, dtype_bytes) for g in geometries)
+            for length in lengths}
+    else:
+        config = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        info["cache_bytes"] = {str(length): 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * length
+                               for length in lengths}
+    record_path = os.path.join(folder, "linearize.json")
+    if os.path.isfile(record_path):
+        with open(record_path) as handle:
+            record = json.load(handle)
+        stages = {stage["name"]: stage for stage in record.get("stages", [])}
+        info["training_seconds"] = {name: stage.get("wall_time_s") for name, stage in stages.items()
+                                    if name in ("transfer", "select", "lora") and stage.get("status") == "done"}
+    return info
+
+
+def _plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (ppl_axis, key_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.6))
+    contexts = [int(c) for c in result["protocol"]["contexts"]]
+    lengths = [int(n) for n in result["protocol"]["passkey_lengths"]]
+    baseline = result["baseline"]
+    names = list(result["arms"])
+    width = 0.8 / (len(names) + 1)
+    for index, name in enumerate(names + ["softmax + LoRA"]):
+        arm = result["arms"].get(name, baseline)
+        if name in result["arms"]:
+            measured = [c for c in contexts if str(c) in arm["perplexity_ratio"]]
+            ppl_axis.plot(measured, [arm["perplexity_ratio"][str(c)] for c in measured], "-o", label=name)
+        key_axis.bar([i + index * width for i in range(len(lengths))],
+                     [arm["passkey_by_length"][str(n)] for n in lengths], width, label=name)
+        memory_axis.plot([int(n) for n in arm["cache_bytes"]], [b / 2 ** 20 for b in arm["cache_bytes"].values()],
+                         "-o", label=name, color="black" if name == "softmax + LoRA" else None)
+    ppl_axis.axhline(1.1, color="grey", lw=0.8, ls=":", label="1.10x (target)")
+    ppl_axis.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity / softmax + LoRA's",
+                 title="perplexity ratio")
+    ppl_axis.set_xticks(contexts, [str(c) for c in contexts])
+    key_axis.set_xticks([i + width * len(names) / 2 for i in range(len(lengths))], [str(n) for n in lengths])
+    key_axis.set(xlabel="prompt length (tokens)", ylabel="passkey accuracy", ylim=(0, 1.05), title="passkey")
+    memory_axis.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="MiB per sequence",
+                    title="decoding state")
+    for axis in (ppl_axis, key_axis, memory_axis):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=7)
+    figure.suptitle(f"window-hybrid arms vs softmax + LoRA ({result['protocol']['text_file']})")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arm", nargs="+", action="append", required=True, metavar="NAME FOLDER [KEY=VALUE]",
+                        help="an arm: its name, its model folder, favor settings changed at load time")
+    parser.add_argument("--baseline", required=True, help="the softmax model after the same LoRA")
+    parser.add_argument("--text-file", required=True, help="evaluation text (e.g. wiki.test.raw)")
+    parser.add_argument("--max-chars", type=int, default=200_000, help="characters evaluated (default: %(default)s)")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 2048, 4096], metavar="N",
+                        help="perplexity windows (default: 1024 2048 4096)")
+    parser.add_argument("--position-ranges", nargs="+", default=["0:512", "512:1024"], metavar="START:END")
+    parser.add_argument("--passkey-lengths", type=int, nargs="+", default=[1024, 2048, 4096], metavar="N")
+    parser.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--trials", type=int, default=4, help="passkey prompts per length and depth (default: 4)")
+    parser.add_argument("--memory-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 16384, 65536])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=2, help="windows / prompts per forward (default: 2)")
+    parser.add_argument("--work-dir", default=None, help="where each finished evaluation is kept (default: a folder "
+                                                         "in the system's temp dir named after the output)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--output", required=True, help="the JSON to write (the PNG goes beside it)")
+    args = parser.parse_args(argv)
+    if not args.output.endswith(".json"):
+        raise SystemExit(f"hybrid_arms: --output must end in .json, got {args.output!r}")
+    arms = {}
+    for entry in args.arm:
+        if len(entry) < 2:
+            raise SystemExit(f"hybrid_arms: --arm takes NAME FOLDER [KEY=VALUE ...], got {entry}")
+        arms[entry[0]] = (entry[1], *_parse_changes(entry[2:], args.contexts))
+    for folder in [args.baseline] + [folder for folder, *_ in arms.values()]:
+        if not os.path.isfile(os.path.join(folder, "config.json")):
+            raise SystemExit(f"hybrid_arms: no config.json in {folder} (a saved model folder is expected)")
+    args.work_dir = args.work_dir or os.path.join(
+        tempfile.gettempdir(), f"hybrid_arms_{os.path.splitext(os.path.basename(args.output))[0]}")
+    os.makedirs(args.work_dir, exist_ok=True)
+    print(f"evaluations kept in {args.work_dir}")
+
+    from pathlib import Path
+
+    import torch
+
+    from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.report import write_result
+
+    baseline = {**_evaluate(args, "baseline", args.baseline, {}, args.contexts),
+                **_memory_and_training(args.baseline, {}, args.memory_lengths)}
+    results = {}
+    for name, (folder, changes, contexts) in arms.items():
+        arm = {"model": os.path.relpath(folder), "changes": changes, **_evaluate(args, name, folder, changes, contexts),
+               **_memory_and_training(folder, changes, args.memory_lengths)}
+        arm["perplexity_ratio"] = {c: arm["perplexity"][c] / baseline["perplexity"][c] for c in arm["perplexity"]}
+        arm["passkey_fraction_of_baseline"] = {
+            n: (value / baseline["passkey_by_length"][n] if baseline["passkey_by_length"].get(n) else None)
+            for n, value in arm["passkey_by_length"].items()}
+        arm["cache_fraction_of_baseline"] = {n: arm["cache_bytes"][n] / baseline["cache_bytes"][n]
+                                             for n in arm["cache_bytes"]}
+        results[name] = arm
+    command = ["python benchmarks/scripts/hybrid_arms.py", f"--baseline {os.path.relpath(args.baseline)}"]
+    for name, (folder, changes, contexts) in arms.items():
+        subset = [] if contexts == args.contexts else [f"contexts={','.join(map(str, contexts))}"]
+        command.append(" ".join(["--arm", name, os.path.relpath(folder), *subset,
+                                 *(f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in changes.items())]))
+    command += [f"--text-file {os.path.relpath(args.text_file)}", f"--max-chars {args.max_chars}",
+                "--contexts", *map(str, args.contexts), "--position-ranges", *args.position_ranges,
+                "--passkey-lengths", *map(str, args.passkey_lengths), "--depths", *map(str, args.depths),
+                f"--trials {args.trials}", f"--seed {args.seed}", f"--output {args.output}"]
+    result = {
+        "what": "window-hybrid arms (ablations, sparse caches, budgets) against softmax with the same LoRA, at several "
+                "context lengths",
+        "protocol": {"text_file": os.path.basename(args.text_file), "max_chars": args.max_chars,
+                     "contexts": args.contexts, "stride": "half the context", "position_ranges": args.position_ranges,
+                     "passkey_lengths": args.passkey_lengths, "depths": args.depths, "trials": args.trials,
+                     "seed": args.seed, "memory_lengths": args.memory_lengths},
+        "baseline_model": os.path.relpath(args.baseline), "baseline": baseline, "arms": results,
+        "machine": {**machine_info(torch.device("cpu")), "load_average": load_average()},
+        "command": " ".join(command),
+    }
+    output = Path(args.output)
+    write_result(result, output.parent, output.stem, _plot)
+    for name, arm in results.items():
+        ratios = ", ".join(f"{c}: {r:.3f}x" for c, r in arm["perplexity_ratio"].items())
+        print(f"{name}: perplexity {ratios}; passkey {arm['passkey_by_length']}; "
+              f"{arm['cache_bytes'][str(args.memory_lengths[-1])] / 2 ** 20:.1f} MiB at {args.memory_lengths[-1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

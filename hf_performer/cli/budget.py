@@ -1,0 +1,108 @@
+"""``hf-performer budget``: give a trained window hybrid the per-layer sparse caches (and softmax layers) that one
+decoding-memory budget buys best (the library: :mod:`hf_performer.conversion.cache_budget`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from . import add_verb_parser
+from ._output import check_output_folder, staged_folder
+
+CLI_DESCRIPTION = """Spend one decoding-memory budget where a window hybrid needs exact memory.
+
+  hf-performer budget MODEL OUTPUT --cache-budget 16MiB --context 16384 \\
+      --text-file ../shared/data/wikitext-2-raw/wiki.valid.raw
+
+Each causal window layer's attention output error against exact softmax is measured (teacher forcing) on
+--sequences x --length tokens of --text-file for every --cache-sizes G, then one option per layer (a sparse cache of
+G hard keys per key head, or exact softmax unless --no-softmax) is chosen to minimise the summed error while the
+decoding state of one sequence at --context tokens stays within --cache-budget (bytes with a unit: 16MiB, 20MB;
+or '2048tokens': what the model's softmax key/value cache holds for 2048 tokens). No weight changes: OUTPUT is
+MODEL with the per-layer settings, its card and cache_budget.json (every layer's measured errors, the choice, the
+bytes, and the best single G within the same budget for comparison).
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``budget`` subcommand to ``subparsers``."""
+    parser = add_verb_parser(subparsers, "budget", CLI_DESCRIPTION)
+    parser.add_argument("model", metavar="MODEL", help="a window-hybrid causal LM folder (hf-performer linearize)")
+    parser.add_argument("output", metavar="OUTPUT", help="folder to write the model with its allocation to")
+    parser.add_argument("--cache-budget", required=True, metavar="SIZE",
+                        help="decoding state of one sequence at --context tokens: bytes with a unit (16MiB, 20MB) "
+                             "or softmax tokens (2048tokens)")
+    parser.add_argument("--context", type=int, default=16384, metavar="TOKENS",
+                        help="context length the budget holds at (softmax layers grow with it; default: 16384)")
+    parser.add_argument("--text-file", required=True, help="text the errors are measured on (not the evaluation text)")
+    parser.add_argument("--cache-sizes", nargs="+", type=int, default=None, metavar="G",
+                        help="sparse-cache sizes to measure (default: 0 32 64 128 256 512)")
+    parser.add_argument("--no-softmax", action="store_true", help="never put a layer back on exact softmax")
+    parser.add_argument("--sequences", type=int, default=2, help="measurement sequences (default: 2)")
+    parser.add_argument("--length", type=int, default=1024, help="tokens per measurement sequence (default: 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the sequences' order (default: 0)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    parser.set_defaults(func=run_budget)
+    return parser
+
+
+def run_budget(args: argparse.Namespace) -> int:
+    """Run ``hf-performer budget`` (see :func:`add_parser`). Returns the exit status."""
+    for name in ("context", "sequences", "length"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"hf-performer budget: error: --{name} must be an int >= 1, got {getattr(args, name)}")
+    if args.cache_sizes is not None and min(args.cache_sizes) < 0:
+        raise SystemExit(f"hf-performer budget: error: --cache-sizes must be ints >= 0, got {args.cache_sizes}")
+    if not os.path.isfile(args.text_file):
+        raise SystemExit(f"hf-performer budget: error: --text-file {args.text_file} is not a file")
+    output = check_output_folder(args.output, args.overwrite, "budget", source=args.model)
+
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion.cache_budget import (
+        CACHE_BUDGET_FILE, CACHE_SIZES, CacheBudgetError, allocate_cache_budget, allocation_table,
+        apply_cache_allocation, check_budget_reachable, measure_option_errors, parse_cache_budget, torch_dtype_bytes,
+    )
+    from ..hub import write_model_card
+    from ..recipes.arguments import RecipeError
+    from ..recipes.linearize import transfer_batches
+    from ..recipes.linearize_inputs import load_tokenizer, read_training_text
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+        if getattr(model.config, "favor_settings", None) is None:
+            raise CacheBudgetError(f"{args.model} is not a Performer model (no favor_settings); give the folder "
+                                   "hf-performer linearize wrote")
+        dtype_bytes = torch_dtype_bytes(model)
+        config = model.config
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+        budget = parse_cache_budget(args.cache_budget, per_token)
+        cache_sizes = args.cache_sizes or CACHE_SIZES
+        check_budget_reachable(model, budget, args.context, cache_sizes, dtype_bytes)
+        text = read_training_text([args.text_file])
+        token_ids = tokenizer(text)["input_ids"]
+        batches = transfer_batches(token_ids, args.length, 1, args.seed)[:args.sequences]
+        errors = measure_option_errors(model, batches, cache_sizes)
+        allocation = allocate_cache_budget(model, errors, budget, args.context, dtype_bytes=dtype_bytes,
+                                           allow_softmax=not args.no_softmax)
+        apply_cache_allocation(model, allocation)
+    except (CacheBudgetError, RecipeError) as error:
+        raise SystemExit(f"hf-performer budget: error: {error}") from None
+
+    record = allocation.to_dict()
+    record["measured_on"] = {"text_file": os.path.basename(args.text_file), "sequences": len(batches),
+                             "length": args.length, "seed": args.seed}
+    record["model"] = os.path.basename(os.path.normpath(args.model))
+    with staged_folder(output) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, CACHE_BUDGET_FILE), "w") as handle:
+            json.dump(record, handle, indent=2)
+        write_model_card(staging, model_name=os.path.basename(output))
+    print(allocation_table(allocation))
+    print(f"\nwrote {output}")
+    return 0

@@ -1,0 +1,213 @@
+"""One decoding-memory budget spent per layer (issue 33, item 2): the measured errors, the exact allocation under the
+budget, its application to a model, `hf-performer budget` and `hf-performer linearize --cache-budget`."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from hf_performer import convert_to_performer
+from hf_performer.cache import make_favor_cache
+from hf_performer.cli import main as cli_main
+from hf_performer.conversion.cache_budget import (
+    SOFTMAX, CacheBudgetError, allocate_cache_budget, apply_cache_allocation, layer_geometries,
+    measure_option_errors, option_bytes, parse_cache_budget,
+)
+from hf_performer.favor_settings import layer_sparse_cache
+
+SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tiny_llama_config):
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256, num_hidden_layers=3)).eval()
+    return convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def batches():
+    ids = torch.randint(5, 90, (2, 96), generator=torch.Generator().manual_seed(1))
+    return [{"input_ids": ids}]
+
+
+@pytest.fixture(scope="module")
+def errors(hybrid, batches):
+    return measure_option_errors(hybrid, batches, (0, 4, 16, 48))
+
+
+def _brute_force(hybrid, errors, budget, context, allow_softmax=True):
+    """The smallest summed error over every combination of options within the budget."""
+    geometries = {g.layer: g for g in layer_geometries(hybrid)}
+    choices = {layer: sorted(errors[layer]) + ([SOFTMAX] if allow_softmax else []) for layer in errors}
+    best = None
+    for combination in itertools.product(*(choices[layer] for layer in sorted(errors))):
+        cost = sum(option_bytes(geometries[layer], option, context, 4)
+                   for layer, option in zip(sorted(errors), combination))
+        error = sum(0.0 if option == SOFTMAX else errors[layer][option]
+                    for layer, option in zip(sorted(errors), combination))
+        if cost <= budget and (best is None or error < best):
+            best = error
+    return best
+
+
+def test_errors_are_measured_for_every_window_layer_and_size(errors, hybrid, batches):
+    assert sorted(errors) == [0, 1, 2]
+    for layer, by_size in errors.items():
+        assert set(by_size) == {0, 4, 16, 48}
+        assert by_size[48] < by_size[0]  # half the sequence exact: closer to softmax than no cache
+    with pytest.raises(CacheBudgetError, match="at least 128 tokens") as failure:
+        measure_option_errors(hybrid, batches, (0, 64))
+    assert "\n" not in str(failure.value)
+
+
+@pytest.mark.parametrize("budget_share", [0.0, 0.3, 0.6, 1.0])
+@pytest.mark.parametrize("context", [64, 4096])
+def test_the_allocation_is_the_best_combination_within_the_budget(hybrid, errors, budget_share, context):
+    geometries = {g.layer: g for g in layer_geometries(hybrid)}
+    cheapest = sum(min(option_bytes(g, size, context, 4) for size in errors[g.layer]) for g in geometries.values())
+    dearest = sum(option_bytes(g, SOFTMAX, context, 4) + option_bytes(g, 48, context, 4)
+                  for g in geometries.values())
+    budget = int(cheapest + budget_share * (dearest - cheapest))
+    allocation = allocate_cache_budget(hybrid, errors, budget, context)
+    assert allocation.total_bytes <= budget
+    assert allocation.total_bytes == sum(entry["bytes"] for entry in allocation.layers.values())
+    assert allocation.total_error == pytest.approx(_brute_force(hybrid, errors, budget, context), rel=1e-6, abs=1e-15)
+    if allocation.uniform is not None:
+        assert allocation.total_error <= allocation.uniform["error"] + 1e-15
+    record = json.loads(json.dumps(allocation.to_dict()))
+    assert record["softmax_layers"] == allocation.softmax_layers
+
+
+def test_a_budget_below_the_smallest_state_is_refused_in_one_line(hybrid, errors):
+    with pytest.raises(CacheBudgetError, match="below this model's smallest decoding state") as failure:
+        allocate_cache_budget(hybrid, errors, 1000, 1024)
+    assert "\n" not in str(failure.value)
+    with pytest.raises(CacheBudgetError, match="no causal window layer"):
+        allocate_cache_budget(hybrid, {}, 10 ** 9, 1024)
+    with pytest.raises(CacheBudgetError, match="context"):
+        allocate_cache_budget(hybrid, errors, 10 ** 9, 0)
+
+
+@pytest.mark.parametrize("text, expected", [("2MiB", 2 * 2 ** 20), ("1.5MB", 1_500_000), ("4096", 4096),
+                                            ("10tokens", 10 * 3072), ("3 KiB", 3072)])
+def test_budget_sizes_parse(text, expected):
+    assert parse_cache_budget(text, 3072) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-3MiB", "0", "12 parsecs"])
+def test_bad_budget_sizes_are_refused_in_one_line(text):
+    with pytest.raises(CacheBudgetError, match="cache budget") as failure:
+        parse_cache_budget(text, 3072)
+    assert "\n" not in str(failure.value)
+
+
+def test_the_applied_allocation_is_what_the_model_and_its_cache_run(hybrid, errors, batches, tiny_llama_config):
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256, num_hidden_layers=3)).eval()
+    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0).eval()
+    geometries = {g.layer: g for g in layer_geometries(model)}
+    # room for G = 16 in every layer and one layer on softmax at 1024 tokens
+    budget = sum(option_bytes(g, 16, 1024, 4) for g in geometries.values()) + \
+        option_bytes(geometries[0], SOFTMAX, 1024, 4)
+    allocation = allocate_cache_budget(model, errors, budget, 1024)
+    assert allocation.softmax_layers and allocation.sparse_cache_by_layer  # both kinds of choice
+    settings = apply_cache_allocation(model, allocation)
+    for layer, size in allocation.sparse_cache_by_layer.items():
+        assert layer_sparse_cache(settings, layer) == size
+    assert settings["softmax_layers"] == allocation.softmax_layers
+    ids = batches[0]["input_ids"][:1, :40]
+    with torch.no_grad():
+        one_pass = model(input_ids=ids).logits
+        cache = make_favor_cache(model)
+        prefill = model(input_ids=ids[:, :30], cache=cache, use_cache=True).logits
+        steps = [model(input_ids=ids[:, t:t + 1], cache=cache, use_cache=True).logits
+                 for t in range(30, 40)]
+    torch.testing.assert_close(torch.cat([prefill, *steps], 1), one_pass, rtol=1e-4, atol=1e-4)
+
+
+@needs_shared
+def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_llama_config):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    hybrid = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0)
+    model_dir, output = tmp_path / "hybrid", tmp_path / "budgeted"
+    hybrid.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(f"word{i % 37} and {i % 11}." for i in range(400)))
+    bytes_g4 = sum(option_bytes(g, 4, 2048, 4) for g in layer_geometries(hybrid))
+    assert cli_main(["budget", str(model_dir), str(output), "--cache-budget", str(bytes_g4), "--context", "2048",
+                     "--text-file", str(text), "--cache-sizes", "0", "4", "16", "--length", "64"]) == 0
+    written = (output / "cache_budget.json").read_text()
+    record = json.loads(written)
+    assert record["total_bytes"] <= bytes_g4 and record["measured_on"]["text_file"] == "train.txt"
+    assert str(tmp_path) not in written
+    reloaded = AutoModelForCausalLM.from_pretrained(output, trust_remote_code=True)
+    overrides = reloaded.config.favor_settings["layer_windows"]
+    assert {int(layer): values["sparse_cache"] for layer, values in overrides.items()} == \
+        {int(layer): entry["option"] for layer, entry in record["layers"].items() if entry["option"] != SOFTMAX}
+    with pytest.raises(SystemExit, match="below this model's smallest decoding state") as failure:
+        cli_main(["budget", str(model_dir), str(tmp_path / "other"), "--cache-budget", "1KiB",
+                  "--text-file", str(text), "--length", "64"])
+    assert "\n" not in str(failure.value) and not (tmp_path / "other").exists()
+
+
+@needs_shared
+def test_the_hybrid_arms_collector_writes_its_result(tmp_path, tiny_llama_config, monkeypatch):
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "hybrid_arms.py"
+    spec = importlib.util.spec_from_file_location("_script_hybrid_arms", script)
+    arms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arms)
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    for name, model in (("hybrid", convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)),
+                        ("softmax", source)):
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    monkeypatch.chdir(tmp_path)
+    output = tmp_path / "results" / "arms.json"
+    arguments = ["--baseline", "softmax", "--arm", "tail", "hybrid", "--arm", "window", "hybrid", "linear_tail=false",
+                 "--arm", "cache", "hybrid", "sparse_cache=8", "contexts=48", "--text-file",
+                 str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--contexts", "48", "96",
+                 "--position-ranges", "0:24", "24:48", "--passkey-lengths", "128", "--depths", "0.5", "--trials", "1",
+                 "--memory-lengths", "64", "1024", "--work-dir", str(tmp_path / "work"), "--no-progress",
+                 "--output", "results/arms.json"]
+    assert arms.main(arguments) == 0
+    result = json.loads(output.read_text())
+    assert (tmp_path / "results" / "arms.png").is_file()
+    assert set(result["arms"]) == {"tail", "window", "cache"}
+    tail, window, cache = (result["arms"][name] for name in ("tail", "window", "cache"))
+    assert set(tail["perplexity"]) == {"48", "96"} and set(tail["perplexity_by_position"]) == {"0:24", "24:48"}
+    assert tail["perplexity_ratio"]["96"] == pytest.approx(
+        tail["perplexity"]["96"] / result["baseline"]["perplexity"]["96"])
+    assert window["changes"] == {"linear_tail": False} and window["favor_settings"]["linear_tail"] is False
+    assert window["perplexity"]["48"] != tail["perplexity"]["48"] != cache["perplexity"]["48"]
+    assert set(cache["perplexity"]) == {"48"} and "contexts=48" in result["command"]
+    # memory: softmax grows with the context, the hybrid's state does not; the sparse cache costs its keys
+    assert result["baseline"]["cache_bytes"]["1024"] == 16 * result["baseline"]["cache_bytes"]["64"]
+    assert tail["cache_bytes"]["1024"] == tail["cache_bytes"]["64"] < cache["cache_bytes"]["64"]
+    assert str(tmp_path) not in output.read_text()
+    from hf_performer.tasks import evaluation, passkey
+
+    def evaluated_again(*args, **kwargs):
+        raise AssertionError("a kept evaluation was run again")
+
+    monkeypatch.setattr(evaluation, "evaluate_perplexity_model", evaluated_again)
+    monkeypatch.setattr(passkey, "evaluate_passkey_model", evaluated_again)
+    assert arms.main(arguments) == 0
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        arms.main([*arguments[:5], "oops", *arguments[5:]])
