@@ -65,6 +65,45 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**{**TINY_LLAMA, **overrides})
 
 
+def benchmark_script(name: str):
+    """The module of ``benchmarks/scripts/NAME.py`` (not a package: loaded from its file), for collector tests."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def save_tiny_hybrid_and_softmax(folder, tokenizer) -> None:
+    """``folder/hybrid`` (a tiny Llama converted to window 4 + 1 sink with a hedgehog tail) and ``folder/softmax``
+    (its source), each with ``tokenizer``: the two models a collector of window-hybrid results compares."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hf_performer import convert_to_performer
+
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    for name, model in (("hybrid", convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)),
+                        ("softmax", source)):
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
+
+
+def forbid_new_evaluations(monkeypatch) -> None:
+    """Make any perplexity or passkey evaluation fail: a resumed collector must read its kept records."""
+    from hf_performer.tasks import evaluation, passkey
+
+    def evaluated_again(*args, **kwargs):
+        raise AssertionError("a kept evaluation was run again")
+
+    monkeypatch.setattr(evaluation, "evaluate_perplexity_model", evaluated_again)
+    monkeypatch.setattr(passkey, "evaluate_passkey_model", evaluated_again)
+
+
 def cached(model, cache) -> dict:
     """``cache`` as the keyword argument ``model``'s forward (and generate) takes it: ``cache=`` from transformers
     5.24 on, ``past_key_values=`` before (the old name warns, then goes in 5.40): ``model(ids, **cached(model, c))``."""

@@ -18,6 +18,8 @@ from hf_performer.conversion.cache_budget import (
 )
 from hf_performer.favor_settings import layer_sparse_cache
 
+from conftest import benchmark_script, forbid_new_evaluations, save_tiny_hybrid_and_softmax
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
 
@@ -161,23 +163,11 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
 
 
 @needs_shared
-def test_the_hybrid_arms_collector_writes_its_result(tmp_path, tiny_llama_config, monkeypatch):
-    import importlib.util
-
+def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "hybrid_arms.py"
-    spec = importlib.util.spec_from_file_location("_script_hybrid_arms", script)
-    arms = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(arms)
-
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
-    torch.manual_seed(0)
-    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
-    for name, model in (("hybrid", convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)),
-                        ("softmax", source)):
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
+    arms = benchmark_script("hybrid_arms")
+    save_tiny_hybrid_and_softmax(tmp_path, AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer"))
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "results" / "arms.json"
     arguments = ["--baseline", "softmax", "--arm", "tail", "hybrid", "--arm", "window", "hybrid", "linear_tail=false",
@@ -201,13 +191,7 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, tiny_llama_config
     assert result["baseline"]["cache_bytes"]["1024"] == 16 * result["baseline"]["cache_bytes"]["64"]
     assert tail["cache_bytes"]["1024"] == tail["cache_bytes"]["64"] < cache["cache_bytes"]["64"]
     assert str(tmp_path) not in output.read_text()
-    from hf_performer.tasks import evaluation, passkey
-
-    def evaluated_again(*args, **kwargs):
-        raise AssertionError("a kept evaluation was run again")
-
-    monkeypatch.setattr(evaluation, "evaluate_perplexity_model", evaluated_again)
-    monkeypatch.setattr(passkey, "evaluate_passkey_model", evaluated_again)
+    forbid_new_evaluations(monkeypatch)  # resumed from the work dir: nothing is evaluated again
     assert arms.main(arguments) == 0
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         arms.main([*arguments[:5], "oops", *arguments[5:]])

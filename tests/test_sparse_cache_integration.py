@@ -12,6 +12,8 @@ from hf_performer import convert_to_performer
 from hf_performer.cli import main as cli_main
 from hf_performer.favor_attention import update_favor_settings
 
+from conftest import benchmark_script, forbid_new_evaluations, save_tiny_hybrid_and_softmax
+
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
 
@@ -116,21 +118,9 @@ def test_linearize_passes_the_sparse_cache_to_the_conversion():
 
 
 @needs_shared
-def test_the_sparse_cache_sweep_collector_writes_its_result(tmp_path, tiny_llama_config, monkeypatch):
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "sparse_cache_sweep.py"
-    spec = importlib.util.spec_from_file_location("_script_sparse_cache_sweep", script)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
-    torch.manual_seed(0)
-    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
-    for name, model in (("hybrid", convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)),
-                        ("softmax", source)):
-        model.save_pretrained(tmp_path / name)
-        tokenizer.save_pretrained(tmp_path / name)
+def test_the_sparse_cache_sweep_collector_writes_its_result(tmp_path, monkeypatch):
+    sweep = benchmark_script("sparse_cache_sweep")
+    save_tiny_hybrid_and_softmax(tmp_path, AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer"))
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "results" / "sweep.json"
     arguments = ["hybrid", "--baseline", "softmax", "--cache-sizes", "0", "8", "--text-file",
@@ -146,14 +136,7 @@ def test_the_sparse_cache_sweep_collector_writes_its_result(tmp_path, tiny_llama
     assert result["runs"]["0"]["perplexity_ratio"] == pytest.approx(
         result["runs"]["0"]["perplexity"] / result["baseline"]["perplexity"])
     assert str(tmp_path) not in output.read_text()
-    # resumed from the work dir: nothing is evaluated again
-    from hf_performer.tasks import evaluation, passkey
-
-    def evaluated_again(*args, **kwargs):
-        raise AssertionError("a kept evaluation was run again")
-
-    monkeypatch.setattr(evaluation, "evaluate_perplexity_model", evaluated_again)
-    monkeypatch.setattr(passkey, "evaluate_passkey_model", evaluated_again)
+    forbid_new_evaluations(monkeypatch)  # resumed from the work dir: nothing is evaluated again
     assert sweep.main(arguments) == 0
     assert json.loads(output.read_text())["runs"] == result["runs"]
     with pytest.raises(SystemExit, match="--cache-sizes must be >= 0"):
