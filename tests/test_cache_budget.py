@@ -156,6 +156,11 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
     overrides = reloaded.config.favor_settings["layer_windows"]
     assert {int(layer): values["sparse_cache"] for layer, values in overrides.items()} == \
         {int(layer): entry["option"] for layer, entry in record["layers"].items() if entry["option"] != SOFTMAX}
+    assert record["command"].startswith("hf-performer budget hybrid budgeted --cache-budget")
+    # the committed-result collector: JSON with the machine, PNG beside it
+    result = tmp_path / "results" / "budget.json"
+    assert benchmark_script("cache_budget_result").main([str(output), "--output", str(result)]) == 0
+    assert json.loads(result.read_text())["layers"] == record["layers"] and result.with_suffix(".png").is_file()
     with pytest.raises(SystemExit, match="below this model's smallest decoding state") as failure:
         cli_main(["budget", str(model_dir), str(tmp_path / "other"), "--cache-budget", "1KiB",
                   "--text-file", str(text), "--length", "64"])

@@ -97,6 +97,12 @@ def run_budget(args: argparse.Namespace) -> int:
     record["measured_on"] = {"text_file": os.path.basename(args.text_file), "sequences": len(batches),
                              "length": args.length, "seed": args.seed}
     record["model"] = os.path.basename(os.path.normpath(args.model))
+    record["command"] = " ".join(
+        ["hf-performer budget", record["model"], os.path.basename(os.path.normpath(output)),
+         f"--cache-budget {args.cache_budget}", f"--context {args.context}",
+         f"--text-file {os.path.basename(args.text_file)}", "--cache-sizes", *map(str, cache_sizes),
+         *(["--no-softmax"] if args.no_softmax else []), f"--sequences {args.sequences}", f"--length {args.length}",
+         f"--seed {args.seed}"])
     with staged_folder(output) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
