@@ -173,6 +173,9 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
 
     arms = benchmark_script("hybrid_arms")
     save_tiny_hybrid_and_softmax(tmp_path, AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer"))
+    stages = {"convert": {"status": "done", "wall_time_s": 1.0}, "transfer": {"status": "done", "wall_time_s": 20.5},
+              "select": {"status": "skipped"}, "lora": {"status": "done", "wall_time_s": 7.25}}
+    (tmp_path / "hybrid" / "linearize.json").write_text(json.dumps({"stages": stages}))  # as linearize writes it
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "results" / "arms.json"
     arguments = ["--baseline", "softmax", "--arm", "tail", "hybrid", "--arm", "window", "hybrid", "linear_tail=false",
@@ -190,6 +193,7 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     assert tail["perplexity_ratio"]["96"] == pytest.approx(
         tail["perplexity"]["96"] / result["baseline"]["perplexity"]["96"])
     assert window["changes"] == {"linear_tail": False} and window["favor_settings"]["linear_tail"] is False
+    assert tail["training_seconds"] == {"transfer": 20.5, "lora": 7.25} and "training_seconds" not in result["baseline"]
     assert window["perplexity"]["48"] != tail["perplexity"]["48"] != cache["perplexity"]["48"]
     assert set(cache["perplexity"]) == {"48"} and "contexts=48" in result["command"]
     # memory: softmax grows with the context, the hybrid's state does not; the sparse cache costs its keys

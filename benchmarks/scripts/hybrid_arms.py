@@ -111,8 +111,7 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
     if os.path.isfile(record_path):
         with open(record_path) as handle:
             record = json.load(handle)
-        stages = {stage["name"]: stage for stage in record.get("stages", [])}
-        info["training_seconds"] = {name: stage.get("wall_time_s") for name, stage in stages.items()
+        info["training_seconds"] = {name: stage.get("wall_time_s") for name, stage in record["stages"].items()
                                     if name in ("transfer", "select", "lora") and stage.get("status") == "done"}
     return info
 
