@@ -157,6 +157,8 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
     assert {int(layer): values["sparse_cache"] for layer, values in overrides.items()} == \
         {int(layer): entry["option"] for layer, entry in record["layers"].items() if entry["option"] != SOFTMAX}
     assert record["command"].startswith("hf-performer budget hybrid budgeted --cache-budget")
+    card = (output / "README.md").read_text()
+    assert "## Memory budget" in card and f"Summed measured error: {record['total_error']:.4g}" in card
     # the committed-result collector: JSON with the machine, PNG beside it
     result = tmp_path / "results" / "budget.json"
     assert benchmark_script("cache_budget_result").main([str(output), "--output", str(result)]) == 0

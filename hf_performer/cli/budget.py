@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
@@ -66,7 +67,7 @@ def run_budget(args: argparse.Namespace) -> int:
     )
     from ..hub import write_model_card
     from ..recipes.arguments import RecipeError
-    from ..recipes.linearize import transfer_batches
+    from ..recipes.linearize import LINEARIZE_FILE, transfer_batches
     from ..recipes.linearize_inputs import load_tokenizer, read_training_text
 
     try:
@@ -108,6 +109,8 @@ def run_budget(args: argparse.Namespace) -> int:
         tokenizer.save_pretrained(staging)
         with open(os.path.join(staging, CACHE_BUDGET_FILE), "w") as handle:
             json.dump(record, handle, indent=2)
+        if os.path.isfile(os.path.join(args.model, LINEARIZE_FILE)):  # the same weights: their training record
+            shutil.copyfile(os.path.join(args.model, LINEARIZE_FILE), os.path.join(staging, LINEARIZE_FILE))
         write_model_card(staging, model_name=os.path.basename(output))
     print(allocation_table(allocation))
     print(f"\nwrote {output}")

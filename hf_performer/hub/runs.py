@@ -93,6 +93,34 @@ def linearize_context(record: dict, where: str) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def cache_budget_context(record: dict, where: str) -> dict:
+    """What the card's "Memory budget" section shows, from a ``cache_budget.json`` record (``hf-performer budget``):
+    the budget, what was spent, the choice per layer grouped by option, the measured errors.
+
+    Raises:
+        ModelCardError: not such a record.
+    """
+    required = ("budget_bytes", "context", "total_bytes", "total_error", "layers")
+    if not isinstance(record, dict) or any(key not in record for key in required):
+        raise ModelCardError(f"{where}: not a cache_budget.json record (expected {', '.join(required)})")
+    by_option: dict[str, list[int]] = {}
+    for layer, entry in sorted(record["layers"].items(), key=lambda item: int(item[0])):
+        by_option.setdefault(str(entry["option"]), []).append(int(layer))
+    mib = lambda size: f"{size / 2 ** 20:.1f} MiB"  # noqa: E731
+    uniform = record.get("uniform") or {}
+    return {
+        "budget": mib(record["budget_bytes"]), "spent": mib(record["total_bytes"]), "context": record["context"],
+        "softmax": mib(record["softmax_bytes"]) if record.get("softmax_bytes") else None,
+        "choices": [{"option": option, "layers": ", ".join(map(str, layers))}
+                    for option, layers in sorted(by_option.items(), key=lambda item: (item[0] == "softmax",
+                                                                                      int(item[0]) if item[0].isdigit()
+                                                                                      else 0))],
+        "error": f"{record['total_error']:.4g}",
+        "uniform": {"size": uniform["sparse_cache"], "error": f"{uniform['error']:.4g}"} if uniform else None,
+        "command": record.get("command"),
+    }
+
+
 def _transfer_field(record: dict, path: str, where: str, check, expected: str, required: bool = True):
     """``record[a][b]...`` for ``path = "a.b"``, checked by ``check`` (raises :class:`ModelCardError`)."""
     value = record
