@@ -181,7 +181,8 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     output = tmp_path / "results" / "arms.json"
     arguments = ["--baseline", "softmax", "--arm", "tail", "hybrid", "--arm", "window", "hybrid", "linear_tail=false",
-                 "--arm", "cache", "hybrid", "sparse_cache=8", "contexts=48", "--text-file",
+                 "--arm", "cache", "hybrid", "sparse_cache=8", "contexts=48", "--arm", "long", "hybrid",
+                 "contexts=96", "passkey=false", "--text-file",
                  str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--contexts", "48", "96",
                  "--position-ranges", "0:24", "24:48", "--passkey-lengths", "128", "--depths", "0.5", "--trials", "1",
                  "--memory-lengths", "64", "1024", "--work-dir", str(tmp_path / "work"), "--no-progress",
@@ -189,7 +190,10 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     assert arms.main(arguments) == 0
     result = json.loads(output.read_text())
     assert (tmp_path / "results" / "arms.png").is_file()
-    assert set(result["arms"]) == {"tail", "window", "cache"}
+    assert set(result["arms"]) == {"tail", "window", "cache", "long"}
+    long = result["arms"]["long"]  # one context, no passkey, no split by position (that is the first context's)
+    assert set(long["perplexity"]) == {"96"} and long["passkey_by_length"] == {} and "perplexity_by_position" not in long
+    assert "contexts=96 passkey=false" in result["command"]
     tail, window, cache = (result["arms"][name] for name in ("tail", "window", "cache"))
     assert set(tail["perplexity"]) == {"48", "96"} and set(tail["perplexity_by_position"]) == {"0:24", "24:48"}
     assert tail["perplexity_ratio"]["96"] == pytest.approx(

@@ -2,7 +2,8 @@
 
 Each ``--arm NAME FOLDER [KEY=VALUE ...]`` is a trained causal LM folder, optionally with favor settings changed at
 load time (``sparse_cache=256``, ``linear_tail=false``: :func:`hf_performer.favor_attention.update_favor_settings`)
-and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only.
+and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only, ``passkey=false`` to skip
+its passkey probe.
 Every arm and the ``--baseline`` (softmax after the same LoRA) get the one protocol of the window-hybrid results:
 perplexity with windows of each ``--contexts`` length every half window on the first ``--max-chars`` characters of
 ``--text-file`` (the first context also split by ``--position-ranges``), and the passkey probe at each
@@ -27,8 +28,8 @@ import sys
 import tempfile
 
 
-def _parse_changes(items: list[str], contexts: list[int]) -> tuple[dict, list[int]]:
-    changes = {}
+def _parse_changes(items: list[str], contexts: list[int]) -> tuple[dict, list[int], bool]:
+    changes, passkey = {}, True
     for item in items:
         key, _, text = item.partition("=")
         if not key or not text:
@@ -39,8 +40,11 @@ def _parse_changes(items: list[str], contexts: list[int]) -> tuple[dict, list[in
                 raise SystemExit(f"hybrid_arms: contexts={text} must name some of --contexts {contexts}")
             contexts = subset
             continue
+        if key == "passkey":
+            passkey = text.lower() != "false"
+            continue
         changes[key] = json.loads(text.lower()) if text.lower() in ("true", "false") or text.isdigit() else text
-    return changes, contexts
+    return changes, contexts, passkey
 
 
 def _kept(work_dir: str, name: str, compute) -> dict:
@@ -57,13 +61,13 @@ def _kept(work_dir: str, name: str, compute) -> dict:
     return record
 
 
-def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int]) -> dict:
+def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], passkey: bool = True) -> dict:
     from hf_performer.tasks.evaluation import evaluate_perplexity_model
     from hf_performer.tasks.passkey import evaluate_passkey_model
 
     summary = {"perplexity": {}, "eval_seconds": 0.0}
-    for index, context in enumerate(contexts):
-        ranges = args.position_ranges if index == 0 else None
+    for context in contexts:
+        ranges = args.position_ranges if context == args.contexts[0] else None
         record = _kept(args.work_dir, f"{name}_perplexity_{context}", lambda: evaluate_perplexity_model(
             folder, "wikitext", args.text_file, max_chars=args.max_chars, context_length=context,
             stride=context // 2, batch_size=args.batch_size, show_progress=not args.no_progress,
@@ -73,6 +77,9 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int]) 
         if ranges:
             summary["perplexity_by_position"] = {f"{r['start']}:{r['end']}": r["perplexity"]
                                                  for r in record["position_ranges"]}
+    if not passkey:
+        summary["passkey_by_length"] = {}
+        return summary
     record = _kept(args.work_dir, f"{name}_passkey", lambda: evaluate_passkey_model(
         folder, args.passkey_lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
         show_progress=not args.no_progress, favor_changes=changes))
@@ -133,8 +140,9 @@ def _plot(result: dict, path: str) -> None:
         if name in result["arms"]:
             measured = [c for c in contexts if str(c) in arm["perplexity_ratio"]]
             ppl_axis.plot(measured, [arm["perplexity_ratio"][str(c)] for c in measured], "-o", label=name)
-        key_axis.bar([i + index * width for i in range(len(lengths))],
-                     [arm["passkey_by_length"][str(n)] for n in lengths], width, label=name)
+        if arm["passkey_by_length"]:
+            key_axis.bar([i + index * width for i in range(len(lengths))],
+                         [arm["passkey_by_length"][str(n)] for n in lengths], width, label=name)
         memory_axis.plot([int(n) for n in arm["cache_bytes"]], [b / 2 ** 20 for b in arm["cache_bytes"].values()],
                          "-o", label=name, color="black" if name == "softmax + LoRA" else None)
     ppl_axis.axhline(1.1, color="grey", lw=0.8, ls=":", label="1.10x (target)")
@@ -200,8 +208,9 @@ def main(argv=None) -> int:
     baseline = {**_evaluate(args, "baseline", args.baseline, {}, args.contexts),
                 **_memory_and_training(args.baseline, {}, args.memory_lengths)}
     results = {}
-    for name, (folder, changes, contexts) in arms.items():
-        arm = {"model": os.path.relpath(folder), "changes": changes, **_evaluate(args, name, folder, changes, contexts),
+    for name, (folder, changes, contexts, passkey) in arms.items():
+        arm = {"model": os.path.relpath(folder), "changes": changes,
+               **_evaluate(args, name, folder, changes, contexts, passkey),
                **_memory_and_training(folder, changes, args.memory_lengths)}
         arm["perplexity_ratio"] = {c: arm["perplexity"][c] / baseline["perplexity"][c] for c in arm["perplexity"]}
         arm["passkey_fraction_of_baseline"] = {
@@ -211,8 +220,9 @@ def main(argv=None) -> int:
                                              for n in arm["cache_bytes"]}
         results[name] = arm
     command = ["python benchmarks/scripts/hybrid_arms.py", f"--baseline {os.path.relpath(args.baseline)}"]
-    for name, (folder, changes, contexts) in arms.items():
-        subset = [] if contexts == args.contexts else [f"contexts={','.join(map(str, contexts))}"]
+    for name, (folder, changes, contexts, passkey) in arms.items():
+        subset = ([] if contexts == args.contexts else [f"contexts={','.join(map(str, contexts))}"]) + \
+            ([] if passkey else ["passkey=false"])
         command.append(" ".join(["--arm", name, os.path.relpath(folder), *subset,
                                  *(f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in changes.items())]))
     command += [f"--text-file {os.path.relpath(args.text_file)}", f"--max-chars {args.max_chars}",
