@@ -128,6 +128,7 @@ def _plot(result: dict, path: str) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     figure, (ppl_axis, key_axis, memory_axis) = plt.subplots(1, 3, figsize=(16, 4.6))
     contexts = [int(c) for c in result["protocol"]["contexts"]]
@@ -135,20 +136,23 @@ def _plot(result: dict, path: str) -> None:
     baseline = result["baseline"]
     names = list(result["arms"])
     width = 0.8 / (len(names) + 1)
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for index, name in enumerate(names + ["softmax + LoRA"]):
         arm = result["arms"].get(name, baseline)
+        colour = "black" if name == "softmax + LoRA" else colours[index % len(colours)]
         if name in result["arms"]:
             measured = [c for c in contexts if str(c) in arm["perplexity_ratio"]]
-            ppl_axis.plot(measured, [arm["perplexity_ratio"][str(c)] for c in measured], "-o", label=name)
+            ppl_axis.plot(measured, [arm["perplexity_ratio"][str(c)] for c in measured], "-o", label=name, color=colour)
         if arm["passkey_by_length"]:
             key_axis.bar([i + index * width for i in range(len(lengths))],
-                         [arm["passkey_by_length"][str(n)] for n in lengths], width, label=name)
+                         [arm["passkey_by_length"][str(n)] for n in lengths], width, label=name, color=colour)
         memory_axis.plot([int(n) for n in arm["cache_bytes"]], [b / 2 ** 20 for b in arm["cache_bytes"].values()],
-                         "-o", label=name, color="black" if name == "softmax + LoRA" else None)
+                         "-o", label=name, color=colour)
     ppl_axis.axhline(1.1, color="grey", lw=0.8, ls=":", label="1.10x (target)")
-    ppl_axis.set(xscale="log", xlabel="context (tokens)", ylabel="perplexity / softmax + LoRA's",
+    ppl_axis.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="perplexity / softmax + LoRA's",
                  title="perplexity ratio")
     ppl_axis.set_xticks(contexts, [str(c) for c in contexts])
+    ppl_axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     key_axis.set_xticks([i + width * len(names) / 2 for i in range(len(lengths))], [str(n) for n in lengths])
     key_axis.set(xlabel="prompt length (tokens)", ylabel="passkey accuracy", ylim=(0, 1.05), title="passkey")
     memory_axis.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="MiB per sequence",

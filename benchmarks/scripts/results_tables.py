@@ -494,6 +494,7 @@ def readme_headline(root: str) -> str:
     decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
     window_break_even = _decode_table(window_decode, "window layers")[1]
     worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
+    arms = load("hybrid_arms_smollm2.json")["arms"]
     lines = [
         "| | result | source |", "|---|---|---|",
         f"| one FAVOR+ attention call, forward + backward, vs SDPA | **{_speedup(speed, 'bidirectional', 'favor', 8192):.1f}x** "
@@ -523,6 +524,12 @@ def readme_headline(root: str) -> str:
         f"{_best_ratio('window_hybrid_smollm2_lora_lr1e-3_worst10.json', 'hybrid_worst_softmax_lora'):.3f}x with "
         f"{len(worst10['arms']['hybrid_worst_softmax_lora']['linearize']['softmax_layers'])} of 30 layers on softmax | "
         f"{_link(root, 'window_hybrid_smollm2_w256_bf16_taught.json', 'causal LM')} |",
+        f"| the same, window 64 with a 20 MiB decoding state spent per layer (`hf-performer budget`) | "
+        f"**{arms['budget20MiB']['perplexity_ratio']['1024']:.3f}x** at 1024 with no retraining (one sparse cache for "
+        f"every layer in the same memory: {arms['tail_G256_load']['perplexity_ratio']['1024']:.3f}x); every hybrid "
+        f"trained at 1024 breaks past it ({arms['tail_G256']['perplexity_ratio']['2048']:.2f}x-"
+        f"{arms['tail']['perplexity_ratio']['2048']:.2f}x at 2048) | "
+        f"{_link(root, 'hybrid_arms_smollm2.json', 'arms')} |",
         "",
         f"All measured on a {speed['machine']['cpu_count']}-core {speed['machine']['cpu']} CPU with torch "
         f"{speed['machine']['torch']}; each result records its machine, date and load.",
