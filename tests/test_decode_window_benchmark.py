@@ -1,5 +1,7 @@
 """Quick test of ``hf-performer bench decode --model FOLDER`` on a tiny converted Llama with window layers."""
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_llama_config
@@ -32,6 +34,9 @@ def test_window_layers_are_measured_against_softmax(folder):
     assert result["settings"]["model"]["folder"] == "tiny-window" and str(folder) not in str(result)
     assert result["summary"]["favor_cache_bytes_constant"] is True
     assert "chunked prefill through the window cache" in format_decode_table(result)
+    # the record is JSON (the state's plain tuples, e.g. the pending tail sums, described by index)
+    assert "pending.0" in result["verification"]["favor"]["cache_layers"][0]["tensors"]
+    json.dumps(result)
 
 
 def test_contexts_below_the_full_buffer_are_refused(folder):

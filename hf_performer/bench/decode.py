@@ -213,13 +213,17 @@ def cache_nbytes(cache) -> int:
 
 
 def _describe_state(state) -> dict:
-    """Shape/dtype of every tensor of a state (nested named tuples flattened: ``tail.kv``), and its int fields."""
+    """Shape/dtype of every tensor of a state (nested named tuples flattened: ``tail.kv``, plain tuples by index:
+    ``pending.0``), and its other fields as they are (JSON-able)."""
     described = {}
     for name, item in state._asdict().items():
         if isinstance(item, torch.Tensor):
             described[name] = (list(item.shape), str(item.dtype))
         elif hasattr(item, "_asdict"):
             described.update({f"{name}.{key}": value for key, value in _describe_state(item).items()})
+        elif isinstance(item, (tuple, list)):
+            described.update({f"{name}.{index}": (list(part.shape), str(part.dtype)) if isinstance(part, torch.Tensor)
+                              else part for index, part in enumerate(item)})
         else:
             described[name] = item
     return described
