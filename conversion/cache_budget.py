@@ -23,11 +23,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 from torch import nn
 
 from hf_performer.cache import linear_state_bytes
-from hf_performer.favor_attention import find_attention_modules, layer_index_of, module_favor_settings, uses_favor
+from hf_performer.favor_attention import (
+    find_attention_modules, layer_index_of, module_favor_settings, update_favor_settings, uses_favor,
+)
 from hf_performer.favor_settings import effective_nb_features, layer_sparse_cache, layer_window
 from hf_performer.window_state import window_state_bytes
 
@@ -52,6 +53,15 @@ class CacheBudgetError(ValueError):
 def softmax_cache_bytes(kv_heads: int, head_dim: int, dtype_bytes: int, context: int) -> int:
     """Bytes of one softmax layer's key/value cache for one sequence of ``context`` tokens."""
     return 2 * kv_heads * head_dim * dtype_bytes * context
+
+
+def softmax_token_bytes(config, dtype_bytes: int) -> int:
+    """Bytes one token adds to the key/value cache of every layer of a softmax model with ``config`` (a
+    transformers config, or a ``PerformerConfig``, which reads its source's geometry)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers * softmax_cache_bytes(kv_heads, head_dim, dtype_bytes, 1)
 
 
 def parse_cache_budget(text: str, bytes_per_softmax_token: int) -> int:
@@ -128,6 +138,17 @@ def option_bytes(geometry: LayerGeometry, option: int | str, context: int, dtype
                               linear_tail=geometry.linear_tail)
 
 
+def configured_bytes(geometry: LayerGeometry, context: int, dtype_bytes: int) -> int:
+    """Bytes of ``geometry``'s decoding state at ``context`` tokens with the layer's own setting."""
+    return option_bytes(geometry, SOFTMAX if geometry.kind == SOFTMAX else geometry.sparse_cache, context, dtype_bytes)
+
+
+def model_state_bytes(model: nn.Module, context: int) -> int:
+    """Bytes of ``model``'s decoding state for one sequence of ``context`` tokens, every layer as configured."""
+    dtype_bytes = torch_dtype_bytes(model)
+    return sum(configured_bytes(geometry, context, dtype_bytes) for geometry in layer_geometries(model))
+
+
 def check_budget_reachable(model: nn.Module, budget_bytes: int, context: int, cache_sizes: Sequence[int],
                            dtype_bytes: int = 4) -> None:
     """Refuse, before anything is measured, a budget below the model's smallest decoding state at ``context`` tokens
@@ -139,14 +160,12 @@ def check_budget_reachable(model: nn.Module, budget_bytes: int, context: int, ca
     if context <= 0:
         raise CacheBudgetError(f"budget context {context} is not a number of tokens; accepted: an int > 0")
     smallest = sum(min(option_bytes(g, size, context, dtype_bytes) for size in cache_sizes) if g.kind == "window"
-                   else option_bytes(g, SOFTMAX if g.kind == SOFTMAX else g.sparse_cache, context, dtype_bytes)
-                   for g in layer_geometries(model))
+                   else configured_bytes(g, context, dtype_bytes) for g in layer_geometries(model))
     if budget_bytes < smallest:
         raise CacheBudgetError(
             f"cache budget {_mib(budget_bytes)} at {context} tokens is below this model's smallest decoding state "
             f"({_mib(smallest)}: every window layer with its smallest sparse cache among {sorted(cache_sizes)}); "
-            f"accepted: >= "
-            f"{_mib(smallest)}")
+            f"accepted: >= {_mib(smallest)}")
 
 
 def measure_option_errors(model: nn.Module, batches: Iterable[dict], cache_sizes: Sequence[int] = CACHE_SIZES,
@@ -209,7 +228,7 @@ class CacheAllocation:
         return record
 
 
-def _solve(costs: list[list[int]], errors: list[list[float]], budget: int) -> tuple[list[int], float] | None:
+def _solve(costs: list[list[int]], errors: list[list[float]], budget: int) -> list[int] | None:
     """The option index per group minimising the summed error with summed cost <= ``budget`` (exact dynamic
     programme over integer costs), or ``None`` when even the cheapest options exceed it."""
     best = np.zeros(budget + 1)
@@ -233,7 +252,7 @@ def _solve(costs: list[list[int]], errors: list[list[float]], budget: int) -> tu
         index = int(choice[remaining])
         picked.append(index)
         remaining -= group_costs[index]
-    return picked[::-1], float(best[budget])
+    return picked[::-1]
 
 
 def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]], budget_bytes: int, context: int, *,
@@ -252,8 +271,8 @@ def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]],
     if not allocated:
         raise CacheBudgetError("no causal window layer was measured: the cache budget allocates the sparse cache of "
                                "window-hybrid layers")
-    fixed = sum(option_bytes(geometry, SOFTMAX if geometry.kind == SOFTMAX else geometry.sparse_cache, context,
-                             dtype_bytes) for layer, geometry in geometries.items() if layer not in allocated)
+    fixed = sum(configured_bytes(geometry, context, dtype_bytes) for layer, geometry in geometries.items()
+                if layer not in allocated)
     options = {layer: sorted(errors[layer]) + ([SOFTMAX] if allow_softmax else []) for layer in allocated}
     layer_costs = {layer: [option_bytes(geometries[layer], option, context, dtype_bytes) for option in options[layer]]
                    for layer in allocated}
@@ -266,12 +285,11 @@ def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]],
     # a vanishing price on bytes: of options with the same measured error, the cheaper one
     price = 1e-9 * max([max(errors_) for errors_ in layer_errors.values()] + [0.0]) / max(available // unit, 1)
     units = {layer: [math.ceil(cost / unit) for cost in layer_costs[layer]] for layer in allocated}
-    solved = _solve([units[layer] for layer in allocated],
+    picked = _solve([units[layer] for layer in allocated],
                     [[error + price * cost for error, cost in zip(layer_errors[layer], units[layer])]
                      for layer in allocated], available // unit)
-    if solved is None:  # the rounding up of every cost made the cheapest configuration too large: use it unrounded
-        solved = ([int(np.argmin(layer_costs[layer])) for layer in allocated], None)
-    picked, _ = solved
+    if picked is None:  # the rounding up of every cost made the cheapest configuration too large: use it unrounded
+        picked = [int(np.argmin(layer_costs[layer])) for layer in allocated]
     layers = {layer: {"option": options[layer][index], "bytes": layer_costs[layer][index],
                       "error": layer_errors[layer][index]} for layer, index in zip(allocated, picked)}
     total_bytes = fixed + sum(entry["bytes"] for entry in layers.values())
@@ -304,8 +322,6 @@ def apply_cache_allocation(model: nn.Module, allocation: CacheAllocation) -> dic
     """Give ``model`` (a Performer model) the allocation: each window layer's ``sparse_cache`` through
     ``layer_windows``, the softmax layers through :func:`~.convert.keep_softmax_attention`. Returns the new favor
     settings."""
-    from hf_performer.favor_attention import update_favor_settings
-
     from .convert import keep_softmax_attention
 
     settings = dict(model.config.favor_settings)
@@ -341,4 +357,4 @@ def torch_dtype_bytes(model: nn.Module) -> int:
     for parameter in model.parameters():
         if parameter.is_floating_point():
             return parameter.element_size()
-    return torch.finfo(torch.float32).bits // 8
+    return 4  # float32

@@ -10,13 +10,14 @@ the last finished stage (and the LoRA stage from its last checkpoint):
 2. ``transfer``: attention transfer of the tail (:func:`~hf_performer.conversion.attention_transfer.transfer_attention`
    with the window-output loss, x1000): only the maps and gamma train, every layer is fed the teacher's hidden
    states; packed ``transfer_length``-token sequences of the training text;
-3. ``select`` (only with ``softmax_worst`` K > 0 or a ``cache_budget``): each layer's transfer loss is measured on the first
-   :data:`SELECT_SEQUENCES` training sequences (teacher forcing) and the K layers the tail fits worst go back to exact
-   softmax (:func:`~hf_performer.conversion.convert.keep_softmax_attention`): a trade of the constant decoding memory of those
-   layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such layers up front instead.
-   With ``cache_budget`` (bytes or softmax tokens at ``budget_context`` tokens) the errors are measured for every
-   sparse-cache size instead and :func:`~hf_performer.conversion.cache_budget.allocate_cache_budget` gives each window
-   layer the sparse cache (or softmax) that the budget buys best;
+3. ``select`` (only with ``softmax_worst`` K > 0 or a ``cache_budget``): each layer's transfer loss is measured on the
+   first :data:`SELECT_SEQUENCES` training sequences (teacher forcing) and the K layers the tail fits worst go back
+   to exact softmax (:func:`~hf_performer.conversion.convert.keep_softmax_attention`): a trade of the constant
+   decoding memory of those layers (they keep a growing key/value cache) for quality; ``softmax_layers`` names such
+   layers up front instead. With ``cache_budget`` (bytes or softmax tokens at ``budget_context`` tokens) the errors
+   are measured for every sparse-cache size instead and
+   :func:`~hf_performer.conversion.cache_budget.allocate_cache_budget` gives each window layer the sparse cache (or
+   softmax) that the budget buys best;
 4. ``lora``: the recipe's training loop (:func:`hf_performer.recipes.train.train`: Accelerate, checkpoints,
    resume) with PEFT LoRA on the attention projections (maps and gamma frozen, asserted by
    :func:`~hf_performer.recipes.model.apply_lora`) on packed ``block_size``-token blocks, then merged;
@@ -458,18 +459,14 @@ def _budget_plan(settings: LinearizeSettings, model) -> tuple[int, list[int], in
     """``(budget bytes, sparse-cache sizes to measure, dtype bytes)`` of ``--cache-budget`` for ``model``, refused in
     one line when the budget is below the model's smallest decoding state (checked right after the conversion)."""
     from ..conversion.cache_budget import (
-        CACHE_SIZES, CacheBudgetError, check_budget_reachable, parse_cache_budget, softmax_cache_bytes,
+        CACHE_SIZES, CacheBudgetError, check_budget_reachable, parse_cache_budget, softmax_token_bytes,
         torch_dtype_bytes,
     )
 
-    config = model.config
     dtype_bytes = torch_dtype_bytes(model)
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_token = config.num_hidden_layers * softmax_cache_bytes(kv_heads, head_dim, dtype_bytes, 1)
     sizes = [size for size in sorted({*CACHE_SIZES, settings.sparse_cache}) if 2 * size <= settings.transfer_length]
     try:
-        budget = parse_cache_budget(settings.cache_budget, per_token)
+        budget = parse_cache_budget(settings.cache_budget, softmax_token_bytes(model.config, dtype_bytes))
         check_budget_reachable(model, budget, settings.budget_context, sizes, dtype_bytes)
     except CacheBudgetError as error:
         raise RecipeError(str(error)) from None

@@ -93,27 +93,20 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
     """Bytes of the decoding state of one sequence at each length, the favor settings, the training record."""
     from transformers import AutoModelForCausalLM
 
-    from hf_performer.conversion.cache_budget import SOFTMAX, layer_geometries, option_bytes, torch_dtype_bytes
+    from hf_performer.conversion.cache_budget import model_state_bytes, softmax_token_bytes, torch_dtype_bytes
     from hf_performer.favor_attention import update_favor_settings
 
     model = AutoModelForCausalLM.from_pretrained(folder)
-    dtype_bytes = torch_dtype_bytes(model)
     info: dict = {}
     if getattr(model.config, "favor_settings", None) is not None:
         if changes:
             update_favor_settings(model, **changes)
-        geometries = layer_geometries(model)
         info["favor_settings"] = {key: model.config.favor_settings[key] for key in
                                   ("window", "sinks", "sparse_cache", "linear_tail", "layer_windows", "softmax_layers")}
-        info["cache_bytes"] = {str(length): sum(option_bytes(
-            g, SOFTMAX if g.kind == SOFTMAX else g.sparse_cache, length, dtype_bytes) for g in geometries)
-            for length in lengths}
+        info["cache_bytes"] = {str(length): model_state_bytes(model, length) for length in lengths}
     else:
-        config = model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        info["cache_bytes"] = {str(length): 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes * length
-                               for length in lengths}
+        per_token = softmax_token_bytes(model.config, torch_dtype_bytes(model))
+        info["cache_bytes"] = {str(length): per_token * length for length in lengths}
     record_path = os.path.join(folder, "linearize.json")
     if os.path.isfile(record_path):
         with open(record_path) as handle:

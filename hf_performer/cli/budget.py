@@ -63,7 +63,8 @@ def run_budget(args: argparse.Namespace) -> int:
 
     from ..conversion.cache_budget import (
         CACHE_BUDGET_FILE, CACHE_SIZES, CacheBudgetError, allocate_cache_budget, allocation_table,
-        apply_cache_allocation, check_budget_reachable, measure_option_errors, parse_cache_budget, torch_dtype_bytes,
+        apply_cache_allocation, check_budget_reachable, measure_option_errors, parse_cache_budget, softmax_token_bytes,
+        torch_dtype_bytes,
     )
     from ..hub import write_model_card
     from ..recipes.arguments import RecipeError
@@ -77,11 +78,7 @@ def run_budget(args: argparse.Namespace) -> int:
             raise CacheBudgetError(f"{args.model} is not a Performer model (no favor_settings); give the folder "
                                    "hf-performer linearize wrote")
         dtype_bytes = torch_dtype_bytes(model)
-        config = model.config
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
-        budget = parse_cache_budget(args.cache_budget, per_token)
+        budget = parse_cache_budget(args.cache_budget, softmax_token_bytes(model.config, dtype_bytes))
         cache_sizes = args.cache_sizes or CACHE_SIZES
         check_budget_reachable(model, budget, args.context, cache_sizes, dtype_bytes)
         text = read_training_text([args.text_file])

@@ -50,8 +50,8 @@ STAGING_SUFFIX = ".linearize"
 
 CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "sparse_cache", "no_tail",
                     "softmax_layers",
-                    "softmax_worst", "cache_budget", "budget_context", "transfer_steps", "transfer_length", "transfer_batch_size",
-                    "transfer_learning_rate", "transfer_schedule")
+                    "softmax_worst", "cache_budget", "budget_context", "transfer_steps", "transfer_length",
+                    "transfer_batch_size", "transfer_learning_rate", "transfer_schedule")
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
 DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "sparse_cache": 0,
