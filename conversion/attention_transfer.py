@@ -220,7 +220,7 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
                                  feature_map: FeatureMap | None, *, window: int, sinks: int,
                                  softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
                                  key_padding_mask: torch.Tensor | None = None, sparse_cache: int = 0,
-                                 chunk_size: int = 64,
+                                 chunk_size: int = 64, tail_cap: int = 0,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
     softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
@@ -240,7 +240,7 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     student = window_linear_attention(query.float(), key.float(), value.float(), feature_map, window=window,
                                       sinks=sinks, causal=causal, softmax_weight=softmax_weight,
                                       key_padding_mask=key_padding_mask, scaling=scaling, sparse_cache=sparse_cache,
-                                      chunk_size=chunk_size)
+                                      chunk_size=chunk_size, tail_cap=tail_cap)
     squared = (student.float() - teacher).square().mean(-1)  # [B, H, L]
     if key_padding_mask is None:
         return teacher, torch.zeros((), device=query.device), squared.sum(), squared.numel()
@@ -256,6 +256,7 @@ class WindowLayer(NamedTuple):
     sparse_cache: int
     chunk_size: int
     softmax_weight: nn.Module | None
+    tail_cap: int = 0
 
 
 def window_of_layer(module: nn.Module) -> WindowLayer | None:
@@ -267,7 +268,7 @@ def window_of_layer(module: nn.Module) -> WindowLayer | None:
     if not window and not sinks:
         return None
     return WindowLayer(window, sinks, layer_sparse_cache(settings, layer), settings["chunk_size"],
-                       getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None))
+                       getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None), settings["tail_cap"])
 
 
 def key_padding_of(attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor | None:
@@ -357,7 +358,8 @@ def favor_transfer_attention_forward(
                     query, key, value, feature_map if collector.with_tail else None, window=window.window,
                     sinks=window.sinks, softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding,
                     sparse_cache=(window.sparse_cache if collector.sparse_cache is None else collector.sparse_cache)
-                    if causal else 0, chunk_size=window.chunk_size)
+                    if causal else 0, chunk_size=window.chunk_size,
+                    tail_cap=window.tail_cap if causal and collector.with_tail else 0)
         collector.add(layer, *losses)
     elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
         output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))

@@ -237,6 +237,7 @@ def convert_to_performer(
     window: int | None = None,
     sinks: int | None = None,
     sparse_cache: int | None = None,
+    tail_cap: int | None = None,
     softmax_weight: str | None = None,
     layer_windows: dict | None = None,
     linear_tail: bool | None = None,
@@ -267,6 +268,8 @@ def convert_to_performer(
             the tail for keys older than the window), e.g. ``window=64, sinks=4``; ``None``: 0 (plain linear).
         sparse_cache: causal window layers keep up to this many older tokens per key head exact, the ones their tail
             would recall worst (``favor_settings["sparse_cache"]``); ``None``: 0. Refused for bidirectional models.
+        tail_cap: causal window layers weigh a tail of ``n > tail_cap`` tokens by ``tail_cap / n`` (the bounded tail:
+            ``favor_settings["tail_cap"]``), e.g. the most tokens the tail held in training; ``None``: 0 (unbounded).
         softmax_weight: ``"auto"`` (default), ``"calibrated"`` or ``"learned"`` (a trained gamma per head; learned
             maps only). Learned-mode layers get ``favor_softmax_weight`` initialised at gamma = 0.1.
         layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int, "sparse_cache": int}}``.
@@ -325,7 +328,8 @@ def convert_to_performer(
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
-                    sparse_cache=sparse_cache, softmax_weight=softmax_weight, layer_windows=layer_windows or None, linear_tail=linear_tail,
+                    sparse_cache=sparse_cache, tail_cap=tail_cap, softmax_weight=softmax_weight,
+                    layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
     try:

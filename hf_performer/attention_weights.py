@@ -31,6 +31,7 @@ from .linear_attention import (
     same_segment_mask,
 )
 from .window_causal import sparse_cache_membership
+from .window_tail_cap import tail_log_weight
 
 
 logger = logging.get_logger(__name__)
@@ -197,6 +198,7 @@ def window_attention_weights(
     sparse_cache: int = 0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
+    tail_cap: int = 0,
 ) -> torch.Tensor:
     """The combined weights of sink + sliding-window softmax with a linear tail, ``[B, H, L, L]`` in
     ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
@@ -206,7 +208,8 @@ def window_attention_weights(
     ``sparse_cache`` the keys the operator keeps for the query's boundary; every key for bidirectional sink queries)
     weigh ``exp(s_ij - c_i)`` (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times
     ``exp(-c_i)`` in calibrated mode; none without a feature map), ``c_i`` the largest exact score of row ``i`` (0 if
-    none); rows are normalised with one shared denominator. Computed in log space with one stabiliser per row
+    none), times ``min(1, tail_cap / n_i)`` with a ``tail_cap`` (``n_i`` the row's tail keys); rows are normalised
+    with one shared denominator. Computed in log space with one stabiliser per row
     (float32, float64 for float64 inputs). ``value`` is read only to choose the sparse cache.
     """
     batch, heads, length, head_dim = query.shape
@@ -249,6 +252,8 @@ def window_attention_weights(
     log_q = zeros if q_features.log_scale is None else q_features.log_scale
     log_k = zeros if k_features.log_scale is None else k_features.log_scale
     tail_log = log_q[..., :, None] + log_k[..., None, :]
+    if tail_cap:
+        tail_log = tail_log + tail_log_weight(tail.sum(-1), tail_cap, dtype)[..., None]
     if softmax_weight is None:
         tail_log = tail_log - row_max
     else:

@@ -121,6 +121,7 @@ from .favor_settings import (
     is_int,
     is_window_layer,
     layer_sparse_cache,
+    layer_tail_cap,
     layer_window,
     softmax_weight_mode,
 )
@@ -323,6 +324,11 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
                 f"favor_settings give layer {layer_idx} a sparse_cache, but it attends bidirectionally (an encoder "
                 "layer sees every key already): sparse caches are for causal window layers; set sparse_cache=0"
             )
+        if any(layer_window(module_favor_settings(module), layer_idx)):
+            try:
+                layer_tail_cap(module_favor_settings(module), getattr(module, "is_causal", False))
+            except ValueError as error:
+                raise LinearAttentionError(f"layer {layer_idx}: {error}") from None
         install_cache_hooks(module)
         if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
             head_dim = _module_head_dim(module)
@@ -734,6 +740,7 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
                                                               query.device),
             key_padding_mask=key_padding_mask, scaling=common["scaling"],
             sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
+            tail_cap=layer_tail_cap(settings, causal),
         )
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
@@ -757,7 +764,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
-                                      sparse_cache=sparse_cache, softmax_weight=gamma,
+                                      sparse_cache=sparse_cache, tail_cap=layer_tail_cap(settings, causal),
+                                      softmax_weight=gamma,
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -770,7 +778,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
             f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
-                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, **common)
+                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache,
+                     tail_cap=layer_tail_cap(settings, causal), **common)
     if causal and k_len > q_len:
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).

@@ -71,6 +71,10 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("sparse_cache", int, 0,
                  "causal window layers: per key head, up to this many tokens older than the window stay exact, the ones "
                  "the linear tail would recall worst, chosen every chunk_size tokens (LoLA); 0 = none"),
+    FavorSetting("tail_cap", int, 0,
+                 "causal window layers: a query whose linear tail holds n > tail_cap tokens weighs it by tail_cap / n "
+                 "(the tail's mean at the weight of tail_cap tokens), so that it stops taking normaliser mass from the "
+                 "exact keys past the lengths the layer was trained at; 0 = unbounded"),
     FavorSetting("layer_windows", dict, {},
                  'per-layer overrides of window / sinks / sparse_cache, {"<layer index>": {"window": int, "sinks": '
                  'int, "sparse_cache": int}}'),

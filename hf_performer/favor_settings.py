@@ -12,6 +12,7 @@ its validation and what it builds.
 * :func:`feature_map_kind`: ``"random"``, ``"learned"`` or ``"deterministic"``;
 * :func:`layer_window`: the resolved ``(window, sinks)`` of a layer (a "window layer" when either is > 0);
 * :func:`layer_sparse_cache`: the resolved sparse-cache size of a layer;
+* :func:`layer_tail_cap`: the tail cap a window layer runs with;
 * :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved);
 * :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
@@ -40,7 +41,7 @@ from .feature_maps import (
 )
 
 
-WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
@@ -230,6 +231,10 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
         )
     if not isinstance(resolved["linear_tail"], bool):
         raise TypeError(f"favor_settings['linear_tail'] must be a bool, got {resolved['linear_tail']!r}")
+    if not (is_int(resolved["tail_cap"]) and resolved["tail_cap"] >= 0):
+        raise ValueError(f"favor_settings['tail_cap'] must be an int >= 0 (0 = unbounded), got {resolved['tail_cap']!r}")
+    if resolved["tail_cap"] and not resolved["linear_tail"]:
+        raise ValueError("favor_settings['tail_cap'] bounds the linear tail, but linear_tail=False: set tail_cap=0")
     overrides = resolved["layer_windows"]
     if not isinstance(overrides, dict):
         raise TypeError(
@@ -291,6 +296,14 @@ def layer_sparse_cache(settings: dict, layer_idx: int) -> int:
     else the model-wide ``sparse_cache``); 0 = none."""
     override = settings.get("layer_windows", {}).get(str(layer_idx), {})
     return override.get("sparse_cache", settings.get("sparse_cache", 0))
+
+
+def layer_tail_cap(settings: dict, causal: bool) -> int:
+    """The ``tail_cap`` a window layer runs with (0 = unbounded); ``ValueError`` for a bidirectional layer."""
+    if settings.get("tail_cap", 0) and not causal:
+        raise ValueError("favor_settings give a bidirectional window layer a tail_cap (its tail is bounded by its "
+                         "input): tail_cap is for causal window layers; set tail_cap=0")
+    return settings.get("tail_cap", 0)
 
 
 def largest_window(settings: dict) -> int:

@@ -141,6 +141,7 @@ def reference_window_linear_attention(
     scaling: float | None = None,
     sparse_cache: int = 0,
     chunk_size: int = 128,
+    tail_cap: int = 0,
 ) -> torch.Tensor:
     """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64.
 
@@ -151,7 +152,8 @@ def reference_window_linear_attention(
     ``W = gamma exp(s - c) E + phi_q.phi_k T``; ``out = W V / W 1`` (0 for a query without keys);
     ``feature_map=None``: no tail term. With ``sparse_cache`` (causal), the keys of
     :func:`reference_sparse_cache` at each query's boundary move from ``T`` to ``E``; ``chunk_size`` is then the
-    interval between boundaries (unused otherwise).
+    interval between boundaries (unused otherwise). With ``tail_cap = M``, row ``i``'s tail weights are multiplied by
+    ``min(1, M / n_i)``, ``n_i`` the number of its tail keys (``T`` counted).
     Returns ``[B, H, L, dv]``.
     """
     if feature_map is None:
@@ -190,6 +192,9 @@ def reference_window_linear_attention(
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exact_weights = torch.exp(scores - row_max) * exact
     tail_weights = 0.0 if feature_map is None else (phi_q @ phi_k.transpose(-1, -2)) * tail
+    if tail_cap and feature_map is not None:
+        tail_keys = tail.sum(-1, keepdim=True).to(torch.float64)
+        tail_weights = tail_weights * torch.where(tail_keys > tail_cap, tail_cap / tail_keys.clamp_min(1.0), 1.0)
     if softmax_weight is None:
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:

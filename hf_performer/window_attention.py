@@ -53,8 +53,8 @@ one's :class:`WindowAttentionState`, recomputed one at a time in the backward (:
 (the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
 redraws in training mode keeps the one pass.
 
-This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail`` and
-``window_segments``.
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail``,
+``window_tail_cap`` and ``window_segments``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ from .window_decode import can_decode_step, decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
 from .window_state import WindowAttentionState, row_sinks, state_tensors, with_state_tensors
 from .window_tail import _tail_prefix, _tail_suffix, _tail_sum, pieces
+from .window_tail_cap import check_tail_cap
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -276,6 +277,7 @@ def window_linear_attention(
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
     sparse_cache: int = 0,
+    tail_cap: int = 0,
     initial_state: WindowAttentionState | None = None,
     return_state: bool = False,
     max_rollback: int | None = None,
@@ -307,6 +309,9 @@ def window_linear_attention(
             exact, the ones the tail would recall worst, chosen every ``chunk_size`` tokens
             (:mod:`.window_sparse_cache`); ``0`` (default): none. Without a feature map they are chosen by their
             distance to the mean value.
+        tail_cap: ``M >= 0``, causal only: a query whose tail holds ``n > M`` tokens weighs it by ``M / n`` (the
+            mean of its tokens at the weight of ``M``; :mod:`.window_tail_cap`), so that the tail's share of the
+            normaliser stops growing past the lengths a layer was trained at; ``0`` (default): unbounded.
         initial_state: causal only; the :class:`~.window_state.WindowAttentionState` after the preceding tokens
             (returned by an earlier call with ``return_state=True``): the inputs are then the next ``L`` tokens, and
             the outputs equal the last ``L`` outputs of one pass over all tokens. Its feature map must not redraw in
@@ -328,6 +333,7 @@ def window_linear_attention(
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
     _check_sparse_cache(sparse_cache, causal)
+    check_tail_cap(tail_cap, causal, feature_map is not None)
     if feature_map is None and window == 0 and sinks == 0 and sparse_cache == 0:
         raise ValueError("window attention without a feature map (no linear tail) needs window, sinks or sparse_cache "
                          "> 0")
@@ -341,20 +347,21 @@ def window_linear_attention(
             key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size, eps=eps)
     if segmented:
         return _segmented_window_attention(
-            query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
+            query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache, tail_cap=tail_cap,
             softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
             eps=eps)
     mask = _as_bool_mask(key_padding_mask)
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
-                                 key_padding_mask=mask, scaling=scaling, eps=eps)
+                                 key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap)
         return (out, state) if return_state else out
     if causal:
         return causal_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
-            return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps)
+            return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
+            tail_cap=tail_cap)
     return _bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)
@@ -475,8 +482,9 @@ def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, cau
     return feature_map is None or not (feature_map.training and getattr(feature_map, "redraw_interval", 0))
 
 
-def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
-                                key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps):
+def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, tail_cap,
+                                softmax_weight, key_padding_mask, scaling, initial_state, return_state, max_rollback,
+                                chunk_size, eps):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
@@ -490,7 +498,7 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
             softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
-            initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
+            tail_cap=tail_cap, initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]
     plan = CausalPlan(

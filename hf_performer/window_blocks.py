@@ -10,9 +10,9 @@ queries), with ``[v, 1]`` the values with a ones column:
     E_i = sum_{x in sinks, cache, band} exp(s_ix - c_i) [v_x, 1]              (times gamma in learned mode)
     T_i = phi_i^T (S_n exp(K_n - K_i) + sum_{pending j} phi_j exp(lk_j - K_i) [v_j, 1])
     total_i = E_i exp(-rho_i) + T_i exp(f_i - rho_i),   f_i = u_i (learned) or u_i - c_i (calibrated),
-    u_i = lq_i + K_i,   rho_i = max(0, f_i),   out_i = total_i[:dv] / D_i,   D_i = total_i[dv]
+    u_i = lq_i + K_i + a_i,   rho_i = max(0, f_i),   out_i = total_i[:dv] / D_i,   D_i = total_i[dv]
 
-With ``go`` the output gradient, ``dtotal_i = [go_i, -go_i . out_i] / D_i``; everything else is the chain rule of
+(``a_i <= 0`` the constant log tail weight of a bounded tail, 0 without one.) With ``go`` the output gradient, ``dtotal_i = [go_i, -go_i . out_i] / D_i``; everything else is the chain rule of
 those lines (module code). In learned mode ``c_i`` is part of the definition: its gradient goes to the arg-max score
 (shared by ties, as ``amax``'s). Feature maps are recomputed per group under autograd and backpropagated with
 ``torch.autograd.grad`` (which also accumulates a learned map's parameter gradients).
@@ -50,6 +50,8 @@ class BlockOperands(NamedTuple):
             or ``None``; ``None`` when the pending tokens are exact (sparse cache) or there is no tail.
         tile_keep: ``[B, n, C]`` bool, the pending tokens that are tokens.
         gamma: ``[H]`` (learned mode) or ``None`` (calibrated).
+        tail_log_weight: ``[B, 1, n, g C]`` the log of each query's tail weight (``<= 0``, a constant: the bounded
+            tail of :mod:`.window_tail_cap`), or ``None`` (weight 1).
     """
 
     query: torch.Tensor
@@ -68,6 +70,7 @@ class BlockOperands(NamedTuple):
     tile_log_scale: torch.Tensor | None
     tile_keep: torch.Tensor
     gamma: torch.Tensor | None
+    tail_log_weight: torch.Tensor | None = None
 
 
 class BlockSpec(NamedTuple):
@@ -134,7 +137,8 @@ def _group(operands: BlockOperands, spec: BlockSpec, start: int, end: int) -> Bl
         cache_valid=_blocks_of(operands.cache_valid, start, end), tail_sums=_blocks_of(operands.tail_sums, start, end),
         tail_max=_blocks_of(operands.tail_max, start, end),
         tile_features=_blocks_of(operands.tile_features, start, end),
-        tile_log_scale=_blocks_of(operands.tile_log_scale, start, end), tile_keep=operands.tile_keep[:, start:end])
+        tile_log_scale=_blocks_of(operands.tile_log_scale, start, end), tile_keep=operands.tile_keep[:, start:end],
+        tail_log_weight=_blocks_of(operands.tail_log_weight, start, end))
 
 
 def _per_block(x, kv_heads, groups, size):
@@ -230,8 +234,9 @@ def _forward_pieces(operands: BlockOperands, spec: BlockSpec, phi=None) -> _Piec
                    None if features.log_scale is None else
                    _per_block(features.log_scale[..., None], kv_heads, spec.groups, spec.size)[..., 0])
         tail, log_factor = _tail_pieces(operands, spec, phi)
-        if log_factor is not None:
-            exponent = log_factor if exponent is None else exponent + log_factor
+        for term in (log_factor, operands.tail_log_weight):
+            if term is not None:
+                exponent = term if exponent is None else exponent + term
     return _Pieces(query_blocks, tiles, scores, weights, value_ones, row_max, exact, gamma_rows, tail, exponent)
 
 

@@ -36,6 +36,7 @@ from .linear_attention import _no_autocast, _with_ones_column
 from .window_blocks import BlockOperands, BlockSpec, attend_blocks
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
+from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
 
 
 def _floor_div(x: torch.Tensor, divisor: int) -> torch.Tensor:
@@ -94,6 +95,7 @@ class _Call(NamedTuple):
     n_query: int
     n_last: int
     local: tuple  # (key, value, keep, start): the buffer and the new tokens, absolute positions [start, seen + L)
+    kept_before: torch.Tensor  # [B], the row's kept tokens before the local ones
     layout: tuple  # (key, value, keep) [B, Hkv, blocks C + w - 1, .] in the shifted frame
     tiles: tuple  # (features, value_ones, keep) of the first blocks C keys of the layout
     tails: tuple  # (sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])
@@ -134,7 +136,9 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
     # The local sequence (absolute positions [local_start, seen + L)) laid out per row in the shifted frame.
     if state is None:
         local = (key, value, new_keep, seen)
+        kept_before = torch.zeros(batch, dtype=torch.long, device=device)
     else:
+        kept_before = state.kept_tokens - state.buffer_keep.sum(-1)
         local = (torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
                  torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
                  torch.cat([state.buffer_keep, new_keep], dim=1), state.buffer_start)
@@ -152,12 +156,13 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
     tails, caches = _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block, n_first,
                                 blocks, size, sparse_cache, feature_map, root, eps)
     return _Call(seen, length, (sink_key, sink_value, sink_position, sink_valid), row_start, offset, entering,
-                 last_block, n_first, n_query, n_last, local, layout, (tile_features, tile_value_ones, tile_keep),
+                 last_block, n_first, n_query, n_last, local, kept_before, layout, (tile_features, tile_value_ones, tile_keep),
                  tails, caches)
 
 
 def causal_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
-                            key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps):
+                            key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps,
+                            tail_cap=0):
     """The causal operator (see :func:`~.window_attention.window_linear_attention`, already validated): ``out``
     ``[B, H, L, dv]`` in ``value.dtype``, and the new :class:`~.window_state.WindowAttentionState` if
     ``return_state``."""
@@ -168,7 +173,8 @@ def causal_window_attention(query, key, value, feature_map, *, window, sinks, sp
                              sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling,
                              state=initial_state, chunk_size=chunk_size, eps=eps)
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
-        out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window)
+        out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window, sparse_cache,
+                             tail_cap)
         if not return_state:
             return out.to(value.dtype)
         new_state = _next_state(call, chunk_size, window, sinks, sparse_cache, max_rollback)
@@ -306,7 +312,7 @@ def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep
     return _stack_tails(tails)
 
 
-def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w):
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, capacity, tail_cap):
     """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
     frame (module docstring) by :func:`~.window_blocks.attend_blocks`."""
     layout_key, layout_value, layout_keep = call.layout
@@ -346,12 +352,23 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
         tile_log_scale=(log_scale[:, :, tail_blocks].unflatten(2, (blocks, size))
                         if with_pending and log_scale is not None else None),
         tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
-        gamma=gamma)
+        gamma=gamma, tail_log_weight=None if not (tail_cap and feature_map is not None) else
+        _tail_log_weights(call, query_position, size, w, capacity, tail_cap, query.dtype))
     out = attend_blocks(operands, spec)  # [B, Hkv, n, g C, dv]
     value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)
     return rows_window(out, seen - n_query * size - offset, length, 2)
+
+
+def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, dtype):
+    """``[B, 1, n, g C]`` the log weight of each query's tail (:mod:`.window_tail_cap`): its tail's edge is
+    ``i - w`` without a sparse cache, ``b_i - w`` with one (``b_i`` its boundary)."""
+    edge = query_position - w
+    if capacity:
+        edge = edge - (query_position - call.offset[:, None, None]) % size
+    tokens = tail_tokens(eligible_up_to(call.local[2], call.local[3], call.kept_before, edge), capacity)
+    return tail_log_weight(tokens, tail_cap, dtype)[:, None]
 
 
 def exact_terms(scores, values, gamma, rows, value_dim):
@@ -432,7 +449,7 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
     return WindowAttentionState(
         sink_key=sink_key.clone(), sink_value=sink_value.clone(), sink_position=sink_position.clone(),
         sink_valid=sink_valid.clone(), buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
-        row_start=row_start,
+        row_start=row_start, kept_tokens=call.kept_before + local_keep.sum(-1),
         current=current, pending=pending, checkpoint=checkpoint, seen=seen, window=w, sinks=sinks,
         sparse_cache=capacity, chunk_size=size, max_rollback=max_rollback)
 

@@ -25,6 +25,7 @@ from .window_causal import _key_features, combine, exact_terms, rows_window
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, buffer_capacity, last_tokens, row_sinks
 from .window_tail import _merge_tail_sums
+from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
 
 
 def can_decode_step(state, length: int, max_rollback: int) -> bool:
@@ -33,7 +34,7 @@ def can_decode_step(state, length: int, max_rollback: int) -> bool:
             and state.checkpoint is None)
 
 
-def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps):
+def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0):
     """Outputs ``[B, H, 1, dv]`` of one new token per row and the state after it (arguments as
     :func:`~.window_attention.window_linear_attention`, already validated; ``state`` passes
     :func:`can_decode_step`)."""
@@ -111,6 +112,12 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             tail = torch.matmul(q_features.values.view(batch, kv_heads, groups, -1), sums)
             if q_features.log_scale is not None:
                 log_factor = q_features.log_scale.view(batch, kv_heads, groups) + tail_max[..., None]
+            if tail_cap:  # the tail's edge: x - w, or with a sparse cache the boundary's
+                edge = (boundary if capacity else torch.full_like(boundary, x)) - w
+                kept_before = state.kept_tokens - state.buffer_keep.sum(-1)
+                tokens_in_tail = tail_tokens(eligible_up_to(local_keep, local_start, kept_before, edge), capacity)
+                weight = tail_log_weight(tokens_in_tail, tail_cap, dtype)[:, None, None]
+                log_factor = weight if log_factor is None else log_factor + weight
         total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)
         out = (total[..., :-1] / _safe_denominator(total[..., -1:], eps)).reshape(batch, heads, 1, value_dim)
 
@@ -120,7 +127,8 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         new_state = state._replace(
             sink_key=sink_key, sink_value=sink_value, sink_position=sink_position, sink_valid=sink_valid,
             buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
-            row_start=row_start, current=new_current, pending=pending, seen=x + 1)
+            row_start=row_start, kept_tokens=state.kept_tokens + local_keep[:, -1].long(), current=new_current,
+            pending=pending, seen=x + 1)
     return out.to(value.dtype), new_state
 
 

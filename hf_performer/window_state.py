@@ -35,7 +35,8 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
     chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
     current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
-    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache."""
+    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache, and two
+    counters (the row's start and its kept tokens)."""
     sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
     buffer = max(window - 1, 0) + chunk_size + max_rollback
     buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1)
@@ -44,7 +45,7 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
     pending = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
     tails = committed * (2 if max_rollback > 0 else 1) + pending
-    return sink_slots + buffer_bytes + 8 + tails
+    return sink_slots + buffer_bytes + 16 + tails
 
 
 
@@ -94,6 +95,8 @@ class WindowAttentionState(NamedTuple):
             rows' sinks): the tokens at positions ``[seen - b, seen)``.
         row_start: ``[B]`` long, the position of the row's first unpadded token (its boundaries are
             ``row_start + k chunk_size``), ``-1`` while the row has none.
+        kept_tokens: ``[B]`` long, the row's tokens seen that are neither padding nor sinks (a bounded tail counts
+            its tokens from it: :mod:`.window_tail_cap`).
         current: the :class:`CommittedTail` at the boundary of the last query, or ``None`` after a rollback (the next
             call rebuilds it from ``checkpoint``).
         pending: ``(sums, K)`` the tail sums of the last query's pending tokens (those that left the window after
@@ -113,6 +116,7 @@ class WindowAttentionState(NamedTuple):
     buffer_value: torch.Tensor
     buffer_keep: torch.Tensor
     row_start: torch.Tensor
+    kept_tokens: torch.Tensor
     current: CommittedTail | None
     pending: tuple | None
     checkpoint: CommittedTail | None
@@ -161,7 +165,7 @@ class WindowAttentionState(NamedTuple):
         return self._replace(
             sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
-            current=None, pending=None, checkpoint=self.oldest, seen=seen,
+            kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, pending=None, checkpoint=self.oldest, seen=seen,
         )
 
     def map_batch(self, fn) -> "WindowAttentionState":
@@ -183,7 +187,7 @@ class WindowAttentionState(NamedTuple):
 
 
 _ROW_TENSORS = ("sink_key", "sink_value", "sink_position", "sink_valid", "buffer_key", "buffer_value", "buffer_keep",
-                "row_start")
+                "row_start", "kept_tokens")
 _STATE_FLOATS = ("sink_key", "sink_value", "buffer_key", "buffer_value")
 
 

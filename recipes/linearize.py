@@ -5,7 +5,8 @@ Stages, each recorded in the staging area when it finishes (:data:`STAGES`), so 
 the last finished stage (and the LoRA stage from its last checkpoint):
 
 1. ``convert``: the softmax model becomes a Performer model with window settings (``window``, ``sinks``,
-   ``linear_tail``) and a learned map (hedgehog by default) started at the identity, separate query / key maps
+   ``linear_tail``, ``tail_cap``: by default the most tokens a tail holds at the training length, :func:`resolved_tail_cap`)
+   and a learned map (hedgehog by default) started at the identity, separate query / key maps
    (``feature_map_options = {"init": "identity", "tie_qk": False}``), gamma learned;
 2. ``transfer``: attention transfer of the tail (:func:`~hf_performer.conversion.attention_transfer.transfer_attention`
    with the window-output loss, x1000): only the maps and gamma train, every layer is fed the teacher's hidden
@@ -89,6 +90,7 @@ class LinearizeSettings:
     window: int = 64
     sinks: int = 4
     sparse_cache: int = 0
+    tail_cap: int | None = None
     linear_tail: bool = True
     softmax_layers: list[int] = field(default_factory=list)
     softmax_worst: int = 0
@@ -174,6 +176,9 @@ class LinearizeSettings:
             parse_cache_budget(self.cache_budget, 1)  # the form; the bytes depend on the model
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
+        if self.tail_cap is not None and (self.tail_cap < 0 or not self.linear_tail):
+            raise RecipeError(f"--tail-cap bounds the linear tail: an int >= 0 (0 = unbounded) without --no-tail, "
+                              f"got {self.tail_cap}{' with --no-tail' if not self.linear_tail else ''}")
         from ..favor_settings import feature_map_kind
         from ..feature_maps import available_feature_maps
 
@@ -233,8 +238,23 @@ def conversion_arguments(settings: LinearizeSettings) -> dict:
     return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
                 feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
                 window=settings.window, sinks=settings.sinks, sparse_cache=settings.sparse_cache,
-                linear_tail=settings.linear_tail, softmax_weight="auto",
+                tail_cap=resolved_tail_cap(settings), linear_tail=settings.linear_tail, softmax_weight="auto",
                 keep_softmax_layers=settings.softmax_layers)
+
+
+def resolved_tail_cap(settings: LinearizeSettings) -> int:
+    """The model's ``tail_cap``: the given one, else the most tokens a tail holds at the longest training length
+    (transfer and LoRA), so that a longer context never weighs the tail more than training did; 0 without a tail."""
+    if not settings.linear_tail:
+        return 0
+    if settings.tail_cap is not None:
+        return settings.tail_cap
+    from ..favor_schema import DEFAULT_CHUNK_SIZE
+    from ..window_tail_cap import training_tail_tokens
+
+    length = max(settings.transfer_length, settings.block_size)
+    return max(1, training_tail_tokens(length, settings.window, settings.sinks, settings.sparse_cache,
+                                       DEFAULT_CHUNK_SIZE))
 
 
 def transfer_batches(token_ids: list[int], length: int, batch_size: int, seed: int) -> list[dict]:

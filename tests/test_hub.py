@@ -56,7 +56,7 @@ CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "con
               "favor_attention.py", "favor_masks.py", "favor_schema.py", "favor_settings.py", "feature_maps.py", "linear_attention.py",
               "linear_attention_autograd.py", "modeling_performer.py", "packed_sequences.py",
               "window_attention.py", "window_blocks.py", "window_causal.py", "window_decode.py", "window_segments.py",
-              "window_sparse_cache.py", "window_state.py", "window_tail.py"]
+              "window_sparse_cache.py", "window_state.py", "window_tail.py", "window_tail_cap.py"]
 
 
 # --------------------------------------------------------------------------------------------

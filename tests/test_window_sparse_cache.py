@@ -13,47 +13,7 @@ from hf_performer.attention_weights import window_attention_weights
 from hf_performer.reference import reference_sparse_cache, reference_window_linear_attention, softmax_attention
 from hf_performer.window_causal import sparse_cache_membership
 
-GAMMA = torch.tensor([0.1, 0.5, 0.9, 0.3], dtype=torch.float64)
-
-
-def _map(name):
-    if name == "hedgehog":
-        return make_feature_map(name, 8, num_heads=4, num_key_value_heads=2).double()
-    return make_feature_map(name, 8, nb_features=16).double()
-
-
-def _qkv(batch=3, length=41, seed=0, dtype=torch.float64):
-    generator = torch.Generator().manual_seed(seed)
-    return (torch.randn(batch, 4, length, 8, generator=generator, dtype=dtype),
-            torch.randn(batch, 2, length, 8, generator=generator, dtype=dtype),
-            torch.randn(batch, 2, length, 8, generator=generator, dtype=dtype))
-
-
-def _mask(batch=3, length=41):
-    mask = torch.ones(batch, length, dtype=torch.bool)
-    mask[0, 12:14] = False  # holes
-    if batch > 1:
-        mask[1, :7] = False  # left padding: boundaries 7 + 5k, shifted from the others'
-    if batch > 2:
-        mask[2, :13] = False
-    return mask
-
-
-def _on_tokens(out, mask):
-    """Outputs of the queries that see a key (left-padding queries see none)."""
-    return out.transpose(1, 2)[mask.cumsum(-1) > 0]
-
-
-def _run(q, k, v, fm, pieces, mask=None, state=None, **kwargs):
-    outputs, start = [], 0
-    for size in pieces:
-        piece = slice(start, start + size)
-        out, state = window_linear_attention(q[:, :, piece], k[:, :, piece], v[:, :, piece], fm,
-                                             key_padding_mask=None if mask is None else mask[:, piece],
-                                             initial_state=state, return_state=True, **kwargs)
-        outputs.append(out)
-        start += size
-    return torch.cat(outputs, dim=2), state
+from window_cases import GAMMA, on_tokens, padded_mask, run_in_pieces, small_map, small_qkv
 
 
 @pytest.mark.parametrize("name, learned", [("hedgehog", True), ("hedgehog", False), ("favor+", False)])
@@ -61,13 +21,13 @@ def _run(q, k, v, fm, pieces, mask=None, state=None, **kwargs):
 def test_matches_the_float64_reference(name, learned, capacity, window):
     # GQA 4/2, holes, left padding with two different boundary offsets, chunk 5: the selection of the operator
     # (all boundaries in one loop, blocks batched) against the reference's, one row / head / boundary at a time.
-    q, k, v = _qkv()
-    fm, mask = _map(name), _mask()
+    q, k, v = small_qkv()
+    fm, mask = small_map(name), padded_mask()
     kwargs = dict(window=window, sinks=2, softmax_weight=GAMMA if learned else None, chunk_size=5,
                   sparse_cache=capacity, key_padding_mask=mask)
     out = window_linear_attention(q, k, v, fm, **kwargs)
     expected = reference_window_linear_attention(q, k, v, fm, **kwargs)
-    torch.testing.assert_close(_on_tokens(out, mask), _on_tokens(expected, mask), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(expected, mask), rtol=1e-10, atol=1e-10)
     cached = reference_sparse_cache(k, v, fm, window=window, sinks=2, sparse_cache=capacity, key_padding_mask=mask,
                                     chunk_size=5)
     assert bool(cached.any())  # the cache really holds keys older than the window
@@ -77,29 +37,29 @@ def test_matches_the_float64_reference(name, learned, capacity, window):
 
 
 def test_zero_is_the_window_hybrid_and_a_large_cache_is_exact_softmax():
-    q, k, v = _qkv(batch=2, seed=1)
-    fm, mask = _map("hedgehog"), _mask(batch=2)
+    q, k, v = small_qkv(batch=2, seed=1)
+    fm, mask = small_map("hedgehog"), padded_mask(batch=2)
     kwargs = dict(window=3, sinks=1, softmax_weight=GAMMA, chunk_size=4, key_padding_mask=mask)
     without = window_linear_attention(q, k, v, fm, **kwargs)
     torch.testing.assert_close(window_linear_attention(q, k, v, fm, sparse_cache=0, **kwargs), without, rtol=0, atol=0)
-    torch.testing.assert_close(_on_tokens(without, mask), _on_tokens(
+    torch.testing.assert_close(on_tokens(without, mask), on_tokens(
         reference_window_linear_attention(q, k, v, fm, **kwargs), mask), rtol=1e-10, atol=1e-10)
     # G >= L: every older token stays exact, nothing folds: exact causal softmax, with and without a tail.
     exact = softmax_attention(q, k, v, causal=True, key_padding_mask=mask)
     for feature_map in (fm, None):
         everything = window_linear_attention(q, k, v, feature_map, sparse_cache=41, **kwargs)
-        torch.testing.assert_close(_on_tokens(everything, mask), _on_tokens(exact, mask), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(on_tokens(everything, mask), on_tokens(exact, mask), rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("name, learned", [("hedgehog", True), ("favor+", False)])
 @pytest.mark.parametrize("pieces", [[1] * 41, [9] + [1] * 32, [3, 7, 1, 12, 2, 1, 1, 14]])
 def test_prefill_and_decode_select_what_one_pass_selects(name, learned, pieces):
-    q, k, v = _qkv(seed=2)
-    fm, mask = _map(name), _mask()
+    q, k, v = small_qkv(seed=2)
+    fm, mask = small_map(name), padded_mask()
     kwargs = dict(window=4, sinks=2, softmax_weight=GAMMA if learned else None, chunk_size=5, sparse_cache=3)
     one_pass = window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
-    out, state = _run(q, k, v, fm, pieces, mask, **kwargs)
-    torch.testing.assert_close(_on_tokens(out, mask), _on_tokens(one_pass, mask), rtol=1e-10, atol=1e-10)
+    out, state = run_in_pieces(q, k, v, fm, pieces, mask, **kwargs)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(one_pass, mask), rtol=1e-10, atol=1e-10)
     # The state's cache is the one-pass selection at each row's last boundary (the tokens after `boundary - window`
     # wait for the next selection, exactly, outside the cache).
     membership = sparse_cache_membership(k, v, fm, window=4, sinks=2, sparse_cache=3, key_padding_mask=mask,
@@ -116,17 +76,17 @@ def test_prefill_and_decode_select_what_one_pass_selects(name, learned, pieces):
 def test_rollback_then_redecode_selects_as_without_the_rejected_tokens(rejected):
     # Drafts with huge keys and values would win every selection; rolling them back (across boundaries when there
     # are more than chunk_size of them) must give the selection of the sequence without them.
-    q, k, v = _qkv(seed=3)
-    fm, mask = _map("hedgehog"), _mask()
+    q, k, v = small_qkv(seed=3)
+    fm, mask = small_map("hedgehog"), padded_mask()
     kwargs = dict(window=4, sinks=2, softmax_weight=GAMMA, chunk_size=5, sparse_cache=3)
     expected = reference_window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
-    _, state = _run(q[:, :, :20], k[:, :, :20], v[:, :, :20], fm, [20], mask[:, :20], **kwargs)
-    junk = _qkv(length=rejected, seed=4)
+    _, state = run_in_pieces(q[:, :, :20], k[:, :, :20], v[:, :, :20], fm, [20], mask[:, :20], **kwargs)
+    junk = small_qkv(length=rejected, seed=4)
     junk = (junk[0], 30 * junk[1], 100 * junk[2])
-    _, drafted = _run(*junk, fm, [rejected], state=state, max_rollback=rejected, **kwargs)
+    _, drafted = run_in_pieces(*junk, fm, [rejected], state=state, max_rollback=rejected, **kwargs)
     restored = drafted.rollback(rejected)
     assert restored.seen == 20 and restored.current is None  # back to the checkpoint, replayed by the next call
-    out, _ = _run(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], fm, [1, 4, 1] + [1] * 15, mask[:, 20:], state=restored,
+    out, _ = run_in_pieces(q[:, :, 20:], k[:, :, 20:], v[:, :, 20:], fm, [1, 4, 1] + [1] * 15, mask[:, 20:], state=restored,
                   **kwargs)
     torch.testing.assert_close(out, expected[:, :, 20:], rtol=1e-10, atol=1e-10)
 
@@ -151,36 +111,36 @@ def test_the_state_has_the_same_size_at_any_length():
 
 
 def test_a_left_padded_row_selects_what_it_selects_alone():
-    q, k, v = _qkv(batch=2, seed=6)
-    fm, mask = _map("hedgehog"), _mask(batch=2)
+    q, k, v = small_qkv(batch=2, seed=6)
+    fm, mask = small_map("hedgehog"), padded_mask(batch=2)
     kwargs = dict(window=4, sinks=2, softmax_weight=GAMMA, chunk_size=5, sparse_cache=3)
     batched = window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
     alone = window_linear_attention(q[1:, :, 7:], k[1:, :, 7:], v[1:, :, 7:], fm, **kwargs)
     torch.testing.assert_close(batched[1:, :, 7:], alone, rtol=1e-10, atol=1e-10)
-    decoded, _ = _run(q[1:], k[1:], v[1:], fm, [10] + [1] * 31, mask[1:], **kwargs)
+    decoded, _ = run_in_pieces(q[1:], k[1:], v[1:], fm, [10] + [1] * 31, mask[1:], **kwargs)
     torch.testing.assert_close(decoded[:, :, 7:], alone, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("tail", [True, False])
 def test_output_attentions_are_the_applied_weights(tail):
-    q, k, v = _qkv(batch=2, seed=7)
-    fm, mask = _map("hedgehog"), _mask(batch=2)
+    q, k, v = small_qkv(batch=2, seed=7)
+    fm, mask = small_map("hedgehog"), padded_mask(batch=2)
     kwargs = dict(window=4, sinks=2, softmax_weight=GAMMA, chunk_size=5, sparse_cache=3, key_padding_mask=mask)
     feature_map = fm if tail else None  # without a tail, selection by the distance to the mean value
     out = window_linear_attention(q, k, v, feature_map, **kwargs)
     weights = window_attention_weights(q, k, v, feature_map, **kwargs)
     applied = weights @ v.repeat_interleave(2, dim=1)
-    torch.testing.assert_close(_on_tokens(applied, mask), _on_tokens(out, mask), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(on_tokens(applied, mask), on_tokens(out, mask), rtol=1e-10, atol=1e-10)
     if not tail:
         expected = reference_window_linear_attention(q, k, v, None, **kwargs)
-        torch.testing.assert_close(_on_tokens(out, mask), _on_tokens(expected, mask), rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(on_tokens(out, mask), on_tokens(expected, mask), rtol=1e-10, atol=1e-10)
 
 
 def test_gradients_reach_the_kept_keys_and_match_finite_differences():
-    q, k, v = (t.requires_grad_() for t in _qkv(batch=2, length=17, seed=8))
+    q, k, v = (t.requires_grad_() for t in small_qkv(batch=2, length=17, seed=8))
     gamma = GAMMA.clone().requires_grad_()
-    fm = _map("hedgehog")
-    mask = _mask(batch=2, length=17)
+    fm = small_map("hedgehog")
+    mask = padded_mask(batch=2, length=17)
 
     def attention(q, k, v, gamma):
         return window_linear_attention(q, k, v, fm, window=3, sinks=1, softmax_weight=gamma, chunk_size=4,
@@ -204,14 +164,14 @@ def test_gradients_reach_the_kept_keys_and_match_finite_differences():
     ],
 )
 def test_bad_arguments_get_one_line_errors(kwargs, words):
-    q, k, v = _qkv(batch=1, dtype=torch.float32)
+    q, k, v = small_qkv(batch=1, dtype=torch.float32)
     with pytest.raises(ValueError) as error:
         window_linear_attention(q, k, v, make_feature_map("favor+", 8), window=2, **kwargs)
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
 def test_a_state_with_another_cache_size_is_refused():
-    q, k, v = _qkv(batch=1, dtype=torch.float32)
+    q, k, v = small_qkv(batch=1, dtype=torch.float32)
     fm = make_feature_map("favor+", 8)
     _, state = window_linear_attention(q, k, v, fm, window=2, sparse_cache=4, return_state=True)
     with pytest.raises(ValueError, match="built with window=2, sinks=0, sparse_cache=4") as error:

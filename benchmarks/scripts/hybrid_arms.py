@@ -102,7 +102,8 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
         if changes:
             update_favor_settings(model, **changes)
         info["favor_settings"] = {key: model.config.favor_settings[key] for key in
-                                  ("window", "sinks", "sparse_cache", "linear_tail", "layer_windows", "softmax_layers")}
+                                  ("window", "sinks", "sparse_cache", "tail_cap", "linear_tail", "layer_windows",
+                                   "softmax_layers")}
         info["cache_bytes"] = {str(length): model_state_bytes(model, length) for length in lengths}
     else:
         per_token = softmax_token_bytes(model.config, torch_dtype_bytes(model))

@@ -12,8 +12,9 @@ from ._output import check_output_file, portable_evaluation_record
 
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
-    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges", "sparse_cache"),
-    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache"),
+    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges", "sparse_cache",
+                   "tail_cap"),
+    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache", "tail_cap"),
 }
 """The flags each kind of evaluation reads; a flag of another kind is refused (it would be ignored)."""
 DEFAULTS = {"max_length": 128, "metrics_backend": "auto", "split": "test", "context_lengths": [1024, 2048],
@@ -86,6 +87,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
                              "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
                              "model's own setting)")
+    parser.add_argument("--tail-cap", type=int, default=None, metavar="N",
+                        help="perplexity / passkey of a window-hybrid causal LM: evaluate it with its causal window "
+                             "layers' tails bounded to the weight of N tokens (0 = unbounded; default: the model's own "
+                             "setting)")
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--trust-remote-code", action="store_true",
                         help="load the model's own code (not needed for Performer folders: hf_performer registers them)")
@@ -118,7 +123,8 @@ def run_evaluate(args: argparse.Namespace) -> int:
     values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
     if args.output:
         check_output_file(args.output, "evaluate")
-    favor_changes = {} if args.sparse_cache is None else {"sparse_cache": args.sparse_cache}
+    favor_changes = {name: getattr(args, name) for name in ("sparse_cache", "tail_cap")
+                     if getattr(args, name) is not None}
     try:
         if kind == "passkey":
             record = evaluate_passkey_model(
