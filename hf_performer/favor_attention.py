@@ -750,7 +750,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
                              layer_idx, common) -> torch.Tensor:
     """The window operator's output ``[B, H, Lq, d]`` for :func:`_window_attention_forward`."""
     window, sinks = layer_window(settings, layer_idx)
-    sparse_cache = layer_sparse_cache(settings, layer_idx)
+    sparse_cache, tail_cap = layer_sparse_cache(settings, layer_idx), layer_tail_cap(settings, causal)
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
     q_len, k_len = query.shape[2], key.shape[2]
@@ -764,8 +764,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
-                                      sparse_cache=sparse_cache, tail_cap=layer_tail_cap(settings, causal),
-                                      softmax_weight=gamma,
+                                      sparse_cache=sparse_cache, tail_cap=tail_cap, softmax_weight=gamma,
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -778,8 +777,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
             f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
-                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache,
-                     tail_cap=layer_tail_cap(settings, causal), **common)
+                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, tail_cap=tail_cap, **common)
     if causal and k_len > q_len:
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).

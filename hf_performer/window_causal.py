@@ -138,7 +138,7 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
         local = (key, value, new_keep, seen)
         kept_before = torch.zeros(batch, dtype=torch.long, device=device)
     else:
-        kept_before = state.kept_tokens - state.buffer_keep.sum(-1)
+        kept_before = state.kept_before_buffer
         local = (torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
                  torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
                  torch.cat([state.buffer_keep, new_keep], dim=1), state.buffer_start)

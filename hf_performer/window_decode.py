@@ -114,8 +114,8 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
                 log_factor = q_features.log_scale.view(batch, kv_heads, groups) + tail_max[..., None]
             if tail_cap:  # the tail's edge: x - w, or with a sparse cache the boundary's
                 edge = (boundary if capacity else torch.full_like(boundary, x)) - w
-                kept_before = state.kept_tokens - state.buffer_keep.sum(-1)
-                tokens_in_tail = tail_tokens(eligible_up_to(local_keep, local_start, kept_before, edge), capacity)
+                tokens_in_tail = tail_tokens(eligible_up_to(local_keep, local_start, state.kept_before_buffer, edge),
+                                             capacity)
                 weight = tail_log_weight(tokens_in_tail, tail_cap, dtype)[:, None, None]
                 log_factor = weight if log_factor is None else log_factor + weight
         total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)

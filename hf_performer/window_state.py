@@ -133,6 +133,11 @@ class WindowAttentionState(NamedTuple):
         return self.seen - self.buffer_key.shape[2]
 
     @property
+    def kept_before_buffer(self) -> torch.Tensor:
+        """``[B]`` the row's kept tokens (neither padding nor sinks) before the first buffered one."""
+        return self.kept_tokens - self.buffer_keep.sum(-1)
+
+    @property
     def oldest(self) -> CommittedTail:
         """The tail a rollback can return to: the checkpoint, else the current one."""
         return self.current if self.checkpoint is None else self.checkpoint

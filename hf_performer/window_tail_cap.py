@@ -17,6 +17,8 @@ This module imports only ``torch``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -51,8 +53,7 @@ def tail_tokens(eligible: torch.Tensor, sparse_cache: int) -> torch.Tensor:
 
 def tail_log_weight(tokens: torch.Tensor, tail_cap: int, dtype: torch.dtype) -> torch.Tensor:
     """``log min(1, cap / n)`` per query (0 where ``n <= cap``, including an empty tail)."""
-    count = tokens.to(dtype).clamp_min(1.0)
-    return -(count.log() - torch.log(torch.tensor(float(tail_cap), dtype=dtype))).clamp_min(0.0)
+    return -(tokens.to(dtype).clamp_min(1.0).log() - math.log(tail_cap)).clamp_min(0.0)
 
 
 def training_tail_tokens(length: int, window: int, sinks: int, sparse_cache: int, chunk_size: int) -> int:

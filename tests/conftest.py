@@ -130,6 +130,24 @@ def tiny_llama_config_builder():
     return tiny_llama_config
 
 
+@pytest.fixture(scope="module")
+def tiny_llama_lm():
+    """A tiny random ``LlamaForCausalLM`` (GQA, 256 positions, seed 0) in eval mode, shared by a module's tests."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
+
+
+def logits_of(model, ids):
+    """``model(input_ids=ids).logits`` without gradients."""
+    import torch
+
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
 @pytest.fixture(autouse=True)
 def fresh_accelerator_state():
     """Each test starts Accelerate's process-wide ``AcceleratorState`` anew (as accelerate's own ``AccelerateTestCase``

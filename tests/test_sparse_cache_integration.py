@@ -12,33 +12,24 @@ from hf_performer import convert_to_performer
 from hf_performer.cli import main as cli_main
 from hf_performer.favor_attention import update_favor_settings
 
-from conftest import benchmark_script, forbid_new_evaluations, save_tiny_hybrid_and_softmax
+from conftest import benchmark_script, forbid_new_evaluations, logits_of, save_tiny_hybrid_and_softmax
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
 
 
-@pytest.fixture(scope="module")
-def source(tiny_llama_config):
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
 
 
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def test_update_favor_settings_equals_converting_with_the_sparse_cache(source):
+def test_update_favor_settings_equals_converting_with_the_sparse_cache(tiny_llama_lm):
     ids = torch.randint(5, 90, (2, 70), generator=torch.Generator().manual_seed(1))
     settings = dict(feature_map="hedgehog", window=4, sinks=1, seed=0)
-    direct = convert_to_performer(source, sparse_cache=3, **settings).eval()
-    updated = convert_to_performer(source, **settings).eval()
-    without = _logits(updated, ids)
+    direct = convert_to_performer(tiny_llama_lm, sparse_cache=3, **settings).eval()
+    updated = convert_to_performer(tiny_llama_lm, **settings).eval()
+    without = logits_of(updated, ids)
     assert update_favor_settings(updated, sparse_cache=3)["sparse_cache"] == 3
     assert updated.config.favor_settings["sparse_cache"] == 3
-    torch.testing.assert_close(_logits(updated, ids), _logits(direct, ids))
-    assert (_logits(updated, ids) - without).abs().max() > 1e-4  # the cache changes what the model sees
+    torch.testing.assert_close(logits_of(updated, ids), logits_of(direct, ids))
+    assert (logits_of(updated, ids) - without).abs().max() > 1e-4  # the cache changes what the model sees
     # generate() with the cache decodes what one pass computes
     with torch.no_grad():
         generated = updated.generate(ids[:1], max_new_tokens=6, do_sample=False)
@@ -50,21 +41,21 @@ def test_update_favor_settings_equals_converting_with_the_sparse_cache(source):
     (dict(sparse_cache=-1), "sparse_cache"),
     (dict(sparse_cache="many"), "sparse_cache"),
 ])
-def test_update_favor_settings_refuses_bad_values_in_one_line(source, changes, message):
-    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)
+def test_update_favor_settings_refuses_bad_values_in_one_line(tiny_llama_lm, changes, message):
+    model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=4, sinks=1)
     with pytest.raises(ValueError, match=message) as failure:
         update_favor_settings(model, **changes)
     assert "\n" not in str(failure.value)
 
 
-def test_update_favor_settings_refuses_a_model_without_favor_attention(source):
+def test_update_favor_settings_refuses_a_model_without_favor_attention(tiny_llama_lm):
     with pytest.raises(ValueError, match="has no attention module running favor attention"):
-        update_favor_settings(source, sparse_cache=3)
+        update_favor_settings(tiny_llama_lm, sparse_cache=3)
 
 
-def test_a_sparse_cache_on_a_linear_model_is_refused(source):
+def test_a_sparse_cache_on_a_linear_model_is_refused(tiny_llama_lm):
     with pytest.raises(ValueError, match="sparse_cache"):
-        convert_to_performer(source, nb_features=16, sparse_cache=3)
+        convert_to_performer(tiny_llama_lm, nb_features=16, sparse_cache=3)
 
 
 @needs_shared
@@ -98,11 +89,11 @@ def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_co
     assert "\n" not in str(failure.value) and not (tmp_path / "plain.json").exists()
 
 
-def test_the_transfer_student_uses_the_layer_sparse_cache(source):
+def test_the_transfer_student_uses_the_layer_sparse_cache(tiny_llama_lm):
     from hf_performer.conversion.attention_transfer import window_of_layer
     from hf_performer.favor_attention import find_attention_modules
 
-    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, sparse_cache=5,
+    model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=4, sinks=1, sparse_cache=5,
                                  layer_windows={"1": {"window": 8, "sparse_cache": 0}})
     layers = [window_of_layer(module) for _, module in find_attention_modules(model)]
     assert [(layer.window, layer.sparse_cache) for layer in layers] == [(4, 5), (8, 0)]

@@ -9,11 +9,12 @@ import json
 import pytest
 import torch
 
-from hf_performer import make_feature_map, window_linear_attention
+from hf_performer import window_linear_attention
 from hf_performer.attention_weights import window_attention_weights
 from hf_performer.reference import reference_window_linear_attention
 
-from window_cases import GAMMA, on_tokens, padded_mask, run_in_pieces, small_map, small_qkv
+from conftest import logits_of
+from window_cases import GAMMA, on_tokens, padded_mask, refusal, run_in_pieces, small_map, small_qkv
 
 
 @pytest.mark.parametrize("name, learned", [("hedgehog", True), ("favor+", False)])
@@ -110,17 +111,13 @@ def test_output_attentions_are_the_applied_weights(capacity):
     ],
 )
 def test_bad_arguments_get_one_line_errors(kwargs, words):
-    q, k, v = small_qkv(batch=1, dtype=torch.float32)
-    with pytest.raises(ValueError) as error:
-        window_linear_attention(q, k, v, make_feature_map("favor+", 8), window=2, **kwargs)
-    assert words in str(error.value) and "\n" not in str(error.value)
+    message = refusal(**kwargs)
+    assert words in message and "\n" not in message
 
 
 def test_a_cap_without_a_tail_is_refused():
-    q, k, v = small_qkv(batch=1, dtype=torch.float32)
-    with pytest.raises(ValueError, match="tail_cap needs a linear tail") as error:
-        window_linear_attention(q, k, v, None, window=2, tail_cap=8)
-    assert "\n" not in str(error.value)
+    message = refusal(tail_map=None, tail_cap=8)
+    assert "tail_cap needs a linear tail" in message and "\n" not in message
 
 
 @pytest.mark.parametrize("capacity", [0, 3])
@@ -141,33 +138,20 @@ def test_the_training_length_tail_is_the_largest_cap_that_changes_nothing(capaci
 # ------------------------------------------------------------------------------------------- models and commands
 
 
-@pytest.fixture(scope="module")
-def source(tiny_llama_config):
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256)).eval()
-
-
-def _logits(model, ids):
-    with torch.no_grad():
-        return model(input_ids=ids).logits
-
-
-def test_a_converted_model_runs_its_cap_in_forward_generate_and_its_saved_folder(source, tmp_path):
+def test_a_converted_model_runs_its_cap_in_forward_generate_and_its_saved_folder(tiny_llama_lm, tmp_path):
     from hf_performer import convert_to_performer
     from hf_performer.favor_attention import update_favor_settings
     from transformers import AutoModelForCausalLM
 
     ids = torch.randint(5, 90, (2, 70), generator=torch.Generator().manual_seed(1))
     settings = dict(feature_map="hedgehog", window=4, sinks=1, seed=0, sparse_cache=2)
-    direct = convert_to_performer(source, tail_cap=6, **settings).eval()
+    direct = convert_to_performer(tiny_llama_lm, tail_cap=6, **settings).eval()
     assert direct.config.favor_settings["tail_cap"] == 6
-    updated = convert_to_performer(source, **settings).eval()
-    unbounded = _logits(updated, ids)
+    updated = convert_to_performer(tiny_llama_lm, **settings).eval()
+    unbounded = logits_of(updated, ids)
     assert update_favor_settings(updated, tail_cap=6)["tail_cap"] == 6
-    torch.testing.assert_close(_logits(updated, ids), _logits(direct, ids))
-    assert (_logits(direct, ids) - unbounded).abs().max() > 1e-4
+    torch.testing.assert_close(logits_of(updated, ids), logits_of(direct, ids))
+    assert (logits_of(direct, ids) - unbounded).abs().max() > 1e-4
     with torch.no_grad():
         generated = direct.generate(ids[:1], max_new_tokens=6, do_sample=False)
         again = direct.generate(ids[:1], max_new_tokens=6, do_sample=False, use_cache=False)
@@ -175,7 +159,7 @@ def test_a_converted_model_runs_its_cap_in_forward_generate_and_its_saved_folder
     direct.save_pretrained(tmp_path / "capped")
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "capped").eval()
     assert reloaded.config.favor_settings["tail_cap"] == 6
-    torch.testing.assert_close(_logits(reloaded, ids), _logits(direct, ids))
+    torch.testing.assert_close(logits_of(reloaded, ids), logits_of(direct, ids))
     assert (tmp_path / "capped" / "window_tail_cap.py").is_file()  # the folder carries the code it runs
 
 
@@ -183,11 +167,11 @@ def test_a_converted_model_runs_its_cap_in_forward_generate_and_its_saved_folder
     (dict(tail_cap=-1), "tail_cap'] must be an int >= 0"),
     (dict(tail_cap=8, linear_tail=False), "tail_cap'] bounds the linear tail"),
 ])
-def test_bad_settings_are_refused_in_one_line(source, changes, message):
+def test_bad_settings_are_refused_in_one_line(tiny_llama_lm, changes, message):
     from hf_performer import convert_to_performer
     from hf_performer.favor_attention import update_favor_settings
 
-    model = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1)
+    model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=4, sinks=1)
     with pytest.raises(ValueError, match=message) as failure:
         update_favor_settings(model, **changes)
     assert "\n" not in str(failure.value)
@@ -204,13 +188,13 @@ def test_an_encoder_window_layer_refuses_a_cap(tiny_bert_config):
     assert "\n" not in str(failure.value)
 
 
-def test_the_commands_take_the_cap(source, tmp_path):
+def test_the_commands_take_the_cap(tiny_llama_lm, tmp_path):
     from hf_performer.cli import main as cli_main
     from hf_performer.cli.linearize import add_parser as linearize_parser
     from hf_performer.recipes.linearize import LinearizeSettings, RecipeError, conversion_arguments
     from hf_performer.window_tail_cap import training_tail_tokens
 
-    source.save_pretrained(tmp_path / "source")
+    tiny_llama_lm.save_pretrained(tmp_path / "source")
     assert cli_main(["convert", str(tmp_path / "source"), str(tmp_path / "out"), "--feature-map", "hedgehog",
                      "--window", "4", "--sinks", "1", "--tail-cap", "9"]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())

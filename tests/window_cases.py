@@ -2,6 +2,7 @@
 dimension 8, rows with holes and two left paddings (different boundary offsets), and a runner that feeds a sequence
 to the operator in pieces, continuing its state."""
 
+import pytest
 import torch
 
 from hf_performer import make_feature_map, window_linear_attention
@@ -47,3 +48,13 @@ def run_in_pieces(q, k, v, fm, pieces, mask=None, state=None, **kwargs):
         outputs.append(out)
         start += size
     return torch.cat(outputs, dim=2), state
+
+
+def refusal(tail_map="favor+", **kwargs) -> str:
+    """The ``ValueError`` message of a window-2 call on small float32 inputs with ``kwargs`` (``tail_map``: the tail's
+    map name, or ``None`` for no tail); fails the test when the call is accepted."""
+    q, k, v = small_qkv(batch=1, dtype=torch.float32)
+    feature_map = None if tail_map is None else make_feature_map(tail_map, 8)
+    with pytest.raises(ValueError) as error:
+        window_linear_attention(q, k, v, feature_map, window=2, **kwargs)
+    return str(error.value)
