@@ -1,5 +1,6 @@
 """The sparse cache of hard keys (issue 33) beyond the operator: convert / update_favor_settings on a loaded model,
-`hf-performer evaluate --sparse-cache`, the attention transfer's student and linearize's settings."""
+`hf-performer evaluate --sparse-cache`, the attention transfer's student and linearize's settings; the one-line
+refusals of bad window settings (the sparse cache's and the bounded tail's) on a loaded model."""
 
 import json
 from pathlib import Path
@@ -40,6 +41,8 @@ def test_update_favor_settings_equals_converting_with_the_sparse_cache(tiny_llam
 @pytest.mark.parametrize("changes, message", [
     (dict(sparse_cache=-1), "sparse_cache"),
     (dict(sparse_cache="many"), "sparse_cache"),
+    (dict(tail_cap=-1), "tail_cap'] must be an int >= 0"),
+    (dict(tail_cap=8, linear_tail=False), "tail_cap'] bounds the linear tail"),
 ])
 def test_update_favor_settings_refuses_bad_values_in_one_line(tiny_llama_lm, changes, message):
     model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=4, sinks=1)

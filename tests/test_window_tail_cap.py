@@ -2,7 +2,8 @@
 ``M / n``. The operator against the float64 reference (which counts each query's tail keys from its explicit mask),
 with and without a sparse cache, padding, GQA, both weight modes; a cap the tail never reaches changes nothing;
 prefill + decode and rollback + re-decode give the one pass; the memory-bounded training path has the one pass's
-gradients; output_attentions; the favor setting, the model and its saved folder; one-line errors."""
+gradients; output_attentions; the favor setting, the model and its saved folder; one-line errors (the settings'
+refusals by update_favor_settings: tests/test_sparse_cache_integration.py)."""
 
 import json
 
@@ -161,20 +162,6 @@ def test_a_converted_model_runs_its_cap_in_forward_generate_and_its_saved_folder
     assert reloaded.config.favor_settings["tail_cap"] == 6
     torch.testing.assert_close(logits_of(reloaded, ids), logits_of(direct, ids))
     assert (tmp_path / "capped" / "window_tail_cap.py").is_file()  # the folder carries the code it runs
-
-
-@pytest.mark.parametrize("changes, message", [
-    (dict(tail_cap=-1), "tail_cap'] must be an int >= 0"),
-    (dict(tail_cap=8, linear_tail=False), "tail_cap'] bounds the linear tail"),
-])
-def test_bad_settings_are_refused_in_one_line(tiny_llama_lm, changes, message):
-    from hf_performer import convert_to_performer
-    from hf_performer.favor_attention import update_favor_settings
-
-    model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=4, sinks=1)
-    with pytest.raises(ValueError, match=message) as failure:
-        update_favor_settings(model, **changes)
-    assert "\n" not in str(failure.value)
 
 
 def test_an_encoder_window_layer_refuses_a_cap(tiny_bert_config):
