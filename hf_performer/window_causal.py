@@ -43,10 +43,15 @@ def _floor_div(x: torch.Tensor, divisor: int) -> torch.Tensor:
     return torch.div(x, divisor, rounding_mode="floor")
 
 
-def rows_window(x: torch.Tensor, start: torch.Tensor, length: int, dim: int, fill=0):
-    """``x[b, ..., start_b : start_b + length, ...]`` along ``dim`` for each row ``b`` (``start`` ``[B]`` long), with
-    ``fill`` where that range leaves ``x``; one ``narrow`` view when every row starts at the same place inside."""
+def rows_window(x: torch.Tensor, start, length: int, dim: int, fill=0):
+    """``x[b, ..., start_b : start_b + length, ...]`` along ``dim`` for each row ``b`` (``start`` ``[B]`` long, or
+    one ``int`` for every row), with ``fill`` where that range leaves ``x``; one ``narrow`` view when every row starts
+    at the same place inside."""
     size = x.shape[dim]
+    if isinstance(start, int):
+        if 0 <= start and start + length <= size:
+            return x.narrow(dim, start, length)
+        start = torch.full((x.shape[0],), start, dtype=torch.long, device=x.device)
     first, last = int(start.min()), int(start.max())
     if first == last and first >= 0 and first + length <= size:
         return x.narrow(dim, first, length)
@@ -377,8 +382,8 @@ def exact_terms(scores, values, gamma, rows, value_dim):
     function applying its weights to its values; ``rows`` is a tensor shaped as the query rows."""
     if not scores:
         return rows.new_zeros(rows.shape + (value_dim + 1,)), rows.new_zeros(rows.shape)
-    row_max = torch.stack([score.amax(-1) for score in scores]).amax(0)
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    row_max = scores[0].amax(-1) if len(scores) == 1 else torch.stack([score.amax(-1) for score in scores]).amax(0)
+    row_max = torch.nan_to_num(row_max, nan=0.0, posinf=0.0, neginf=0.0)
     if gamma is None:
         row_max = row_max.detach()
     exact = None
@@ -431,18 +436,17 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
     checkpoint = None
     if max_rollback > 0:
         checkpoint = tail_at(_floor_div(seen - 1 - max_rollback - offset, size).clamp_min(n_first))
-    # Pending sums of the last query (position `seen - 1`): the tokens of its block's tile up to `seen - 1 - w` (none
-    # with a sparse cache, which keeps them exact).
+    # The last query's (position `seen - 1`) tail sums: its boundary's plus the tokens of its block's tile up to
+    # `seen - 1 - w` (none with a sparse cache, which keeps them exact).
     tile_index = (last_block - n_first).clamp(0, blocks - 1)
     features, log_scale = tile_features
     tile = lambda t: _select_blocks(t.view(t.shape[:2] + (blocks, size) + t.shape[3:]), tile_index)  # noqa: E731
     tile_position = last_block[:, None] * size + offset[:, None] - w + 1 + torch.arange(size, device=offset.device)
     pending_keep = tile_keep.view(batch, blocks, size).gather(1, tile_index.view(batch, 1, 1).expand(-1, 1, size))[:, 0]
     pending_keep = pending_keep & (tile_position <= seen - 1 - w)
-    sums, tail_max = empty_tail_sum(batch, kv_heads, features.shape[-1], tile_value_ones.shape[-1], features)
-    pending = None if caches is not None else fold_into(
-        (sums, tail_max), tile(features), None if log_scale is None else tile(log_scale), tile(tile_value_ones),
-        pending_keep[:, None].expand(-1, kv_heads, -1))
+    query_tail = None if caches is not None else fold_into(
+        (current.tail_sums, current.tail_max), tile(features), None if log_scale is None else tile(log_scale),
+        tile(tile_value_ones), pending_keep[:, None].expand(-1, kv_heads, -1))
     buffer_key, buffer_value, buffer_keep = last_tokens(local_key, local_value, local_keep,
                                                         buffer_capacity(w, size, max_rollback))
     sink_key, sink_value, sink_position, sink_valid = call.sinks
@@ -450,7 +454,7 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
         sink_key=sink_key.clone(), sink_value=sink_value.clone(), sink_position=sink_position.clone(),
         sink_valid=sink_valid.clone(), buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
         row_start=row_start, kept_tokens=call.kept_before + local_keep.sum(-1),
-        current=current, pending=pending, checkpoint=checkpoint, seen=seen, window=w, sinks=sinks,
+        current=current, query_tail=query_tail, checkpoint=checkpoint, seen=seen, window=w, sinks=sinks,
         sparse_cache=capacity, chunk_size=size, max_rollback=max_rollback)
 
 

@@ -2,12 +2,14 @@
 
 What :func:`~.window_causal.causal_window_attention` computes for a block, for a single query ``x`` per row, read
 from the :class:`~.window_state.WindowAttentionState`: its exact keys are the row's sinks, its sparse cache and the
-last ``w`` tokens (with a cache: every token after ``b - w``, ``b`` the row's boundary); its tail is the committed tail
-sums, plus without a cache the pending sums (the tokens that left the window since the boundary). At a row's boundary
-(``x = row_start + k C``) the sparse cache is selected first (:func:`~.window_sparse_cache.select_hard_keys` over the
-cache and the ``C`` tokens that left the window since the last boundary, their features recomputed from the buffer)
-and the pending sums restart empty; otherwise the token ``x - w`` joins the pending sums. So a step costs
-``O((sinks + G + w + C) d + m d)`` per head, plus ``O((G + C) m d)`` per key head once every ``C`` tokens.
+last ``w`` tokens (with a cache: every token after ``b - w``, ``b`` the row's boundary); its tail is, with a cache,
+the committed tail sums, without one the last query's tail sums plus the token ``x - w`` (the state keeps them). At a
+row's boundary (``x = row_start + k C``) the sparse cache is selected first
+(:func:`~.window_sparse_cache.select_hard_keys` over the cache and the ``C`` tokens that left the window since the
+last boundary, their features recomputed from the buffer), and without a cache the tail is the newly committed one.
+So a step costs ``O((sinks + G + w + C) d + m d)`` per head, plus ``O((G + C) m d)`` per key head once every ``C``
+tokens. The exact keys form one score tensor and the step runs a few dozen small operations: at batch 1 their
+dispatch, not their arithmetic, is its cost.
 
 It serves the states without a checkpoint (``max_rollback == 0``), whose current tail is known: any other state
 (after a rollback, or keeping one for rollbacks) goes through the block path, which replays from the checkpoint.
@@ -22,16 +24,15 @@ import torch
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
 from .window_causal import _key_features, combine, exact_terms, rows_window
-from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
+from .window_sparse_cache import fold_into, select_hard_keys
 from .window_state import CommittedTail, buffer_capacity, last_tokens, row_sinks
-from .window_tail import _merge_tail_sums
 from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
 
 
 def can_decode_step(state, length: int, max_rollback: int) -> bool:
     """Whether a call is one token continuing a state this module serves."""
     return (state is not None and length == 1 and max_rollback == 0 and state.current is not None
-            and state.checkpoint is None)
+            and state.checkpoint is None and (state.query_tail is not None or state.sparse_cache > 0))
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0):
@@ -59,12 +60,12 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         fresh = (state.row_start < 0) & unpadded[:, 0]
         row_start = torch.where(fresh, x, state.row_start)
         known = row_start >= 0
-        offset = torch.where(known, row_start % size, 0)
         current = state.current
-        crossing = known & ((x - offset) % size == 0) & (fresh | (x > current.boundary))
+        crossing = known & ((x - row_start) % size == 0) & (fresh | (x > current.boundary))
         current_sums = (current.tail_sums.to(dtype), current.tail_max)
 
-        def tokens(start, length):  # keys, values + ones (zero where not kept), keep of positions start.. per row
+        def tokens(start, length):  # keys, values + ones (zero where not kept), keep of positions start.. (an int:
+            # the same in every row, or [B])
             begin = start - local_start
             keep = rows_window(local_keep, begin, length, 1, fill=False)
             values = _with_ones_column(rows_window(local_value.to(dtype), begin, length, 2))
@@ -75,40 +76,47 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         if bool(crossing.any()):
             cache, current_sums = _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x,
                                                       size, w, capacity, eps)
-        # Without a cache the tokens that left the window since the boundary are in the tail (pending sums); with one
-        # they wait exactly for the next selection, in the band.
-        pending = None if capacity else _pending_sums(state, current, crossing, known, tokens, feature_map, root, x, w,
-                                                      current_sums)
+        # Without a cache the tokens that left the window since the boundary are in the tail (the state keeps the last
+        # query's tail sums); with one they wait exactly for the next selection, in the band.
+        query_tail = None if capacity else _query_tail(state, current, crossing, known, tokens, feature_map, root, x,
+                                                       w, current_sums)
         boundary = torch.where(crossing, x, current.boundary)
 
-        # Exact keys: sinks, cache, the last w tokens.
+        # Exact keys: sinks, cache, the last w tokens (with a cache, every token after the boundary's window edge),
+        # in one score tensor.
         query_rows = query.to(dtype).view(batch, kv_heads, groups, head_dim)
-        scores, values = [], []
+        exact_keys, exact_values, exact_valid = [], [], []  # [B, Hkv, n, d], [B, Hkv, n, dv], [B, 1 or Hkv, n]
         if sinks:
-            sink_scores = torch.matmul(query_rows, sink_key.to(dtype).transpose(-1, -2)) * scaling
-            scores.append(sink_scores.masked_fill(~sink_valid[:, None, None, :], float("-inf")))
-            sink_value_ones = _with_ones_column(sink_value.to(dtype))
-            values.append(lambda weights: torch.matmul(weights, sink_value_ones))
+            exact_keys.append(sink_key), exact_values.append(sink_value), exact_valid.append(sink_valid[:, None])
         if capacity:
-            cache_scores = torch.matmul(query_rows, cache.cache_key.to(dtype).transpose(-1, -2)) * scaling
-            scores.append(cache_scores.masked_fill(~cache.cache_valid[:, :, None, :], float("-inf")))
-            cache_value_ones = _with_ones_column(cache.cache_value.to(dtype))
-            values.append(lambda weights: torch.matmul(weights, cache_value_ones))
+            exact_keys.append(cache.cache_key), exact_values.append(cache.cache_value)
+            exact_valid.append(cache.cache_valid)
         span = w if not capacity else w + size - 1
         if span:
-            band_key, band_value_ones, band_keep = tokens(torch.full_like(row_start, x - span + 1), span)
-            if capacity:  # from the boundary's window edge: the waiting tokens
+            begin = x - span + 1 - local_start
+            band_keep = rows_window(local_keep, begin, span, 1, fill=False)
+            if capacity:
                 band_keep = band_keep & (x - span + 1 + torch.arange(span, device=device) > boundary[:, None] - w)
-            band_scores = torch.matmul(query_rows, band_key.transpose(-1, -2)) * scaling
-            scores.append(band_scores.masked_fill(~band_keep[:, None, None, :], float("-inf")))
-            values.append(lambda weights: torch.matmul(weights, band_value_ones))
+            exact_keys.append(rows_window(local_key, begin, span, 2))
+            exact_values.append(rows_window(local_value, begin, span, 2))
+            exact_valid.append(band_keep[:, None])
+        scores, values = [], []
+        if exact_keys:
+            keys, exact_value_ones = (torch.cat([t.to(dtype) for t in tensors], dim=2) if len(tensors) > 1
+                                      else tensors[0].to(dtype) for tensors in (exact_keys, exact_values))
+            exact_value_ones = _with_ones_column(exact_value_ones)
+            valid = (torch.cat([t.expand(batch, kv_heads, -1) for t in exact_valid], dim=-1) if len(exact_valid) > 1
+                     else exact_valid[0])
+            scores.append(torch.matmul(query_rows * scaling, keys.transpose(-1, -2))
+                          .masked_fill(~valid[:, :, None, :], float("-inf")))
+            values.append(lambda weights: torch.matmul(weights, exact_value_ones))
         exact, row_max = exact_terms(scores, values, gamma, query_rows[..., 0], value_dim)
         if gamma is not None:
             exact = exact * gamma.view(kv_heads, groups, 1)
         tail = log_factor = None
         if feature_map is not None:
             q_features = feature_map.query_features(query.to(dtype) * root)
-            sums, tail_max = current_sums if pending is None else _merge_tail_sums(current_sums, pending)
+            sums, tail_max = current_sums if query_tail is None else query_tail
             tail = torch.matmul(q_features.values.view(batch, kv_heads, groups, -1), sums)
             if q_features.log_scale is not None:
                 log_factor = q_features.log_scale.view(batch, kv_heads, groups) + tail_max[..., None]
@@ -128,7 +136,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             sink_key=sink_key, sink_value=sink_value, sink_position=sink_position, sink_valid=sink_valid,
             buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
             row_start=row_start, kept_tokens=state.kept_tokens + local_keep[:, -1].long(), current=new_current,
-            pending=pending, seen=x + 1)
+            query_tail=query_tail, seen=x + 1)
     return out.to(value.dtype), new_state
 
 
@@ -136,7 +144,7 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
     """The cache and tail sums of the rows at a boundary ``x`` (``crossing`` ``[B]``) after its selection; the other
     rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer."""
     batch, kv_heads = current.cache_valid.shape[:2]
-    tile_key, tile_value_ones, tile_keep = tokens(torch.full_like(current.boundary, x - size - w + 1), size)
+    tile_key, tile_value_ones, tile_keep = tokens(x - size - w + 1, size)
     tile_features = _key_features(feature_map, tile_key, root)
     keep = tile_keep[:, None].expand(-1, kv_heads, -1)
     if capacity == 0:
@@ -165,25 +173,15 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
                                                                                 current_sums[1]))
 
 
-def _pending_sums(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums):
-    """The tail sums of the tokens that left the window after each row's boundary, up to ``x - w``: empty at a
-    boundary, else the state's plus token ``x - w`` (recomputed from the buffer when the state has none)."""
-    batch, kv_heads, features, columns = current_sums[0].shape
-    empty = empty_tail_sum(batch, kv_heads, features, columns, current_sums[0])
-    if state.pending is None:  # the tokens (boundary - w, x - w] of each row
-        length = max(int((x - current.boundary[known]).max()) if bool(known.any()) else 0, 0)
-        if length == 0:
-            return empty
-        start = current.boundary - w + 1
-        keys, value_ones, keep = tokens(start, length)
-        keep = keep & (start[:, None] + torch.arange(length, device=keep.device) <= x - w)
-        pending = fold_into(empty, *_key_features(feature_map, keys, root), value_ones,
-                            keep[:, None].expand(-1, kv_heads, -1))
-    else:
-        key, value_ones, keep = tokens(torch.full_like(current.boundary, x - w), 1)
-        keep = keep & (x > current.boundary)[:, None]
-        pending = fold_into((state.pending[0].to(value_ones.dtype), state.pending[1]),
-                            *_key_features(feature_map, key, root), value_ones, keep[:, None].expand(-1, kv_heads, -1))
-    rows = (crossing | ~known)
-    return (torch.where(rows.view(-1, 1, 1, 1), empty[0], pending[0]),
-            torch.where(rows[:, None], empty[1], pending[1]))
+def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums):
+    """The tail sums of query ``x`` without a sparse cache: the committed tail at a boundary (or before the row's first
+    token), else the last query's plus token ``x - w``."""
+    key, value_ones, keep = tokens(x - w, 1)
+    keep = keep & (x > current.boundary)[:, None]
+    tail = fold_into((state.query_tail[0].to(value_ones.dtype), state.query_tail[1]), *_key_features(feature_map, key, root),
+                     value_ones, keep[:, None].expand(-1, key.shape[1], -1))
+    rows = crossing | ~known
+    if not bool(rows.any()):
+        return tail
+    return (torch.where(rows.view(-1, 1, 1, 1), current_sums[0], tail[0]),
+            torch.where(rows[:, None], current_sums[1], tail[1]))

@@ -9,8 +9,9 @@ state holds, per row:
 * a buffer of the last tokens' keys and values (:func:`buffer_capacity` of them, empty ones first while fewer were
   seen), reaching ``w - 1`` tokens before the oldest boundary it may return to (the checkpoint's, or the current
   one's): the window, the pending tokens, and what a rollback replays;
-* the *current* :class:`CommittedTail` (sparse cache and tail sums at the boundary of the last query) and the tail
-  sums of the pending tokens;
+* the *current* :class:`CommittedTail` (sparse cache and tail sums at the boundary of the last query) and, without
+  a sparse cache, the last query's whole tail sums (the committed ones plus the pending tokens), which the next
+  decoding step extends by one token;
 * with ``max_rollback > 0``, a *checkpoint* :class:`CommittedTail` at a boundary old enough that dropping the last
   ``max_rollback`` tokens never goes before it: :meth:`WindowAttentionState.rollback` returns to it and the next
   call replays the selection over the buffered tokens.
@@ -35,7 +36,7 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
     chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
     current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
-    positions and flags and the float32 tail sums, plus the pending tokens' sums without a sparse cache, and two
+    positions and flags and the float32 tail sums, plus the last query's tail sums without a sparse cache, and two
     counters (the row's start and its kept tokens)."""
     sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
     buffer = max(window - 1, 0) + chunk_size + max_rollback
@@ -43,8 +44,8 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     features = nb_features if linear_tail else 1  # without a tail the sums keep one empty feature
     sums = kv_heads * (features * (head_dim + 1) + 1) * 4
     committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
-    pending = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
-    tails = committed * (2 if max_rollback > 0 else 1) + pending
+    query_tail = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
+    tails = committed * (2 if max_rollback > 0 else 1) + query_tail
     return sink_slots + buffer_bytes + 16 + tails
 
 
@@ -99,9 +100,9 @@ class WindowAttentionState(NamedTuple):
             its tokens from it: :mod:`.window_tail_cap`).
         current: the :class:`CommittedTail` at the boundary of the last query, or ``None`` after a rollback (the next
             call rebuilds it from ``checkpoint``).
-        pending: ``(sums, K)`` the tail sums of the last query's pending tokens (those that left the window after
-            ``current``'s boundary, up to position ``seen - 1 - window``), or ``None`` (the next call recomputes
-            them).
+        query_tail: ``(sums, K)`` the tail sums of the last query without a sparse cache: ``current``'s plus the
+            pending tokens (those that left the window after its boundary, up to position ``seen - 1 - window``);
+            ``None`` with a sparse cache and after a rollback (a decoding step then takes the block path).
         checkpoint: a :class:`CommittedTail` at an older boundary that rollbacks return to, or ``None`` when
             ``max_rollback == 0`` (then ``current`` is the only one).
         seen: tokens seen (padding included); window, sinks, sparse_cache (``G``), chunk_size, max_rollback: the
@@ -118,7 +119,7 @@ class WindowAttentionState(NamedTuple):
     row_start: torch.Tensor
     kept_tokens: torch.Tensor
     current: CommittedTail | None
-    pending: tuple | None
+    query_tail: tuple | None
     checkpoint: CommittedTail | None
     seen: int
     window: int
@@ -170,15 +171,16 @@ class WindowAttentionState(NamedTuple):
         return self._replace(
             sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
-            kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, pending=None, checkpoint=self.oldest, seen=seen,
+            kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, query_tail=None, checkpoint=self.oldest,
+            seen=seen,
         )
 
     def map_batch(self, fn) -> "WindowAttentionState":
         """Apply ``fn`` to every tensor (all have the batch first): select / repeat / move rows."""
         tensors = {name: fn(getattr(self, name)) for name in _ROW_TENSORS}
-        pending = None if self.pending is None else tuple(fn(t) for t in self.pending)
+        query_tail = None if self.query_tail is None else tuple(fn(t) for t in self.query_tail)
         return self._replace(
-            current=None if self.current is None else self.current.map_batch(fn), pending=pending,
+            current=None if self.current is None else self.current.map_batch(fn), query_tail=query_tail,
             checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), **tensors)
 
     def nbytes(self) -> int:
@@ -186,8 +188,8 @@ class WindowAttentionState(NamedTuple):
         total = sum(getattr(self, name).numel() * getattr(self, name).element_size() for name in _ROW_TENSORS)
         for tail in (self.current, self.checkpoint):
             total += 0 if tail is None else tail.nbytes()
-        if self.pending is not None:
-            total += sum(t.numel() * t.element_size() for t in self.pending)
+        if self.query_tail is not None:
+            total += sum(t.numel() * t.element_size() for t in self.query_tail)
         return total
 
 
@@ -214,12 +216,12 @@ def last_tokens(key, value, keep, capacity: int):
 
 def state_tensors(state: WindowAttentionState) -> list:
     """The floating-point tensors of ``state`` that gradients flow through, in a fixed order (``None`` for an absent
-    part): the sink slots, the buffer, the current and checkpoint tails' cache keys / values and sums, the pending
-    sums."""
+    part): the sink slots, the buffer, the current and checkpoint tails' cache keys / values and sums, the last
+    query's tail sums."""
     tensors = [getattr(state, name) for name in _STATE_FLOATS]
     for tail in (state.current, state.checkpoint):
         tensors += [None] * len(FLOAT_FIELDS) if tail is None else [getattr(tail, name) for name in FLOAT_FIELDS]
-    tensors.append(None if state.pending is None else state.pending[0])
+    tensors.append(None if state.query_tail is None else state.query_tail[0])
     return tensors
 
 
@@ -231,9 +233,9 @@ def with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionS
     for tail in (state.current, state.checkpoint):
         replaced = [tensors.pop(0) for _ in FLOAT_FIELDS]
         tails.append(None if tail is None else tail._replace(**dict(zip(FLOAT_FIELDS, replaced))))
-    pending_sums = tensors.pop(0)
-    pending = None if state.pending is None else (pending_sums, state.pending[1])
-    return state._replace(current=tails[0], checkpoint=tails[1], pending=pending, **named)
+    query_tail_sums = tensors.pop(0)
+    query_tail = None if state.query_tail is None else (query_tail_sums, state.query_tail[1])
+    return state._replace(current=tails[0], checkpoint=tails[1], query_tail=query_tail, **named)
 
 
 def row_sinks(key, value, keep, sinks, initial_state, seen):
@@ -250,6 +252,9 @@ def row_sinks(key, value, keep, sinks, initial_state, seen):
         and which new tokens are sinks.
     """
     batch, kv_heads, length, _ = key.shape
+    if initial_state is not None and bool(initial_state.sink_valid.all()):  # every slot taken: no new sink
+        return (initial_state.sink_key.to(key.dtype), initial_state.sink_value.to(value.dtype),
+                initial_state.sink_position, initial_state.sink_valid, torch.zeros_like(keep))
     positions = torch.arange(seen, seen + length, device=key.device)
     if initial_state is None:
         stored_key, stored_value = key[:, :, :0], value[:, :, :0]

@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama_config
+from conftest import benchmark_script, tiny_llama_config
 from transformers import LlamaForCausalLM
 
 from hf_performer import convert_to_performer
-from hf_performer.bench.decode_converted import run_converted_decode_benchmark
+from hf_performer.bench.decode_converted import load_converted_causal_lm, run_converted_decode_benchmark
 from hf_performer.bench.report import format_decode_table
 
 
@@ -34,11 +34,42 @@ def test_window_layers_are_measured_against_softmax(folder):
     assert result["settings"]["model"]["folder"] == "tiny-window" and str(folder) not in str(result)
     assert result["summary"]["favor_cache_bytes_constant"] is True
     assert "chunked prefill through the window cache" in format_decode_table(result)
-    # the record is JSON (the state's plain tuples, e.g. the pending tail sums, described by index)
-    assert "pending.0" in result["verification"]["favor"]["cache_layers"][0]["tensors"]
+    # the record is JSON (the state's plain tuples, e.g. the last query's tail sums, described by index)
+    assert "query_tail.0" in result["verification"]["favor"]["cache_layers"][0]["tensors"]
     json.dumps(result)
 
 
 def test_contexts_below_the_full_buffer_are_refused(folder):
     with pytest.raises(ValueError, match=r"context lengths must be >= sinks \+ 2 x window = 7"):
         run_converted_decode_benchmark(folder, context_lengths=(6,), progress=False)
+
+
+def test_generation_floor_times_window_softmax_and_no_attention(folder, tmp_path, capsys):
+    floor = benchmark_script("generation_floor")
+    assert floor.main([str(folder), "--contexts", "6,12", "--repeats", "2", "--prefill-length", "16",
+                       "--prefill-repeats", "1", "--output-dir", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / f"{floor.NAME}.json").read_text())
+    assert (tmp_path / f"{floor.NAME}.png").is_file()
+    assert [record["context"] for record in result["decode"]] == [6, 12]
+    for record in result["decode"]:
+        assert all(len(times) == 2 and min(times) > 0 for times in record["seconds"].values())
+    assert sorted(result["prefill"]["median_s"]) == ["favor", "floor", "softmax"]
+    assert set(result["summary"]) == {"decode_context_6_batch_1", "decode_context_12_batch_1", "prefill_16"}
+    assert str(folder) not in json.dumps(result) and "tiny-window" in result["command"]
+    # The floor's attention does no work: the model's output with it does not depend on the other tokens.
+    model = load_converted_causal_lm(folder)
+    floor.Runner(model).switch("floor")
+    with torch.no_grad():
+        first = model(input_ids=torch.tensor([[5, 6, 7]])).logits[0, -1]
+        second = model(input_ids=torch.tensor([[9, 2, 7]])).logits[0, -1]
+    torch.testing.assert_close(first, second)
+
+
+def test_generation_floor_refuses_bad_arguments(folder, capsys):
+    floor = benchmark_script("generation_floor")
+    for argv, message in (([str(folder), "--contexts", "a,b"], "comma-separated ints"),
+                          ([str(folder), "--batch", "0"], ">= 1"),
+                          ([str(folder.parent)], "no config.json")):
+        with pytest.raises(SystemExit):
+            floor.main(argv)
+        assert message in capsys.readouterr().err

@@ -60,7 +60,7 @@ def _generate(model, input_ids, **kwargs):
 
 def _tail_holds_tokens(state):
     """Whether tokens left the window into the tail sums (committed or pending)."""
-    pending = 0.0 if state.pending is None else float(state.pending[0].abs().sum())
+    pending = 0.0 if state.query_tail is None else float(state.query_tail[0].abs().sum())
     return float(state.current.tail_sums.abs().sum()) + pending > 0
 
 
