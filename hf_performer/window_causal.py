@@ -444,8 +444,8 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
     tile_position = last_block[:, None] * size + offset[:, None] - w + 1 + torch.arange(size, device=offset.device)
     pending_keep = tile_keep.view(batch, blocks, size).gather(1, tile_index.view(batch, 1, 1).expand(-1, 1, size))[:, 0]
     pending_keep = pending_keep & (tile_position <= seen - 1 - w)
-    query_tail = None if caches is not None else fold_into(
-        (current.tail_sums, current.tail_max), tile(features), None if log_scale is None else tile(log_scale),
+    query_tail = None if caches is not None else fold_into(  # (its own stabiliser: maps without one return it as is)
+        (current.tail_sums, current.tail_max.clone()), tile(features), None if log_scale is None else tile(log_scale),
         tile(tile_value_ones), pending_keep[:, None].expand(-1, kv_heads, -1))
     buffer_key, buffer_value, buffer_keep = last_tokens(local_key, local_value, local_keep,
                                                         buffer_capacity(w, size, max_rollback))
