@@ -64,8 +64,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         crossing = known & ((x - row_start) % size == 0) & (fresh | (x > current.boundary))
         current_sums = (current.tail_sums.to(dtype), current.tail_max)
 
-        def tokens(start, length):  # keys, values + ones (zero where not kept), keep of positions start.. (an int:
-            # the same in every row, or [B])
+        def tokens(start: int, length: int):  # keys, values + ones (zero where not kept), keep of positions start..
             begin = start - local_start
             keep = rows_window(local_keep, begin, length, 1, fill=False)
             values = _with_ones_column(rows_window(local_value.to(dtype), begin, length, 2))

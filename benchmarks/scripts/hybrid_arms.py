@@ -130,7 +130,7 @@ def _plot(result: dict, path: str) -> None:
     baseline = result["baseline"]
     names = list(result["arms"])
     width = 0.8 / (len(names) + 1)
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colours = plt.get_cmap("tab20").colors  # distinct for up to 20 arms (the default cycle repeats after 10)
     for index, name in enumerate(names + ["softmax + LoRA"]):
         arm = result["arms"].get(name, baseline)
         colour = "black" if name == "softmax + LoRA" else colours[index % len(colours)]
@@ -153,7 +153,8 @@ def _plot(result: dict, path: str) -> None:
                     title="decoding state")
     for axis in (ppl_axis, key_axis, memory_axis):
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=7)
+    ppl_axis.legend(fontsize=7)  # the same colours in every panel
+    memory_axis.legend(handles=memory_axis.get_lines()[-1:], fontsize=7)
     figure.suptitle(f"window-hybrid arms vs softmax + LoRA ({result['protocol']['text_file']})")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
