@@ -376,21 +376,17 @@ def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, 
     return tail_log_weight(tokens, tail_cap, dtype)[:, None]
 
 
-def exact_terms(scores, values, gamma, rows, value_dim):
+def exact_terms(scores, value_ones, gamma, rows, value_dim):
     """The exact part ``sum_E exp(s - c) [v, 1]`` and the row maximum ``c`` (0 without exact keys; detached in
-    calibrated mode, where it cancels) from masked ``scores`` (``-inf`` = not allowed) and, per score tensor, the
-    function applying its weights to its values; ``rows`` is a tensor shaped as the query rows."""
-    if not scores:
+    calibrated mode, where it cancels) from masked ``scores`` ``[..., n]`` (``-inf`` = not allowed) and the keys'
+    ``value_ones`` ``[..., n, dv + 1]``, or ``None`` for both without exact keys; ``rows`` is a tensor shaped as the
+    query rows."""
+    if scores is None:
         return rows.new_zeros(rows.shape + (value_dim + 1,)), rows.new_zeros(rows.shape)
-    row_max = scores[0].amax(-1) if len(scores) == 1 else torch.stack([score.amax(-1) for score in scores]).amax(0)
-    row_max = torch.nan_to_num(row_max, nan=0.0, posinf=0.0, neginf=0.0)
+    row_max = torch.nan_to_num(scores.amax(-1), nan=0.0, posinf=0.0, neginf=0.0)
     if gamma is None:
         row_max = row_max.detach()
-    exact = None
-    for score, apply in zip(scores, values):
-        part = apply(torch.exp(score - row_max[..., None]))
-        exact = part if exact is None else exact + part
-    return exact, row_max
+    return torch.matmul(torch.exp(scores - row_max[..., None]), value_ones), row_max
 
 
 def combine(exact, row_max, tail, log_factor, calibrated: bool):
@@ -444,7 +440,8 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
     tile_position = last_block[:, None] * size + offset[:, None] - w + 1 + torch.arange(size, device=offset.device)
     pending_keep = tile_keep.view(batch, blocks, size).gather(1, tile_index.view(batch, 1, 1).expand(-1, 1, size))[:, 0]
     pending_keep = pending_keep & (tile_position <= seen - 1 - w)
-    query_tail = None if caches is not None else fold_into(  # (its own stabiliser: maps without one return it as is)
+    # (A copy of the stabiliser: a map without log-scales would return the same tensor, shared with `current`.)
+    query_tail = None if caches is not None else fold_into(
         (current.tail_sums, current.tail_max.clone()), tile(features), None if log_scale is None else tile(log_scale),
         tile(tile_value_ones), pending_keep[:, None].expand(-1, kv_heads, -1))
     buffer_key, buffer_value, buffer_keep = last_tokens(local_key, local_value, local_keep,

@@ -99,17 +99,14 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             exact_keys.append(rows_window(local_key, begin, span, 2))
             exact_values.append(rows_window(local_value, begin, span, 2))
             exact_valid.append(band_keep[:, None])
-        scores, values = [], []
+        scores = exact_value_ones = None
         if exact_keys:
-            keys, exact_value_ones = (torch.cat([t.to(dtype) for t in tensors], dim=2) if len(tensors) > 1
-                                      else tensors[0].to(dtype) for tensors in (exact_keys, exact_values))
-            exact_value_ones = _with_ones_column(exact_value_ones)
-            valid = (torch.cat([t.expand(batch, kv_heads, -1) for t in exact_valid], dim=-1) if len(exact_valid) > 1
-                     else exact_valid[0])
-            scores.append(torch.matmul(query_rows * scaling, keys.transpose(-1, -2))
-                          .masked_fill(~valid[:, :, None, :], float("-inf")))
-            values.append(lambda weights: torch.matmul(weights, exact_value_ones))
-        exact, row_max = exact_terms(scores, values, gamma, query_rows[..., 0], value_dim)
+            keys = torch.cat([t.to(dtype) for t in exact_keys], dim=2)
+            exact_value_ones = _with_ones_column(torch.cat([t.to(dtype) for t in exact_values], dim=2))
+            valid = torch.cat([t.expand(batch, kv_heads, -1) for t in exact_valid], dim=-1)
+            scores = torch.matmul(query_rows * scaling, keys.transpose(-1, -2))
+            scores = scores.masked_fill(~valid[:, :, None, :], float("-inf"))
+        exact, row_max = exact_terms(scores, exact_value_ones, gamma, query_rows[..., 0], value_dim)
         if gamma is not None:
             exact = exact * gamma.view(kv_heads, groups, 1)
         tail = log_factor = None
@@ -177,8 +174,9 @@ def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w
     token), else the last query's plus token ``x - w``."""
     key, value_ones, keep = tokens(x - w, 1)
     keep = keep & (x > current.boundary)[:, None]
-    tail = fold_into((state.query_tail[0].to(value_ones.dtype), state.query_tail[1]), *_key_features(feature_map, key, root),
-                     value_ones, keep[:, None].expand(-1, key.shape[1], -1))
+    last_sums, last_max = state.query_tail
+    tail = fold_into((last_sums.to(value_ones.dtype), last_max), *_key_features(feature_map, key, root), value_ones,
+                     keep[:, None].expand(-1, key.shape[1], -1))
     rows = crossing | ~known
     if not bool(rows.any()):
         return tail

@@ -171,8 +171,8 @@ class WindowAttentionState(NamedTuple):
         return self._replace(
             sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
-            kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, query_tail=None, checkpoint=self.oldest,
-            seen=seen,
+            kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, query_tail=None,
+            checkpoint=self.oldest, seen=seen,
         )
 
     def map_batch(self, fn) -> "WindowAttentionState":

@@ -39,7 +39,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("model", help="a converted causal-LM folder with window layers")
     parser.add_argument("--contexts", default="512,16384", help="decode context lengths (default: %(default)s)")
     parser.add_argument("--batch", type=int, default=1, help="decode batch (default: %(default)s)")
-    parser.add_argument("--prefill-length", type=int, default=4096, help="prompt tokens (default: %(default)s; 0: none)")
+    parser.add_argument("--prefill-length", type=int, default=4096,
+                        help="prompt tokens (default: %(default)s; 0: none)")
     parser.add_argument("--repeats", type=int, default=10, help="decode rounds (default: %(default)s)")
     parser.add_argument("--prefill-repeats", type=int, default=3, help="prefill rounds (default: %(default)s)")
     parser.add_argument("--output-dir", type=Path, default=None, help="write NAME.json / NAME.png here")
