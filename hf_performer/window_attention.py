@@ -73,6 +73,7 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+from .window_blocks import reused_outputs
 from .window_causal import causal_window_attention, tail_features
 from .window_decode import can_decode_step, decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
@@ -505,7 +506,7 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         segments=[(start, min(start + CAUSAL_SEGMENT_LENGTH, length))
                   for start in range(0, length, CAUSAL_SEGMENT_LENGTH)],
         run=run, state_tensors=state_tensors, with_state_tensors=with_state_tensors,
-        max_rollback=max_rollback if return_state else 0)
+        max_rollback=max_rollback if return_state else 0, reuse=reused_outputs)
     parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
     out, state = segmented_causal(plan, query, key, value, softmax_weight, mask, initial_state, parameters)
     return (out, state) if return_state else out

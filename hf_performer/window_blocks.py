@@ -22,6 +22,8 @@ This module imports only ``torch`` and its sibling ``linear_attention``.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from typing import NamedTuple
 
 import torch
@@ -31,6 +33,23 @@ from .linear_attention import _safe_denominator
 GROUP_ROWS = 8192
 """Query rows (examples x key heads x blocks x g C) processed together: the temporaries of a group are a few
 ``[rows, C + w + G + sinks]`` tensors (8192 rows, window 64: about 5 MiB each)."""
+
+
+_REUSE = contextvars.ContextVar("window_blocks_reuse", default=None)
+
+
+@contextlib.contextmanager
+def reused_outputs(store: list, record: bool):
+    """Within this context, :func:`attend_blocks` appends its outputs and denominators to ``store`` (``record``),
+    or takes them from ``store`` instead of computing them (first in, first out; computed again once ``store`` is
+    empty, as in a second backward). A memory-bounded caller that
+    recomputes a piece of its forward to backpropagate through it (:mod:`.window_segments`) records the piece's
+    block outputs once and reuses them there: the recomputation then costs only the operands' graph."""
+    token = _REUSE.set((store, record))
+    try:
+        yield
+    finally:
+        _REUSE.reset(token)
 
 
 class BlockOperands(NamedTuple):
@@ -300,18 +319,29 @@ class _BlockAttention(torch.autograd.Function):
         blocks = operands.query.shape[2] // spec.size
         rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
         per_group = max(1, GROUP_ROWS // rows)
-        outputs, denominators = [], []
-        with torch.no_grad():
-            for start in range(0, blocks, per_group):
-                pieces = _forward_pieces(_group(operands, spec, start, min(start + per_group, blocks)), spec)
-                total, _ = _total(pieces)
-                denominator = _safe_denominator(total[..., -1], spec.eps)
-                outputs.append(total[..., :-1] / denominator[..., None])
-                denominators.append(denominator)
-        out = torch.cat(outputs, dim=2)
+        reuse = _REUSE.get()
+        if reuse is not None and not reuse[1] and reuse[0]:
+            out, denominator = reuse[0].pop(0)
+            expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size)
+            if out.shape[:-1] != expected or out.shape[-1] != operands.values.shape[-1]:
+                raise RuntimeError(f"attend_blocks: reused outputs are {tuple(out.shape)}, the call needs "
+                                   f"{expected + operands.values.shape[-1:]} (the recomputation differs from the pass "
+                                   "that recorded them)")
+        else:
+            outputs, denominators = [], []
+            with torch.no_grad():
+                for start in range(0, blocks, per_group):
+                    pieces = _forward_pieces(_group(operands, spec, start, min(start + per_group, blocks)), spec)
+                    total, _ = _total(pieces)
+                    denominator = _safe_denominator(total[..., -1], spec.eps)
+                    outputs.append(total[..., :-1] / denominator[..., None])
+                    denominators.append(denominator)
+            out, denominator = torch.cat(outputs, dim=2), torch.cat(denominators, dim=2)
+            if reuse is not None and reuse[1]:
+                reuse[0].append((out, denominator))
         ctx.spec, ctx.operands, ctx.names, ctx.per_group = spec, operands._replace(
             **{name: None for name in names}), names, per_group
-        ctx.save_for_backward(out, torch.cat(denominators, dim=2), *tensors)
+        ctx.save_for_backward(out, denominator, *tensors)
         return out
 
     @staticmethod

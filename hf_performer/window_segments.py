@@ -24,6 +24,7 @@ This module imports only ``torch`` and its sibling ``window_tail``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, NamedTuple
 
 import torch
@@ -42,6 +43,9 @@ class CausalPlan(NamedTuple):
         state_tensors: ``state -> list`` of its floating-point tensors (the differentiable part, fixed order).
         with_state_tensors: ``(state, tensors) -> state`` with those tensors replaced.
         max_rollback: what the final state must be able to drop (the states between segments need none).
+        reuse: ``(store, record) -> context manager`` within which ``run`` records its expensive outputs into
+            ``store`` (a list per segment; ``record``) or takes them from there: the backward's recomputation of a
+            segment reuses what the forward computed instead of computing it again; or ``None``.
     """
 
     segments: list
@@ -49,6 +53,7 @@ class CausalPlan(NamedTuple):
     state_tensors: Callable
     with_state_tensors: Callable
     max_rollback: int
+    reuse: Callable | None = None
 
 
 def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, key_padding_mask, initial_state,
@@ -71,6 +76,10 @@ def _rollback_after(plan, index):
     return plan.max_rollback if index >= len(plan.segments) - 2 else 0
 
 
+def _reusing(plan, store, record):
+    return contextlib.nullcontext() if plan.reuse is None else plan.reuse(store, record)
+
+
 def _piece(tensor, start, end, dim=2):
     return None if tensor is None else tensor.narrow(dim, start, end - start)
 
@@ -86,12 +95,14 @@ class _SegmentedCausal(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # unused outputs (often the final state) give None: nothing to replay
         ctx.save_for_backward(query, key, value, softmax_weight, key_padding_mask, *rest)
         states, state, out = [], initial_state, None
+        ctx.records = [[] for _ in plan.segments]
         for index, (start, end) in enumerate(plan.segments):
             states.append(state)
-            segment_out, state = plan.run(_piece(query, start, end), _piece(key, start, end),
-                                          _piece(value, start, end), softmax_weight,
-                                          _piece(key_padding_mask, start, end, dim=1), state,
-                                          _rollback_after(plan, index))
+            with _reusing(plan, ctx.records[index], record=True):
+                segment_out, state = plan.run(_piece(query, start, end), _piece(key, start, end),
+                                              _piece(value, start, end), softmax_weight,
+                                              _piece(key_padding_mask, start, end, dim=1), state,
+                                              _rollback_after(plan, index))
             if out is None:
                 out = segment_out.new_empty(query.shape[:3] + segment_out.shape[3:])
             out[:, :, start:end] = segment_out
@@ -128,8 +139,9 @@ class _SegmentedCausal(torch.autograd.Function):
                 if state is not None and (index > 0 or need_initial):
                     state_leaves = [_leaf(t) for t in plan.state_tensors(state)]
                     state = plan.with_state_tensors(state, state_leaves)
-                segment_out, state_out = plan.run(*pieces, gamma, _piece(mask, start, end, dim=1), state,
-                                                  _rollback_after(plan, index))
+                with _reusing(plan, ctx.records[index], record=False):
+                    segment_out, state_out = plan.run(*pieces, gamma, _piece(mask, start, end, dim=1), state,
+                                                      _rollback_after(plan, index))
                 outputs, output_grads = [], []
                 if grad_out is not None:
                     outputs, output_grads = [segment_out], [grad_out[:, :, start:end]]

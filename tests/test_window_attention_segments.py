@@ -80,6 +80,47 @@ def test_segmented_equals_one_pass_and_the_reference(name, learned, monkeypatch)
     torch.testing.assert_close(segmented[valid], reference[valid], rtol=1e-8, atol=1e-8)
 
 
+@pytest.mark.parametrize("sparse_cache", [0, 3])
+def test_the_backward_reuses_the_forward_block_outputs(sparse_cache, monkeypatch):
+    """Each segment's block outputs are computed once by the forward and once by the backward's hand-written block
+    gradient, not a third time by the recomputation of the segment; a second backward computes them again."""
+    import hf_performer.window_blocks as window_blocks
+
+    q, k, v = _inputs()
+    feature_map = _map("hedgehog")
+    gamma = torch.tensor([0.1, 0.5, 0.9, 0.3], dtype=torch.float64, requires_grad=True)
+    kwargs = dict(window=3, sinks=2, softmax_weight=gamma, sparse_cache=sparse_cache, chunk_size=4)
+    tensors = [q, k, v, gamma] + list(feature_map.parameters())
+    one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
+    expected = _gradients(one_pass, tensors)
+    _set_segment_length(monkeypatch, SEGMENT)
+    computed = []
+    original = window_blocks._forward_pieces
+    monkeypatch.setattr(window_blocks, "_forward_pieces", lambda *a, **kw: (computed.append(1), original(*a, **kw))[1])
+    segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
+    assert len(computed) == 4  # the forward: one group of blocks per segment
+    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
+    first = torch.autograd.grad((segmented * weights).sum(), tensors, retain_graph=True)
+    assert len(computed) == 8  # + the block gradient's recomputation, not the segment's forward again
+    second = torch.autograd.grad((segmented * weights).sum(), tensors)
+    assert len(computed) == 16  # the recorded outputs were used up: computed again
+    for got, again, want in zip(first, second, expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+
+
+def test_reused_block_outputs_of_another_shape_are_refused():
+    import hf_performer.window_blocks as window_blocks
+
+    q, k, v = _inputs()
+    store = []
+    with window_blocks.reused_outputs(store, record=True):
+        window_linear_attention(q, k, v, None, window=3, sinks=2, chunk_size=4)
+    assert len(store) == 1
+    with window_blocks.reused_outputs(store, record=False), pytest.raises(RuntimeError, match="reused outputs"):
+        window_linear_attention(q[:, :, :20], k[:, :, :20], v[:, :, :20], None, window=3, sinks=2, chunk_size=4)
+
+
 def test_segmented_continues_an_initial_state_and_returns_the_final_one(monkeypatch):
     q, k, v = _inputs(length=30)
     feature_map = _map("hedgehog")
