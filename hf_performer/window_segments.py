@@ -4,7 +4,9 @@
 decoding state (a :class:`CausalPlan`): the forward keeps no graph, only the inputs, the output and the small state
 entering each segment; the backward walks the segments in reverse, recomputes one with autograd from its leaf
 inputs and leaf entering state, and hands the entering state's gradient to the segment before. The query, key and
-value gradients are written into three preallocated tensors.
+value gradients are written into three preallocated tensors. What a segment's run records in the forward within
+``plan.reuse`` (the block attention's outputs and denominators: about one output's size per call) its recomputation
+takes back instead of computing it again.
 
 :func:`segmented_bidirectional` runs the pieces that ``window_attention._segmented_bidirectional`` prepares (a
 :class:`SegmentPlan`) without any graph in the forward, and in the backward recomputes one piece at a time with
