@@ -46,6 +46,14 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "kib
 _TOKEN_UNITS = ("tokens", "token", "tok")
 
 
+NO_TAIL_NOTE = (
+    "these window layers have no linear tail: a token a layer's cache does not keep is lost to every later token, "
+    "which the layer's output error understates; on SmolLM2-135M without a tail this allocation was worse than one G "
+    "for every layer with the same bytes (1.308x against 1.119x softmax perplexity at 1k, benchmarks/README.md): "
+    "compare the two before using it")
+"""The warning an allocation for layers without a linear tail carries (printed with its table)."""
+
+
 class CacheBudgetError(ValueError):
     """A budget or option list that cannot be used; the message is one line saying what is accepted."""
 
@@ -303,7 +311,8 @@ def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]],
                           for g in geometries.values()),
         notes=[f"error: mean squared error of each layer's attention output against exact softmax (teacher forcing), "
                f"summed over the {len(allocated)} allocated layers; bytes: decoding state of one sequence at "
-               f"{context} tokens, {dtype_bytes}-byte keys and values"])
+               f"{context} tokens, {dtype_bytes}-byte keys and values"]
+        + ([NO_TAIL_NOTE] if any(not geometries[layer].linear_tail for layer in allocated) else []))
 
 
 def _best_uniform(errors, allocated, geometries, fixed, budget_bytes, context, dtype_bytes) -> dict | None:
@@ -349,7 +358,7 @@ def allocation_table(allocation: CacheAllocation) -> str:
     if allocation.uniform is not None:
         total += (f"; one G = {allocation.uniform['sparse_cache']} for every layer within the budget: "
                   f"{allocation.uniform['error']:.4g}")
-    return "\n".join(lines + [total])
+    return "\n".join(lines + [total] + [f"\nNote: {note}" for note in allocation.notes[1:]])
 
 
 def torch_dtype_bytes(model: nn.Module) -> int:

@@ -95,6 +95,20 @@ def test_a_budget_below_the_smallest_state_is_refused_in_one_line(hybrid, errors
         allocate_cache_budget(hybrid, errors, 10 ** 9, 0)
 
 
+def test_an_allocation_for_layers_without_a_tail_warns_that_it_may_be_worse(hybrid, errors, batches,
+                                                                            tiny_llama_config):
+    from hf_performer.conversion.cache_budget import NO_TAIL_NOTE, allocation_table
+    with_tail = allocate_cache_budget(hybrid, errors, 10 ** 9, 1024)
+    assert NO_TAIL_NOTE not in with_tail.notes and "Note:" not in allocation_table(with_tail)
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256, num_hidden_layers=3)).eval()
+    no_tail = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0, linear_tail=False).eval()
+    allocation = allocate_cache_budget(no_tail, measure_option_errors(no_tail, batches, (0, 16)), 10 ** 9, 1024)
+    assert allocation.notes[-1] == NO_TAIL_NOTE
+    assert f"Note: {NO_TAIL_NOTE}" in allocation_table(allocation)
+    assert NO_TAIL_NOTE in json.dumps(allocation.to_dict())
+
+
 @pytest.mark.parametrize("text, expected", [("2MiB", 2 * 2 ** 20), ("1.5MB", 1_500_000), ("4096", 4096),
                                             ("10tokens", 10 * 3072), ("3 KiB", 3072)])
 def test_budget_sizes_parse(text, expected):
