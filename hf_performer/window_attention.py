@@ -50,9 +50,10 @@ Training memory: a call that needs gradients and is longer than one segment (:da
 segment's graph at a time (the outputs and gradients of one pass). Causal: segments each continuing the previous
 one's :class:`WindowAttentionState`, recomputed one at a time in the backward (:func:`_segmented_window_attention`,
 :mod:`.window_segments`); the recomputation reuses the block outputs the forward computed
-(:func:`~.window_blocks.reused_outputs`), so that only the hand-written block gradient computes them again. Bidirectional: each segment reads its band's halo and two small tail sums
-(the keys before and after its halo) through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that
-redraws in training mode keeps the one pass.
+(:func:`~.window_blocks.reused_outputs`), so that only the hand-written block gradient computes them again.
+Bidirectional: each segment reads its band's halo and two small tail sums (the keys before and after its halo)
+through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that redraws in training mode keeps the one
+pass.
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail``,
 ``window_tail_cap``, ``window_segments``, ``window_blocks``, ``window_causal``, ``window_decode`` and ``window_state``.

@@ -42,9 +42,9 @@ _REUSE = contextvars.ContextVar("window_blocks_reuse", default=None)
 def reused_outputs(store: list, record: bool):
     """Within this context, :func:`attend_blocks` appends its outputs and denominators to ``store`` (``record``),
     or takes them from ``store`` instead of computing them (first in, first out; computed again once ``store`` is
-    empty, as in a second backward). A memory-bounded caller that
-    recomputes a piece of its forward to backpropagate through it (:mod:`.window_segments`) records the piece's
-    block outputs once and reuses them there: the recomputation then costs only the operands' graph."""
+    empty, as in a second backward). A memory-bounded caller that recomputes a piece of its forward to backpropagate
+    through it (:mod:`.window_segments`) records the piece's block outputs once and reuses them there: the
+    recomputation then costs only the operands' graph."""
     token = _REUSE.set((store, record))
     try:
         yield
