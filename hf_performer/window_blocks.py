@@ -52,6 +52,27 @@ def reused_outputs(store: list, record: bool):
         _REUSE.reset(token)
 
 
+def take_reused(expected_out_shape: tuple) -> tuple | None:
+    """The next recorded ``(out, per-row tensor)`` of a :func:`reused_outputs` context that reuses, checked against
+    the call's output shape; ``None`` when there is none (compute it)."""
+    reuse = _REUSE.get()
+    if reuse is None or reuse[1] or not reuse[0]:
+        return None
+    recorded = reuse[0].pop(0)
+    if tuple(recorded[0].shape) != tuple(expected_out_shape):
+        raise RuntimeError(f"attend_blocks: reused outputs are {tuple(recorded[0].shape)}, the call needs "
+                           f"{tuple(expected_out_shape)} (the recomputation differs from the pass that recorded them)")
+    return recorded
+
+
+def record_for_reuse(out: torch.Tensor, per_row: torch.Tensor) -> None:
+    """Record a call's outputs (and its per-row denominators or log-sum-exps) in a recording
+    :func:`reused_outputs` context; nothing otherwise."""
+    reuse = _REUSE.get()
+    if reuse is not None and reuse[1]:
+        reuse[0].append((out, per_row))
+
+
 class BlockOperands(NamedTuple):
     """The tensors of :func:`attend_blocks` for ``n`` query blocks of ``C`` rows per query head.
 
@@ -319,14 +340,10 @@ class _BlockAttention(torch.autograd.Function):
         blocks = operands.query.shape[2] // spec.size
         rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
         per_group = max(1, GROUP_ROWS // rows)
-        reuse = _REUSE.get()
-        if reuse is not None and not reuse[1] and reuse[0]:
-            out, denominator = reuse[0].pop(0)
-            expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size)
-            if out.shape[:-1] != expected or out.shape[-1] != operands.values.shape[-1]:
-                raise RuntimeError(f"attend_blocks: reused outputs are {tuple(out.shape)}, the call needs "
-                                   f"{expected + operands.values.shape[-1:]} (the recomputation differs from the pass "
-                                   "that recorded them)")
+        expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
+        reused = take_reused(expected)
+        if reused is not None:
+            out, denominator = reused
         else:
             outputs, denominators = [], []
             with torch.no_grad():
@@ -337,8 +354,7 @@ class _BlockAttention(torch.autograd.Function):
                     outputs.append(total[..., :-1] / denominator[..., None])
                     denominators.append(denominator)
             out, denominator = torch.cat(outputs, dim=2), torch.cat(denominators, dim=2)
-            if reuse is not None and reuse[1]:
-                reuse[0].append((out, denominator))
+            record_for_reuse(out, denominator)
         ctx.spec, ctx.operands, ctx.names, ctx.per_group = spec, operands._replace(
             **{name: None for name in names}), names, per_group
         ctx.save_for_backward(out, denominator, *tensors)

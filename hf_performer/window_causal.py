@@ -22,7 +22,7 @@ calibrated ``(E + T e^{u - c}) / .``, learned ``(gamma E + T e^{u}) / .``, both 
 ``rho = max(0, exponent)`` (detached), so that no term overflows.
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_state``,
-``window_sparse_cache`` and ``window_tail``.
+``window_sparse_cache``, ``window_tail``, ``window_tail_cap``, ``window_blocks`` and ``window_exact_blocks``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
 from .window_blocks import BlockOperands, BlockSpec, attend_blocks
+from .window_exact_blocks import attend_exact_blocks, fused_exact_applies
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
@@ -359,7 +360,8 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
         tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
         gamma=gamma, tail_log_weight=None if not (tail_cap and feature_map is not None) else
         _tail_log_weights(call, query_position, size, w, capacity, tail_cap, query.dtype))
-    out = attend_blocks(operands, spec)  # [B, Hkv, n, g C, dv]
+    attend = attend_exact_blocks if fused_exact_applies(operands, spec) else attend_blocks
+    out = attend(operands, spec)  # [B, Hkv, n, g C, dv]
     value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)

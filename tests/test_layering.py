@@ -39,7 +39,8 @@ PACKAGE = "hf_performer"
 RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_attention_autograd", "window_attention",
                    "clustered_attention", "reference", "favor_settings", "cache", "attention_weights", "packed_sequences",
                    "configuration_performer", "favor_attention", "modeling_performer", "window_tail", "window_segments",
-                   "window_state", "window_sparse_cache", "window_causal", "window_decode", "window_blocks", "window_tail_cap",
+                   "window_state", "window_sparse_cache", "window_causal", "window_decode", "window_blocks",
+                   "window_exact_blocks", "window_tail_cap",
                    "favor_masks")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {

@@ -109,6 +109,33 @@ def test_the_backward_reuses_the_forward_block_outputs(sparse_cache, monkeypatch
         torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("sparse_cache", [0, 3])
+def test_the_backward_reuses_the_fused_exact_outputs(sparse_cache, monkeypatch):
+    """Without a tail (SDPA's CPU kernel, ``window_exact_blocks``) the same: the recomputation of a segment takes the
+    forward's outputs, the backward runs the kernel's own backward; a second backward computes them again."""
+    import hf_performer.window_exact_blocks as window_exact_blocks
+
+    q, k, v = _inputs()
+    kwargs = dict(window=3, sinks=2, sparse_cache=sparse_cache, chunk_size=4)
+    one_pass = window_linear_attention(q, k, v, None, **kwargs)
+    expected = _gradients(one_pass, [q, k, v])
+    _set_segment_length(monkeypatch, SEGMENT)
+    computed = []
+    original = window_exact_blocks._run_group
+    monkeypatch.setattr(window_exact_blocks, "_run_group", lambda *a: (computed.append(1), original(*a))[1])
+    segmented = window_linear_attention(q, k, v, None, **kwargs)
+    assert len(computed) == 4  # the forward: one group of blocks per segment
+    torch.testing.assert_close(segmented, one_pass, rtol=1e-10, atol=1e-12)
+    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
+    first = torch.autograd.grad((segmented * weights).sum(), [q, k, v], retain_graph=True)
+    assert len(computed) == 4  # the segments' recomputation reused the forward's outputs
+    second = torch.autograd.grad((segmented * weights).sum(), [q, k, v])
+    assert len(computed) == 8  # used up: computed again
+    for got, again, want in zip(first, second, expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+
+
 def test_reused_block_outputs_of_another_shape_are_refused():
     import hf_performer.window_blocks as window_blocks
 

@@ -42,10 +42,12 @@ from .defaults import (
     ATTENTION_IMPLEMENTATIONS,
     ATTENTION_MODES,
     BIDIRECTIONAL_ONLY,
+    CAUSAL_ONLY,
     DEFAULT_ATTENTION_IMPLEMENTATIONS,
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CLUSTERS,
     DEFAULT_SINKS,
+    DEFAULT_SPARSE_CACHE,
     DEFAULT_TOPK,
     DEFAULT_WINDOW,
 )
@@ -88,7 +90,9 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
     Window hybrid (window ``w``, ``s`` sinks, query block ``C``, Hedgehog tail ``m = 2 d``): per query block the
     exact tile over its ``C + w - 1`` band keys (``C + 2 w - 2`` bidirectional) and the sinks, ``4 L (C + w + s) d``
     (``4 L (C + 2 w + s) d``), the maps ``2 L d m`` (q and k: ``d x m/2`` each), the tail ``4 L m e``; backward
-    counted as twice the forward (autograd through the chunked operator).
+    counted as twice the forward (autograd through the chunked operator). Window + sparse cache, no tail
+    (``window-cache``, ``G`` cache keys): the exact tile over ``C + w - 1 + s + G`` keys, ``4 L (C + w + s + G) d``;
+    backward twice the forward.
     """
     L, d, m, C, e = length, head_dim, nb_features, chunk_size, head_dim + 1
     if implementation in ("clustered", "improved-clustered"):
@@ -105,6 +109,9 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
         band = C + (2 * window if mode == "bidirectional" else window) + sinks
         m = 2 * d
         forward = 4 * L * band * d + 2 * L * d * m + 4 * L * m * e
+        backward_flops = 2 * forward
+    elif implementation == "window-cache":
+        forward = 4 * L * (C + window + sinks + DEFAULT_SPARSE_CACHE) * d
         backward_flops = 2 * forward
     elif implementation in ("sdpa", "eager"):
         forward, backward_flops = 4 * L * L * d, 10 * L * L * d
@@ -139,6 +146,8 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
     causal = mode == "causal"
     if implementation in BIDIRECTIONAL_ONLY and causal:
         raise ValueError(f"{implementation} attention is bidirectional only; got mode={mode!r}")
+    if implementation in CAUSAL_ONLY and not causal:
+        raise ValueError(f"{implementation} attention is causal only; got mode={mode!r}")
     if implementation == "clustered":
         return lambda q, k, v: clustered_attention(q, k, v, clusters=clusters)
     if implementation == "improved-clustered":
@@ -159,6 +168,9 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
         gamma = torch.full((heads,), WINDOW_GAMMA, device=device)
         return lambda q, k, v: window_linear_attention(q, k, v, feature_map, window=window, sinks=sinks,
                                                        causal=causal, softmax_weight=gamma, chunk_size=chunk_size)
+    if implementation == "window-cache":
+        return lambda q, k, v: window_linear_attention(q, k, v, None, window=window, sinks=sinks,
+                                                       sparse_cache=DEFAULT_SPARSE_CACHE, chunk_size=chunk_size)
     raise ValueError(f"unknown implementation {implementation!r}; choose from {ATTENTION_IMPLEMENTATIONS}")
 
 
@@ -261,7 +273,8 @@ def run_speed_benchmark(
     dtype_ = getattr(torch, dtype)
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
-            if not (impl == "eager" and L > eager_max_length) and not (impl in BIDIRECTIONAL_ONLY and mode == "causal")]
+            if not (impl == "eager" and L > eager_max_length) and not (impl in BIDIRECTIONAL_ONLY and mode == "causal")
+            and not (impl in CAUSAL_ONLY and mode != "causal")]
     options = dict(clusters=clusters, topk=topk, bucket_size=bucket_size, window=window, sinks=sinks)
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
         call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, heads=heads,
@@ -282,7 +295,8 @@ def run_speed_benchmark(
                          dtype=dtype, backward=backward, repeats=repeats, lengths=list(lengths),
                          eager_max_length=eager_max_length, clusters=clusters, topk=topk, bucket_size=bucket_size,
                          hash_bits=DEFAULT_HASH_BITS, iterations=DEFAULT_ITERATIONS, window=window, sinks=sinks,
-                         window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim),
+                         window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim,
+                         sparse_cache=DEFAULT_SPARSE_CACHE),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
         "records": records,
@@ -317,7 +331,8 @@ def run_memory_benchmark(
     device_ = torch.device("cpu")
     dtype_ = getattr(torch, dtype)
     records = []
-    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations]
+    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
+            if not (impl in BIDIRECTIONAL_ONLY and mode == "causal") and not (impl in CAUSAL_ONLY and mode != "causal")]
     for length, mode, implementation in tqdm(jobs, desc="attention memory", disable=not progress):
         memory = peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size,
                                    device_, dtype_, backward)
@@ -327,6 +342,7 @@ def run_memory_benchmark(
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                          dtype=dtype, backward=backward, lengths=list(lengths), window=DEFAULT_WINDOW,
                          sinks=DEFAULT_SINKS, window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim,
+                         sparse_cache=DEFAULT_SPARSE_CACHE,
                          measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "records": records,

@@ -1,8 +1,10 @@
 """The choices and defaults of the benchmarks, declared without torch: the ``hf-performer bench`` parsers read them
 (``--help`` imports no torch); :mod:`.attention`, :mod:`.decode` and :mod:`.report` import them from here."""
 
-ATTENTION_IMPLEMENTATIONS = ("favor", "window", "clustered", "improved-clustered", "lsh", "sdpa", "eager")
+ATTENTION_IMPLEMENTATIONS = ("favor", "window", "window-cache", "clustered", "improved-clustered", "lsh", "sdpa",
+                             "eager")
 BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
+CAUSAL_ONLY = ("window-cache",)
 DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
 ATTENTION_MODES = ("bidirectional", "causal")
 DECODE_IMPLEMENTATIONS = ("favor", "softmax")
@@ -12,6 +14,7 @@ DEFAULT_TOPK = 32
 DEFAULT_BUCKET_SIZE = 64
 DEFAULT_WINDOW = 64
 DEFAULT_SINKS = 4
+DEFAULT_SPARSE_CACHE = 256  # window-cache: hard keys per key head (the causal-LM configuration of issue 33)
 
 FULL_CONTEXT_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
 QUICK_CONTEXT_LENGTHS = (512, 1024, 2048)

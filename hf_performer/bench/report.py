@@ -129,9 +129,11 @@ def format_speed_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-_STYLES = {"favor": "-o", "window": "--P", "sdpa": "-s", "eager": ":^", "clustered": "-.v", "improved-clustered": "-.D",
+_STYLES = {"favor": "-o", "window": "--P", "window-cache": "--X", "sdpa": "-s", "eager": ":^", "clustered": "-.v",
+           "improved-clustered": "-.D",
            "lsh": ":*"}
-_NAMES = {"favor": "FAVOR+", "window": "window hybrid", "sdpa": "SDPA", "eager": "eager softmax"}
+_NAMES = {"favor": "FAVOR+", "window": "window hybrid", "window-cache": "window + sparse cache", "sdpa": "SDPA",
+          "eager": "eager softmax"}
 
 
 def _legend_names(settings: dict) -> dict:
@@ -140,6 +142,7 @@ def _legend_names(settings: dict) -> dict:
     s = collections.defaultdict(lambda: "?", {key: value for key, value in settings.items() if value is not None})
     return {**_NAMES, "favor": f"FAVOR+ m={s['nb_features']}",
             "window": f"window {s['window']} + {s['sinks']} sinks + tail m={s['window_nb_features']}",
+            "window-cache": f"window {s['window']} + {s['sinks']} sinks + sparse cache {s['sparse_cache']}, no tail",
             "clustered": f"clustered C={s['clusters']}",
             "improved-clustered": f"improved clustered C={s['clusters']} k={s['topk']}",
             "lsh": f"LSH bucket {s['bucket_size']}"}

@@ -185,7 +185,8 @@ def add_parser(subparsers) -> None:
                        default=list(DEFAULT_ATTENTION_IMPLEMENTATIONS),
                        help="clustered, improved-clustered and lsh (Reformer-style shared-QK, a comparison row only) "
                             "are bidirectional only; window: the sink + sliding-window hybrid with a Hedgehog tail "
-                            "(2 x head-dim features)")
+                            "(2 x head-dim features); window-cache (causal only): sinks + window + a sparse cache of "
+                            "256 hard keys per head, no tail (the causal-LM configuration)")
     add_favor_arguments(speed, ("clusters", "topk"),
                         defaults={"clusters": DEFAULT_CLUSTERS, "topk": DEFAULT_TOPK},
                         helps={"clusters": "query clusters per head of (improved-)clustered",
@@ -227,7 +228,7 @@ def add_parser(subparsers) -> None:
     _add_model_parser(kinds)
 
 
-MEMORY_IMPLEMENTATIONS = ("favor", "window", "sdpa")
+MEMORY_IMPLEMENTATIONS = ("favor", "window", "window-cache", "sdpa")
 
 
 def _add_memory_parser(kinds) -> None:
@@ -251,7 +252,8 @@ def _add_memory_parser(kinds) -> None:
     memory.add_argument("--modes", nargs="+", choices=ATTENTION_MODES, default=list(ATTENTION_MODES))
     memory.add_argument("--implementations", nargs="+", choices=MEMORY_IMPLEMENTATIONS, default=["favor", "sdpa"],
                         help="window: the sink + sliding-window hybrid (window 64, 4 sinks, Hedgehog tail of "
-                             "2 x head-dim features)")
+                             "2 x head-dim features); window-cache (causal only): window 64 + 4 sinks + a sparse "
+                             "cache of 256 hard keys per head, no tail")
     memory.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     memory.add_argument("--forward-only", action="store_true", help="measure the forward pass only")
     memory.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")

@@ -1,0 +1,163 @@
+"""The blocks of causal window attention without a linear tail, on SDPA's fused CPU kernel.
+
+Without a tail, a query row's output in :mod:`.window_blocks` is ``E_i[:dv] / E_i[dv]``: plain softmax attention over
+its sinks, its sparse cache and its band (``gamma`` and the stabilisers cancel). So each query block is one small
+softmax attention problem, and PyTorch's flash kernel for the CPU
+(``aten._scaled_dot_product_flash_attention_for_cpu``, which fuses the scores, the exponentials and the weighted sum
+per tile instead of materialising them) computes all of a group's blocks in one call, the blocks as its batch: the
+keys of block ``n`` are ``[sinks, cache of n, tile of n]`` (the ``g`` query heads of a key head stacked as the
+block's ``g C`` query rows), what each row may see an additive mask. Its backward is the kernel's own backward,
+recomputed group by group from the saved outputs and log-sum-exps, and the key gradients go back to the sinks (summed
+over the blocks), the per-block cache and the overlapping tiles (folded), as :mod:`.window_blocks` does.
+
+Same operands, outputs and reference as :func:`~.window_blocks.attend_blocks` (``attend_blocks_naive``); the
+reuse of recorded outputs by a recomputing caller (:func:`~.window_blocks.reused_outputs`) works the same way.
+
+This module imports only ``torch`` and its sibling ``window_blocks``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .window_blocks import (
+    GROUP_ROWS, BlockOperands, BlockSpec, _accumulate, _fold_tiles, _from_blocks, _group, _per_block, record_for_reuse,
+    take_reused,
+)
+
+_KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+
+
+def fused_exact_applies(operands: BlockOperands, spec: BlockSpec) -> bool:
+    """Whether :func:`attend_exact_blocks` computes this call: no tail, CPU, a dtype the kernel takes, keys and
+    values of one width (the kernel's condition)."""
+    query = operands.query
+    return (spec.feature_map is None and query.device.type == "cpu" and query.dtype in _KERNEL_DTYPES
+            and operands.values.shape[-1] == query.shape[-1]
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def attend_exact_blocks(operands: BlockOperands, spec: BlockSpec) -> torch.Tensor:
+    """The outputs ``[B, Hkv, n, g C, dv]`` of the query blocks of a layer without a tail
+    (:func:`fused_exact_applies`), differentiable in the queries, keys, values, sinks and cache."""
+    names = [name for name in ("query", "keys", "values", "sink_key", "sink_value", "cache_key", "cache_value")
+             if getattr(operands, name) is not None]
+    return _ExactBlocks.apply(spec, operands, names, *(getattr(operands, name) for name in names))
+
+
+def _kinds(operands: BlockOperands, spec: BlockSpec) -> list[str]:
+    """The key sets of each block, in the order they are concatenated."""
+    return ((["sinks"] if operands.sink_key.shape[2] else []) + (["cache"] if operands.cache_key is not None else [])
+            + (["band"] if spec.window > 0 or (spec.pending_in_band and spec.size > 1) else []))
+
+
+def _block_problem(operands: BlockOperands, spec: BlockSpec):
+    """A group's blocks as the kernel's batch: queries ``[N, 1, g C, d]``, keys and values ``[N, 1, K, d]`` and the
+    additive mask ``[N, 1, g C, K]`` (``N = B Hkv n``, ``K`` = sinks + cache + tile), and each kind's key count."""
+    kv_heads = operands.keys.shape[1]
+    query = _per_block(operands.query, kv_heads, spec.groups, spec.size)  # [B, Hkv, n, gC, d]
+    batch, _, blocks, rows, width = query.shape
+    keys, values, allowed, counts = [], [], [], []
+    for kind in _kinds(operands, spec):
+        if kind == "sinks":
+            key = operands.sink_key[:, :, None].expand(-1, -1, blocks, -1, -1)
+            value = operands.sink_value[:, :, None].expand(-1, -1, blocks, -1, -1)
+            visible = operands.sink_allowed[:, None]  # [B, 1, n, gC, s]
+        elif kind == "cache":
+            key, value = operands.cache_key, operands.cache_value
+            visible = operands.cache_valid[:, :, :, None, :]  # [B, Hkv, n, 1, G]
+        else:
+            key = operands.keys.unfold(2, spec.span, spec.size).transpose(-1, -2)  # [B, Hkv, n, span, d]
+            value = operands.values.unfold(2, spec.span, spec.size).transpose(-1, -2)
+            visible = spec.band_mask(query.device) & operands.band_keep[:, None, :, None, :]
+        keys.append(key)
+        values.append(value)
+        allowed.append(visible.expand(batch, kv_heads, blocks, rows, key.shape[-2]))
+        counts.append(key.shape[-2])
+    total = sum(counts)
+    zero = query.new_zeros(())
+    mask = torch.where(torch.cat(allowed, dim=-1), zero, zero - float("inf"))
+    flat = batch * kv_heads * blocks
+    return (query.reshape(flat, 1, rows, width), torch.cat(keys, dim=-2).reshape(flat, 1, total, width),
+            torch.cat(values, dim=-2).reshape(flat, 1, total, width), mask.view(flat, 1, rows, total), counts)
+
+
+def _run_group(operands: BlockOperands, spec: BlockSpec):
+    """One group's outputs ``[B, Hkv, n, g C, d]`` and log-sum-exps ``[B, Hkv, n, g C]``."""
+    query, key, value, mask, _ = _block_problem(operands, spec)
+    out, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, False, attn_mask=mask, scale=spec.scaling)
+    shape = operands.query.shape[:1] + (operands.keys.shape[1], -1, query.shape[2])
+    return out.view(*shape, out.shape[-1]), log_sum_exp.view(shape)
+
+
+class _ExactBlocks(torch.autograd.Function):
+    """See :func:`attend_exact_blocks`. Inputs after the spec: the operands (for their masks and ``None`` parts), the
+    names of the tensors given next, those tensors."""
+
+    @staticmethod
+    def forward(ctx, spec, operands, names, *tensors):
+        operands = operands._replace(**dict(zip(names, tensors)))
+        kv_heads = operands.keys.shape[1]
+        blocks = operands.query.shape[2] // spec.size
+        rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
+        per_group = max(1, GROUP_ROWS // rows)
+        expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
+        reused = take_reused(expected)
+        if reused is not None:
+            out, log_sum_exp = reused
+        elif not _kinds(operands, spec):  # nothing to attend to: zero rows, as the reference's empty sums
+            out = operands.query.new_zeros(expected)
+            log_sum_exp = out.new_zeros(expected[:-1], dtype=torch.float32)
+        else:
+            pieces = [_run_group(_group(operands, spec, start, min(start + per_group, blocks)), spec)
+                      for start in range(0, blocks, per_group)]
+            out = torch.cat([piece[0] for piece in pieces], dim=2)
+            log_sum_exp = torch.cat([piece[1] for piece in pieces], dim=2)
+            record_for_reuse(out, log_sum_exp)
+        ctx.spec, ctx.names, ctx.per_group = spec, names, per_group
+        ctx.operands = operands._replace(**{name: None for name in names})
+        ctx.save_for_backward(out, log_sum_exp, *tensors)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        spec, names = ctx.spec, ctx.names
+        out, log_sum_exp, *tensors = ctx.saved_tensors
+        operands = ctx.operands._replace(**dict(zip(names, tensors)))
+        wanted = dict(zip(names, ctx.needs_input_grad[3:]))
+        grads = {name: torch.zeros_like(getattr(operands, name)) for name in names if wanted[name]}
+        blocks = operands.query.shape[2] // spec.size
+        if _kinds(operands, spec):
+            for start in range(0, blocks, ctx.per_group):
+                end = min(start + ctx.per_group, blocks)
+                group = _group(operands, spec, start, end)
+                _accumulate(grads, _backward_group(group, spec, out[:, :, start:end], log_sum_exp[:, :, start:end],
+                                                   grad_out[:, :, start:end]), spec, start, end)
+        return (None, None, None, *(grads.get(name) for name in names))
+
+
+def _backward_group(operands: BlockOperands, spec: BlockSpec, out, log_sum_exp, grad_out) -> dict:
+    """The gradients of one group's operands (tiles folded, sinks summed over the blocks)."""
+    query, key, value, mask, counts = _block_problem(operands, spec)
+    flat = query.shape[:2]
+    d_query, d_key, d_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.reshape(*flat, *grad_out.shape[-2:]).contiguous(), query, key, value,
+        out.reshape(*flat, *out.shape[-2:]), log_sum_exp.reshape(*flat, -1), 0.0, False, attn_mask=mask,
+        scale=spec.scaling)
+    batch, kv_heads = operands.keys.shape[:2]
+    blocks = operands.query.shape[2] // spec.size
+    grads = {"query": _from_blocks(d_query.view(batch, kv_heads, blocks, *d_query.shape[-2:]), spec.groups,
+                                   spec.size)}
+    d_key = d_key.view(batch, kv_heads, blocks, -1, d_key.shape[-1]).split(counts, dim=3)
+    d_value = d_value.view(batch, kv_heads, blocks, -1, d_value.shape[-1]).split(counts, dim=3)
+    for kind, key_part, value_part in zip(_kinds(operands, spec), d_key, d_value):
+        if kind == "sinks":
+            grads["sink_key"], grads["sink_value"] = key_part.sum(2), value_part.sum(2)
+        elif kind == "cache":
+            grads["cache_key"], grads["cache_value"] = key_part, value_part
+        else:
+            length = operands.keys.shape[2]
+            grads["keys"] = _fold_tiles(key_part, spec, length)
+            grads["values"] = _fold_tiles(value_part, spec, length)
+    return grads
