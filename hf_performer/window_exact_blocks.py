@@ -126,14 +126,24 @@ class _ExactBlocks(torch.autograd.Function):
         out, log_sum_exp, *tensors = ctx.saved_tensors
         operands = ctx.operands._replace(**dict(zip(names, tensors)))
         wanted = dict(zip(names, ctx.needs_input_grad[3:]))
-        grads = {name: torch.zeros_like(getattr(operands, name)) for name in names if wanted[name]}
+        # Disjoint per group (concatenated): the queries and the per-block cache; overlapping tiles and the shared
+        # sinks: added up.
+        added = {name: torch.zeros_like(getattr(operands, name)) for name in ("keys", "values", "sink_key", "sink_value")
+                 if wanted.get(name)}
+        pieces = {name: [] for name in ("query", "cache_key", "cache_value") if wanted.get(name)}
         blocks = operands.query.shape[2] // spec.size
-        if _kinds(operands, spec):
-            for start in range(0, blocks, ctx.per_group):
-                end = min(start + ctx.per_group, blocks)
-                group = _group(operands, spec, start, end)
-                _accumulate(grads, _backward_group(group, spec, out[:, :, start:end], log_sum_exp[:, :, start:end],
-                                                   grad_out[:, :, start:end]), spec, start, end)
+        if not _kinds(operands, spec):
+            return (None, None, None, *(torch.zeros_like(tensor) if wanted[name] else None
+                                        for name, tensor in zip(names, tensors)))
+        for start in range(0, blocks, ctx.per_group):
+            end = min(start + ctx.per_group, blocks)
+            group_grads = _backward_group(_group(operands, spec, start, end), spec, out[:, :, start:end],
+                                          log_sum_exp[:, :, start:end], grad_out[:, :, start:end])
+            _accumulate(added, group_grads, spec, start, end)
+            for name, parts in pieces.items():
+                parts.append(group_grads[name])
+        grads = {**added, **{name: parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                             for name, parts in pieces.items()}}
         return (None, None, None, *(grads.get(name) for name in names))
 
 
