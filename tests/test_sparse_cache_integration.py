@@ -92,6 +92,50 @@ def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_co
     assert "\n" not in str(failure.value) and not (tmp_path / "plain.json").exists()
 
 
+@needs_shared
+def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_llama_config, capsys):
+    """`hf-performer settings` writes the same weights with another window / sparse cache (a loadable folder and its
+    record, no local paths), which evaluates as `hf-performer evaluate --window --sparse-cache` on the original."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    folder, served = tmp_path / "hybrid", tmp_path / "served"
+    convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    assert cli_main(["settings", str(folder), str(served), "--window", "8", "--sparse-cache", "6"]) == 0
+    assert "window 4 -> 8, sparse_cache 0 -> 6" in capsys.readouterr().out
+    written = (served / "serving_settings.json").read_text()
+    record = json.loads(written)
+    assert str(tmp_path) not in written and record["command"] == "hf-performer settings hybrid served --window 8 " \
+        "--sparse-cache 6"
+    memory = record["decoding_state_per_sequence"]
+    assert memory["16384"]["state_bytes"] == memory["65536"]["state_bytes"] < memory["16384"]["softmax_bytes"]
+    reloaded = AutoModelForCausalLM.from_pretrained(served, trust_remote_code=True).eval()
+    assert (reloaded.config.favor_settings["window"], reloaded.config.favor_settings["sparse_cache"]) == (8, 6)
+    assert json.loads((folder / "config.json").read_text())["favor_settings"]["window"] == 4  # the source unchanged
+    text = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
+    perplexities = []
+    for model, extra in ((served, []), (folder, ["--window", "8", "--sparse-cache", "6"])):
+        output = tmp_path / f"{model.name}.json"
+        assert cli_main(["evaluate", str(model), "--task", "wikitext", "--text-file", text, "--max-chars", "600",
+                         "--context-length", "48", "--stride", "24", "--no-progress", "--output", str(output),
+                         *extra]) == 0
+        perplexities.append(json.loads(output.read_text())["metrics"]["perplexity"])
+    assert perplexities[0] == pytest.approx(perplexities[1], rel=1e-6)
+    # bad input: one line, nothing written
+    plain = tmp_path / "plain"
+    source.save_pretrained(plain)
+    tokenizer.save_pretrained(plain)
+    for arguments, message in (([str(folder), str(tmp_path / "a")], "nothing to change"),
+                               ([str(folder), str(tmp_path / "b"), "--sparse-cache", "-1"], "must be an int >= 0"),
+                               ([str(plain), str(tmp_path / "c"), "--window", "8"], "not a window hybrid")):
+        with pytest.raises(SystemExit, match=message) as failure:
+            cli_main(["settings", *arguments])
+        assert "\n" not in str(failure.value) and not Path(arguments[1]).exists()
+
+
 def test_the_transfer_student_uses_the_layer_sparse_cache(tiny_llama_lm):
     from hf_performer.conversion.attention_transfer import window_of_layer
     from hf_performer.favor_attention import find_attention_modules

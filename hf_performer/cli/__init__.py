@@ -30,6 +30,8 @@ VERBS = (
      "evaluate)", "hf_performer.cli.linearize"),
     ("budget", "spend one decoding-memory budget on per-layer sparse caches / softmax layers of a window hybrid",
      "hf_performer.cli.budget"),
+    ("settings", "serve a trained window hybrid with another window / sparse cache / tail bound and show its decoding "
+     "memory", "hf_performer.cli.settings"),
     ("bench", "benchmarks of the attention kernels", "hf_performer.cli.bench"),
     ("evaluate", "evaluate a model on a GLUE task / IMDB (task metrics) or on text (perplexity)",
      "hf_performer.cli.evaluate"),

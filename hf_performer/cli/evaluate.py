@@ -13,8 +13,8 @@ from ._output import check_output_file, portable_evaluation_record
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
     "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges", "sparse_cache",
-                   "tail_cap"),
-    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache", "tail_cap"),
+                   "tail_cap", "window"),
+    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache", "tail_cap", "window"),
 }
 """The flags each kind of evaluation reads; a flag of another kind is refused (it would be ignored)."""
 DEFAULTS = {"max_length": 128, "metrics_backend": "auto", "split": "test", "context_lengths": [1024, 2048],
@@ -87,6 +87,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
                              "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
                              "model's own setting)")
+    parser.add_argument("--window", type=int, default=None, metavar="W",
+                        help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a band of W exact "
+                             "recent tokens in every window layer (default: the model's own setting; hf-performer "
+                             "settings writes a folder with it)")
     parser.add_argument("--tail-cap", type=int, default=None, metavar="N",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with its causal window "
                              "layers' tails bounded to the weight of N tokens (0 = unbounded; default: the model's own "
@@ -123,7 +127,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
     if args.output:
         check_output_file(args.output, "evaluate")
-    favor_changes = {name: getattr(args, name) for name in ("sparse_cache", "tail_cap")
+    favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "tail_cap")
                      if getattr(args, name) is not None}
     try:
         if kind == "passkey":

@@ -1,0 +1,122 @@
+"""``hf-performer settings``: serve a trained window hybrid with another window / sparse cache / tail bound (no weight
+change) and see its decoding memory against the softmax source's (the library:
+:func:`hf_performer.favor_attention.update_favor_settings`, :mod:`hf_performer.conversion.cache_budget`)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+
+from . import add_verb_parser
+from ._output import check_output_folder, staged_folder
+
+SERVING_SETTINGS_FILE = "serving_settings.json"
+"""The record this command writes beside the model: the settings before and after, the bytes, the command."""
+
+MEMORY_CONTEXTS = (1024, 2048, 4096, 16384, 65536)
+CHANGEABLE = ("window", "sparse_cache", "tail_cap")
+
+CLI_DESCRIPTION = """Serve a trained window hybrid with another window, sparse cache or tail bound.
+
+  hf-performer settings MODEL OUTPUT --window 512 --sparse-cache 1024
+
+The settings a model was trained with are not the only ones it can be served with: a larger window or sparse cache
+keeps more tokens exact (benchmarks/README.md, issue 33 round 5: the SmolLM2 hybrid trained with window 64 + G 256,
+served with window 512 + G 1024). OUTPUT is MODEL (same weights, tokenizer and training record) with the changed
+settings in every window layer, its card, and serving_settings.json (the settings before and after, the decoding
+state of one sequence at 1k / 2k / 4k / 16k / 64k tokens against the softmax source's key/value cache). The table is
+printed; evaluate OUTPUT (hf-performer evaluate --task perplexity / passkey) before serving it.
+"""
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``settings`` subcommand to ``subparsers``."""
+    parser = add_verb_parser(subparsers, "settings", CLI_DESCRIPTION)
+    parser.add_argument("model", metavar="MODEL", help="a window-hybrid causal LM folder (hf-performer linearize)")
+    parser.add_argument("output", metavar="OUTPUT", help="folder to write the model with its new settings to")
+    parser.add_argument("--window", type=int, default=None, metavar="W", help="exact band of recent tokens")
+    parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
+                        help="hard keys kept exact per key head (0 = none)")
+    parser.add_argument("--tail-cap", type=int, default=None, metavar="N",
+                        help="bound the linear tail to the weight of N tokens (0 = unbounded)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
+    parser.set_defaults(func=run_settings)
+    return parser
+
+
+def run_settings(args: argparse.Namespace) -> int:
+    """Run ``hf-performer settings`` (see :func:`add_parser`). Returns the exit status."""
+    changes = {name: getattr(args, name) for name in CHANGEABLE if getattr(args, name) is not None}
+    if not changes:
+        raise SystemExit("hf-performer settings: error: nothing to change; give --window, --sparse-cache or "
+                         "--tail-cap")
+    for name, value in changes.items():
+        if value < 0:
+            raise SystemExit(f"hf-performer settings: error: --{name.replace('_', '-')} must be an int >= 0, got "
+                             f"{value}")
+    output = check_output_folder(args.output, args.overwrite, "settings", source=args.model)
+
+    from transformers import AutoModelForCausalLM
+
+    from ..conversion.cache_budget import model_state_bytes, softmax_token_bytes, torch_dtype_bytes
+    from ..favor_attention import update_favor_settings
+    from ..hub import write_model_card
+    from ..recipes.arguments import RecipeError
+    from ..recipes.linearize import LINEARIZE_FILE
+    from ..recipes.linearize_inputs import load_tokenizer
+
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    except (OSError, ValueError, RecipeError) as error:
+        raise SystemExit(f"hf-performer settings: error: cannot load {args.model}: {error}") from None
+    before = getattr(model.config, "favor_settings", None)
+    if before is None or not before.get("window") and not before.get("layer_windows"):
+        raise SystemExit(f"hf-performer settings: error: {args.model} is not a window hybrid (no window in its "
+                         "favor_settings); give a folder hf-performer linearize or convert --window wrote")
+    if before.get("layer_windows"):
+        raise SystemExit(f"hf-performer settings: error: {args.model} has per-layer settings (layer_windows, e.g. from "
+                         "hf-performer budget), which these model-wide flags would not change; edit them there")
+    before = dict(before)
+    try:
+        after = update_favor_settings(model, **changes)
+    except ValueError as error:
+        raise SystemExit(f"hf-performer settings: error: {error}") from None
+
+    softmax_bytes = softmax_token_bytes(model.config, torch_dtype_bytes(model))
+    memory = {str(context): {"state_bytes": model_state_bytes(model, context), "softmax_bytes": softmax_bytes * context}
+              for context in MEMORY_CONTEXTS}
+    model_name = os.path.basename(os.path.normpath(args.model))
+    record = {
+        "model": model_name,
+        "before": {name: before.get(name) for name in (*CHANGEABLE, "sinks", "linear_tail")},
+        "after": {name: after.get(name) for name in (*CHANGEABLE, "sinks", "linear_tail")},
+        "decoding_state_per_sequence": memory,
+        "command": " ".join(["hf-performer settings", model_name, os.path.basename(os.path.normpath(output)),
+                             *(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())]),
+    }
+    with staged_folder(output) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, SERVING_SETTINGS_FILE), "w") as handle:
+            json.dump(record, handle, indent=2)
+        if os.path.isfile(os.path.join(args.model, LINEARIZE_FILE)):  # the same weights: their training record
+            shutil.copyfile(os.path.join(args.model, LINEARIZE_FILE), os.path.join(staging, LINEARIZE_FILE))
+        write_model_card(staging, model_name=os.path.basename(output))
+    print(memory_table(record))
+    print(f"\nwrote {output}")
+    return 0
+
+
+def memory_table(record: dict) -> str:
+    """The settings before and after and the decoding state at each context, as printed."""
+    changed = ", ".join(f"{name} {record['before'][name]} -> {record['after'][name]}" for name in CHANGEABLE
+                        if record["before"][name] != record["after"][name])
+    lines = [f"{record['model']}: {changed or 'no setting changed'}",
+             f"{'context':>8} {'state (MiB)':>12} {'softmax KV (MiB)':>17} {'fraction':>9}"]
+    for context, entry in record["decoding_state_per_sequence"].items():
+        lines.append(f"{int(context):>8} {entry['state_bytes'] / 2**20:>12.1f} {entry['softmax_bytes'] / 2**20:>17.1f} "
+                     f"{entry['state_bytes'] / entry['softmax_bytes']:>8.1%}")
+    return "\n".join(lines)
