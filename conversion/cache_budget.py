@@ -36,6 +36,12 @@ CACHE_SIZES = (0, 32, 64, 128, 256, 512)
 """The sparse-cache sizes ``G`` the allocator measures by default."""
 CACHE_BUDGET_FILE = "cache_budget.json"
 """The allocation's record in the folder ``hf-performer budget`` writes (:meth:`CacheAllocation.to_dict`)."""
+SERVING_SETTINGS_FILE = "serving_settings.json"
+"""The record of a folder ``hf-performer settings`` wrote (:func:`serving_settings_record`)."""
+SERVING_SETTINGS = ("window", "sparse_cache", "tail_cap")
+"""The window settings a trained model can be served with other values of (no weight change)."""
+SERVING_CONTEXTS = (1024, 2048, 4096, 16384, 65536)
+"""The context lengths a serving record gives the decoding state at."""
 SOFTMAX = "softmax"
 """The option name of a layer put back on exact softmax attention."""
 BUDGET_UNITS = 20_000
@@ -367,3 +373,31 @@ def torch_dtype_bytes(model: nn.Module) -> int:
         if parameter.is_floating_point():
             return parameter.element_size()
     return 4  # float32
+
+
+def serving_settings_record(model: nn.Module, before: dict, changes: dict) -> dict:
+    """Change ``model``'s window settings (:data:`SERVING_SETTINGS`) to ``changes`` in place and return the record of
+    :data:`SERVING_SETTINGS_FILE`: the settings ``before`` (the loaded ``favor_settings``) and after, and the decoding
+    state of one sequence at each of :data:`SERVING_CONTEXTS` against the softmax source's key/value cache.
+
+    Raises:
+        ValueError: a key outside :data:`SERVING_SETTINGS`, per-layer settings these model-wide ones would not
+            change, or invalid values (one line).
+    """
+    unknown = sorted(set(changes) - set(SERVING_SETTINGS))
+    if unknown:
+        raise ValueError(f"cannot change {', '.join(unknown)} at serving time; accepted: {', '.join(SERVING_SETTINGS)}")
+    if before.get("layer_windows"):
+        raise ValueError("the model has per-layer window settings (layer_windows, e.g. from hf-performer budget), "
+                         "which model-wide changes would not reach; change them there")
+    after = update_favor_settings(model, **changes)
+    dtype_bytes = torch_dtype_bytes(model)
+    per_token = softmax_token_bytes(model.config, dtype_bytes)
+    shown = (*SERVING_SETTINGS, "sinks", "linear_tail")
+    return {
+        "before": {name: before.get(name) for name in shown},
+        "after": {name: after.get(name) for name in shown},
+        "decoding_state_per_sequence": {
+            str(context): {"state_bytes": model_state_bytes(model, context), "softmax_bytes": per_token * context}
+            for context in SERVING_CONTEXTS},
+    }

@@ -110,6 +110,8 @@ def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_lla
     record = json.loads(written)
     assert str(tmp_path) not in written and record["command"] == "hf-performer settings hybrid served --window 8 " \
         "--sparse-cache 6"
+    card = (served / "README.md").read_text()
+    assert "## Serving settings" in card and "window 4 -> 8, sparse_cache 0 -> 6" in card
     memory = record["decoding_state_per_sequence"]
     assert memory["16384"]["state_bytes"] == memory["65536"]["state_bytes"] < memory["16384"]["softmax_bytes"]
     reloaded = AutoModelForCausalLM.from_pretrained(served, trust_remote_code=True).eval()

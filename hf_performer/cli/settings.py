@@ -1,6 +1,6 @@
 """``hf-performer settings``: serve a trained window hybrid with another window / sparse cache / tail bound (no weight
 change) and see its decoding memory against the softmax source's (the library:
-:func:`hf_performer.favor_attention.update_favor_settings`, :mod:`hf_performer.conversion.cache_budget`)."""
+:func:`hf_performer.conversion.cache_budget.serving_settings_record`)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,6 @@ import shutil
 
 from . import add_verb_parser
 from ._output import check_output_folder, staged_folder
-
-SERVING_SETTINGS_FILE = "serving_settings.json"
-"""The record this command writes beside the model: the settings before and after, the bytes, the command."""
-
-MEMORY_CONTEXTS = (1024, 2048, 4096, 16384, 65536)
-CHANGEABLE = ("window", "sparse_cache", "tail_cap")
 
 CLI_DESCRIPTION = """Serve a trained window hybrid with another window, sparse cache or tail bound.
 
@@ -48,7 +42,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_settings(args: argparse.Namespace) -> int:
     """Run ``hf-performer settings`` (see :func:`add_parser`). Returns the exit status."""
-    changes = {name: getattr(args, name) for name in CHANGEABLE if getattr(args, name) is not None}
+    changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "tail_cap")
+               if getattr(args, name) is not None}
     if not changes:
         raise SystemExit("hf-performer settings: error: nothing to change; give --window, --sparse-cache or "
                          "--tail-cap")
@@ -60,8 +55,7 @@ def run_settings(args: argparse.Namespace) -> int:
 
     from transformers import AutoModelForCausalLM
 
-    from ..conversion.cache_budget import model_state_bytes, softmax_token_bytes, torch_dtype_bytes
-    from ..favor_attention import update_favor_settings
+    from ..conversion.cache_budget import SERVING_SETTINGS_FILE, serving_settings_record
     from ..hub import write_model_card
     from ..recipes.arguments import RecipeError
     from ..recipes.linearize import LINEARIZE_FILE
@@ -76,27 +70,14 @@ def run_settings(args: argparse.Namespace) -> int:
     if before is None or not before.get("window") and not before.get("layer_windows"):
         raise SystemExit(f"hf-performer settings: error: {args.model} is not a window hybrid (no window in its "
                          "favor_settings); give a folder hf-performer linearize or convert --window wrote")
-    if before.get("layer_windows"):
-        raise SystemExit(f"hf-performer settings: error: {args.model} has per-layer settings (layer_windows, e.g. from "
-                         "hf-performer budget), which these model-wide flags would not change; edit them there")
-    before = dict(before)
     try:
-        after = update_favor_settings(model, **changes)
+        record = serving_settings_record(model, dict(before), changes)
     except ValueError as error:
-        raise SystemExit(f"hf-performer settings: error: {error}") from None
-
-    softmax_bytes = softmax_token_bytes(model.config, torch_dtype_bytes(model))
-    memory = {str(context): {"state_bytes": model_state_bytes(model, context), "softmax_bytes": softmax_bytes * context}
-              for context in MEMORY_CONTEXTS}
+        raise SystemExit(f"hf-performer settings: error: {args.model}: {error}") from None
     model_name = os.path.basename(os.path.normpath(args.model))
-    record = {
-        "model": model_name,
-        "before": {name: before.get(name) for name in (*CHANGEABLE, "sinks", "linear_tail")},
-        "after": {name: after.get(name) for name in (*CHANGEABLE, "sinks", "linear_tail")},
-        "decoding_state_per_sequence": memory,
-        "command": " ".join(["hf-performer settings", model_name, os.path.basename(os.path.normpath(output)),
-                             *(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())]),
-    }
+    record["model"] = model_name
+    record["command"] = " ".join(["hf-performer settings", model_name, os.path.basename(os.path.normpath(output)),
+                                  *(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())])
     with staged_folder(output) as staging:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -112,8 +93,8 @@ def run_settings(args: argparse.Namespace) -> int:
 
 def memory_table(record: dict) -> str:
     """The settings before and after and the decoding state at each context, as printed."""
-    changed = ", ".join(f"{name} {record['before'][name]} -> {record['after'][name]}" for name in CHANGEABLE
-                        if record["before"][name] != record["after"][name])
+    changed = ", ".join(f"{name} {record['before'][name]} -> {value}" for name, value in record["after"].items()
+                        if record["before"][name] != value)
     lines = [f"{record['model']}: {changed or 'no setting changed'}",
              f"{'context':>8} {'state (MiB)':>12} {'softmax KV (MiB)':>17} {'fraction':>9}"]
     for context, entry in record["decoding_state_per_sequence"].items():

@@ -37,7 +37,7 @@ from .results import (
     normalize_recovery,
     normalize_results,
 )
-from .runs import cache_budget_context, linearize_context, transfer_context
+from .runs import cache_budget_context, linearize_context, serving_settings_context, transfer_context
 from .summary import LINEAR_KINDS, attention_context, speed_context, status_warning
 
 TEMPLATE_NAME = "performer_card.md"
@@ -205,7 +205,7 @@ def build_model_card(
             validation.
     """
     from ..conversion.attention_transfer import TRANSFER_FILE_NAME
-    from ..conversion.cache_budget import CACHE_BUDGET_FILE
+    from ..conversion.cache_budget import CACHE_BUDGET_FILE, SERVING_SETTINGS_FILE
     from ..conversion.fidelity import REPORT_FILE_NAME
     from ..recipes.linearize import LINEARIZE_FILE
     from ..tasks.evaluation import TRAINING_FILES
@@ -238,6 +238,8 @@ def build_model_card(
     linearize_info = linearize_context(linearize, linearize_where) if linearize is not None else None
     budget, budget_where = _read_record(None, folder, CACHE_BUDGET_FILE, "cache budget record")
     budget_info = cache_budget_context(budget, budget_where) if budget is not None else None
+    serving, serving_where = _read_record(None, folder, SERVING_SETTINGS_FILE, "serving settings record")
+    serving_info = serving_settings_context(serving, serving_where) if serving is not None else None
 
     report_file = f"`{REPORT_FILE_NAME}`"
     if report is None and (folder / REPORT_FILE_NAME).is_file():
@@ -332,6 +334,7 @@ def build_model_card(
         "transfer": {k: v for k, v in transfer_info.items() if k != "fidelity_after"} if transfer_info else None,
         "linearize": linearize_info,
         "cache_budget": budget_info,
+        "serving": serving_info,
         "fidelity": report,
         "fidelity_tails": any((layer.get("tail_positions") is not None) for layer in (report or {}).get("layers", [])),
         "fidelity_file": report_file,

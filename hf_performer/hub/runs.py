@@ -121,6 +121,28 @@ def cache_budget_context(record: dict, where: str) -> dict:
     }
 
 
+def serving_settings_context(record: dict, where: str) -> dict:
+    """What the card's "Serving settings" section shows, from a ``serving_settings.json`` record (``hf-performer
+    settings``): what changed since training and the decoding state per sequence against softmax's.
+
+    Raises:
+        ModelCardError: not such a record.
+    """
+    required = ("before", "after", "decoding_state_per_sequence")
+    if not isinstance(record, dict) or any(not isinstance(record.get(key), dict) for key in required):
+        raise ModelCardError(f"{where}: not a serving_settings.json record (expected {', '.join(required)})")
+    mib = lambda size: f"{size / 2 ** 20:.1f} MiB"  # noqa: E731
+    return {
+        "changed": ", ".join(f"{name} {record['before'].get(name)} -> {value}" for name, value in record["after"].items()
+                             if record["before"].get(name) != value) or "nothing",
+        "rows": [{"context": f"{int(context):,}", "state": mib(entry["state_bytes"]),
+                  "softmax": mib(entry["softmax_bytes"]),
+                  "fraction": f"{entry['state_bytes'] / entry['softmax_bytes']:.1%}"}
+                 for context, entry in record["decoding_state_per_sequence"].items()],
+        "command": record.get("command"),
+    }
+
+
 def _transfer_field(record: dict, path: str, where: str, check, expected: str, required: bool = True):
     """``record[a][b]...`` for ``path = "a.b"``, checked by ``check`` (raises :class:`ModelCardError`)."""
     value = record
