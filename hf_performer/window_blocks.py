@@ -52,6 +52,16 @@ def reused_outputs(store: list, record: bool):
         _REUSE.reset(token)
 
 
+def block_layout(operands: BlockOperands, spec: BlockSpec) -> tuple[int, int, tuple]:
+    """``(blocks, blocks per group, output shape [B, Hkv, n, g C, dv])`` of a call: a group's temporaries stay near
+    :data:`GROUP_ROWS` query rows."""
+    kv_heads = operands.keys.shape[1]
+    blocks = operands.query.shape[2] // spec.size
+    rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
+    expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
+    return blocks, max(1, GROUP_ROWS // rows), expected
+
+
 def take_reused(expected_out_shape: tuple) -> tuple | None:
     """The next recorded ``(out, per-row tensor)`` of a :func:`reused_outputs` context that reuses, checked against
     the call's output shape; ``None`` when there is none (compute it)."""
@@ -336,11 +346,7 @@ class _BlockAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, operands, names, n_parameters, *tensors):
         operands = operands._replace(**dict(zip(names, tensors[:len(names)])))
-        kv_heads = operands.keys.shape[1]
-        blocks = operands.query.shape[2] // spec.size
-        rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
-        per_group = max(1, GROUP_ROWS // rows)
-        expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
+        blocks, per_group, expected = block_layout(operands, spec)
         reused = take_reused(expected)
         if reused is not None:
             out, denominator = reused

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from .window_blocks import (
-    GROUP_ROWS, BlockOperands, BlockSpec, _accumulate, _fold_tiles, _from_blocks, _group, _per_block, record_for_reuse,
+    BlockOperands, BlockSpec, _accumulate, block_layout, _fold_tiles, _from_blocks, _group, _per_block, record_for_reuse,
     take_reused,
 )
 
@@ -98,11 +98,7 @@ class _ExactBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, operands, names, *tensors):
         operands = operands._replace(**dict(zip(names, tensors)))
-        kv_heads = operands.keys.shape[1]
-        blocks = operands.query.shape[2] // spec.size
-        rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
-        per_group = max(1, GROUP_ROWS // rows)
-        expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
+        blocks, per_group, expected = block_layout(operands, spec)
         reused = take_reused(expected)
         if reused is not None:
             out, log_sum_exp = reused

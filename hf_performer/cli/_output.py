@@ -155,6 +155,25 @@ def _remove(path: str) -> None:
         os.remove(path)
 
 
+def write_reconfigured_model(output: str, source: str, model, tokenizer, record_file: str, record: dict) -> None:
+    """Write ``model`` (the weights of the folder ``source`` with other settings) staged into ``output``: with its
+    tokenizer, ``record`` as ``record_file``, the source's training record (``linearize.json``: the same weights) and
+    a card (``hf-performer budget`` / ``settings``)."""
+    import json
+
+    from ..hub import write_model_card
+    from ..recipes.linearize import LINEARIZE_FILE
+
+    with staged_folder(output) as staging:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        with open(os.path.join(staging, record_file), "w") as handle:
+            json.dump(record, handle, indent=2)
+        if os.path.isfile(os.path.join(source, LINEARIZE_FILE)):
+            shutil.copyfile(os.path.join(source, LINEARIZE_FILE), os.path.join(staging, LINEARIZE_FILE))
+        write_model_card(staging, model_name=os.path.basename(output))
+
+
 def check_output_file(path: str, command: str) -> str:
     """The absolute path of an output file, checked before any work (``hf-performer COMMAND: error: ...``): not a
     folder, and its folder exists or can be created in a writable one."""

@@ -4,12 +4,10 @@ decoding-memory budget buys best (the library: :mod:`hf_performer.conversion.cac
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 
 from . import add_verb_parser
-from ._output import check_output_folder, staged_folder
+from ._output import check_output_folder, write_reconfigured_model
 
 CLI_DESCRIPTION = """Spend one decoding-memory budget where a window hybrid needs exact memory.
 
@@ -66,9 +64,8 @@ def run_budget(args: argparse.Namespace) -> int:
         apply_cache_allocation, check_budget_reachable, measure_option_errors, parse_cache_budget, softmax_token_bytes,
         torch_dtype_bytes,
     )
-    from ..hub import write_model_card
     from ..recipes.arguments import RecipeError
-    from ..recipes.linearize import LINEARIZE_FILE, transfer_batches
+    from ..recipes.linearize import transfer_batches
     from ..recipes.linearize_inputs import load_tokenizer, read_training_text
 
     try:
@@ -101,14 +98,7 @@ def run_budget(args: argparse.Namespace) -> int:
          f"--text-file {os.path.basename(args.text_file)}", "--cache-sizes", *map(str, cache_sizes),
          *(["--no-softmax"] if args.no_softmax else []), f"--sequences {args.sequences}", f"--length {args.length}",
          f"--seed {args.seed}"])
-    with staged_folder(output) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, CACHE_BUDGET_FILE), "w") as handle:
-            json.dump(record, handle, indent=2)
-        if os.path.isfile(os.path.join(args.model, LINEARIZE_FILE)):  # the same weights: their training record
-            shutil.copyfile(os.path.join(args.model, LINEARIZE_FILE), os.path.join(staging, LINEARIZE_FILE))
-        write_model_card(staging, model_name=os.path.basename(output))
+    write_reconfigured_model(output, args.model, model, tokenizer, CACHE_BUDGET_FILE, record)
     print(allocation_table(allocation))
     print(f"\nwrote {output}")
     return 0

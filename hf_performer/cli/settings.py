@@ -5,12 +5,10 @@ change) and see its decoding memory against the softmax source's (the library:
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 
 from . import add_verb_parser
-from ._output import check_output_folder, staged_folder
+from ._output import check_output_folder, write_reconfigured_model
 
 CLI_DESCRIPTION = """Serve a trained window hybrid with another window, sparse cache or tail bound.
 
@@ -56,9 +54,7 @@ def run_settings(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from ..conversion.cache_budget import SERVING_SETTINGS_FILE, serving_settings_record
-    from ..hub import write_model_card
     from ..recipes.arguments import RecipeError
-    from ..recipes.linearize import LINEARIZE_FILE
     from ..recipes.linearize_inputs import load_tokenizer
 
     try:
@@ -78,14 +74,7 @@ def run_settings(args: argparse.Namespace) -> int:
     record["model"] = model_name
     record["command"] = " ".join(["hf-performer settings", model_name, os.path.basename(os.path.normpath(output)),
                                   *(f"--{name.replace('_', '-')} {value}" for name, value in changes.items())])
-    with staged_folder(output) as staging:
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        with open(os.path.join(staging, SERVING_SETTINGS_FILE), "w") as handle:
-            json.dump(record, handle, indent=2)
-        if os.path.isfile(os.path.join(args.model, LINEARIZE_FILE)):  # the same weights: their training record
-            shutil.copyfile(os.path.join(args.model, LINEARIZE_FILE), os.path.join(staging, LINEARIZE_FILE))
-        write_model_card(staging, model_name=os.path.basename(output))
+    write_reconfigured_model(output, args.model, model, tokenizer, SERVING_SETTINGS_FILE, record)
     print(memory_table(record))
     print(f"\nwrote {output}")
     return 0
