@@ -126,6 +126,32 @@ def test_window_row_times_the_hybrid_operator_with_a_hedgehog_tail(mode):
         make_attention_call("window", mode, 8, 16, 4, torch.device("cpu"))
 
 
+def test_window_cache_row_is_the_causal_no_tail_configuration_with_a_sparse_cache():
+    # "window-cache": sinks + window + a sparse cache of DEFAULT_SPARSE_CACHE keys, no tail (the causal-LM
+    # configuration), causal only: the float64 reference's output; a bidirectional call is refused in one line, and
+    # the speed benchmark skips it in bidirectional mode.
+    import torch
+
+    from hf_performer.bench.attention import make_attention_call, run_speed_benchmark
+    from hf_performer.bench.defaults import DEFAULT_SPARSE_CACHE
+    from hf_performer.reference import reference_window_linear_attention
+
+    torch.manual_seed(0)
+    call = make_attention_call("window-cache", "causal", 8, 16, 4, torch.device("cpu"), window=3, sinks=1, heads=2)
+    q, k, v = (torch.randn(1, 2, 11, 8, dtype=torch.float64) for _ in range(3))
+    expected = reference_window_linear_attention(q, k, v, None, window=3, sinks=1, causal=True,
+                                                 sparse_cache=DEFAULT_SPARSE_CACHE, chunk_size=4)
+    torch.testing.assert_close(call(q, k, v), expected, atol=1e-10, rtol=1e-9)
+    with pytest.raises(ValueError, match="causal only"):
+        make_attention_call("window-cache", "bidirectional", 8, 16, 4, torch.device("cpu"))
+    result = run_speed_benchmark(lengths=(32,), heads=2, head_dim=8, nb_features=16, chunk_size=8, repeats=1,
+                                 implementations=("window-cache", "sdpa"), window=4, sinks=2, memory=False,
+                                 progress=False)
+    assert {(r["implementation"], r["mode"]) for r in result["records"]} == {
+        ("window-cache", "causal"), ("sdpa", "causal"), ("sdpa", "bidirectional")}
+    assert result["settings"]["sparse_cache"] == DEFAULT_SPARSE_CACHE and "window-cache" in format_speed_table(result)
+
+
 def test_speed_benchmark_window_rows_with_memory_and_their_speedup_over_sdpa():
     from hf_performer.bench.attention import run_speed_benchmark
 
