@@ -136,6 +136,10 @@ logger = logging.get_logger(__name__)
 ATTN_IMPLEMENTATION = "favor"
 FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
 SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
+WINDOW_DROPPED_ATTRIBUTE = "_favor_window_dropped"
+"""Set to ``True`` on a window layer with a linear tail by a training schedule (the recipes' sliding-window dropout,
+arXiv 2510.05901): its next forward in training mode attends to its sinks and its tail only (no band, no sparse
+cache), so that the tail is trained to carry the signal. Ignored in eval mode and without a tail."""
 """Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
 (state-dict key ``...favor_softmax_weight.logit``)."""
 SETTINGS_ATTRIBUTE = "_favor_settings"
@@ -753,6 +757,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     sparse_cache, tail_cap = layer_sparse_cache(settings, layer_idx), layer_tail_cap(settings, causal)
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
+    if tail_map is not None and module.training and getattr(module, WINDOW_DROPPED_ATTRIBUTE, False):
+        window, sparse_cache = 0, 0  # sliding-window dropout: the sinks and the tail only
     q_len, k_len = query.shape[2], key.shape[2]
     if is_favor_cache_layer(cache_layer):
         raise LinearAttentionError(

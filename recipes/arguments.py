@@ -117,6 +117,11 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     data.add_argument("--max-eval-samples", type=int, default=None,
                       help="evaluate on a seeded random subset of N examples (classification)")
 
+    if kind == "causal-lm":
+        parser.add_argument("--window-dropout", type=float, default=0.0, metavar="P",
+                            help="window hybrids with a linear tail: at each training forward every window layer "
+                                 "attends to its sinks and tail only with probability p, decaying linearly from P to "
+                                 "0 over the run (scheduled sliding-window dropout, arXiv 2510.05901; default: 0, off)")
     teacher = parser.add_argument_group("distillation (knowledge distillation from a teacher model)")
     teacher.add_argument("--teacher-model", default=None, metavar="DIR",
                          help="a model with the same tokenizer (and task), e.g. the softmax model --model was "

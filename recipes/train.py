@@ -424,6 +424,8 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
     from ..tasks.evaluation import compute_task_metrics, perplexity, predict_classification
 
     started = time.perf_counter()
+    if not 0.0 <= getattr(args, "window_dropout", 0.0) <= 1.0:
+        raise RecipeError(f"--window-dropout must be a probability in [0, 1], got {args.window_dropout}")
     accelerator, checkpoint, flags = _start_run(args)
 
     tokenizer = _load_tokenizer(args)
@@ -492,6 +494,15 @@ def train(args, loss_hooks: Sequence[LossHook] = ()) -> dict:
     # ---- resume
     completed_steps, start_epoch, skip_batches, curve, resumed_from = _resume(accelerator, checkpoint, args.output_dir,
                                                                               selection)
+    if getattr(args, "window_dropout", 0.0):
+        from .window_dropout import WindowDropout
+
+        accumulation = accelerator.gradient_accumulation_steps
+        try:
+            WindowDropout(model, args.window_dropout, max_train_steps * accumulation, completed_steps * accumulation,
+                          seed=args.seed)
+        except ValueError as error:
+            raise RecipeError(f"--window-dropout: {error}") from None
 
     def evaluate_now(heldout: bool = False) -> dict:
         if spec is not None:

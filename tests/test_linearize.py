@@ -875,3 +875,79 @@ def test_cache_budget_gives_each_window_layer_its_measured_choice(tiny_models, t
             cli_main(_argv(tiny_models, "llama", tmp_path / "refused", *flags, *extra))
         line = str(failure.value)
         assert message in line and "\n" not in line and not (tmp_path / "refused").exists()
+
+
+def test_window_dropout_drops_the_band_of_window_layers_on_a_decaying_schedule(tiny_llama_lm):
+    """Scheduled sliding-window dropout (recipes.window_dropout): a dropped layer in training attends to its sinks and
+    tail only (the operator with window 0), p decays linearly to 0, eval forwards are untouched; refused in one line
+    for a model without a tail."""
+    import torch
+
+    from hf_performer import convert_to_performer
+    from hf_performer.favor_attention import WINDOW_DROPPED_ATTRIBUTE
+    from hf_performer.recipes.window_dropout import WindowDropout
+
+    ids = torch.randint(5, 90, (1, 40), generator=torch.Generator().manual_seed(1))
+    settings = dict(feature_map="hedgehog", sinks=1, seed=0)
+    model = convert_to_performer(tiny_llama_lm, window=4, **settings)
+    no_window = convert_to_performer(tiny_llama_lm, window=0, **settings).train()
+    dropout = WindowDropout(model, 1.0, total_forwards=4, seed=0)
+    assert len(dropout.layers) == tiny_llama_lm.config.num_hidden_layers
+    model.train()
+    with torch.no_grad():
+        dropped = model(ids).logits  # p = 1 at the first forward: every layer drops its band
+        torch.testing.assert_close(dropped, no_window(ids).logits)
+    assert dropout.dropped == list(range(len(dropout.layers))) and dropout.current_probability() == 0.75
+    model.eval()
+    with torch.no_grad():
+        kept = model(ids).logits  # eval: the flags are ignored
+    assert not torch.allclose(kept, dropped) and dropout.done == 1  # eval forwards do not advance the schedule
+    model.train()
+    for _ in range(3):
+        model(ids)
+    assert dropout.current_probability() == 0.0
+    model(ids)
+    assert dropout.dropped == []  # p = 0 at the end of the run
+    dropout.remove()
+    assert not any(hasattr(module, WINDOW_DROPPED_ATTRIBUTE) for module in dropout.layers)
+    with pytest.raises(ValueError, match="window layers with a linear tail"):
+        WindowDropout(convert_to_performer(tiny_llama_lm, window=4, linear_tail=False, sinks=1), 0.5, 10)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]"):
+        WindowDropout(model, 1.5, 10)
+
+
+def test_linearize_window_dropout_runs_in_the_lora_stage(tiny_models, tmp_path, monkeypatch):
+    """--window-dropout: the LoRA stage's forwards drop window layers' bands on the schedule (the first one at p = P),
+    and the record keeps the setting."""
+    from hf_performer.recipes import window_dropout
+
+    draws = []
+    original = window_dropout.WindowDropout._before_forward
+
+    def counted(self, model, args):
+        probability = self.current_probability()
+        original(self, model, args)
+        draws.append((probability, len(self.dropped), len(self.layers)))
+
+    monkeypatch.setattr(window_dropout.WindowDropout, "_before_forward", counted)
+    output = tmp_path / "dropped"
+    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(steps=2), "--window-dropout", "1")) == 0
+    record = json.loads((output / "linearize.json").read_text())
+    assert record["settings"]["window_dropout"] == 1.0 and record["stages"]["lora"]["status"] == "done"
+    assert [p for p, _, _ in draws] == [1.0, 0.5]  # 2 steps: p decays linearly from 1 towards 0
+    assert draws[0][1] == draws[0][2] > 0  # p = 1: every window layer dropped its band
+
+
+def test_linearize_window_dropout_reaches_the_lora_stage_and_is_checked(tmp_path):
+    from hf_performer.recipes.arguments import RecipeError, build_parser
+    from hf_performer.recipes.linearize import LinearizeSettings
+
+    (tmp_path / "train.txt").write_text("some training text")
+    base = dict(source="model", train_files=[str(tmp_path / "train.txt")])
+    with pytest.raises(RecipeError, match="--window-dropout"):
+        LinearizeSettings(**base, window_dropout=0.5, linear_tail=False).check()
+    with pytest.raises(RecipeError, match="--window-dropout"):
+        LinearizeSettings(**base, window_dropout=1.5).check()
+    assert "window_dropout" not in LinearizeSettings(**base).identity()  # runs staged before it continue
+    args = build_parser("causal-lm").parse_args(["--model", "m", "--output-dir", "o", "--window-dropout", "0.3"])
+    assert args.window_dropout == 0.3

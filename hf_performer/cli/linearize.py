@@ -146,6 +146,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     lora.add_argument("--teacher-model", default=None, metavar="DIR",
                       help="the teacher of --teacher-weight instead of the source model, e.g. the softmax model "
                            "after the same LoRA stage (linearize --baseline softmax); same tokenizer")
+    lora.add_argument("--window-dropout", type=float, default=0.0, metavar="P",
+                      help="scheduled sliding-window dropout in the LoRA stage: each window layer attends to its sinks "
+                           "and tail only with probability p at each step, p decaying linearly from P to 0 "
+                           "(arXiv 2510.05901; a hybrid with a tail; default: 0, off)")
     lora.add_argument("--checkpointing-steps", type=int, default=None,
                       help="LoRA checkpoint every N steps, for resuming (default: a quarter of --lora-steps)")
 
@@ -197,7 +201,7 @@ def settings_from_args(args: argparse.Namespace):
         nb_features=args.nb_features, tail_cap=args.tail_cap, linear_tail=not args.no_tail,
         block_size=args.block_size, learning_rate=args.learning_rate,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
-        teacher_weight=args.teacher_weight, teacher_model=args.teacher_model,
+        teacher_weight=args.teacher_weight, teacher_model=args.teacher_model, window_dropout=args.window_dropout,
         eval_file=args.eval_file, eval_context=args.eval_context,
         eval_batch_size=args.eval_batch_size, baseline=args.baseline, seed=args.seed,
         mixed_precision=args.mixed_precision, time_limit=args.time_limit,
