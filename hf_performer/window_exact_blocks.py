@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 
 from .window_blocks import (
-    BlockOperands, BlockSpec, _accumulate, block_layout, _fold_tiles, _from_blocks, _group, _per_block, record_for_reuse,
-    take_reused,
+    BlockOperands, BlockSpec, _accumulate, _fold_tiles, _from_blocks, _group, _per_block, block_layout,
+    record_for_reuse, take_reused,
 )
 
 _KERNEL_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -124,8 +124,8 @@ class _ExactBlocks(torch.autograd.Function):
         wanted = dict(zip(names, ctx.needs_input_grad[3:]))
         # Disjoint per group (concatenated): the queries and the per-block cache; overlapping tiles and the shared
         # sinks: added up.
-        added = {name: torch.zeros_like(getattr(operands, name)) for name in ("keys", "values", "sink_key", "sink_value")
-                 if wanted.get(name)}
+        added = {name: torch.zeros_like(getattr(operands, name))
+                 for name in ("keys", "values", "sink_key", "sink_value") if wanted.get(name)}
         pieces = {name: [] for name in ("query", "cache_key", "cache_value") if wanted.get(name)}
         blocks = operands.query.shape[2] // spec.size
         if not _kinds(operands, spec):

@@ -133,8 +133,9 @@ def serving_settings_context(record: dict, where: str) -> dict:
         raise ModelCardError(f"{where}: not a serving_settings.json record (expected {', '.join(required)})")
     mib = lambda size: f"{size / 2 ** 20:.1f} MiB"  # noqa: E731
     return {
-        "changed": ", ".join(f"{name} {record['before'].get(name)} -> {value}" for name, value in record["after"].items()
-                             if record["before"].get(name) != value) or "nothing",
+        "changed": ", ".join(f"{name} {record['before'].get(name)} -> {value}"
+                             for name, value in record["after"].items() if record["before"].get(name) != value)
+        or "nothing",
         "rows": [{"context": f"{int(context):,}", "state": mib(entry["state_bytes"]),
                   "softmax": mib(entry["softmax_bytes"]),
                   "fraction": f"{entry['state_bytes'] / entry['softmax_bytes']:.1%}"}
