@@ -142,6 +142,11 @@ class BlockSpec(NamedTuple):
     def span(self) -> int:
         return self.size + self.window - 1
 
+    @property
+    def has_band(self) -> bool:
+        """Whether the blocks have band keys (a window, or the pending tokens kept exact by a sparse cache)."""
+        return self.window > 0 or (self.pending_in_band and self.size > 1)
+
     def band_mask(self, device) -> torch.Tensor:
         """``[g C, span]``: row ``r`` (query ``r % C`` of the block) sees tile keys ``[r % C, r % C + w)`` (with the
         pending tokens in the band: ``[0, r % C + w)``)."""
@@ -238,7 +243,7 @@ def _exact_pieces(operands: BlockOperands, spec: BlockSpec, query_blocks: torch.
         value_ones.append(torch.cat([operands.cache_value, operands.cache_value.new_ones(
             operands.cache_value.shape[:-1] + (1,))], dim=-1))
     tiles = None
-    if spec.window > 0 or (spec.pending_in_band and spec.size > 1):
+    if spec.has_band:
         tile_keys = operands.keys.unfold(2, spec.span, spec.size)  # [B, Hkv, n, d, span]
         ones = operands.values.new_ones(operands.values.shape[:-1] + (1,))
         tile_values = torch.cat([operands.values, ones], dim=-1).unfold(2, spec.span, spec.size).transpose(-1, -2)

@@ -48,7 +48,7 @@ def attend_exact_blocks(operands: BlockOperands, spec: BlockSpec) -> torch.Tenso
 def _kinds(operands: BlockOperands, spec: BlockSpec) -> list[str]:
     """The key sets of each block, in the order they are concatenated."""
     return ((["sinks"] if operands.sink_key.shape[2] else []) + (["cache"] if operands.cache_key is not None else [])
-            + (["band"] if spec.window > 0 or (spec.pending_in_band and spec.size > 1) else []))
+            + (["band"] if spec.has_band else []))
 
 
 def _block_problem(operands: BlockOperands, spec: BlockSpec):

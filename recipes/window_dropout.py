@@ -18,14 +18,14 @@ from torch import nn
 def window_layers_with_tail(model: nn.Module) -> list[nn.Module]:
     """The attention modules of ``model`` that run a window layer with a linear tail."""
     from ..favor_attention import find_attention_modules, layer_index_of, module_favor_settings, uses_favor
-    from ..favor_settings import layer_window
+    from ..favor_settings import is_window_layer
 
     modules = []
     for _, module in find_attention_modules(model):
         if not uses_favor(module):
             continue
         settings = module_favor_settings(module)
-        if settings.get("linear_tail") and any(layer_window(settings, layer_index_of(module))):
+        if settings.get("linear_tail") and is_window_layer(settings, layer_index_of(module)):
             modules.append(module)
     return modules
 
