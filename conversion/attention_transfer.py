@@ -39,6 +39,7 @@ from hf_performer.favor_attention import (
     ATTN_IMPLEMENTATION,
     FEATURE_MAP_ATTRIBUTE,
     SOFTMAX_WEIGHT_ATTRIBUTE,
+    TAIL_GATE_ATTRIBUTE,
     find_attention_modules,
     layer_index_of,
     module_favor_settings,
@@ -220,12 +221,12 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
                                  feature_map: FeatureMap | None, *, window: int, sinks: int,
                                  softmax_weight: torch.Tensor | None, scaling: float, causal: bool = True,
                                  key_padding_mask: torch.Tensor | None = None, sparse_cache: int = 0,
-                                 chunk_size: int = 64, tail_cap: int = 0,
+                                 chunk_size: int = 64, tail_cap: int = 0, tail_gate: torch.Tensor | None = None,
                                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
     softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
-    layer's map (``None``: no tail, the sinks + window alone) and ``softmax_weight`` (gamma ``[H]``, or ``None`` for
-    the calibrated mode); neither side forms an ``[L, L]`` tensor when nothing is padded.
+    layer's map (``None``: no tail, the sinks + window alone), ``softmax_weight`` (gamma ``[H]``, or ``None`` for
+    the calibrated mode) and ``tail_gate`` (alpha ``[H]`` or ``None``); neither side forms an ``[L, L]`` tensor when nothing is padded.
 
     Args:
         query: ``[B, H, L, d]``; key, value: ``[B, Hkv, L, d]`` (detached here: only the map and gamma learn).
@@ -240,7 +241,8 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     student = window_linear_attention(query.float(), key.float(), value.float(), feature_map, window=window,
                                       sinks=sinks, causal=causal, softmax_weight=softmax_weight,
                                       key_padding_mask=key_padding_mask, scaling=scaling, sparse_cache=sparse_cache,
-                                      chunk_size=chunk_size, tail_cap=tail_cap)
+                                      chunk_size=chunk_size, tail_cap=tail_cap,
+                                      tail_gate=tail_gate if feature_map is not None else None)
     squared = (student.float() - teacher).square().mean(-1)  # [B, H, L]
     if key_padding_mask is None:
         return teacher, torch.zeros((), device=query.device), squared.sum(), squared.numel()
@@ -249,7 +251,8 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
 
 
 class WindowLayer(NamedTuple):
-    """The window settings of a window-hybrid favor layer and its learned gamma (a module, or ``None``)."""
+    """The window settings of a window-hybrid favor layer, its learned gamma and its tail gate (modules, or
+    ``None``)."""
 
     window: int
     sinks: int
@@ -257,6 +260,7 @@ class WindowLayer(NamedTuple):
     chunk_size: int
     softmax_weight: nn.Module | None
     tail_cap: int = 0
+    tail_gate: nn.Module | None = None
 
 
 def window_of_layer(module: nn.Module) -> WindowLayer | None:
@@ -268,7 +272,8 @@ def window_of_layer(module: nn.Module) -> WindowLayer | None:
     if not window and not sinks:
         return None
     return WindowLayer(window, sinks, layer_sparse_cache(settings, layer), settings["chunk_size"],
-                       getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None), settings["tail_cap"])
+                       getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None), settings["tail_cap"],
+                       getattr(module, TAIL_GATE_ATTRIBUTE, None))
 
 
 def key_padding_of(attention_mask: torch.Tensor | None, key_length: int) -> torch.Tensor | None:
@@ -359,7 +364,8 @@ def favor_transfer_attention_forward(
                     sinks=window.sinks, softmax_weight=gamma, scaling=scaling, causal=causal, key_padding_mask=padding,
                     sparse_cache=(window.sparse_cache if collector.sparse_cache is None else collector.sparse_cache)
                     if causal else 0, chunk_size=window.chunk_size,
-                    tail_cap=window.tail_cap if causal and collector.with_tail else 0)
+                    tail_cap=window.tail_cap if causal and collector.with_tail else 0,
+                    tail_gate=window.tail_gate() if causal and window.tail_gate is not None else None)
         collector.add(layer, *losses)
     elif window is not None:  # a window-hybrid model: no [L, L] matrix for long sequences
         output = sdpa_teacher_output(query, key, value, scaling, causal, key_padding_of(attention_mask, key.shape[2]))
@@ -544,6 +550,8 @@ def transfer_attention(
             raise AttentionTransferError("window-hybrid layers train on their attention outputs: use loss='output'")
         if window is not None and window.softmax_weight is not None:
             parameters.extend(window.softmax_weight.parameters())  # gamma, learned with the maps
+        if window is not None and window.tail_gate is not None:
+            parameters.extend(window.tail_gate.parameters())
     trainable = {id(p) for p in parameters}
     saved_flags = [(p, p.requires_grad) for p in model.parameters()]
     for p, _ in saved_flags:

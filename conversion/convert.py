@@ -34,6 +34,7 @@ from hf_performer.clustered_attention import ClusteredAttentionError
 from hf_performer.favor_attention import (
     FEATURE_MAP_ATTRIBUTE,
     SOFTMAX_WEIGHT_ATTRIBUTE,
+    TAIL_GATE_ATTRIBUTE,
     find_attention_modules,
     layer_index_of,
 )
@@ -49,6 +50,9 @@ from .probe import probe_converted_model
 logger = logging.get_logger(__name__)
 
 TASKS = tuple(PERFORMER_CLASSES_BY_TASK)
+
+LEARNED_ATTRIBUTES = (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE, TAIL_GATE_ATTRIBUTE)
+"""The modules conversion adds to an attention module (trained by attention transfer, kept in float32)."""
 """Accepted ``task`` names: "base", "sequence-classification", "token-classification", "masked-lm", "causal-lm"."""
 
 TOKENIZER_VOCAB_FILES = (
@@ -238,6 +242,7 @@ def convert_to_performer(
     sinks: int | None = None,
     sparse_cache: int | None = None,
     tail_cap: int | None = None,
+    tail_gate: bool | None = None,
     softmax_weight: str | None = None,
     layer_windows: dict | None = None,
     linear_tail: bool | None = None,
@@ -270,6 +275,9 @@ def convert_to_performer(
             would recall worst (``favor_settings["sparse_cache"]``); ``None``: 0. Refused for bidirectional models.
         tail_cap: causal window layers weigh a tail of ``n > tail_cap`` tokens by ``tail_cap / n`` (the bounded tail:
             ``favor_settings["tail_cap"]``), e.g. the most tokens the tail held in training; ``None``: 0 (unbounded).
+        tail_gate: ``True``: causal window layers get a learned tail gate (``favor_tail_gate``, an exponent per head
+            at 0, weighing a tail of ``n`` tokens by ``n ** -alpha`` once attention transfer trains it); ``None``:
+            False.
         softmax_weight: ``"auto"`` (default), ``"calibrated"`` or ``"learned"`` (a trained gamma per head; learned
             maps only). Learned-mode layers get ``favor_softmax_weight`` initialised at gamma = 0.1.
         layer_windows: per-layer overrides, ``{"<layer>": {"window": int, "sinks": int, "sparse_cache": int}}``.
@@ -328,7 +336,7 @@ def convert_to_performer(
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
-                    sparse_cache=sparse_cache, tail_cap=tail_cap, softmax_weight=softmax_weight,
+                    sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate, softmax_weight=softmax_weight,
                     layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
@@ -378,7 +386,7 @@ def keep_softmax_attention(model: PerformerPreTrainedModel, layers: Iterable[int
     combined = sorted(set(model.config.favor_settings.get("softmax_layers", [])) | layers)
     model.config.softmax_layers = combined  # a new favor_settings dict: every module resolves its settings again
     for layer in layers:
-        for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
+        for attribute in LEARNED_ATTRIBUTES:
             modules[layer]._modules.pop(attribute, None)
     return combined
 
@@ -395,7 +403,7 @@ def _classes_for(task: str, config) -> list[type]:
 def _is_feature_map_key(key: str) -> bool:
     """Whether a state-dict key belongs to what conversion adds (feature maps, learned softmax weights): the
     source has no such tensor, so it keeps its own initialisation."""
-    return any(f".{attribute}." in f".{key}" for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE))
+    return any(f".{attribute}." in f".{key}" for attribute in LEARNED_ATTRIBUTES)
 
 
 def _copy_weights(source: PreTrainedModel, target: PreTrainedModel, same_task: bool) -> None:
@@ -426,7 +434,7 @@ def _cast_like_source(performer: PerformerPreTrainedModel, source: PreTrainedMod
         return
     performer.to(device=parameter.device, dtype=parameter.dtype)
     for module in performer.modules():
-        for attribute in (FEATURE_MAP_ATTRIBUTE, SOFTMAX_WEIGHT_ATTRIBUTE):
+        for attribute in LEARNED_ATTRIBUTES:
             added = getattr(module, attribute, None)
             if isinstance(added, nn.Module):
                 added.float()

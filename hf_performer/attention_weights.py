@@ -31,7 +31,7 @@ from .linear_attention import (
     same_segment_mask,
 )
 from .window_causal import sparse_cache_membership
-from .window_tail_cap import tail_log_weight
+from .window_tail_cap import tail_log_weights
 
 
 logger = logging.get_logger(__name__)
@@ -199,6 +199,7 @@ def window_attention_weights(
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     eps: float = 1e-12,
     tail_cap: int = 0,
+    tail_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The combined weights of sink + sliding-window softmax with a linear tail, ``[B, H, L, L]`` in
     ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
@@ -208,7 +209,8 @@ def window_attention_weights(
     ``sparse_cache`` the keys the operator keeps for the query's boundary; every key for bidirectional sink queries)
     weigh ``exp(s_ij - c_i)`` (times ``gamma`` in learned mode), tail keys ``T`` weigh ``phi(q_i).phi(k_j)`` (times
     ``exp(-c_i)`` in calibrated mode; none without a feature map), ``c_i`` the largest exact score of row ``i`` (0 if
-    none), times ``min(1, tail_cap / n_i)`` with a ``tail_cap`` (``n_i`` the row's tail keys); rows are normalised
+    none), times ``min(1, tail_cap / n_i)`` with a ``tail_cap`` and ``max(n_i, 1) ** -alpha_h`` with a ``tail_gate``
+    (``n_i`` the row's tail keys); rows are normalised
     with one shared denominator. Computed in log space with one stabiliser per row
     (float32, float64 for float64 inputs). ``value`` is read only to choose the sparse cache.
     """
@@ -252,8 +254,10 @@ def window_attention_weights(
     log_q = zeros if q_features.log_scale is None else q_features.log_scale
     log_k = zeros if k_features.log_scale is None else k_features.log_scale
     tail_log = log_q[..., :, None] + log_k[..., None, :]
-    if tail_cap:
-        tail_log = tail_log + tail_log_weight(tail.sum(-1), tail_cap, dtype)[..., None]
+    gate = None if tail_gate is None else tail_gate.view(1, heads, 1)
+    tail_weight = tail_log_weights(tail.sum(-1), tail_cap, gate, dtype)
+    if tail_weight is not None:
+        tail_log = tail_log + tail_weight[..., None]
     if softmax_weight is None:
         tail_log = tail_log - row_max
     else:

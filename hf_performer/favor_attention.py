@@ -122,13 +122,14 @@ from .favor_settings import (
     is_window_layer,
     layer_sparse_cache,
     layer_tail_cap,
+    layer_tail_gate,
     layer_window,
     softmax_weight_mode,
 )
 from .feature_maps import FeatureMap, no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
 from .packed_sequences import SegmentRows, packed_sequences_of
-from .window_attention import SoftmaxWeight, window_linear_attention
+from .window_attention import SoftmaxWeight, TailGate, window_linear_attention
 
 
 logger = logging.get_logger(__name__)
@@ -136,12 +137,15 @@ logger = logging.get_logger(__name__)
 ATTN_IMPLEMENTATION = "favor"
 FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
 SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
+"""Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
+(state-dict key ``...favor_softmax_weight.logit``)."""
+TAIL_GATE_ATTRIBUTE = "favor_tail_gate"
+"""Attribute of a causal window layer with ``tail_gate`` holding its :class:`~.window_attention.TailGate`
+(state-dict key ``...favor_tail_gate.exponent``)."""
 WINDOW_DROPPED_ATTRIBUTE = "_favor_window_dropped"
 """Set to ``True`` on a window layer with a linear tail by a training schedule (the recipes' sliding-window dropout,
 arXiv 2510.05901): its next forward in training mode attends to its sinks and its tail only (no band, no sparse
 cache), so that the tail is trained to carry the signal. Ignored in eval mode and without a tail."""
-"""Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
-(state-dict key ``...favor_softmax_weight.logit``)."""
 SETTINGS_ATTRIBUTE = "_favor_settings"
 
 # --------------------------------------------------------------------------------------------
@@ -292,6 +296,24 @@ def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_h
     return weight()
 
 
+def _tail_gate_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """alpha ``[H]`` of a causal window layer with ``tail_gate`` (its :class:`TailGate` created on first use, float32,
+    at 0), or ``None``."""
+    if (not settings.get("tail_gate") or not settings["linear_tail"] or not is_window_layer(settings, layer_idx)
+            or not layer_tail_gate(settings, getattr(module, "is_causal", False))):
+        return None
+    gate = getattr(module, TAIL_GATE_ATTRIBUTE, None)
+    if not isinstance(gate, nn.Module):  # not isinstance TailGate: remote-code copies define their own class
+        if num_heads is None:
+            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its tail gate")
+        with torch.device("cpu"):
+            gate = TailGate(num_heads)
+        gate.train(module.training)
+        module.add_module(TAIL_GATE_ATTRIBUTE, gate.to(device))
+    return gate()
+
+
 def attach_feature_maps(model: nn.Module) -> list[int]:
     """Create ``favor_feature_map`` on every attention module of ``model`` that uses favor attention.
 
@@ -331,6 +353,7 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
         if any(layer_window(module_favor_settings(module), layer_idx)):
             try:
                 layer_tail_cap(module_favor_settings(module), getattr(module, "is_causal", False))
+                layer_tail_gate(module_favor_settings(module), getattr(module, "is_causal", False))
             except ValueError as error:
                 raise LinearAttentionError(f"layer {layer_idx}: {error}") from None
         install_cache_hooks(module)
@@ -349,8 +372,9 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
                     module_favor_settings(module), head_dim, layer_idx, *_module_head_counts(module)
                 )
             _attach_feature_map(module, feature_map.to(_module_device(module)))
-        _softmax_weight_for(module, layer_idx, module_favor_settings(module), _module_head_counts(module)[0],
-                            _module_device(module))
+        for learned_weight_for in (_softmax_weight_for, _tail_gate_for):
+            learned_weight_for(module, layer_idx, module_favor_settings(module), _module_head_counts(module)[0],
+                               _module_device(module))
         favor_layers.add(layer_idx)
     if favor_layers and callable(getattr(model, "_prepare_cache_for_generation", None)):
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_favor_layers, model)
@@ -745,6 +769,7 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
             key_padding_mask=key_padding_mask, scaling=common["scaling"],
             sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
             tail_cap=layer_tail_cap(settings, causal),
+            tail_gate=_tail_gate_for(module, layer_idx, settings, query.shape[1], query.device),
         )
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
@@ -756,6 +781,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     window, sinks = layer_window(settings, layer_idx)
     sparse_cache, tail_cap = layer_sparse_cache(settings, layer_idx), layer_tail_cap(settings, causal)
     gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
+    tail_gate = _tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
     if tail_map is not None and module.training and getattr(module, WINDOW_DROPPED_ATTRIBUTE, False):
         window, sparse_cache = 0, 0  # sliding-window dropout: the sinks and the tail only
@@ -770,7 +796,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         key_padding_mask = new_tokens_padding_mask(key_padding_mask, cache_layer, layer_idx, q_len, k_len)
         with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
-                                      sparse_cache=sparse_cache, tail_cap=tail_cap, softmax_weight=gamma,
+                                      sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
+                                      softmax_weight=gamma,
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -783,7 +810,8 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
             f"favor attention (layer {layer_idx}): causal attention with fewer keys ({k_len}) than queries ({q_len})"
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
-                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, tail_cap=tail_cap, **common)
+                     key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, tail_cap=tail_cap,
+                     tail_gate=tail_gate, **common)
     if causal and k_len > q_len:
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).

@@ -75,6 +75,10 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
                  "causal window layers: a query whose linear tail holds n > tail_cap tokens weighs it by tail_cap / n "
                  "(the tail's mean at the weight of tail_cap tokens), so that it stops taking normaliser mass from the "
                  "exact keys past the lengths the layer was trained at; 0 = unbounded"),
+    FavorSetting("tail_gate", bool, False,
+                 "causal window layers: a learned exponent alpha per head in [0, 1] weighs a linear tail of n tokens "
+                 "by n ** -alpha (0 at conversion, trained by attention transfer), so that the tail's share of the "
+                 "normaliser can stop growing with the context; False = none"),
     FavorSetting("layer_windows", dict, {},
                  'per-layer overrides of window / sinks / sparse_cache, {"<layer index>": {"window": int, "sinks": '
                  'int, "sparse_cache": int}}'),

@@ -13,6 +13,7 @@ its validation and what it builds.
 * :func:`layer_window`: the resolved ``(window, sinks)`` of a layer (a "window layer" when either is > 0);
 * :func:`layer_sparse_cache`: the resolved sparse-cache size of a layer;
 * :func:`layer_tail_cap`: the tail cap a window layer runs with;
+* :func:`layer_tail_gate`: whether a window layer runs a learned tail gate;
 * :func:`softmax_weight_mode`: ``"calibrated"`` or ``"learned"`` (``softmax_weight="auto"`` resolved);
 * :func:`is_clustered`: whether the settings select (improved) clustered attention instead of linear attention.
 
@@ -41,7 +42,8 @@ from .feature_maps import (
 )
 
 
-WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "tail_gate", "softmax_weight", "layer_windows",
+                   "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
@@ -235,6 +237,11 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
         raise ValueError(f"favor_settings['tail_cap'] must be an int >= 0 (0 = unbounded), got {resolved['tail_cap']!r}")
     if resolved["tail_cap"] and not resolved["linear_tail"]:
         raise ValueError("favor_settings['tail_cap'] bounds the linear tail, but linear_tail=False: set tail_cap=0")
+    if not isinstance(resolved["tail_gate"], bool):
+        raise TypeError(f"favor_settings['tail_gate'] must be a bool, got {resolved['tail_gate']!r}")
+    if resolved["tail_gate"] and not resolved["linear_tail"]:
+        raise ValueError("favor_settings['tail_gate'] weighs the linear tail, but linear_tail=False: set "
+                         "tail_gate=False")
     overrides = resolved["layer_windows"]
     if not isinstance(overrides, dict):
         raise TypeError(
@@ -304,6 +311,14 @@ def layer_tail_cap(settings: dict, causal: bool) -> int:
         raise ValueError("favor_settings give a bidirectional window layer a tail_cap (its tail is bounded by its "
                          "input): tail_cap is for causal window layers; set tail_cap=0")
     return settings.get("tail_cap", 0)
+
+
+def layer_tail_gate(settings: dict, causal: bool) -> bool:
+    """Whether a window layer runs a learned tail gate; ``ValueError`` for a bidirectional layer."""
+    if settings.get("tail_gate", False) and not causal:
+        raise ValueError("favor_settings give a bidirectional window layer a tail_gate (its tail is bounded by its "
+                         "input): tail_gate is for causal window layers; set tail_gate=False")
+    return bool(settings.get("tail_gate", False))
 
 
 def largest_window(settings: dict) -> int:

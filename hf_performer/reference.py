@@ -142,6 +142,7 @@ def reference_window_linear_attention(
     sparse_cache: int = 0,
     chunk_size: int = 128,
     tail_cap: int = 0,
+    tail_gate: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64.
 
@@ -153,7 +154,8 @@ def reference_window_linear_attention(
     ``feature_map=None``: no tail term. With ``sparse_cache`` (causal), the keys of
     :func:`reference_sparse_cache` at each query's boundary move from ``T`` to ``E``; ``chunk_size`` is then the
     interval between boundaries (unused otherwise). With ``tail_cap = M``, row ``i``'s tail weights are multiplied by
-    ``min(1, M / n_i)``, ``n_i`` the number of its tail keys (``T`` counted).
+    ``min(1, M / n_i)``, ``n_i`` the number of its tail keys (``T`` counted); with ``tail_gate`` (``alpha`` ``[H]``),
+    head ``h``'s by ``max(n_i, 1) ** -alpha_h``.
     Returns ``[B, H, L, dv]``.
     """
     if feature_map is None:
@@ -195,6 +197,9 @@ def reference_window_linear_attention(
     if tail_cap and feature_map is not None:
         tail_keys = tail.sum(-1, keepdim=True).to(torch.float64)
         tail_weights = tail_weights * torch.where(tail_keys > tail_cap, tail_cap / tail_keys.clamp_min(1.0), 1.0)
+    if tail_gate is not None and feature_map is not None:
+        tail_keys = tail.sum(-1, keepdim=True).to(torch.float64).clamp_min(1.0)
+        tail_weights = tail_weights * tail_keys ** -tail_gate.to(torch.float64)[None, :, None, None]
     if softmax_weight is None:
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:

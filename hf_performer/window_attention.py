@@ -81,7 +81,7 @@ from .window_decode import can_decode_step, decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
 from .window_state import WindowAttentionState, row_sinks, state_tensors, with_state_tensors
 from .window_tail import _tail_prefix, _tail_suffix, _tail_sum, pieces
-from .window_tail_cap import check_tail_cap
+from .window_tail_cap import check_tail_cap, check_tail_gate
 
 
 SOFTMAX_WEIGHT_INIT = 0.1
@@ -128,6 +128,31 @@ class SoftmaxWeight(nn.Module):
 
     def extra_repr(self) -> str:
         return f"num_heads={self.logit.shape[0]}"
+
+
+class TailGate(nn.Module):
+    """The learned tail gate of a causal window layer: an exponent ``alpha`` per query head in ``[0, 1]``, the tail
+    weighed by ``max(n, 1) ** -alpha`` for a query whose tail holds ``n`` tokens (:mod:`.window_tail_cap`).
+
+    ``exponent`` ``[num_heads]`` starts at 0 (the plain tail: a converted model is unchanged until trained);
+    ``forward()`` returns it clamped to ``[0, 1]``, the ``tail_gate`` argument of :func:`window_linear_attention`.
+    """
+
+    def __init__(self, num_heads: int):
+        super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"TailGate needs num_heads as an int >= 1, got {num_heads!r}")
+        self.exponent = nn.Parameter(torch.zeros(num_heads))
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.exponent.zero_()
+
+    def forward(self) -> torch.Tensor:
+        return self.exponent.clamp(0.0, 1.0)
+
+    def extra_repr(self) -> str:
+        return f"num_heads={self.exponent.shape[0]}"
 
 
 def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful=False):
@@ -281,6 +306,7 @@ def window_linear_attention(
     scaling: float | None = None,
     sparse_cache: int = 0,
     tail_cap: int = 0,
+    tail_gate: torch.Tensor | None = None,
     initial_state: WindowAttentionState | None = None,
     return_state: bool = False,
     max_rollback: int | None = None,
@@ -315,6 +341,9 @@ def window_linear_attention(
         tail_cap: ``M >= 0``, causal only: a query whose tail holds ``n > M`` tokens weighs it by ``M / n`` (the
             mean of its tokens at the weight of ``M``; :mod:`.window_tail_cap`), so that the tail's share of the
             normaliser stops growing past the lengths a layer was trained at; ``0`` (default): unbounded.
+        tail_gate: ``alpha`` ``[H]`` in ``[0, 1]``, causal only: a query whose tail holds ``n`` tokens weighs it by
+            ``max(n, 1) ** -alpha`` (a learned :class:`TailGate`; differentiable; :mod:`.window_tail_cap`);
+            ``None`` (default): no gate.
         initial_state: causal only; the :class:`~.window_state.WindowAttentionState` after the preceding tokens
             (returned by an earlier call with ``return_state=True``): the inputs are then the next ``L`` tokens, and
             the outputs equal the last ``L`` outputs of one pass over all tokens. Its feature map must not redraw in
@@ -337,13 +366,14 @@ def window_linear_attention(
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
     _check_sparse_cache(sparse_cache, causal)
     check_tail_cap(tail_cap, causal, feature_map is not None)
+    check_tail_gate(tail_gate, causal, feature_map is not None, query.shape[1])
     if feature_map is None and window == 0 and sinks == 0 and sparse_cache == 0:
         raise ValueError("window attention without a feature map (no linear tail) needs window, sinks or sparse_cache "
                          "> 0")
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, sparse_cache, causal,
                                               initial_state, max_rollback, chunk_size)
-    segmented = _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal)
+    segmented = _segmented_for_gradients(query, key, value, feature_map, (softmax_weight, tail_gate), causal)
     if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
@@ -351,20 +381,21 @@ def window_linear_attention(
     if segmented:
         return _segmented_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache, tail_cap=tail_cap,
-            softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
+            tail_gate=tail_gate, softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
             eps=eps)
     mask = _as_bool_mask(key_padding_mask)
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
-                                 key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap)
+                                 key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap,
+                                 tail_gate=tail_gate)
         return (out, state) if return_state else out
     if causal:
         return causal_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
             return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
-            tail_cap=tail_cap)
+            tail_cap=tail_cap, tail_gate=tail_gate)
     return _bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)
@@ -474,19 +505,19 @@ def _with_sink_queries(out, sink_out, sink_position, sink_valid):
 # ------------------------------------------------------------------------------------ memory-bounded training
 
 
-def _segmented_for_gradients(query, key, value, feature_map, softmax_weight, causal) -> bool:
+def _segmented_for_gradients(query, key, value, feature_map, learned_weights, causal) -> bool:
     """Whether a call runs in recomputed segments: gradients wanted, longer than one segment, and a map whose
     recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
     if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal):
         return False
-    tensors = [query, key, value, softmax_weight] + ([] if feature_map is None else list(feature_map.parameters()))
+    tensors = [query, key, value, *learned_weights] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         return False
     return feature_map is None or not (feature_map.training and getattr(feature_map, "redraw_interval", 0))
 
 
 def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, tail_cap,
-                                softmax_weight, key_padding_mask, scaling, initial_state, return_state, max_rollback,
+                                tail_gate, softmax_weight, key_padding_mask, scaling, initial_state, return_state, max_rollback,
                                 chunk_size, eps):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
@@ -496,12 +527,12 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
     outputs and gradients plus one segment's graph (``benchmarks/results/attention_memory_window.json``)."""
     mask = _as_bool_mask(key_padding_mask)
 
-    def run(segment_query, segment_key, segment_value, gamma, segment_mask, state, rollback):
+    def run(segment_query, segment_key, segment_value, gamma, gate, segment_mask, state, rollback):
         # Each segment is at most CAUSAL_SEGMENT_LENGTH long, so the call inside does not segment again.
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
             softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
-            tail_cap=tail_cap, initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
+            tail_cap=tail_cap, tail_gate=gate, initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]
     plan = CausalPlan(
@@ -510,7 +541,8 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         run=run, state_tensors=state_tensors, with_state_tensors=with_state_tensors,
         max_rollback=max_rollback if return_state else 0, reuse=reused_outputs)
     parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
-    out, state = segmented_causal(plan, query, key, value, softmax_weight, mask, initial_state, parameters)
+    out, state = segmented_causal(plan, query, key, value, softmax_weight, tail_gate, mask, initial_state,
+                                  parameters)
     return (out, state) if return_state else out
 
 

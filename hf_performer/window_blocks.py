@@ -100,8 +100,8 @@ class BlockOperands(NamedTuple):
             or ``None``; ``None`` when the pending tokens are exact (sparse cache) or there is no tail.
         tile_keep: ``[B, n, C]`` bool, the pending tokens that are tokens.
         gamma: ``[H]`` (learned mode) or ``None`` (calibrated).
-        tail_log_weight: ``[B, 1, n, g C]`` the log of each query's tail weight (``<= 0``, a constant: the bounded
-            tail of :mod:`.window_tail_cap`), or ``None`` (weight 1).
+        tail_log_weight: ``[B, 1 or Hkv, n, g C]`` the log of each query's tail weight (the bounded tail and the
+            learned gate of :mod:`.window_tail_cap`; differentiable), or ``None`` (weight 1).
     """
 
     query: torch.Tensor
@@ -451,6 +451,11 @@ def _backward_group(operands: BlockOperands, spec: BlockSpec, out, denominator, 
                 per_row = (d_exact * pieces.exact).sum(-1).sum((0, 2))  # [Hkv, gC]
                 grads["gamma"] = per_row.view(kv_heads, groups, size).sum(-1).reshape(-1)
             d_exact = d_exact * pieces.gamma_rows
+        if wanted.get("tail_log_weight"):  # total = ... + T exp(f - rho), f including the log weight
+            tail_term = pieces.tail[0] * torch.exp(pieces.exponent - (0.0 if rho is None else rho))[..., None]
+            grad = (d_total * tail_term).sum(-1)
+            shape = operands.tail_log_weight.shape
+            grads["tail_log_weight"] = grad if grad.shape == shape else grad.sum(1, keepdim=True)
         d_query_blocks = torch.zeros_like(pieces.query)
         d_query_blocks_from_map, parameter_grads = None, [None] * len(parameters)
         if pieces.tail is not None:

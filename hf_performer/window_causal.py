@@ -37,7 +37,7 @@ from .window_blocks import BlockOperands, BlockSpec, attend_blocks
 from .window_exact_blocks import attend_exact_blocks, fused_exact_applies
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
-from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
+from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
 
 def _floor_div(x: torch.Tensor, divisor: int) -> torch.Tensor:
@@ -168,7 +168,7 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
 
 def causal_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
                             key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps,
-                            tail_cap=0):
+                            tail_cap=0, tail_gate=None):
     """The causal operator (see :func:`~.window_attention.window_linear_attention`, already validated): ``out``
     ``[B, H, L, dv]`` in ``value.dtype``, and the new :class:`~.window_state.WindowAttentionState` if
     ``return_state``."""
@@ -179,8 +179,9 @@ def causal_window_attention(query, key, value, feature_map, *, window, sinks, sp
                              sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling,
                              state=initial_state, chunk_size=chunk_size, eps=eps)
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
+        tail_weight = (tail_cap, None if tail_gate is None else tail_gate.to(dtype))
         out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window, sparse_cache,
-                             tail_cap)
+                             tail_weight)
         if not return_state:
             return out.to(value.dtype)
         new_state = _next_state(call, chunk_size, window, sinks, sparse_cache, max_rollback)
@@ -318,9 +319,10 @@ def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep
     return _stack_tails(tails)
 
 
-def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, capacity, tail_cap):
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, capacity, tail_weight):
     """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
-    frame (module docstring) by :func:`~.window_blocks.attend_blocks`."""
+    frame (module docstring) by :func:`~.window_blocks.attend_blocks`; ``tail_weight`` = ``(tail_cap, tail_gate)``
+    (:mod:`.window_tail_cap`)."""
     layout_key, layout_value, layout_keep = call.layout
     tile_features, _, tile_keep = call.tiles
     sink_key, sink_value, sink_position, sink_valid = call.sinks
@@ -358,8 +360,8 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
         tile_log_scale=(log_scale[:, :, tail_blocks].unflatten(2, (blocks, size))
                         if with_pending and log_scale is not None else None),
         tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
-        gamma=gamma, tail_log_weight=None if not (tail_cap and feature_map is not None) else
-        _tail_log_weights(call, query_position, size, w, capacity, tail_cap, query.dtype))
+        gamma=gamma, tail_log_weight=None if feature_map is None else
+        _tail_log_weights(call, query_position, size, w, capacity, *tail_weight, kv_heads, query.dtype))
     attend = attend_exact_blocks if fused_exact_applies(operands, spec) else attend_blocks
     out = attend(operands, spec)  # [B, Hkv, n, g C, dv]
     value_dim = out.shape[-1]
@@ -368,14 +370,21 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
     return rows_window(out, seen - n_query * size - offset, length, 2)
 
 
-def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, dtype):
-    """``[B, 1, n, g C]`` the log weight of each query's tail (:mod:`.window_tail_cap`): its tail's edge is
-    ``i - w`` without a sparse cache, ``b_i - w`` with one (``b_i`` its boundary)."""
+def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, tail_gate, kv_heads, dtype):
+    """The log weight of each query's tail (:mod:`.window_tail_cap`), ``[B, 1, n, g C]`` (a cap alone) or
+    ``[B, Hkv, n, g C]`` (a gate: one exponent per query head), or ``None``: its tail's edge is ``i - w`` without a
+    sparse cache, ``b_i - w`` with one (``b_i`` its boundary)."""
+    if not tail_cap and tail_gate is None:
+        return None
     edge = query_position - w
     if capacity:
         edge = edge - (query_position - call.offset[:, None, None]) % size
-    tokens = tail_tokens(eligible_up_to(call.local[2], call.local[3], call.kept_before, edge), capacity)
-    return tail_log_weight(tokens, tail_cap, dtype)[:, None]
+    tokens = tail_tokens(eligible_up_to(call.local[2], call.local[3], call.kept_before, edge), capacity)[:, None]
+    exponent = None
+    if tail_gate is not None:  # [H] -> [1, Hkv, 1, g C], the rows of a block being its g heads' C queries
+        groups = tail_gate.shape[0] // kv_heads
+        exponent = tail_gate.view(1, kv_heads, groups, 1).expand(-1, -1, -1, size).reshape(1, kv_heads, 1, groups * size)
+    return tail_log_weights(tokens, tail_cap, exponent, dtype)
 
 
 def exact_terms(scores, value_ones, gamma, rows, value_dim):

@@ -26,7 +26,7 @@ from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
 from .window_causal import _key_features, combine, exact_terms, rows_window
 from .window_sparse_cache import fold_into, select_hard_keys
 from .window_state import CommittedTail, buffer_capacity, last_tokens, row_sinks
-from .window_tail_cap import eligible_up_to, tail_log_weight, tail_tokens
+from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
 
 def can_decode_step(state, length: int, max_rollback: int) -> bool:
@@ -35,7 +35,8 @@ def can_decode_step(state, length: int, max_rollback: int) -> bool:
             and state.checkpoint is None and (state.query_tail is not None or state.sparse_cache > 0))
 
 
-def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0):
+def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,
+                tail_gate=None):
     """Outputs ``[B, H, 1, dv]`` of one new token per row and the state after it (arguments as
     :func:`~.window_attention.window_linear_attention`, already validated; ``state`` passes
     :func:`can_decode_step`)."""
@@ -116,11 +117,12 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             tail = torch.matmul(q_features.values.view(batch, kv_heads, groups, -1), sums)
             if q_features.log_scale is not None:
                 log_factor = q_features.log_scale.view(batch, kv_heads, groups) + tail_max[..., None]
-            if tail_cap:  # the tail's edge: x - w, or with a sparse cache the boundary's
+            if tail_cap or tail_gate is not None:  # the tail's edge: x - w, or with a sparse cache the boundary's
                 edge = (boundary if capacity else torch.full_like(boundary, x)) - w
                 tokens_in_tail = tail_tokens(eligible_up_to(local_keep, local_start, state.kept_before_buffer, edge),
                                              capacity)
-                weight = tail_log_weight(tokens_in_tail, tail_cap, dtype)[:, None, None]
+                weight = tail_log_weights(tokens_in_tail[:, None, None], tail_cap,
+                                          None if tail_gate is None else tail_gate.view(1, kv_heads, groups), dtype)
                 log_factor = weight if log_factor is None else log_factor + weight
         total = combine(exact, row_max, tail, log_factor, calibrated=gamma is None)
         out = (total[..., :-1] / _safe_denominator(total[..., -1:], eps)).reshape(batch, heads, 1, value_dim)

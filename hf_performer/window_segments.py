@@ -40,7 +40,8 @@ class CausalPlan(NamedTuple):
 
     Attributes:
         segments: ``(start, end)`` of each query segment (consecutive, covering ``[0, L)``).
-        run: ``(query, key, value, gamma, key_padding_mask, state, max_rollback) -> (out, state)``, one segment
+        run: ``(query, key, value, gamma, tail_gate, key_padding_mask, state, max_rollback) -> (out, state)``, one
+            segment
             continuing ``state`` (``None`` before the first token): the decoding step of the operator.
         state_tensors: ``state -> list`` of its floating-point tensors (the differentiable part, fixed order).
         with_state_tensors: ``(state, tensors) -> state`` with those tensors replaced.
@@ -58,17 +59,17 @@ class CausalPlan(NamedTuple):
     reuse: Callable | None = None
 
 
-def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, key_padding_mask, initial_state,
+def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, tail_gate, key_padding_mask, initial_state,
                      parameters):
     """``(out, state)`` of ``plan`` on ``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, .]``,
-    ``softmax_weight`` (``[H]`` or ``None``), ``key_padding_mask`` (``[B, L]`` bool or ``None``) after
+    ``softmax_weight`` and ``tail_gate`` (each ``[H]`` or ``None``), ``key_padding_mask`` (``[B, L]`` bool or ``None``) after
     ``initial_state`` (or ``None``): the outputs and final state of one pass, differentiable in the tensors, the
     initial state's floating-point tensors and ``parameters`` (the trainable tensors ``plan.run`` reads: a feature
     map's). First-order gradients only."""
     initial = [] if initial_state is None else plan.state_tensors(initial_state)
     holder = []  # the final state's template (its non-differentiable parts), filled by the forward
     out, *final = _SegmentedCausal.apply(plan, initial_state, holder, len(initial), query, key, value, softmax_weight,
-                                         key_padding_mask, *initial, *parameters)
+                                         tail_gate, key_padding_mask, *initial, *parameters)
     return out, plan.with_state_tensors(holder[0], final)
 
 
@@ -91,18 +92,18 @@ class _SegmentedCausal(torch.autograd.Function):
     receiving the final state, the number of initial-state tensors, then the tensors."""
 
     @staticmethod
-    def forward(ctx, plan, initial_state, holder, n_initial, query, key, value, softmax_weight, key_padding_mask,
-                *rest):
+    def forward(ctx, plan, initial_state, holder, n_initial, query, key, value, softmax_weight, tail_gate,
+                key_padding_mask, *rest):
         ctx.plan, ctx.n_initial = plan, n_initial
         ctx.set_materialize_grads(False)  # unused outputs (often the final state) give None: nothing to replay
-        ctx.save_for_backward(query, key, value, softmax_weight, key_padding_mask, *rest)
+        ctx.save_for_backward(query, key, value, softmax_weight, tail_gate, key_padding_mask, *rest)
         states, state, out = [], initial_state, None
         ctx.records = [[] for _ in plan.segments]
         for index, (start, end) in enumerate(plan.segments):
             states.append(state)
             with _reusing(plan, ctx.records[index], record=True):
                 segment_out, state = plan.run(_piece(query, start, end), _piece(key, start, end),
-                                              _piece(value, start, end), softmax_weight,
+                                              _piece(value, start, end), softmax_weight, tail_gate,
                                               _piece(key_padding_mask, start, end, dim=1), state,
                                               _rollback_after(plan, index))
             if out is None:
@@ -119,16 +120,16 @@ class _SegmentedCausal(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out, *grad_final):
         plan, n_initial = ctx.plan, ctx.n_initial
-        query, key, value, softmax_weight, mask, *rest = ctx.saved_tensors
+        query, key, value, softmax_weight, tail_gate, mask, *rest = ctx.saved_tensors
         initial, all_parameters = rest[:n_initial], rest[n_initial:]
         parameters = [p for p in all_parameters if p.requires_grad]
-        need_q, need_k, need_v, need_gamma = ctx.needs_input_grad[4:8]
-        need_initial = any(ctx.needs_input_grad[9:9 + n_initial])
+        need_q, need_k, need_v, need_gamma, need_gate = ctx.needs_input_grad[4:9]
+        need_initial = any(ctx.needs_input_grad[10:10 + n_initial])
         grads = [torch.zeros_like(t) if need else None for t, need in ((query, need_q), (key, need_k),
                                                                      (value, need_v))]
-        gamma = _leaf(softmax_weight, bool(need_gamma))
-        gammas = [gamma] if gamma is not None and gamma.requires_grad else []  # the gamma leaf, when wanted
-        grad_gamma, parameter_grads = None, [None] * len(parameters)
+        gamma, gate = _leaf(softmax_weight, bool(need_gamma)), _leaf(tail_gate, bool(need_gate))
+        weights = [t for t in (gamma, gate) if t is not None and t.requires_grad]  # the leaves wanted
+        weight_grads, parameter_grads = [None] * len(weights), [None] * len(parameters)
         grad_state = list(grad_final)
         entering = [None if ctx.initial_state is None else plan.with_state_tensors(ctx.initial_state, initial)]
         entering += ctx.states
@@ -142,7 +143,7 @@ class _SegmentedCausal(torch.autograd.Function):
                     state_leaves = [_leaf(t) for t in plan.state_tensors(state)]
                     state = plan.with_state_tensors(state, state_leaves)
                 with _reusing(plan, ctx.records[index], record=False):
-                    segment_out, state_out = plan.run(*pieces, gamma, _piece(mask, start, end, dim=1), state,
+                    segment_out, state_out = plan.run(*pieces, gamma, gate, _piece(mask, start, end, dim=1), state,
                                                       _rollback_after(plan, index))
                 outputs, output_grads = [], []
                 if grad_out is not None:
@@ -151,20 +152,19 @@ class _SegmentedCausal(torch.autograd.Function):
                     if grad is not None and tensor is not None and tensor.requires_grad:
                         outputs.append(tensor)
                         output_grads.append(grad)
-                wanted = ([t for t in pieces if t.requires_grad] + gammas
+                wanted = ([t for t in pieces if t.requires_grad] + weights
                           + [t for t in state_leaves if t is not None and t.requires_grad] + parameters)
                 found = (list(torch.autograd.grad(outputs, wanted, output_grads, allow_unused=True)) if outputs
                          else [None] * len(wanted))
             _add_pieces(found, pieces, grads, ((start, end),) * 3)
-            if gammas:
-                segment_grad = found.pop(0)
-                if segment_grad is not None:
-                    grad_gamma = segment_grad if grad_gamma is None else grad_gamma + segment_grad
+            weight_grads = _add(weight_grads, [found.pop(0) for _ in weights])
             grad_state = [found.pop(0) if t is not None and t.requires_grad else None for t in state_leaves]
             parameter_grads = _add(parameter_grads, found)
         grad_initial = grad_state if need_initial and grad_state else [None] * n_initial
-        all_parameter_grads = iter(parameter_grads)
-        return (None, None, None, None, *grads, grad_gamma, None, *grad_initial,
+        all_parameter_grads, all_weight_grads = iter(parameter_grads), iter(weight_grads)
+        grad_gamma, grad_gate = (next(all_weight_grads) if t is not None and t.requires_grad else None
+                                 for t in (gamma, gate))
+        return (None, None, None, None, *grads, grad_gamma, grad_gate, None, *grad_initial,
                 *(next(all_parameter_grads) if p.requires_grad else None for p in all_parameters))
 
 

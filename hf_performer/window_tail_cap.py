@@ -1,4 +1,4 @@
-"""The bounded tail of causal window attention: a tail that weighs at most as much as ``cap`` tokens.
+"""The tail's weight by its token count in causal window attention: a fixed cap, and a learned gate.
 
 The tail sums of a window layer grow with every token that leaves the window, while its exact part (sinks, window,
 sparse cache) holds a constant number of keys: a layer trained at ``L`` tokens sees at most ``L - w - sinks - G`` folded
@@ -11,6 +11,11 @@ With ``tail_cap = M``, query ``i`` whose tail holds ``n_i`` tokens weighs its ta
 beyond, the tail is the mean of its tokens at the weight of ``M`` of them. ``n_i`` depends on the row's tokens only:
 without a sparse cache the eligible (unpadded, not sink) keys ``j <= i - w``; with ``G`` the eligible keys up to
 ``b_i - w`` (``b_i`` the query's boundary) less the ``G`` the cache keeps, since a cache fills before it folds.
+
+The learned tail gate (``tail_gate``, an exponent ``alpha_h`` in ``[0, 1]`` per query head, trained with the
+feature map) weighs the same tail by ``max(n_i, 1) ** -alpha_h``: ``alpha = 0`` is the plain sum, ``alpha = 1``
+the tail's mean at the weight of one token; in between the tail's share of the normaliser grows as ``n ** (1 -
+alpha)``. Both factors multiply. The gate's gradient reaches ``alpha`` through the log weight ``-alpha log n``.
 
 This module imports only ``torch``.
 """
@@ -31,6 +36,33 @@ def check_tail_cap(tail_cap, causal: bool, has_tail: bool) -> None:
         raise ValueError("tail_cap needs causal=True (a bidirectional window layer's tail is bounded by its input)")
     if tail_cap and not has_tail:
         raise ValueError("tail_cap needs a linear tail (a feature map); this layer has none")
+
+
+def check_tail_gate(tail_gate, causal: bool, has_tail: bool, heads: int) -> None:
+    """One-line errors for a bad ``tail_gate`` (``None``, or a float tensor ``[H]`` with values in ``[0, 1]``; causal
+    layers with a tail)."""
+    if tail_gate is None:
+        return
+    if not isinstance(tail_gate, torch.Tensor) or not tail_gate.is_floating_point() or tail_gate.shape != (heads,):
+        shape = tuple(tail_gate.shape) if isinstance(tail_gate, torch.Tensor) else type(tail_gate).__name__
+        raise ValueError(f"tail_gate must be a float tensor [num_heads = {heads}] of exponents in [0, 1] (or None); "
+                         f"got {shape}")
+    if not causal:
+        raise ValueError("tail_gate needs causal=True (a bidirectional window layer's tail is bounded by its input)")
+    if not has_tail:
+        raise ValueError("tail_gate needs a linear tail (a feature map); this layer has none")
+
+
+def tail_log_weights(tokens: torch.Tensor, tail_cap: int, exponent: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.Tensor | None:
+    """The log weight of each query's tail from its token count ``tokens`` (long): ``log min(1, cap / n)`` (with a
+    cap) plus ``-alpha log max(n, 1)`` (with a gate; ``exponent`` already shaped to broadcast against ``tokens``);
+    ``None`` when neither applies."""
+    weight = tail_log_weight(tokens, tail_cap, dtype) if tail_cap else None
+    if exponent is not None:
+        gated = -exponent.to(dtype) * tokens.to(dtype).clamp_min(1.0).log()
+        weight = gated if weight is None else weight + gated
+    return weight
 
 
 def eligible_up_to(local_keep: torch.Tensor, local_start: int, kept_before: torch.Tensor,

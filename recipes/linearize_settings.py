@@ -34,6 +34,7 @@ class LinearizeSettings:
     sinks: int = 4
     sparse_cache: int = 0
     tail_cap: int | None = None
+    tail_gate: bool = False
     linear_tail: bool = True
     softmax_layers: list[int] = field(default_factory=list)
     softmax_worst: int = 0
@@ -123,6 +124,8 @@ class LinearizeSettings:
             parse_cache_budget(self.cache_budget, 1)  # the form; the bytes depend on the model
         if self.window == 0 and self.sinks == 0 and not self.linear_tail:
             raise RecipeError("--no-tail with --window 0 and --sinks 0 leaves no key to attend to; give a window")
+        if self.tail_gate and not self.linear_tail:
+            raise RecipeError("--tail-gate weighs the linear tail: it cannot go with --no-tail")
         if self.tail_cap is not None and (self.tail_cap < 0 or not self.linear_tail):
             raise RecipeError(f"--tail-cap bounds the linear tail: an int >= 0 (0 = unbounded) without --no-tail, "
                               f"got {self.tail_cap}{' with --no-tail' if not self.linear_tail else ''}")
@@ -160,6 +163,8 @@ class LinearizeSettings:
             del identity["cache_budget"], identity["budget_context"]
         if not self.window_dropout:  # nor before the window dropout
             del identity["window_dropout"]
+        if not self.tail_gate:  # nor before the tail gate
+            del identity["tail_gate"]
         identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
         identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
         return identity
@@ -171,7 +176,8 @@ def conversion_arguments(settings: LinearizeSettings) -> dict:
     return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
                 feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
                 window=settings.window, sinks=settings.sinks, sparse_cache=settings.sparse_cache,
-                tail_cap=resolved_tail_cap(settings), linear_tail=settings.linear_tail, softmax_weight="auto",
+                tail_cap=resolved_tail_cap(settings), tail_gate=settings.tail_gate or None,
+                linear_tail=settings.linear_tail, softmax_weight="auto",
                 keep_softmax_layers=settings.softmax_layers)
 
 

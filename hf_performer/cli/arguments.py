@@ -69,6 +69,7 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("sinks", "--sinks", {"type": int, "metavar": "S"}),
     FavorFlag("sparse_cache", "--sparse-cache", {"type": int, "metavar": "G"}),
     FavorFlag("tail_cap", "--tail-cap", {"type": int, "metavar": "N"}),
+    FavorFlag("tail_gate", "--tail-gate", {"action": "store_const", "const": True}),
     FavorFlag("softmax_weight", "--softmax-weight", {"choices": SOFTMAX_WEIGHT_MODES}),
     FavorFlag("layer_windows", "--layer-windows", {"type": json_object, "metavar": "JSON"}),
     FavorFlag("linear_tail", "--no-linear-tail", {"action": "store_const", "const": False}),
@@ -81,7 +82,8 @@ sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes J
 ``linear_tail=False``. The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
 ``attention``."""
 
-WINDOW_FLAG_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_FLAG_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "tail_gate", "softmax_weight", "layer_windows",
+                        "linear_tail")
 """The sink + sliding-window flags, declared together by the verbs that convert (convert, distill, recipes)."""
 
 CLUSTERED_FLAG_SETTINGS = ("attention", "clusters", "topk")

@@ -49,7 +49,7 @@ STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
 CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "sparse_cache", "tail_cap",
-                    "no_tail",
+                    "tail_gate", "no_tail",
                     "softmax_layers",
                     "softmax_worst", "cache_budget", "budget_context", "transfer_steps", "transfer_length",
                     "transfer_batch_size", "transfer_learning_rate", "transfer_schedule")
@@ -89,7 +89,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--eval-batch-size", type=int, default=2, help="windows per forward pass (default: 2)")
 
     hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
-    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks", "sparse_cache", "tail_cap"), helps={
+    add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks", "sparse_cache", "tail_cap",
+                                 "tail_gate"), helps={
         "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
         "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
         "window": "exact-softmax keys per query: the last W tokens (default: 64)",
@@ -99,6 +100,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "tail_cap": "a query whose tail holds n > N tokens weighs it by N / n, so that contexts longer than training "
                     "never weigh the tail more than training did (0 = unbounded; default: the most tokens a tail "
                     "held at the training length)",
+        "tail_gate": "a learned exponent alpha per head weighs a tail of n tokens by n ** -alpha, trained by the "
+                     "attention transfer (default: off)",
     })
     hybrid.add_argument("--feature-map-init", choices=LEARNED_MAP_INITS, default=None,
                         help="the learned map's starting projection: identity (default; needs --nb-features 2 x "
@@ -198,7 +201,8 @@ def settings_from_args(args: argparse.Namespace):
     values["softmax_layers"] = sorted(set(values["softmax_layers"]))
     return LinearizeSettings(
         source=args.source, train_files=list(args.train_file), max_train_chars=args.max_train_chars,
-        nb_features=args.nb_features, tail_cap=args.tail_cap, linear_tail=not args.no_tail,
+        nb_features=args.nb_features, tail_cap=args.tail_cap, tail_gate=bool(args.tail_gate),
+        linear_tail=not args.no_tail,
         block_size=args.block_size, learning_rate=args.learning_rate,
         lora_r=args.lora_r, lora_alpha=args.lora_alpha, lora_target_modules=args.lora_target_modules,
         teacher_weight=args.teacher_weight, teacher_model=args.teacher_model, window_dropout=args.window_dropout,
