@@ -42,7 +42,8 @@ _REUSE = contextvars.ContextVar("window_blocks_reuse", default=None)
 def reused_outputs(store: list, record: bool):
     """Within this context, :func:`attend_blocks` appends its outputs and denominators to ``store`` (``record``),
     or takes them from ``store`` instead of computing them (first in, first out; computed again once ``store`` is
-    empty, as in a second backward). A memory-bounded caller that recomputes a piece of its forward to backpropagate
+    empty, as in a second backward); so does the causal operator with the sparse-cache selection of a layer without a
+    tail (``kind="selection"``). A memory-bounded caller that recomputes a piece of its forward to backpropagate
     through it (:mod:`.window_segments`) records the piece's block outputs once and reuses them there: the
     recomputation then costs only the operands' graph."""
     token = _REUSE.set((store, record))
@@ -62,25 +63,27 @@ def block_layout(operands: BlockOperands, spec: BlockSpec) -> tuple[int, int, tu
     return blocks, max(1, GROUP_ROWS // rows), expected
 
 
-def take_reused(expected_out_shape: tuple) -> tuple | None:
-    """The next recorded ``(out, per-row tensor)`` of a :func:`reused_outputs` context that reuses, checked against
-    the call's output shape; ``None`` when there is none (compute it)."""
+def take_reused(expected_shape: tuple, kind: str = "outputs") -> tuple | None:
+    """The next recorded tensors of ``kind`` of a :func:`reused_outputs` context that reuses (``(out, per-row
+    tensor)`` for ``"outputs"``), the first checked against ``expected_shape``; ``None`` when there is none (compute
+    it)."""
     reuse = _REUSE.get()
     if reuse is None or reuse[1] or not reuse[0]:
         return None
-    recorded = reuse[0].pop(0)
-    if tuple(recorded[0].shape) != tuple(expected_out_shape):
-        raise RuntimeError(f"attend_blocks: reused outputs are {tuple(recorded[0].shape)}, the call needs "
-                           f"{tuple(expected_out_shape)} (the recomputation differs from the pass that recorded them)")
+    recorded_kind, recorded = reuse[0].pop(0)
+    if recorded_kind != kind or tuple(recorded[0].shape) != tuple(expected_shape):
+        raise RuntimeError(f"window attention: the reused {recorded_kind} are {tuple(recorded[0].shape)}, the call "
+                           f"needs {kind} {tuple(expected_shape)} (the recomputation differs from the pass that "
+                           "recorded them)")
     return recorded
 
 
-def record_for_reuse(out: torch.Tensor, per_row: torch.Tensor) -> None:
-    """Record a call's outputs (and its per-row denominators or log-sum-exps) in a recording
+def record_for_reuse(*tensors: torch.Tensor, kind: str = "outputs") -> None:
+    """Record a call's tensors of ``kind`` (its outputs and per-row denominators or log-sum-exps) in a recording
     :func:`reused_outputs` context; nothing otherwise."""
     reuse = _REUSE.get()
     if reuse is not None and reuse[1]:
-        reuse[0].append((out, per_row))
+        reuse[0].append((kind, tensors))
 
 
 class BlockOperands(NamedTuple):

@@ -33,7 +33,7 @@ import torch
 
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
-from .window_blocks import BlockOperands, BlockSpec, attend_blocks
+from .window_blocks import BlockOperands, BlockSpec, attend_blocks, record_for_reuse, take_reused
 from .window_exact_blocks import attend_exact_blocks, fused_exact_applies
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
@@ -264,6 +264,13 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
     if slots < capacity:  # a fresh state: empty slots
         index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
         valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
+    # Without a tail the selection (and the tail sums it keeps for the next one) take no gradient to the output: a
+    # segment's recomputation takes what its forward chose (window_blocks.reused_outputs).
+    reusable = selection_map is None
+    reused = take_reused((batch, kv_heads, blocks, capacity), kind="selection") if reusable else None
+    if reused is not None:
+        index, valid, tail_sums, tail_max = reused
+        return (tail_sums, tail_max), _cache_at(pool_keys, pool_values, index, valid)
     tail = entering_tail
     indices, valids, tails = [index], [valid], [tail]
     for block in range(1, blocks):
@@ -282,16 +289,28 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
         indices.append(index)
         valids.append(valid)
         tails.append(tail)
-    index = torch.stack(indices, dim=2)  # [B, Hkv, blocks, G]
+    index, valid, tails = torch.stack(indices, dim=2), torch.stack(valids, dim=2), _stack_tails(tails)
+    if reusable:
+        record_for_reuse(index, valid, *(t.detach() for t in tails), kind="selection")
+    return tails, _cache_at(pool_keys, pool_values, index, valid)
+
+
+def _cache_at(pool_keys, pool_values, index, valid):
+    """The sparse caches ``(key, value_ones, position, valid)`` of the blocks from their slots' pool indices ``index``
+    ``[B, Hkv, blocks, G]`` (differentiable in the pools)."""
     flat = index.flatten(2)
     cache_keys = _gather_slots(pool_keys, flat).unflatten(2, index.shape[2:])
     cache_values = _gather_slots(pool_values, flat).unflatten(2, index.shape[2:])
-    return _stack_tails(tails), (cache_keys, cache_values, index, torch.stack(valids, dim=2))
+    return cache_keys, cache_values, index, valid
 
 
 def _gather_slots(pool, index):
-    """``pool`` ``[B, Hkv, P, e]`` at ``index`` ``[B, Hkv, n]``: ``[B, Hkv, n, e]``."""
-    return pool.gather(2, index[..., None].expand(index.shape + pool.shape[-1:]))
+    """``pool`` ``[B, Hkv, P, e]`` at ``index`` ``[B, Hkv, n]``: ``[B, Hkv, n, e]`` (one ``index_select`` of whole rows:
+    on the CPU several times faster than ``gather`` with an index expanded over ``e``)."""
+    batch, heads, slots, width = pool.shape
+    base = torch.arange(0, batch * heads * slots, slots, device=index.device).view(batch, heads, 1)
+    rows = pool.reshape(batch * heads * slots, width).index_select(0, (index + base).flatten())
+    return rows.view(*index.shape, width)
 
 
 def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep, blocks, size):

@@ -136,6 +136,32 @@ def test_the_backward_reuses_the_fused_exact_outputs(sparse_cache, monkeypatch):
         torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
 
 
+def test_the_backward_reuses_the_sparse_cache_selection_without_a_tail(monkeypatch):
+    """Without a tail the selection takes no gradient to the output: a segment's recomputation takes the forward's
+    chosen slots instead of choosing again (the tail's layers choose again: their tail sums are differentiable)."""
+    import hf_performer.window_causal as window_causal
+
+    q, k, v = _inputs()
+    kwargs = dict(window=3, sinks=2, sparse_cache=3, chunk_size=4)
+    one_pass = window_linear_attention(q, k, v, None, **kwargs)
+    expected = _gradients(one_pass, [q, k, v])
+    _set_segment_length(monkeypatch, SEGMENT)
+    chosen = []
+    original = window_causal.select_hard_keys
+    monkeypatch.setattr(window_causal, "select_hard_keys", lambda *a: (chosen.append(1), original(*a))[1])
+    segmented = window_linear_attention(q, k, v, None, **kwargs)
+    selections = len(chosen)
+    assert selections > 0
+    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
+    first = torch.autograd.grad((segmented * weights).sum(), [q, k, v], retain_graph=True)
+    assert len(chosen) == selections  # the recomputation chose nothing again
+    second = torch.autograd.grad((segmented * weights).sum(), [q, k, v])
+    assert len(chosen) == 2 * selections  # used up: chosen again
+    for got, again, want in zip(first, second, expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+
+
 def test_reused_block_outputs_of_another_shape_are_refused():
     import hf_performer.window_blocks as window_blocks
 
