@@ -26,7 +26,12 @@ WINDOW_SETTING_MEANINGS = {
              "encoders); 0: none",
     "softmax_weight": "weight of the exact terms against the linear tail (`calibrated`: 1, tail on the softmax scale; "
     "`learned`: a trained gamma per head; `auto`: learned for learned maps)",
-    "layer_windows": "per-layer overrides of window / sinks",
+    "sparse_cache": "causal window layers: per key head, this many older tokens stay exact, the ones the linear tail "
+                    "would recall worst (LoLA); 0: none",
+    "tail_cap": "causal window layers: a linear tail of n > tail_cap tokens is weighed by tail_cap / n; 0: unbounded",
+    "tail_gate": "causal window layers: a learned exponent alpha per head weighs a linear tail of n tokens by "
+                 "n ** -alpha (`favor_tail_gate`)",
+    "layer_windows": "per-layer overrides of window / sinks / sparse_cache",
     "linear_tail": "keys older than the window attended through the feature map (no: sinks + window only)",
 }
 """Meanings of the sink + sliding-window keys, the same for every kind of feature map."""
