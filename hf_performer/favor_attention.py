@@ -74,7 +74,6 @@ from __future__ import annotations
 
 import types
 import sys
-import weakref
 
 import torch
 from torch import nn
@@ -111,14 +110,22 @@ from .clustered_attention import (
     clustered_attention_weights_from_settings,
     refuse_causal_clustered,
 )
-from .configuration_performer import reads_attention_registry
 from .favor_masks import favor_attention_mask, key_padding_mask_of
+from .favor_modules import (  # noqa: F401  (re-exported: the module walk lives there)
+    ATTN_IMPLEMENTATION,
+    find_attention_modules,
+    is_attention_module,
+    layer_index_of,
+    module_device,
+    module_favor_settings,
+    module_head_counts,
+    module_head_dim,
+    update_favor_settings,
+    uses_favor,
+)
 from .favor_settings import (
     build_feature_map,
-    canonical_favor_settings,
-    favor_settings_of,
     is_clustered,
-    is_int,
     is_window_layer,
     layer_sparse_cache,
     layer_tail_cap,
@@ -134,7 +141,6 @@ from .window_attention import SoftmaxWeight, TailGate, window_linear_attention
 
 logger = logging.get_logger(__name__)
 
-ATTN_IMPLEMENTATION = "favor"
 FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
 SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
 """Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
@@ -146,132 +152,6 @@ WINDOW_DROPPED_ATTRIBUTE = "_favor_window_dropped"
 """Set to ``True`` on a window layer with a linear tail by a training schedule (the recipes' sliding-window dropout,
 arXiv 2510.05901): its next forward in training mode attends to its sinks and its tail only (no band, no sparse
 cache), so that the tail is trained to carry the signal. Ignored in eval mode and without a tail."""
-SETTINGS_ATTRIBUTE = "_favor_settings"
-
-# --------------------------------------------------------------------------------------------
-# Attention modules: recognition, layer index, head dim
-# --------------------------------------------------------------------------------------------
-
-
-def is_attention_module(module: nn.Module) -> bool:
-    """Whether ``module`` dispatches through transformers' attention registry, i.e. is the ``module``
-    argument an attention function receives (``BertSelfAttention``, ``GPT2Attention``, ``LlamaAttention``,
-    ``DistilBertSelfAttention``, ...): its ``forward`` looks up ``ALL_ATTENTION_FUNCTIONS``."""
-    return reads_attention_registry(type(module))
-
-
-def find_attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """``(qualified name, module)`` of every attention module of ``model``, in module order."""
-    return [(name, module) for name, module in model.named_modules() if is_attention_module(module)]
-
-
-# Modules without `layer_idx` (DistilBERT) met lazily are numbered in call order, per config object.
-_LAZY_LAYER_COUNTERS: dict[int, tuple[weakref.ref, int]] = {}
-
-
-def layer_index_of(module: nn.Module) -> int:
-    """The layer index of an attention module: ``module.layer_idx``, else ``module.favor_layer_idx`` (set by
-    :func:`attach_feature_maps`), else the next index in call order among this config's modules."""
-    layer_idx = getattr(module, "layer_idx", None)
-    if layer_idx is None:
-        layer_idx = getattr(module, "favor_layer_idx", None)
-    if layer_idx is None:
-        config = getattr(module, "config", None)
-        key = id(config)
-        entry = _LAZY_LAYER_COUNTERS.get(key)
-        count = entry[1] if entry is not None and entry[0]() is config else 0
-        try:
-            _LAZY_LAYER_COUNTERS[key] = (weakref.ref(config), count + 1)
-        except TypeError:  # no config, or not weak-referenceable
-            pass
-        layer_idx = count
-        module.favor_layer_idx = layer_idx
-    return int(layer_idx)
-
-
-def _module_head_dim(module: nn.Module) -> int | None:
-    """The head dimension of the module's queries and keys (what the feature map takes): ``qk_head_dim`` first, as
-    multi-head latent attention (DeepSeek V2/V3, ...) has one of its own beside its values' and its rotary part's."""
-    for attribute in ("qk_head_dim", "head_dim", "attention_head_size", "head_size"):
-        value = getattr(module, attribute, None)
-        if is_int(value):
-            return value
-    config = getattr(module, "config", None)
-    if config is None:
-        return None
-    for attribute in ("qk_head_dim", "head_dim"):
-        head_dim = getattr(config, attribute, None)
-        if is_int(head_dim):
-            return head_dim
-    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
-    if is_int(hidden) and is_int(heads) and heads > 0:
-        return hidden // heads
-    return None
-
-
-def _module_head_counts(module: nn.Module) -> tuple[int | None, int | None]:
-    """``(query heads, key/value heads)`` of an attention module, from its attributes or its config."""
-    config = getattr(module, "config", None)
-    heads = None
-    for attribute in ("num_attention_heads", "num_heads", "n_heads"):
-        value = getattr(module, attribute, None)
-        if is_int(value):
-            heads = value
-            break
-    if heads is None and is_int(getattr(config, "num_attention_heads", None)):
-        heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None)
-    if is_int(getattr(module, "num_key_value_groups", None)) and heads is not None:
-        kv_heads = heads // module.num_key_value_groups
-    return heads, kv_heads if is_int(kv_heads) else heads
-
-
-def _module_device(module: nn.Module) -> torch.device:
-    parameter = next(module.parameters(recurse=True), None)
-    if parameter is None or parameter.device.type == "meta":  # a meta buffer would lose the projection
-        return torch.device("cpu")
-    return parameter.device
-
-
-def module_favor_settings(module: nn.Module) -> dict:
-    """The resolved settings of an attention module, kept on it when first asked for (when its feature map is
-    attached); resolved again only if its config's ``favor_settings`` dict has been replaced since."""
-    given = getattr(getattr(module, "config", None), "favor_settings", None)
-    kept = getattr(module, SETTINGS_ATTRIBUTE, None)
-    if kept is None or kept[0] is not given:
-        kept = (given, favor_settings_of(module))
-        setattr(module, SETTINGS_ATTRIBUTE, kept)
-    return kept[1]
-
-
-def uses_favor(module: nn.Module) -> bool:
-    """Whether this attention module runs favor attention (implementation "favor", not a softmax layer)."""
-    config = getattr(module, "config", None)
-    if getattr(config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        return False
-    return layer_index_of(module) not in module_favor_settings(module)["softmax_layers"]
-
-
-def update_favor_settings(model: nn.Module, **changes) -> dict:
-    """Change ``favor_settings`` keys of a loaded model in place, e.g. ``sparse_cache=64`` to try a sparse cache on a
-    trained window hybrid without retraining: the configs its attention modules read get the validated settings
-    (the next forward uses them). Returns the new settings.
-
-    Raises:
-        ValueError: the changed settings are invalid (one line), or ``model`` has no favor attention module.
-    """
-    configs = {id(module.config): module.config for _, module in find_attention_modules(model) if uses_favor(module)}
-    if not configs:
-        raise ValueError(f"{type(model).__name__} has no attention module running favor attention to change")
-    settings = None
-    for config in configs.values():
-        settings = canonical_favor_settings({**(config.favor_settings or {}), **changes})
-        config.favor_settings = settings
-    top = getattr(model, "config", None)
-    if top is not None and getattr(top, "favor_settings", None) is not None and id(top) not in configs:
-        top.favor_settings = settings  # a Performer model's own config records them too
-    return settings
-
 
 def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMap:
     feature_map.train(module.training)
@@ -358,7 +238,7 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
                 raise LinearAttentionError(f"layer {layer_idx}: {error}") from None
         install_cache_hooks(module)
         if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
-            head_dim = _module_head_dim(module)
+            head_dim = module_head_dim(module)
             if head_dim is None:
                 raise ValueError(
                     f"cannot tell the head dimension of attention module {name!r} ({type(module).__name__}): it has "
@@ -369,12 +249,12 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
             # the projection must exist when a checkpoint does not hold it.
             with torch.device("cpu"):
                 feature_map = build_feature_map(
-                    module_favor_settings(module), head_dim, layer_idx, *_module_head_counts(module)
+                    module_favor_settings(module), head_dim, layer_idx, *module_head_counts(module)
                 )
-            _attach_feature_map(module, feature_map.to(_module_device(module)))
+            _attach_feature_map(module, feature_map.to(module_device(module)))
         for learned_weight_for in (_softmax_weight_for, _tail_gate_for):
-            learned_weight_for(module, layer_idx, module_favor_settings(module), _module_head_counts(module)[0],
-                               _module_device(module))
+            learned_weight_for(module, layer_idx, module_favor_settings(module), module_head_counts(module)[0],
+                               module_device(module))
         favor_layers.add(layer_idx)
     if favor_layers and callable(getattr(model, "_prepare_cache_for_generation", None)):
         model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_favor_layers, model)
