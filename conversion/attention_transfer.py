@@ -226,7 +226,8 @@ def window_layer_transfer_losses(query: torch.Tensor, key: torch.Tensor, value: 
     """One window-hybrid layer's teacher output and output loss (LoLCATs' attention transfer): the teacher is exact
     softmax (:func:`sdpa_teacher_output`), the student :func:`~hf_performer.window_linear_attention` with the
     layer's map (``None``: no tail, the sinks + window alone), ``softmax_weight`` (gamma ``[H]``, or ``None`` for
-    the calibrated mode) and ``tail_gate`` (alpha ``[H]`` or ``None``); neither side forms an ``[L, L]`` tensor when nothing is padded.
+    the calibrated mode) and ``tail_gate`` (alpha ``[H]`` or ``None``); neither side forms an ``[L, L]`` tensor when
+    nothing is padded.
 
     Args:
         query: ``[B, H, L, d]``; key, value: ``[B, Hkv, L, d]`` (detached here: only the map and gamma learn).

@@ -517,8 +517,8 @@ def _segmented_for_gradients(query, key, value, feature_map, learned_weights, ca
 
 
 def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, tail_cap,
-                                tail_gate, softmax_weight, key_padding_mask, scaling, initial_state, return_state, max_rollback,
-                                chunk_size, eps):
+                                tail_gate, softmax_weight, key_padding_mask, scaling, initial_state, return_state,
+                                max_rollback, chunk_size, eps):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
@@ -532,7 +532,8 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
             softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
-            tail_cap=tail_cap, tail_gate=gate, initial_state=state, return_state=True, max_rollback=rollback, chunk_size=chunk_size, eps=eps)
+            tail_cap=tail_cap, tail_gate=gate, initial_state=state, return_state=True, max_rollback=rollback,
+            chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]
     plan = CausalPlan(

@@ -402,7 +402,7 @@ def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, 
     exponent = None
     if tail_gate is not None:  # [H] -> [1, Hkv, 1, g C], the rows of a block being its g heads' C queries
         groups = tail_gate.shape[0] // kv_heads
-        exponent = tail_gate.view(1, kv_heads, groups, 1).expand(-1, -1, -1, size).reshape(1, kv_heads, 1, groups * size)
+        exponent = tail_gate.view(1, kv_heads, groups, 1).expand(-1, -1, -1, size).reshape(1, kv_heads, 1, -1)
     return tail_log_weights(tokens, tail_cap, exponent, dtype)
 
 

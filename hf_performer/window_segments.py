@@ -41,8 +41,7 @@ class CausalPlan(NamedTuple):
     Attributes:
         segments: ``(start, end)`` of each query segment (consecutive, covering ``[0, L)``).
         run: ``(query, key, value, gamma, tail_gate, key_padding_mask, state, max_rollback) -> (out, state)``, one
-            segment
-            continuing ``state`` (``None`` before the first token): the decoding step of the operator.
+            segment continuing ``state`` (``None`` before the first token): the decoding step of the operator.
         state_tensors: ``state -> list`` of its floating-point tensors (the differentiable part, fixed order).
         with_state_tensors: ``(state, tensors) -> state`` with those tensors replaced.
         max_rollback: what the final state must be able to drop (the states between segments need none).
@@ -62,10 +61,10 @@ class CausalPlan(NamedTuple):
 def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, tail_gate, key_padding_mask, initial_state,
                      parameters):
     """``(out, state)`` of ``plan`` on ``query`` ``[B, H, L, d]``, ``key`` / ``value`` ``[B, Hkv, L, .]``,
-    ``softmax_weight`` and ``tail_gate`` (each ``[H]`` or ``None``), ``key_padding_mask`` (``[B, L]`` bool or ``None``) after
-    ``initial_state`` (or ``None``): the outputs and final state of one pass, differentiable in the tensors, the
-    initial state's floating-point tensors and ``parameters`` (the trainable tensors ``plan.run`` reads: a feature
-    map's). First-order gradients only."""
+    ``softmax_weight`` and ``tail_gate`` (each ``[H]`` or ``None``), ``key_padding_mask`` (``[B, L]`` bool or
+    ``None``) after ``initial_state`` (or ``None``): the outputs and final state of one pass, differentiable in the
+    tensors, the initial state's floating-point tensors and ``parameters`` (the trainable tensors ``plan.run`` reads:
+    a feature map's). First-order gradients only."""
     initial = [] if initial_state is None else plan.state_tensors(initial_state)
     holder = []  # the final state's template (its non-differentiable parts), filled by the forward
     out, *final = _SegmentedCausal.apply(plan, initial_state, holder, len(initial), query, key, value, softmax_weight,
