@@ -165,33 +165,31 @@ def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_h
     its deterministic initialisation), or ``None`` (calibrated mode, or not a window layer)."""
     if not is_window_layer(settings, layer_idx) or softmax_weight_mode(settings) != "learned":
         return None
-    weight = getattr(module, SOFTMAX_WEIGHT_ATTRIBUTE, None)
-    if not isinstance(weight, nn.Module):  # not isinstance SoftmaxWeight: remote-code copies define their own class
-        if num_heads is None:
-            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its softmax weight")
-        with torch.device("cpu"):  # real values even under a meta-device context, as the feature maps
-            weight = SoftmaxWeight(num_heads)
-        weight.train(module.training)
-        module.add_module(SOFTMAX_WEIGHT_ATTRIBUTE, weight.to(device))
-    return weight()
+    return _per_head_module(module, SOFTMAX_WEIGHT_ATTRIBUTE, SoftmaxWeight, layer_idx, num_heads, device)()
 
 
 def _tail_gate_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
                    device: torch.device) -> torch.Tensor | None:
     """alpha ``[H]`` of a causal window layer with ``tail_gate`` (its :class:`TailGate` created on first use, float32,
     at 0), or ``None``."""
-    if (not settings.get("tail_gate") or not settings["linear_tail"] or not is_window_layer(settings, layer_idx)
-            or not layer_tail_gate(settings, getattr(module, "is_causal", False))):
+    if not is_window_layer(settings, layer_idx) or not layer_tail_gate(settings, getattr(module, "is_causal", False)):
         return None
-    gate = getattr(module, TAIL_GATE_ATTRIBUTE, None)
-    if not isinstance(gate, nn.Module):  # not isinstance TailGate: remote-code copies define their own class
+    return _per_head_module(module, TAIL_GATE_ATTRIBUTE, TailGate, layer_idx, num_heads, device)()
+
+
+def _per_head_module(module: nn.Module, attribute: str, build, layer_idx: int, num_heads: int | None,
+                     device: torch.device) -> nn.Module:
+    """The learned per-head module ``module.<attribute>``, created on first use as ``build(num_heads)`` (on the CPU:
+    real values even under a meta-device context, as the feature maps) in the module's training mode."""
+    learned = getattr(module, attribute, None)
+    if not isinstance(learned, nn.Module):  # not isinstance of `build`: remote-code copies define their own class
         if num_heads is None:
-            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its tail gate")
+            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its {attribute}")
         with torch.device("cpu"):
-            gate = TailGate(num_heads)
-        gate.train(module.training)
-        module.add_module(TAIL_GATE_ATTRIBUTE, gate.to(device))
-    return gate()
+            learned = build(num_heads)
+        learned.train(module.training)
+        module.add_module(attribute, learned.to(device))
+    return learned
 
 
 def attach_feature_maps(model: nn.Module) -> list[int]:

@@ -194,12 +194,11 @@ def reference_window_linear_attention(
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     exact_weights = torch.exp(scores - row_max) * exact
     tail_weights = 0.0 if feature_map is None else (phi_q @ phi_k.transpose(-1, -2)) * tail
+    tail_keys = tail.sum(-1, keepdim=True).to(torch.float64)
     if tail_cap and feature_map is not None:
-        tail_keys = tail.sum(-1, keepdim=True).to(torch.float64)
         tail_weights = tail_weights * torch.where(tail_keys > tail_cap, tail_cap / tail_keys.clamp_min(1.0), 1.0)
     if tail_gate is not None and feature_map is not None:
-        tail_keys = tail.sum(-1, keepdim=True).to(torch.float64).clamp_min(1.0)
-        tail_weights = tail_weights * tail_keys ** -tail_gate.to(torch.float64)[None, :, None, None]
+        tail_weights = tail_weights * tail_keys.clamp_min(1.0) ** -tail_gate.to(torch.float64)[None, :, None, None]
     if softmax_weight is None:
         weights = exact_weights + tail_weights * torch.exp(-row_max)
     else:

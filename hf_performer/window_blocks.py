@@ -456,9 +456,7 @@ def _backward_group(operands: BlockOperands, spec: BlockSpec, out, denominator, 
             d_exact = d_exact * pieces.gamma_rows
         if wanted.get("tail_log_weight"):  # total = ... + T exp(f - rho), f including the log weight
             tail_term = pieces.tail[0] * torch.exp(pieces.exponent - (0.0 if rho is None else rho))[..., None]
-            grad = (d_total * tail_term).sum(-1)
-            shape = operands.tail_log_weight.shape
-            grads["tail_log_weight"] = grad if grad.shape == shape else grad.sum(1, keepdim=True)
+            grads["tail_log_weight"] = (d_total * tail_term).sum(-1)  # [B, Hkv, n, gC]: a learned weight is per head
         d_query_blocks = torch.zeros_like(pieces.query)
         d_query_blocks_from_map, parameter_grads = None, [None] * len(parameters)
         if pieces.tail is not None:

@@ -253,17 +253,8 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
         return _prefix_tails(entering_tail, features, log_scale, tile_value_ones, candidate_keep, blocks, size), None
 
     # The pool of tokens a cache slot may hold: the entering cache's slots, then the tiles.
-    cache_features = _key_features(selection_map, entering.cache_key.to(features.dtype), root)
-    pool_features = torch.cat([cache_features.values, features], dim=2)
-    pool_log_scale = None if log_scale is None else torch.cat([cache_features.log_scale, log_scale], dim=2)
     pool_values = torch.cat([_with_ones_column(entering.cache_value.to(features.dtype)), tile_value_ones], dim=2)
     pool_keys = torch.cat([entering.cache_key.to(tile_key.dtype), tile_key], dim=2)
-    slots = entering.cache_key.shape[2]
-    index = torch.arange(slots, device=tile_key.device).expand(batch, kv_heads, slots)
-    valid = entering.cache_valid
-    if slots < capacity:  # a fresh state: empty slots
-        index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
-        valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
     # Without a tail the selection (and the tail sums it keeps for the next one) take no gradient to the output: a
     # segment's recomputation takes what its forward chose (window_blocks.reused_outputs).
     reusable = selection_map is None
@@ -271,6 +262,15 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
     if reused is not None:
         index, valid, tail_sums, tail_max = reused
         return (tail_sums, tail_max), _cache_at(pool_keys, pool_values, index, valid)
+    cache_features = _key_features(selection_map, entering.cache_key.to(features.dtype), root)
+    pool_features = torch.cat([cache_features.values, features], dim=2)
+    pool_log_scale = None if log_scale is None else torch.cat([cache_features.log_scale, log_scale], dim=2)
+    slots = entering.cache_key.shape[2]
+    index = torch.arange(slots, device=tile_key.device).expand(batch, kv_heads, slots)
+    valid = entering.cache_valid
+    if slots < capacity:  # a fresh state: empty slots
+        index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
+        valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
     tail = entering_tail
     indices, valids, tails = [index], [valid], [tail]
     for block in range(1, blocks):
