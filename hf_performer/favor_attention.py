@@ -658,9 +658,11 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     """The window operator's output ``[B, H, Lq, d]`` for :func:`_window_attention_forward`."""
     window, sinks = layer_window(settings, layer_idx)
     sparse_cache, tail_cap = layer_sparse_cache(settings, layer_idx), layer_tail_cap(settings, causal)
-    gamma = _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
-    tail_gate = _tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
     tail_map = feature_map if settings["linear_tail"] else None
+    # (Without a tail gamma weighs every term of the output alike: it cancels.)
+    gamma = None if tail_map is None else _softmax_weight_for(module, layer_idx, settings, query.shape[1],
+                                                              query.device)
+    tail_gate = _tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
     if tail_map is not None and module.training and getattr(module, WINDOW_DROPPED_ATTRIBUTE, False):
         window, sparse_cache = 0, 0  # sliding-window dropout: the sinks and the tail only
     q_len, k_len = query.shape[2], key.shape[2]

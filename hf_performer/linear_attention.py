@@ -300,7 +300,8 @@ def linear_attention(
     out = out.to(out_dtype)
     if not return_state:
         return out
-    return out, LinearAttentionState(*state)
+    # (The stabiliser is the last of a running maximum over the call's tokens: a copy, not a view keeping them.)
+    return out, LinearAttentionState(state[0], state[1], state[2].contiguous())
 
 
 def _packed_linear_attention(query, key, value, feature_map, segment_ids, *, causal, key_padding_mask, scaling,

@@ -77,7 +77,7 @@ from .linear_attention import (
 )
 from .window_blocks import reused_outputs
 from .window_causal import causal_window_attention, tail_features
-from .window_decode import can_decode_step, decode_step
+from .window_decode import can_decode_step, decode_step, exact_decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
 from .window_state import WindowAttentionState, row_sinks, state_tensors, with_state_tensors
 from .window_tail import _tail_prefix, _tail_suffix, _tail_sum, pieces
@@ -386,6 +386,10 @@ def window_linear_attention(
             eps=eps)
     mask = _as_bool_mask(key_padding_mask)
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
+        step = None if feature_map is not None else exact_decode_step(
+            query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling)
+        if step is not None:
+            return step if return_state else step[0]
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
                                  key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap,
                                  tail_gate=tail_gate)

@@ -455,7 +455,7 @@ def _next_state(call: _Call, size, w, sinks, capacity, max_rollback) -> WindowAt
                                  empty.bool(), sums, tail_max)
         keys, value_ones, slot_index, valid = (_select_blocks(t, index) for t in caches)
         return CommittedTail(boundary, keys.to(entering.cache_key.dtype), value_ones[..., :-1].to(
-            entering.cache_value.dtype), _slot_positions(slot_index, entering, n_first, size, offset, w),
+            entering.cache_value.dtype).contiguous(), _slot_positions(slot_index, entering, n_first, size, offset, w),
             valid, sums, tail_max)
 
     current = tail_at(last_block)

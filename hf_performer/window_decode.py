@@ -14,6 +14,17 @@ dispatch, not their arithmetic, is its cost.
 It serves the states without a checkpoint (``max_rollback == 0``), whose current tail is known: any other state
 (after a rollback, or keeping one for rollbacks) goes through the block path, which replays from the checkpoint.
 
+A layer without a linear tail and with a sparse cache (the recommended causal-LM configuration) is exact softmax over
+its sinks, cache and band, and between two boundaries only the band moves: :func:`exact_decode_step` keeps the three
+side by side in one tensor with free slots after them (:class:`~.window_state.ExactKeys`; the state's sinks, cache
+and buffer are views of it), so that a step writes its key and value into the next free slot in place and makes one
+``scaled_dot_product_attention`` call over the slots up to it (the ones that left the buffer masked), a third of
+:func:`decode_step`'s operations and no copy of the exact keys. A state never changes: a step writes in place only
+when its state is the newest of its record (a second step from the same state packs a copy first), and only into a
+slot no earlier state's views cover. Boundaries, autocast and
+reduced-precision inputs (whose scores :func:`decode_step` sums in float32) and steps that need gradients take
+:func:`decode_step`.
+
 This module imports only ``torch`` and its siblings.
 """
 
@@ -21,11 +32,13 @@ from __future__ import annotations
 
 import torch
 
+from torch.nn.functional import scaled_dot_product_attention
+
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
 from .window_causal import _key_features, combine, exact_terms, rows_window
 from .window_sparse_cache import fold_into, select_hard_keys
-from .window_state import CommittedTail, buffer_capacity, last_tokens, row_sinks
+from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
 
@@ -33,6 +46,96 @@ def can_decode_step(state, length: int, max_rollback: int) -> bool:
     """Whether a call is one token continuing a state this module serves."""
     return (state is not None and length == 1 and max_rollback == 0 and state.current is not None
             and state.checkpoint is None and (state.query_tail is not None or state.sparse_cache > 0))
+
+
+def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
+    """:func:`decode_step` of a layer without a tail (no feature map; a ``softmax_weight`` cancels without a tail)
+    and with a sparse cache, between two boundaries: ``(out [B, H, 1, dv], state)``, or ``None`` when the step is
+    not one it serves (module docstring) and :func:`decode_step` runs instead."""
+    exact = _exact_keys(state, query, key, value, key_padding_mask)
+    if exact is None:
+        return None
+    batch, heads, _, head_dim = query.shape
+    kv_heads, value_dim = key.shape[1], value.shape[-1]
+    sinks, fixed, size = state.sinks, state.sinks + state.sparse_cache, state.buffer_key.shape[2]
+    if key_padding_mask is None:
+        keep, entering = exact.ones, exact.zeros
+    else:  # (the new token's additive mask entry: 0, or -inf for padding)
+        keep = key_padding_mask
+        entering = keep.to(exact.fixed_mask.dtype).log()[:, None, None].expand(batch, kv_heads, 1, 1)
+    # The new token goes to the first free slot; the buffer's first token leaves (masked, until the next packing).
+    end = exact.start + size
+    exact.key[:, :, fixed + end:fixed + end + 1].copy_(key)
+    exact.value[:, :, fixed + end:fixed + end + 1].copy_(value)
+    exact.band_mask[..., end:end + 1].copy_(entering)
+    exact.written[0] = end + 1
+    start = exact.start + 1
+    mask = torch.cat([exact.fixed_mask, exact.gap[..., :start], exact.band_mask[..., start:end + 1]], dim=-1)
+    out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim),
+                                       exact.key[:, :, :fixed + end + 1], exact.value[:, :, :fixed + end + 1],
+                                       attn_mask=mask, scale=head_dim**-0.5 if scaling is None else float(scaling))
+    parts = {}
+    if exact is not state.exact_keys:  # packed now: the sinks and the cache are views of the new record
+        parts = dict(sink_key=exact.key[:, :, :sinks], sink_value=exact.value[:, :, :sinks],
+                     current=state.current._replace(cache_key=exact.key[:, :, sinks:fixed],
+                                                    cache_value=exact.value[:, :, sinks:fixed]))
+    new_state = state._replace(
+        buffer_key=exact.key[:, :, fixed + start:fixed + end + 1],
+        buffer_value=exact.value[:, :, fixed + start:fixed + end + 1],
+        buffer_keep=torch.cat([state.buffer_keep[:, 1:], keep], dim=1),
+        kept_tokens=state.kept_tokens + (1 if key_padding_mask is None else keep[:, 0]), seen=state.seen + 1, **parts)
+    return out.reshape(batch, heads, 1, value_dim), new_state._replace(
+        exact_keys=exact._replace(start=start, parts=_exact_parts(new_state)))
+
+
+def _exact_parts(state) -> tuple:
+    return (state.sink_key, state.sink_value, state.sink_valid, state.buffer_key, state.buffer_value,
+            state.buffer_keep, state.row_start, state.current)
+
+
+def _exact_keys(state, query, key, value, key_padding_mask):
+    """The :class:`~.window_state.ExactKeys` query ``state.seen`` writes to: the state's own record when it is the
+    newest of its record and has a free slot, else the state packed into a new one; ``None`` when
+    :func:`exact_decode_step` does not serve the step."""
+    dtype = query.dtype
+    if (state.sparse_cache == 0 or torch.is_autocast_enabled(query.device.type)
+            or compute_dtype_for(query) != dtype or key.dtype != dtype or value.dtype != dtype
+            or state.buffer_key.dtype != dtype or (state.sinks == 0 and key_padding_mask is not None)
+            or (torch.is_grad_enabled() and any(t.requires_grad for t in (
+                query, key, value, state.sink_key, state.sink_value, state.buffer_key, state.buffer_value,
+                state.current.cache_key, state.current.cache_value)))):
+        # (Without sinks a padded new token could leave a row no key: decode_step's zero output. Gradients: the
+        # in-place writes would change what autograd saved.)
+        return None
+    batch, kv_heads, size = state.buffer_key.shape[:3]
+    exact = state.exact_keys
+    if exact is not None and all(mine is theirs for mine, theirs in zip(_exact_parts(state), exact.parts)):
+        if state.seen > exact.last_query:
+            return None
+        if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1]:
+            return exact
+        fixed_mask, band_mask, last_query = exact.fixed_mask, exact.band_mask[..., exact.start:exact.start + size], \
+            exact.last_query  # another step continued this state already, or no free slot: pack it again
+    else:
+        current = state.current
+        if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
+            return None  # a row without tokens yet, or sink slots still to fill: decode_step's bookkeeping
+        last_query = int(current.boundary.min()) + state.chunk_size - 1
+        if state.seen > last_query:
+            return None
+        positions = state.buffer_start + torch.arange(size, device=key.device)
+        band = state.buffer_keep & (positions > (current.boundary - state.window)[:, None])
+        fixed_mask = torch.cat([state.sink_valid[:, None].expand(batch, kv_heads, -1), current.cache_valid],
+                               dim=-1).to(dtype).log()[:, :, None]
+        band_mask = band.to(dtype).log()[:, None, None].expand(batch, kv_heads, 1, size)
+    free = lambda t: t.new_zeros(t.shape[:-2] + (EXACT_HEADROOM, t.shape[-1]))  # noqa: E731
+    keys = torch.cat([state.sink_key, state.current.cache_key, state.buffer_key, free(state.buffer_key)], dim=2)
+    values = torch.cat([state.sink_value, state.current.cache_value, state.buffer_value, free(state.buffer_value)],
+                       dim=2)
+    free_mask = band_mask.new_zeros(batch, kv_heads, 1, EXACT_HEADROOM)
+    return ExactKeys(keys, values, fixed_mask, torch.cat([band_mask, free_mask], dim=-1),
+                     torch.full_like(free_mask, float("-inf")), 0, [size], last_query, (),
+                     torch.ones(batch, 1, dtype=torch.bool, device=key.device), keys.new_zeros(batch, kv_heads, 1, 1))
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,
@@ -134,7 +237,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             sink_key=sink_key, sink_value=sink_value, sink_position=sink_position, sink_valid=sink_valid,
             buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
             row_start=row_start, kept_tokens=state.kept_tokens + local_keep[:, -1].long(), current=new_current,
-            query_tail=query_tail, seen=x + 1)
+            query_tail=query_tail, seen=x + 1, exact_keys=None)
     return out.to(value.dtype), new_state
 
 
@@ -163,7 +266,7 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
                               dim=-1)
         picked = lambda t: t.gather(2, kept[..., None].expand(kept.shape + t.shape[-1:]))  # noqa: E731
         selected = CommittedTail(current.boundary, picked(keys).to(current.cache_key.dtype),
-                                 picked(value_ones)[..., :-1].to(current.cache_value.dtype),
+                                 picked(value_ones)[..., :-1].to(current.cache_value.dtype).contiguous(),
                                  positions.gather(-1, kept), kept_valid, *new_sums)
         cache = selected.select_rows(crossing, current)
     rows = crossing.view(-1, 1, 1, 1)

@@ -29,6 +29,11 @@ from typing import NamedTuple
 import torch
 
 
+EXACT_HEADROOM = 32
+"""Buffer slots an :class:`ExactKeys` record keeps free after its newest token: that many decoding steps write their
+key and value in place before the record is packed again (one copy of the exact keys)."""
+
+
 def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: int, sinks: int, dtype_bytes: int,
                        sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
                        linear_tail: bool = True) -> int:
@@ -46,7 +51,11 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     committed = 8 + sparse_cache * kv_heads * (2 * head_dim * dtype_bytes + 8 + 1) + sums
     query_tail = sums if sparse_cache == 0 else 0  # with a sparse cache the pending tokens stay exact, in the buffer
     tails = committed * (2 if max_rollback > 0 else 1) + query_tail
-    return sink_slots + buffer_bytes + 16 + tails
+    exact_keys = 0  # between two boundaries a layer without a tail decodes from an ExactKeys record
+    if not linear_tail and sparse_cache and max_rollback == 0:
+        exact_keys = EXACT_HEADROOM * 2 * kv_heads * head_dim * dtype_bytes + 1 + \
+            kv_heads * (sinks + sparse_cache + buffer + 2 * EXACT_HEADROOM + 1) * dtype_bytes
+    return sink_slots + buffer_bytes + 16 + tails + exact_keys
 
 
 
@@ -81,6 +90,45 @@ class CommittedTail(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self)
 
 
+class ExactKeys(NamedTuple):
+    """A state's exact keys side by side, for the decoding steps of a layer without a linear tail
+    (:func:`~.window_decode.exact_decode_step`), whose output is softmax attention over them.
+
+    Attributes:
+        key: ``[B, Hkv, F + b + E, d]``, ``value`` ``[B, Hkv, F + b + E, dv]``: the sink slots and the sparse cache
+            (``F = sinks + G``), then the buffer region: slots ``start .. start + b - 1`` of it are the state's buffer
+            (the state's tensors are views of these), the slots before them tokens that left it, the ones after free
+            (``E`` = :data:`EXACT_HEADROOM` at packing).
+        fixed_mask: ``[B, Hkv, 1, F]`` the additive mask of the sinks and the cache (0 seen, ``-inf`` not),
+            ``band_mask`` ``[B, Hkv, 1, b + E]`` of the buffer region's tokens, ``gap`` ``[B, Hkv, 1, E]`` ``-inf``.
+        start: where the state's buffer starts in the buffer region; ``written`` ``[n]``: the buffer region's slots
+            written so far, shared by the states of this record (only the newest may write the next slot).
+        last_query: the last position before a row's next boundary (where a selection changes the cache).
+        parts: the state tensors these stand for: a state holding others (replaced since) packs a new record.
+        ones: ``[B, 1]`` True, ``zeros`` ``[B, Hkv, 1, 1]``: a new unpadded token's flag and mask entry.
+    """
+
+    key: torch.Tensor
+    value: torch.Tensor
+    fixed_mask: torch.Tensor
+    band_mask: torch.Tensor
+    gap: torch.Tensor
+    start: int
+    written: list
+    last_query: int
+    parts: tuple
+    ones: torch.Tensor
+    zeros: torch.Tensor
+
+    def nbytes(self) -> int:
+        """Bytes of the record beyond the state's own views: the free and left slots, the masks."""
+        tensors = (self.key, self.value, self.fixed_mask, self.band_mask, self.gap, self.ones, self.zeros)
+        total = sum(t.numel() * t.element_size() for t in tensors)
+        views = self.parts[0], self.parts[1], self.parts[3], self.parts[4], self.parts[7].cache_key, \
+            self.parts[7].cache_value
+        return total - sum(t.numel() * t.element_size() for t in views)
+
+
 FLOAT_FIELDS = ("cache_key", "cache_value", "tail_sums")
 """The differentiable tensors of a :class:`CommittedTail` (``tail_max`` is a detached stabiliser)."""
 
@@ -107,6 +155,8 @@ class WindowAttentionState(NamedTuple):
             ``max_rollback == 0`` (then ``current`` is the only one).
         seen: tokens seen (padding included); window, sinks, sparse_cache (``G``), chunk_size, max_rollback: the
             settings the state was built with.
+        exact_keys: the :class:`ExactKeys` of a layer without a tail between two boundaries while decoding, or
+            ``None`` (rebuilt on demand).
     """
 
     sink_key: torch.Tensor
@@ -127,6 +177,7 @@ class WindowAttentionState(NamedTuple):
     sparse_cache: int
     chunk_size: int
     max_rollback: int
+    exact_keys: ExactKeys | None = None
 
     @property
     def buffer_start(self) -> int:
@@ -172,7 +223,7 @@ class WindowAttentionState(NamedTuple):
             sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
             kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, query_tail=None,
-            checkpoint=self.oldest, seen=seen,
+            checkpoint=self.oldest, seen=seen, exact_keys=None,
         )
 
     def map_batch(self, fn) -> "WindowAttentionState":
@@ -181,7 +232,7 @@ class WindowAttentionState(NamedTuple):
         query_tail = None if self.query_tail is None else tuple(fn(t) for t in self.query_tail)
         return self._replace(
             current=None if self.current is None else self.current.map_batch(fn), query_tail=query_tail,
-            checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), **tensors)
+            checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), exact_keys=None, **tensors)
 
     def nbytes(self) -> int:
         """Bytes held by the tensors (bounded by the settings, not by ``seen``)."""
@@ -190,6 +241,8 @@ class WindowAttentionState(NamedTuple):
             total += 0 if tail is None else tail.nbytes()
         if self.query_tail is not None:
             total += sum(t.numel() * t.element_size() for t in self.query_tail)
+        if self.exact_keys is not None:
+            total += self.exact_keys.nbytes()
         return total
 
 
@@ -235,7 +288,7 @@ def with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionS
         tails.append(None if tail is None else tail._replace(**dict(zip(FLOAT_FIELDS, replaced))))
     query_tail_sums = tensors.pop(0)
     query_tail = None if state.query_tail is None else (query_tail_sums, state.query_tail[1])
-    return state._replace(current=tails[0], checkpoint=tails[1], query_tail=query_tail, **named)
+    return state._replace(current=tails[0], checkpoint=tails[1], query_tail=query_tail, exact_keys=None, **named)
 
 
 def row_sinks(key, value, keep, sinks, initial_state, seen):

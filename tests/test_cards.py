@@ -55,13 +55,18 @@ def _output(model, **inputs):
 
 
 def _cache_bytes(value, seen=None) -> int:
-    """Bytes of every tensor a cache layer holds (attributes, tuples, state objects)."""
+    """Bytes of every tensor storage a cache layer holds (attributes, tuples, state objects; views of one storage
+    count once)."""
     seen = set() if seen is None else seen
     if id(value) in seen:
         return 0
     seen.add(id(value))
     if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
+        storage = value.untyped_storage()
+        if ("storage", storage.data_ptr()) in seen:
+            return 0
+        seen.add(("storage", storage.data_ptr()))
+        return storage.nbytes()
     if isinstance(value, (list, tuple)):
         return sum(_cache_bytes(item, seen) for item in value)
     if isinstance(value, dict):
@@ -314,10 +319,12 @@ def test_decoding_state_sizes_the_cards_state_are_the_caches(sources):
                                (dict(feature_map="hedgehog", window=4, sinks=1, sparse_cache=3),
                                 lambda: window_state_bytes(2, 8, 16, 4, 1, 4, sparse_cache=3)),
                                (dict(window=4, sinks=1, linear_tail=False),
-                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4, linear_tail=False))):
+                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4, linear_tail=False)),
+                               (dict(window=4, sinks=1, linear_tail=False, sparse_cache=3),  # decodes from a record
+                                lambda: window_state_bytes(2, 8, 16, 4, 1, 4, sparse_cache=3, linear_tail=False))):
         model = convert_to_performer(LlamaForCausalLM.from_pretrained(sources / "llama"), **settings).eval()
         with torch.no_grad():
-            cache = model.generate(_ids(48), max_new_tokens=1, do_sample=False,
+            cache = model.generate(_ids(48), max_new_tokens=3, do_sample=False,
                                    return_dict_in_generate=True).past_key_values
         assert _cache_bytes(cache.layers[0]) == expected(), settings
 

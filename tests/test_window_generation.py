@@ -150,3 +150,23 @@ def test_a_prompt_shorter_than_the_sinks_generates(use_cache):
     result = _generate(model, input_ids, max_new_tokens=6, use_cache=use_cache)
     reference = _generate(model, input_ids, max_new_tokens=6, use_cache=not use_cache)
     assert result.sequences.shape == (1, 7) and torch.equal(result.sequences, reference.sequences)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_greedy_generate_without_a_tail_takes_the_exact_step_and_equals_no_cache(name, monkeypatch):
+    import hf_performer.window_attention as window_attention
+
+    model = build(name, linear_tail=False, sparse_cache=2)
+    served = []
+    original = window_attention.exact_decode_step
+    monkeypatch.setattr(window_attention, "exact_decode_step",
+                        lambda *args, **kwargs: served.append(original(*args, **kwargs)) or served[-1])
+    input_ids = tokens(length=10)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, :3] = 0
+    cached = _generate(model, input_ids, attention_mask=attention_mask, max_new_tokens=12)
+    uncached = _generate(model, input_ids, attention_mask=attention_mask, use_cache=False, max_new_tokens=12)
+    assert sum(step is not None for step in served) >= 10  # 2 layers, steps between the rows' boundaries
+    assert torch.equal(cached.sequences, uncached.sequences)
+    for a, b in zip(cached.scores, uncached.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
