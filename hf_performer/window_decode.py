@@ -64,33 +64,31 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
         keep = key_padding_mask
         entering = keep.to(exact.fixed_mask.dtype).log()[:, None, None].expand(batch, kv_heads, 1, 1)
     # The new token goes to the first free slot; the buffer's first token leaves (masked, until the next packing).
+    # (narrow: these run once per layer and token, where indexing's parsing shows.)
     end = exact.start + size
-    exact.key[:, :, fixed + end:fixed + end + 1].copy_(key)
-    exact.value[:, :, fixed + end:fixed + end + 1].copy_(value)
-    exact.band_mask[..., end:end + 1].copy_(entering)
+    exact.key.narrow(2, fixed + end, 1).copy_(key)
+    exact.value.narrow(2, fixed + end, 1).copy_(value)
+    exact.band_mask.narrow(3, end, 1).copy_(entering)
     exact.written[0] = end + 1
     start = exact.start + 1
-    mask = torch.cat([exact.fixed_mask, exact.gap[..., :start], exact.band_mask[..., start:end + 1]], dim=-1)
+    mask = torch.cat([exact.fixed_mask, exact.gap.narrow(3, 0, start), exact.band_mask.narrow(3, start, size)], dim=3)
     out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim),
-                                       exact.key[:, :, :fixed + end + 1], exact.value[:, :, :fixed + end + 1],
+                                       exact.key.narrow(2, 0, fixed + end + 1),
+                                       exact.value.narrow(2, 0, fixed + end + 1),
                                        attn_mask=mask, scale=head_dim**-0.5 if scaling is None else float(scaling))
-    parts = {}
+    sink_key, sink_value, current = state.sink_key, state.sink_value, state.current
     if exact is not state.exact_keys:  # packed now: the sinks and the cache are views of the new record
-        parts = dict(sink_key=exact.key[:, :, :sinks], sink_value=exact.value[:, :, :sinks],
-                     current=state.current._replace(cache_key=exact.key[:, :, sinks:fixed],
-                                                    cache_value=exact.value[:, :, sinks:fixed]))
+        sink_key, sink_value = exact.key.narrow(2, 0, sinks), exact.value.narrow(2, 0, sinks)
+        current = current._replace(cache_key=exact.key.narrow(2, sinks, fixed - sinks),
+                                   cache_value=exact.value.narrow(2, sinks, fixed - sinks))
+    buffer_key, buffer_value = exact.key.narrow(2, fixed + start, size), exact.value.narrow(2, fixed + start, size)
+    buffer_keep = torch.cat([state.buffer_keep.narrow(1, 1, size - 1), keep], dim=1)
+    parts = (sink_key, sink_value, state.sink_valid, buffer_key, buffer_value, buffer_keep, state.row_start, current)
     new_state = state._replace(
-        buffer_key=exact.key[:, :, fixed + start:fixed + end + 1],
-        buffer_value=exact.value[:, :, fixed + start:fixed + end + 1],
-        buffer_keep=torch.cat([state.buffer_keep[:, 1:], keep], dim=1),
-        kept_tokens=state.kept_tokens + (1 if key_padding_mask is None else keep[:, 0]), seen=state.seen + 1, **parts)
-    return out.reshape(batch, heads, 1, value_dim), new_state._replace(
-        exact_keys=exact._replace(start=start, parts=_exact_parts(new_state)))
-
-
-def _exact_parts(state) -> tuple:
-    return (state.sink_key, state.sink_value, state.sink_valid, state.buffer_key, state.buffer_value,
-            state.buffer_keep, state.row_start, state.current)
+        sink_key=sink_key, sink_value=sink_value, buffer_key=buffer_key, buffer_value=buffer_value,
+        buffer_keep=buffer_keep, kept_tokens=state.kept_tokens + (1 if key_padding_mask is None else keep[:, 0]),
+        current=current, seen=state.seen + 1, exact_keys=exact._replace(start=start, parts=parts))
+    return out.reshape(batch, heads, 1, value_dim), new_state
 
 
 def _exact_keys(state, query, key, value, key_padding_mask):
@@ -98,18 +96,22 @@ def _exact_keys(state, query, key, value, key_padding_mask):
     newest of its record and has a free slot, else the state packed into a new one; ``None`` when
     :func:`exact_decode_step` does not serve the step."""
     dtype = query.dtype
-    if (state.sparse_cache == 0 or torch.is_autocast_enabled(query.device.type)
-            or compute_dtype_for(query) != dtype or key.dtype != dtype or value.dtype != dtype
-            or state.buffer_key.dtype != dtype or (state.sinks == 0 and key_padding_mask is not None)
+    if (state.sparse_cache == 0 or (dtype != torch.float32 and dtype != torch.float64) or key.dtype != dtype
+            or value.dtype != dtype or state.buffer_key.dtype != dtype or torch.is_autocast_enabled(query.device.type)
+            or (state.sinks == 0 and key_padding_mask is not None)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (
                 query, key, value, state.sink_key, state.sink_value, state.buffer_key, state.buffer_value,
                 state.current.cache_key, state.current.cache_value)))):
-        # (Without sinks a padded new token could leave a row no key: decode_step's zero output. Gradients: the
-        # in-place writes would change what autograd saved.)
+        # (float32 / float64: decode_step sums reduced-precision scores in float32. Without sinks a padded new token
+        # could leave a row no key: decode_step's zero output. Gradients: the in-place writes would change what
+        # autograd saved.)
         return None
     batch, kv_heads, size = state.buffer_key.shape[:3]
     exact = state.exact_keys
-    if exact is not None and all(mine is theirs for mine, theirs in zip(_exact_parts(state), exact.parts)):
+    parts = None if exact is None else exact.parts
+    if parts and parts[3] is state.buffer_key and parts[7] is state.current and parts[0] is state.sink_key and \
+            parts[1] is state.sink_value and parts[4] is state.buffer_value and parts[5] is state.buffer_keep and \
+            parts[2] is state.sink_valid and parts[6] is state.row_start:
         if state.seen > exact.last_query:
             return None
         if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1]:
