@@ -493,6 +493,8 @@ def readme_headline(root: str) -> str:
     decode_summary, window_summary = decode_result["summary"], window_decode["summary"]
     decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
     window_break_even = _decode_table(window_decode, "window layers")[1]
+    generation = load("generation_floor_smollm2_window_g256.json")["summary"]
+    generation_batch8 = load("generation_floor_smollm2_window_g256_batch8.json")["summary"]
     worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
     arms_result = load("hybrid_arms_smollm2.json")
     arms = arms_result["arms"]
@@ -509,11 +511,18 @@ def readme_headline(root: str) -> str:
         f"**{decode_summary['softmax_over_favor_latency_at_longest']['value']:.1f}x** faster than softmax + KV cache, "
         f"cache {decode_summary['cache_bytes_at_longest']['favor'] / MIB:.1f} MiB against "
         f"{decode_summary['cache_bytes_at_longest']['softmax'] / MIB:,.0f} MiB | {_link(root, 'decode.json', 'decoding')} |",
-        f"| SmolLM2-135M window hybrid, decoding | "
-        f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x softmax's speed at 16k, "
-        f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}); cache "
-        f"{window_summary['cache_bytes_at_longest']['favor'] / MIB:.0f} MiB at any context | "
-        f"{_link(root, 'decode_window_smollm2.json', 'window decoding')} |",
+        "| SmolLM2-135M window hybrid as recommended (window 64 + the 256 hardest older keys per head, no tail), "
+        f"decoding | **{generation['decode_context_16384_batch_1']['favor_speedup']:.2f}x** softmax's speed at 16k "
+        f"(with no attention work at all: {generation['decode_context_16384_batch_1']['floor_speedup']:.2f}x), "
+        f"{generation['decode_context_512_batch_1']['favor_speedup']:.2f}x at 512; batch 8: "
+        f"{generation_batch8['decode_context_512_batch_8']['favor_speedup']:.2f}x at 512, "
+        f"{generation_batch8['decode_context_16384_batch_8']['favor_speedup']:.1f}x at 16k; prefill of 4k tokens "
+        f"{generation['prefill_4096']['favor_speedup']:.2f}x (floor "
+        f"{generation['prefill_4096']['floor_speedup']:.2f}x); with a tail: "
+        f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x at 16k, "
+        f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}) | "
+        f"{_link(root, 'generation_floor_smollm2_window_g256.json', 'generation')}, "
+        f"{_link(root, 'decode_window_smollm2.json', 'with a tail')} |",
         f"| SST-2 accuracy, MiniLM-L6 (softmax {100 * sst2['runs']['a']['metric']:.2f}) | FAVOR+ after recovery "
         f"fine-tuning {100 * sst2['runs']['c']['metric']:.2f}; learned (hedgehog) maps, transfer + fine-tuning "
         f"**{100 * sst2['runs']['f']['metric']:.2f}** | {_link(root, 'recovery_sst2.json', 'recovery')} |",
