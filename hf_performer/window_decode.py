@@ -17,11 +17,11 @@ It serves the states without a checkpoint (``max_rollback == 0``), whose current
 A layer without a linear tail and with a sparse cache (the recommended causal-LM configuration) is exact softmax over
 its sinks, cache and band, and between two boundaries only the band moves: :func:`exact_decode_step` keeps the three
 side by side in one tensor with free slots after them (:class:`~.window_state.ExactKeys`; the state's sinks, cache
-and buffer are views of it), so that a step writes its key and value into the next free slot in place and makes one
-``scaled_dot_product_attention`` call over the slots up to it (the ones that left the buffer masked), a third of
-:func:`decode_step`'s operations and no copy of the exact keys. A state never changes: a step writes in place only
-when its state is the newest of its record (a second step from the same state packs a copy first), and only into a
-slot no earlier state's views cover. Boundaries, autocast and
+and buffer are views of it; cache slots that no row and head holds yet are left out), so that a step writes its key
+and value into the next free slot in place and makes one ``scaled_dot_product_attention`` call over the slots up to
+it (the ones that left the buffer masked), a third of :func:`decode_step`'s operations and no copy of the exact keys.
+A state never changes: a step writes in place only when its state is the newest of its record (a second step from the
+same state packs a copy first), and only into a slot no earlier state's views cover. Boundaries, autocast,
 reduced-precision inputs (whose scores :func:`decode_step` sums in float32) and steps that need gradients take
 :func:`decode_step`.
 
@@ -57,7 +57,7 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
         return None
     batch, heads, _, head_dim = query.shape
     kv_heads, value_dim = key.shape[1], value.shape[-1]
-    sinks, fixed, size = state.sinks, state.sinks + state.sparse_cache, state.buffer_key.shape[2]
+    sinks, fixed, size = state.sinks, exact.fixed, state.buffer_key.shape[2]
     if key_padding_mask is None:
         keep, entering = exact.ones, exact.zeros
     else:  # (the new token's additive mask entry: 0, or -inf for padding)
@@ -77,10 +77,11 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
                                        exact.value.narrow(2, 0, fixed + end + 1),
                                        attn_mask=mask, scale=head_dim**-0.5 if scaling is None else float(scaling))
     sink_key, sink_value, current = state.sink_key, state.sink_value, state.current
-    if exact is not state.exact_keys:  # packed now: the sinks and the cache are views of the new record
+    if exact is not state.exact_keys:  # packed now: the sinks and the (whole) cache are views of the new record
         sink_key, sink_value = exact.key.narrow(2, 0, sinks), exact.value.narrow(2, 0, sinks)
-        current = current._replace(cache_key=exact.key.narrow(2, sinks, fixed - sinks),
-                                   cache_value=exact.value.narrow(2, sinks, fixed - sinks))
+        if fixed - sinks == state.sparse_cache:
+            current = current._replace(cache_key=exact.key.narrow(2, sinks, fixed - sinks),
+                                       cache_value=exact.value.narrow(2, sinks, fixed - sinks))
     buffer_key, buffer_value = exact.key.narrow(2, fixed + start, size), exact.value.narrow(2, fixed + start, size)
     buffer_keep = torch.cat([state.buffer_keep.narrow(1, 1, size - 1), keep], dim=1)
     parts = (sink_key, sink_value, state.sink_valid, buffer_key, buffer_value, buffer_keep, state.row_start, current)
@@ -116,8 +117,11 @@ def _exact_keys(state, query, key, value, key_padding_mask):
             return None
         if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1]:
             return exact
+        # Another step continued this state already, or no free slot: pack it again.
         fixed_mask, band_mask, last_query = exact.fixed_mask, exact.band_mask[..., exact.start:exact.start + size], \
-            exact.last_query  # another step continued this state already, or no free slot: pack it again
+            exact.last_query
+        cache_key = exact.key.narrow(2, state.sinks, exact.fixed - state.sinks)
+        cache_value = exact.value.narrow(2, state.sinks, exact.fixed - state.sinks)
     else:
         current = state.current
         if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
@@ -127,16 +131,22 @@ def _exact_keys(state, query, key, value, key_padding_mask):
             return None
         positions = state.buffer_start + torch.arange(size, device=key.device)
         band = state.buffer_keep & (positions > (current.boundary - state.window)[:, None])
-        fixed_mask = torch.cat([state.sink_valid[:, None].expand(batch, kv_heads, -1), current.cache_valid],
+        cache_key, cache_value, cache_valid = current.cache_key, current.cache_value, current.cache_valid
+        used = int(cache_valid.sum(-1).max())
+        if used < state.sparse_cache:  # slots no row and head holds yet (the first window + G tokens) stay out
+            order = torch.sort((~cache_valid).to(torch.uint8), dim=-1, stable=True).indices[..., :used]
+            take = lambda t: t.gather(2, order[..., None].expand(order.shape + t.shape[-1:]))  # noqa: E731
+            cache_key, cache_value, cache_valid = take(cache_key), take(cache_value), cache_valid.gather(-1, order)
+        fixed_mask = torch.cat([state.sink_valid[:, None].expand(batch, kv_heads, -1), cache_valid],
                                dim=-1).to(dtype).log()[:, :, None]
         band_mask = band.to(dtype).log()[:, None, None].expand(batch, kv_heads, 1, size)
     free = lambda t: t.new_zeros(t.shape[:-2] + (EXACT_HEADROOM, t.shape[-1]))  # noqa: E731
-    keys = torch.cat([state.sink_key, state.current.cache_key, state.buffer_key, free(state.buffer_key)], dim=2)
-    values = torch.cat([state.sink_value, state.current.cache_value, state.buffer_value, free(state.buffer_value)],
-                       dim=2)
+    keys = torch.cat([state.sink_key, cache_key, state.buffer_key, free(state.buffer_key)], dim=2)
+    values = torch.cat([state.sink_value, cache_value, state.buffer_value, free(state.buffer_value)], dim=2)
     free_mask = band_mask.new_zeros(batch, kv_heads, 1, EXACT_HEADROOM)
-    return ExactKeys(keys, values, fixed_mask, torch.cat([band_mask, free_mask], dim=-1),
-                     torch.full_like(free_mask, float("-inf")), 0, [size], last_query, (),
+    return ExactKeys(keys, values, state.sinks + cache_key.shape[2], fixed_mask,
+                     torch.cat([band_mask, free_mask], dim=-1), torch.full_like(free_mask, float("-inf")), 0, [size],
+                     last_query, (),
                      torch.ones(batch, 1, dtype=torch.bool, device=key.device), keys.new_zeros(batch, kv_heads, 1, 1))
 
 

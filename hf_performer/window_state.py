@@ -38,7 +38,7 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
                        sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
                        linear_tail: bool = True) -> int:
     """Bytes of one window layer's decoding state (``WindowCacheLayer``) per sequence once the context is longer
-    than its buffer: the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
+    than its buffer and has filled its sparse cache (the most it holds): the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
     chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
     current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
     positions and flags and the float32 tail sums, plus the last query's tail sums without a sparse cache, and two
@@ -96,9 +96,11 @@ class ExactKeys(NamedTuple):
 
     Attributes:
         key: ``[B, Hkv, F + b + E, d]``, ``value`` ``[B, Hkv, F + b + E, dv]``: the sink slots and the sparse cache
-            (``F = sinks + G``), then the buffer region: slots ``start .. start + b - 1`` of it are the state's buffer
+            (``F = sinks + G``, or fewer cache slots while no row and head holds ``G``: the held ones first, a copy),
+            then the buffer region: slots ``start .. start + b - 1`` of it are the state's buffer
             (the state's tensors are views of these), the slots before them tokens that left it, the ones after free
             (``E`` = :data:`EXACT_HEADROOM` at packing).
+        fixed: ``F``, the sinks and the cache slots kept here.
         fixed_mask: ``[B, Hkv, 1, F]`` the additive mask of the sinks and the cache (0 seen, ``-inf`` not),
             ``band_mask`` ``[B, Hkv, 1, b + E]`` of the buffer region's tokens, ``gap`` ``[B, Hkv, 1, E]`` ``-inf``.
         start: where the state's buffer starts in the buffer region; ``written`` ``[n]``: the buffer region's slots
@@ -110,6 +112,7 @@ class ExactKeys(NamedTuple):
 
     key: torch.Tensor
     value: torch.Tensor
+    fixed: int
     fixed_mask: torch.Tensor
     band_mask: torch.Tensor
     gap: torch.Tensor
@@ -124,9 +127,10 @@ class ExactKeys(NamedTuple):
         """Bytes of the record beyond the state's own views: the free and left slots, the masks."""
         tensors = (self.key, self.value, self.fixed_mask, self.band_mask, self.gap, self.ones, self.zeros)
         total = sum(t.numel() * t.element_size() for t in tensors)
+        storages = {self.key.untyped_storage().data_ptr(), self.value.untyped_storage().data_ptr()}
         views = self.parts[0], self.parts[1], self.parts[3], self.parts[4], self.parts[7].cache_key, \
             self.parts[7].cache_value
-        return total - sum(t.numel() * t.element_size() for t in views)
+        return total - sum(t.numel() * t.element_size() for t in views if t.untyped_storage().data_ptr() in storages)
 
 
 FLOAT_FIELDS = ("cache_key", "cache_value", "tail_sums")

@@ -82,6 +82,24 @@ def test_exact_steps_equal_one_pass_the_reference_and_the_general_step(served, m
             assert extra == q.shape[0] * (bytes_of(False) - bytes_of(True))
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_cache_slots_no_row_holds_yet_are_left_out(served, padded):
+    # G = 12 > the candidates of the first boundaries: the record keeps only the slots some row and head holds.
+    settings = {**SETTINGS, "sparse_cache": 12}
+    q, k, v = small_qkv(length=LENGTH)
+    mask = padded_mask(length=LENGTH) if padded else None
+    fixed = []
+    original = window_decode._exact_keys
+    recording = lambda *args: fixed.append(original(*args)) or fixed[-1]  # noqa: E731
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(window_decode, "_exact_keys", recording)
+        out, _ = run_in_pieces(q, k, v, None, DECODE, mask, **settings)
+    assert served.count and any(record.fixed < 2 + 12 for record in fixed if record is not None)
+    served.off = True
+    general, _ = run_in_pieces(q, k, v, None, DECODE, mask, **settings)
+    torch.testing.assert_close(out, general, rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("then", ["a longer call", "a rollback", "a reorder"])
 def test_the_general_paths_continue_an_exact_state(served, then):
     q, k, v = small_qkv(length=LENGTH)
