@@ -192,7 +192,7 @@ def _check_state_arguments(query, key, value, feature_map, window, sinks, sparse
     """Validate the decoding arguments; returns the ``max_rollback`` to use."""
     if not causal:
         raise ValueError("initial_state / return_state need causal=True (a bidirectional layer has no decoding state)")
-    if initial_state is not None and not all(hasattr(initial_state, name) for name in WindowAttentionState._fields):
+    if initial_state is not None and getattr(initial_state, "_fields", None) != WindowAttentionState._fields:
         raise ValueError(f"initial_state must be a WindowAttentionState; got {type(initial_state).__name__}")
     if max_rollback is None:
         max_rollback = 0 if initial_state is None else initial_state.max_rollback
