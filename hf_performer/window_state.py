@@ -38,11 +38,12 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
                        sparse_cache: int = 0, chunk_size: int = 64, max_rollback: int = 0,
                        linear_tail: bool = True) -> int:
     """Bytes of one window layer's decoding state (``WindowCacheLayer``) per sequence once the context is longer
-    than its buffer and has filled its sparse cache (the most it holds): the sink slots (keys, values, positions, flags), the buffer of the last ``window - 1 +
-    chunk_size + max_rollback`` keys and values (the selection runs at chunk boundaries), and per committed tail (the
-    current one, and a rollback checkpoint when ``max_rollback > 0``) the sparse cache's ``G`` keys, values,
-    positions and flags and the float32 tail sums, plus the last query's tail sums without a sparse cache, and two
-    counters (the row's start and its kept tokens)."""
+    than its buffer and has filled its sparse cache (the most it holds): the sink slots (keys, values, positions,
+    flags), the buffer of the last ``window - 1 + chunk_size + max_rollback`` keys and values (the selection runs at
+    chunk boundaries), and per committed tail (the current one, and a rollback checkpoint when ``max_rollback > 0``)
+    the sparse cache's ``G`` keys, values, positions and flags and the float32 tail sums, plus the last query's tail
+    sums without a sparse cache, and two counters (the row's start and its kept tokens); without a tail but with a
+    sparse cache, the free slots and masks of the :class:`ExactKeys` record it decodes from (:data:`EXACT_HEADROOM`)."""
     sink_slots = sinks * (2 * kv_heads * head_dim * dtype_bytes + 8 + 1)
     buffer = max(window - 1, 0) + chunk_size + max_rollback
     buffer_bytes = buffer * (2 * kv_heads * head_dim * dtype_bytes + 1)
