@@ -170,3 +170,17 @@ def test_greedy_generate_without_a_tail_takes_the_exact_step_and_equals_no_cache
     assert torch.equal(cached.sequences, uncached.sequences)
     for a, b in zip(cached.scores, uncached.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_assisted_generation_and_beam_search_without_a_tail_match_greedy_and_no_cache():
+    # The exact step's records meet a crop (assisted decoding) and a beam reorder: both take the general paths.
+    model = build("llama", linear_tail=False, sparse_cache=2)
+    assistant = LlamaForCausalLM(_config("llama", num_hidden_layers=1)).eval()
+    input_ids = tokens(batch=1, length=9, seed=2)
+    greedy = _generate(model, input_ids, max_new_tokens=12)
+    assisted = _generate(model, input_ids, max_new_tokens=12, assistant_model=assistant)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+    beam_kwargs = {"num_beams": 2, "num_return_sequences": 2, "max_new_tokens": 10, "output_scores": False}
+    cached = _generate(model, tokens(length=9), **beam_kwargs)
+    uncached = _generate(model, tokens(length=9), use_cache=False, **beam_kwargs)
+    assert torch.equal(cached.sequences, uncached.sequences)
