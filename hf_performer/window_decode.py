@@ -115,9 +115,11 @@ def _exact_keys(state, query, key, value, key_padding_mask):
             parts[2] is state.sink_valid and parts[6] is state.row_start:
         if state.seen > exact.last_query:
             return None
-        if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1]:
+        if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1] and (
+                torch.is_inference_mode_enabled() or not exact.key.is_inference()):
             return exact
-        # Another step continued this state already, or no free slot: pack it again.
+        # Another step continued this state already, no free slot, or a record built in inference mode met outside
+        # it (which may not write into it): pack it again.
         fixed_mask, band_mask, last_query = exact.fixed_mask, exact.band_mask[..., exact.start:exact.start + size], \
             exact.last_query
         cache_key = exact.key.narrow(2, state.sinks, exact.fixed - state.sinks)

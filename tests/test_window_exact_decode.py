@@ -148,6 +148,19 @@ def test_a_state_given_to_an_exact_step_is_not_changed(served):
     assert after.seen == 15
 
 
+def test_a_record_built_in_inference_mode_is_continued_outside_it(served):
+    q, k, v = small_qkv(length=LENGTH)
+    with torch.inference_mode():
+        first, state = run_in_pieces(q[:, :, :14], k[:, :, :14], v[:, :, :14], None, [11, 1, 1, 1], **SETTINGS)
+    assert state.exact_keys is not None and state.exact_keys.key.is_inference()
+    with torch.no_grad():  # (an inference tensor cannot be written outside inference mode: the step packs a copy)
+        rest, _ = run_in_pieces(q[:, :, 14:], k[:, :, 14:], v[:, :, 14:], None, [1] * (LENGTH - 14), state=state,
+                                **SETTINGS)
+    assert served.count > LENGTH - 14 - 7
+    one_pass = window_linear_attention(q, k, v, None, **SETTINGS)
+    torch.testing.assert_close(torch.cat([first, rest], dim=2), one_pass, rtol=1e-10, atol=1e-10)
+
+
 def test_steps_that_need_gradients_take_the_general_step(served):
     q, k, v = small_qkv(batch=2, length=LENGTH)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
