@@ -1,7 +1,7 @@
 """The decoding step of a window layer without a tail and with a sparse cache (window_decode.exact_decode_step): one
-concatenation of the exact keys and one SDPA call per step between boundaries. It must give what the general step
-(decode_step) and one pass give, leave a state the general paths continue exactly (a longer call, a rollback, a batch
-reorder), never change a state it was given, and serve only the steps it can."""
+write into a free slot of a record of the exact keys and one SDPA call per step between boundaries. It must give what
+the general step (decode_step) and one pass give, leave a state the general paths continue exactly (a longer call, a
+rollback, a batch reorder), never change a state it was given, and serve only the steps it can."""
 
 import pytest
 import torch
