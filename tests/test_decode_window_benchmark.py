@@ -53,6 +53,7 @@ def test_generation_floor_times_window_softmax_and_no_attention(folder, tmp_path
     assert [record["context"] for record in result["decode"]] == [6, 12]
     for record in result["decode"]:
         assert all(len(times) == 2 and min(times) > 0 for times in record["seconds"].values())
+        assert record["cache_bytes"]["favor"] > 0 and record["cache_bytes"]["softmax"] > 0
     assert sorted(result["prefill"]["median_s"]) == ["favor", "floor", "softmax"]
     assert set(result["summary"]) == {"decode_context_6_batch_1", "decode_context_12_batch_1", "prefill_16"}
     assert str(folder) not in json.dumps(result) and "tiny-window" in result["command"]

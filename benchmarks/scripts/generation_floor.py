@@ -15,8 +15,9 @@ SmolLM2-135M). In one process, one model, the three implementations take turns:
   over softmax that attention work can buy on this model and machine.
 
 Decode: one greedy step of ``--batch`` sequences at each ``--contexts`` length, the three in turn for ``--repeats``
-rounds after a warm-up; prefill: one forward of a ``--prefill-length`` prompt (``logits_to_keep=1``, through the
-cache), the three in turn. Medians. Writes ``NAME.json`` and ``NAME.png`` (``--name``).
+rounds after a warm-up (and the bytes the window layers' cache and softmax's hold after them); prefill: one forward
+of a ``--prefill-length`` prompt (``logits_to_keep=1``, through the cache), the three in turn. Medians. Writes
+``NAME.json`` and ``NAME.png`` (``--name``).
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class Runner:
 
 def decode_record(runner, context: int, batch: int, repeats: int, generator) -> dict:
     """Step times (s) of the three at ``context``: favor from a real prefill, softmax from a synthetic cache."""
+    from hf_performer.bench.decode import cache_nbytes
     from hf_performer.bench.decode_converted import prefill, synthetic_kv_cache
     from hf_performer.cache import cache_argument_name, make_favor_cache
 
@@ -117,7 +119,8 @@ def decode_record(runner, context: int, batch: int, repeats: int, generator) -> 
             if round_index >= 2:
                 seconds[name].append(step)
     return dict(context=context, batch=batch, seconds=seconds,
-                median_ms={name: 1e3 * statistics.median(times) for name, times in seconds.items()})
+                median_ms={name: 1e3 * statistics.median(times) for name, times in seconds.items()},
+                cache_bytes={name: cache_nbytes(caches[name]) for name in ("favor", "softmax")})
 
 
 def prefill_record(runner, length: int, repeats: int, generator) -> dict:
