@@ -493,7 +493,9 @@ def readme_headline(root: str) -> str:
     decode_summary, window_summary = decode_result["summary"], window_decode["summary"]
     decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
     window_break_even = _decode_table(window_decode, "window layers")[1]
-    generation = load("generation_floor_smollm2_window_g256.json")["summary"]
+    generation_result = load("generation_floor_smollm2_window_g256.json")
+    generation = generation_result["summary"]
+    generation_bytes = max(generation_result["decode"], key=lambda record: record["context"])["cache_bytes"]
     generation_batch8 = load("generation_floor_smollm2_window_g256_batch8.json")["summary"]
     worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
     arms_result = load("hybrid_arms_smollm2.json")
@@ -512,13 +514,14 @@ def readme_headline(root: str) -> str:
         f"cache {decode_summary['cache_bytes_at_longest']['favor'] / MIB:.1f} MiB against "
         f"{decode_summary['cache_bytes_at_longest']['softmax'] / MIB:,.0f} MiB | {_link(root, 'decode.json', 'decoding')} |",
         "| SmolLM2-135M window hybrid as recommended (window 64 + the 256 hardest older keys per head, no tail), "
-        f"decoding | **{generation['decode_context_16384_batch_1']['favor_speedup']:.2f}x** softmax's speed at 16k "
+        f"decoding | {generation['decode_context_16384_batch_1']['favor_speedup']:.2f}x softmax's speed at 16k "
         f"(with no attention work at all: {generation['decode_context_16384_batch_1']['floor_speedup']:.2f}x), "
         f"{generation['decode_context_512_batch_1']['favor_speedup']:.2f}x at 512; batch 8: "
         f"{generation_batch8['decode_context_512_batch_8']['favor_speedup']:.2f}x at 512, "
         f"{generation_batch8['decode_context_16384_batch_8']['favor_speedup']:.1f}x at 16k; prefill of 4k tokens "
         f"{generation['prefill_4096']['favor_speedup']:.2f}x (floor "
-        f"{generation['prefill_4096']['floor_speedup']:.2f}x); with a tail: "
+        f"{generation['prefill_4096']['floor_speedup']:.2f}x); state {generation_bytes['favor'] / MIB:.0f} MiB at any "
+        f"context (softmax's KV cache {generation_bytes['softmax'] / MIB:,.0f} MiB at 16k); with a tail: "
         f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x at 16k, "
         f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}) | "
         f"{_link(root, 'generation_floor_smollm2_window_g256.json', 'generation')}, "
