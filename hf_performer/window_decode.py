@@ -84,12 +84,12 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
                                        cache_value=exact.value.narrow(2, sinks, fixed - sinks))
     buffer_key, buffer_value = exact.key.narrow(2, fixed + start, size), exact.value.narrow(2, fixed + start, size)
     buffer_keep = torch.cat([state.buffer_keep.narrow(1, 1, size - 1), keep], dim=1)
-    parts = (sink_key, sink_value, state.sink_valid, buffer_key, buffer_value, buffer_keep, state.row_start, current)
     new_state = state._replace(
         sink_key=sink_key, sink_value=sink_value, buffer_key=buffer_key, buffer_value=buffer_value,
         buffer_keep=buffer_keep, kept_tokens=state.kept_tokens + (1 if key_padding_mask is None else keep[:, 0]),
-        current=current, seen=state.seen + 1, exact_keys=exact._replace(start=start, parts=parts))
-    return out.reshape(batch, heads, 1, value_dim), new_state
+        current=current, seen=state.seen + 1)
+    return out.reshape(batch, heads, 1, value_dim), new_state._replace(
+        exact_keys=exact._replace(start=start, parts=ExactKeys.parts_of(new_state)))
 
 
 def _exact_keys(state, query, key, value, key_padding_mask):
@@ -109,10 +109,7 @@ def _exact_keys(state, query, key, value, key_padding_mask):
         return None
     batch, kv_heads, size = state.buffer_key.shape[:3]
     exact = state.exact_keys
-    parts = None if exact is None else exact.parts
-    if parts and parts[3] is state.buffer_key and parts[7] is state.current and parts[0] is state.sink_key and \
-            parts[1] is state.sink_value and parts[4] is state.buffer_value and parts[5] is state.buffer_keep and \
-            parts[2] is state.sink_valid and parts[6] is state.row_start:
+    if exact is not None and exact.stands_for(state):
         if state.seen > exact.last_query:
             return None
         if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1] and (

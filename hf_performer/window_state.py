@@ -107,7 +107,8 @@ class ExactKeys(NamedTuple):
         start: where the state's buffer starts in the buffer region; ``written`` ``[n]``: the buffer region's slots
             written so far, shared by the states of this record (only the newest may write the next slot).
         last_query: the last position before a row's next boundary (where a selection changes the cache).
-        parts: the state tensors these stand for: a state holding others (replaced since) packs a new record.
+        parts: the state tensors these stand for (:meth:`parts_of`): a state holding others (replaced since) packs a
+            new record.
         ones: ``[B, 1]`` True, ``zeros`` ``[B, Hkv, 1, 1]``: a new unpadded token's flag and mask entry.
     """
 
@@ -124,14 +125,30 @@ class ExactKeys(NamedTuple):
     ones: torch.Tensor
     zeros: torch.Tensor
 
+    @staticmethod
+    def parts_of(state) -> tuple:
+        """The tensors of ``state`` a record stands for (:data:`_EXACT_PARTS`)."""
+        return tuple(getattr(state, name) for name in _EXACT_PARTS)
+
+    def stands_for(self, state) -> bool:
+        """Whether ``state`` holds the tensors this record was made for (a state replaced since packs a new one)."""
+        return all(getattr(state, name) is part for name, part in zip(_EXACT_PARTS, self.parts))
+
     def nbytes(self) -> int:
         """Bytes of the record beyond the state's own views: the free and left slots, the masks."""
         tensors = (self.key, self.value, self.fixed_mask, self.band_mask, self.gap, self.ones, self.zeros)
         total = sum(t.numel() * t.element_size() for t in tensors)
         storages = {self.key.untyped_storage().data_ptr(), self.value.untyped_storage().data_ptr()}
-        views = self.parts[0], self.parts[1], self.parts[3], self.parts[4], self.parts[7].cache_key, \
-            self.parts[7].cache_value
+        parts = dict(zip(_EXACT_PARTS, self.parts))
+        views = [parts[name] for name in ("sink_key", "sink_value", "buffer_key", "buffer_value")] + \
+            [parts["current"].cache_key, parts["current"].cache_value]
         return total - sum(t.numel() * t.element_size() for t in views if t.untyped_storage().data_ptr() in storages)
+
+
+_EXACT_PARTS = ("buffer_key", "current", "sink_key", "sink_value", "buffer_value", "buffer_keep", "sink_valid",
+                "row_start")
+"""The fields of a :class:`WindowAttentionState` an :class:`ExactKeys` record stands for (the ones a step replaces
+first, first)."""
 
 
 FLOAT_FIELDS = ("cache_key", "cache_value", "tail_sums")

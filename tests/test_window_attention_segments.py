@@ -40,9 +40,23 @@ def _map(name):
     return make_feature_map(name, 8, nb_features=16).double()
 
 
-def _gradients(out, tensors):
+def _gradients(out, tensors, retain_graph=False):
     weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    return torch.autograd.grad((out * weights).sum(), tensors)
+    return torch.autograd.grad((out * weights).sum(), tensors, retain_graph=retain_graph)
+
+
+def _counted(monkeypatch, module, name) -> list:
+    """A list that grows by one entry at each call of ``module.name`` (patched for the test)."""
+    calls = []
+    original = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: (calls.append(1), original(*a, **kw))[1])
+    return calls
+
+
+def _assert_gradients(first, second, expected):
+    for got, again, want in zip(first, second, expected):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
+        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
 
 
 def _calls(monkeypatch):
@@ -94,19 +108,14 @@ def test_the_backward_reuses_the_forward_block_outputs(sparse_cache, monkeypatch
     one_pass = window_linear_attention(q, k, v, feature_map, **kwargs)
     expected = _gradients(one_pass, tensors)
     _set_segment_length(monkeypatch, SEGMENT)
-    computed = []
-    original = window_blocks._forward_pieces
-    monkeypatch.setattr(window_blocks, "_forward_pieces", lambda *a, **kw: (computed.append(1), original(*a, **kw))[1])
+    computed = _counted(monkeypatch, window_blocks, "_forward_pieces")
     segmented = window_linear_attention(q, k, v, feature_map, **kwargs)
     assert len(computed) == 4  # the forward: one group of blocks per segment
-    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
-    first = torch.autograd.grad((segmented * weights).sum(), tensors, retain_graph=True)
+    first = _gradients(segmented, tensors, retain_graph=True)
     assert len(computed) == 8  # + the block gradient's recomputation, not the segment's forward again
-    second = torch.autograd.grad((segmented * weights).sum(), tensors)
+    second = _gradients(segmented, tensors)
     assert len(computed) == 16  # the recorded outputs were used up: computed again
-    for got, again, want in zip(first, second, expected):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
-        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+    _assert_gradients(first, second, expected)
 
 
 @pytest.mark.parametrize("sparse_cache", [0, 3])
@@ -120,20 +129,15 @@ def test_the_backward_reuses_the_fused_exact_outputs(sparse_cache, monkeypatch):
     one_pass = window_linear_attention(q, k, v, None, **kwargs)
     expected = _gradients(one_pass, [q, k, v])
     _set_segment_length(monkeypatch, SEGMENT)
-    computed = []
-    original = window_exact_blocks._run_group
-    monkeypatch.setattr(window_exact_blocks, "_run_group", lambda *a: (computed.append(1), original(*a))[1])
+    computed = _counted(monkeypatch, window_exact_blocks, "_run_group")
     segmented = window_linear_attention(q, k, v, None, **kwargs)
     assert len(computed) == 4  # the forward: one group of blocks per segment
     torch.testing.assert_close(segmented, one_pass, rtol=1e-10, atol=1e-12)
-    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
-    first = torch.autograd.grad((segmented * weights).sum(), [q, k, v], retain_graph=True)
+    first = _gradients(segmented, [q, k, v], retain_graph=True)
     assert len(computed) == 4  # the segments' recomputation reused the forward's outputs
-    second = torch.autograd.grad((segmented * weights).sum(), [q, k, v])
+    second = _gradients(segmented, [q, k, v])
     assert len(computed) == 8  # used up: computed again
-    for got, again, want in zip(first, second, expected):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
-        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+    _assert_gradients(first, second, expected)
 
 
 def test_the_backward_reuses_the_sparse_cache_selection_without_a_tail(monkeypatch):
@@ -146,20 +150,15 @@ def test_the_backward_reuses_the_sparse_cache_selection_without_a_tail(monkeypat
     one_pass = window_linear_attention(q, k, v, None, **kwargs)
     expected = _gradients(one_pass, [q, k, v])
     _set_segment_length(monkeypatch, SEGMENT)
-    chosen = []
-    original = window_causal.select_hard_keys
-    monkeypatch.setattr(window_causal, "select_hard_keys", lambda *a: (chosen.append(1), original(*a))[1])
+    chosen = _counted(monkeypatch, window_causal, "select_hard_keys")
     segmented = window_linear_attention(q, k, v, None, **kwargs)
     selections = len(chosen)
     assert selections > 0
-    weights = torch.randn(segmented.shape, generator=torch.Generator().manual_seed(1), dtype=segmented.dtype)
-    first = torch.autograd.grad((segmented * weights).sum(), [q, k, v], retain_graph=True)
+    first = _gradients(segmented, [q, k, v], retain_graph=True)
     assert len(chosen) == selections  # the recomputation chose nothing again
-    second = torch.autograd.grad((segmented * weights).sum(), [q, k, v])
+    second = _gradients(segmented, [q, k, v])
     assert len(chosen) == 2 * selections  # used up: chosen again
-    for got, again, want in zip(first, second, expected):
-        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-10)
-        torch.testing.assert_close(again, want, rtol=1e-9, atol=1e-10)
+    _assert_gradients(first, second, expected)
 
 
 def test_reused_block_outputs_of_another_shape_are_refused():
