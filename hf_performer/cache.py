@@ -59,6 +59,7 @@ from .favor_settings import is_window_layer, resolve_favor_settings
 from .feature_maps import no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState, linear_attention
 from .window_attention import window_linear_attention
+from .window_decode import exact_decode_step
 
 
 CACHE_ARGUMENT_NAMES = ("cache", "past_key_values")
@@ -344,6 +345,22 @@ class WindowCacheLayer(FavorCacheLayer):
         )
         self.set_state(state)
         return out
+
+    def exact_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
+                   key_padding_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
+        """:meth:`attend` for one token continuing a state that holds an exact decoding record (a layer without a
+        tail and with a sparse cache, between two boundaries: :func:`~.window_decode.exact_decode_step`), without
+        the general call's dispatch; ``None`` (nothing done) for any other call, which :meth:`attend` then serves."""
+        state = self.state
+        if (self.pending_tokens != 1 or key.shape[-2] != 1 or self.max_rollback or self.record_past or state is None
+                or state.exact_keys is None or key.shape[:2] != state.buffer_key.shape[:2]
+                or query.shape[0] != key.shape[0]):
+            return None
+        step = exact_decode_step(query, key, value, state=state, key_padding_mask=key_padding_mask, scaling=scaling)
+        if step is None:
+            return None
+        self.set_state(step[1])
+        return step[0]
 
     def _map_state(self, fn) -> None:
         if self.state is not None:

@@ -344,15 +344,18 @@ def install_favor_cache_layers(cache, model: nn.Module) -> None:
 
 def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
     cache = _self_attention_cache(_cache_from_call(module, args, kwargs))
-    setattr(module, CACHE_ATTRIBUTE, cache)
-    if cache is not None and getattr(module, "is_causal", False) and uses_favor(module):
+    object.__setattr__(module, CACHE_ATTRIBUTE, cache)  # (a plain attribute: nn.Module's own setattr costs more)
+    if cache is not None and getattr(module, "is_causal", False):
         layer_idx = layer_index_of(module)
-        _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
+        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
+        installed = is_favor_cache_layer(layer) or is_window_cache_layer(layer)
+        if not installed and uses_favor(module):
+            _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
     return None
 
 
 def _favor_cache_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
-    setattr(module, CACHE_ATTRIBUTE, None)
+    object.__setattr__(module, CACHE_ATTRIBUTE, None)
     return None
 
 
@@ -495,6 +498,10 @@ def favor_attention_forward(
     Returns:
         ``(attn_output [B, Lq, H, d], weights [B, H, Lq, Lk] or None)``: weights only when requested.
     """
+    if query.shape[2] == 1:
+        out = _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwargs)
+        if out is not None:
+            return out, None
     is_causal = kwargs.get("is_causal")
     causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
     settings = module_favor_settings(module)
@@ -617,6 +624,34 @@ def favor_attention_forward(
     if weights is not None:  # the returned weights are the applied ones (equal outputs; gradients reach them)
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
+
+
+_GENERAL_PATH_OPTIONS = ("position_bias", "cu_seq_lens_q", *SOFTMAX_ONLY_OPTIONS)
+"""Keyword arguments that :func:`_exact_decoding_step` leaves to the general path (which refuses or warns)."""
+
+
+def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
+    """The output ``[B, 1, H, dv]`` of a window layer's decoding step from an exact record
+    (:meth:`~.cache.WindowCacheLayer.exact_step`), ahead of :func:`favor_attention_forward`'s dispatch: the step a
+    generating model without a tail takes 30 times per token, where that dispatch costs as much as the step's own
+    operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed sequences, not
+    training), which the general path serves with the same result."""
+    cache = getattr(module, CACHE_ATTRIBUTE, None)
+    if (cache is None or module.training or kwargs.get("is_causal") is False
+            or any(kwargs.get(option) is not None for option in _GENERAL_PATH_OPTIONS)
+            or (attention_mask is not None and not (
+                isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+                and attention_mask.dtype == torch.bool))
+            or attention_weights_requested(kwargs)):
+        return None
+    layer_idx = layer_index_of(module)
+    cache_layer = _cache_layer_of(module, layer_idx)
+    if not is_window_cache_layer(cache_layer) or cache_layer.state is None or cache_layer.state.exact_keys is None:
+        return None
+    key_padding_mask = new_tokens_padding_mask(key_padding_mask_of(attention_mask, True), cache_layer, layer_idx,
+                                               1, key.shape[2])
+    out = cache_layer.exact_step(query, key, value, key_padding_mask=key_padding_mask, scaling=scaling)
+    return None if out is None else out.transpose(1, 2).contiguous()
 
 
 def _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal, cache_layer, settings,

@@ -19,7 +19,9 @@ its sinks, cache and band, and between two boundaries only the band moves: :func
 side by side in one tensor with free slots after them (:class:`~.window_state.ExactKeys`; the state's sinks, cache
 and buffer are views of it; cache slots that no row and head holds yet are left out), so that a step writes its key
 and value into the next free slot in place and makes one ``scaled_dot_product_attention`` call over the slots up to
-it (the ones that left the buffer masked), a third of :func:`decode_step`'s operations and no copy of the exact keys.
+it (the ones that left the buffer masked, in one mask over all slots), a third of :func:`decode_step`'s operations
+and no copy of the exact keys; in a generating model :meth:`~.cache.WindowCacheLayer.exact_step` calls it ahead of
+the attention function's dispatch, which cost as much as the step's own operations.
 A state never changes: a step writes in place only when its state is the newest of its record (a second step from the
 same state packs a copy first), and only into a slot no earlier state's views cover. Boundaries, autocast,
 reduced-precision inputs (whose scores :func:`decode_step` sums in float32) and steps that need gradients take
@@ -58,24 +60,22 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
     batch, heads, _, head_dim = query.shape
     kv_heads, value_dim = key.shape[1], value.shape[-1]
     sinks, fixed, size = state.sinks, exact.fixed, state.buffer_key.shape[2]
-    if key_padding_mask is None:
-        keep, entering = exact.ones, exact.zeros
-    else:  # (the new token's additive mask entry: 0, or -inf for padding)
-        keep = key_padding_mask
-        entering = keep.to(exact.fixed_mask.dtype).log()[:, None, None].expand(batch, kv_heads, 1, 1)
-    # The new token goes to the first free slot; the buffer's first token leaves (masked, until the next packing).
-    # (narrow: these run once per layer and token, where indexing's parsing shows.)
+    keep = exact.ones if key_padding_mask is None else key_padding_mask
+    # The new token goes to the first free slot (whose mask entry is 0 until written); the buffer's first token
+    # leaves (masked, until the next packing). (narrow: these run once per layer and token, where indexing's parsing
+    # shows.)
     end = exact.start + size
     exact.key.narrow(2, fixed + end, 1).copy_(key)
     exact.value.narrow(2, fixed + end, 1).copy_(value)
-    exact.band_mask.narrow(3, end, 1).copy_(entering)
+    if key_padding_mask is not None:  # (-inf for padding)
+        exact.mask.narrow(3, fixed + end, 1).copy_(keep.to(exact.mask.dtype).log()[:, None, None])
+    exact.mask.narrow(3, fixed + exact.start, 1).fill_(float("-inf"))
     exact.written[0] = end + 1
-    start = exact.start + 1
-    mask = torch.cat([exact.fixed_mask, exact.gap.narrow(3, 0, start), exact.band_mask.narrow(3, start, size)], dim=3)
+    start, count = exact.start + 1, fixed + end + 1
     out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim),
-                                       exact.key.narrow(2, 0, fixed + end + 1),
-                                       exact.value.narrow(2, 0, fixed + end + 1),
-                                       attn_mask=mask, scale=head_dim**-0.5 if scaling is None else float(scaling))
+                                       exact.key.narrow(2, 0, count), exact.value.narrow(2, 0, count),
+                                       attn_mask=exact.mask.narrow(3, 0, count),
+                                       scale=head_dim**-0.5 if scaling is None else float(scaling))
     sink_key, sink_value, current = state.sink_key, state.sink_value, state.current
     if exact is not state.exact_keys:  # packed now: the sinks and the (whole) cache are views of the new record
         sink_key, sink_value = exact.key.narrow(2, 0, sinks), exact.value.narrow(2, 0, sinks)
@@ -108,28 +108,25 @@ def _exact_keys(state, query, key, value, key_padding_mask):
         # autograd saved.)
         return None
     batch, kv_heads, size = state.buffer_key.shape[:3]
-    exact = state.exact_keys
+    exact, current = state.exact_keys, state.current
     if exact is not None and exact.stands_for(state):
         if state.seen > exact.last_query:
             return None
-        if exact.written[0] == exact.start + size and exact.start < exact.gap.shape[-1] and (
+        if exact.written[0] == exact.start + size and exact.fixed + exact.start + size < exact.key.shape[2] and (
                 torch.is_inference_mode_enabled() or not exact.key.is_inference()):
             return exact
         # Another step continued this state already, no free slot, or a record built in inference mode met outside
-        # it (which may not write into it): pack it again.
-        fixed_mask, band_mask, last_query = exact.fixed_mask, exact.band_mask[..., exact.start:exact.start + size], \
-            exact.last_query
+        # it (which may not write into it): pack it again. (The sinks' and the cache's slots and mask entries never
+        # change; the buffer's entries are the newest state's.)
+        fixed_mask, last_query = exact.mask.narrow(3, 0, exact.fixed), exact.last_query
         cache_key = exact.key.narrow(2, state.sinks, exact.fixed - state.sinks)
         cache_value = exact.value.narrow(2, state.sinks, exact.fixed - state.sinks)
     else:
-        current = state.current
         if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
             return None  # a row without tokens yet, or sink slots still to fill: decode_step's bookkeeping
         last_query = int(current.boundary.min()) + state.chunk_size - 1
         if state.seen > last_query:
             return None
-        positions = state.buffer_start + torch.arange(size, device=key.device)
-        band = state.buffer_keep & (positions > (current.boundary - state.window)[:, None])
         cache_key, cache_value, cache_valid = current.cache_key, current.cache_value, current.cache_valid
         used = int(cache_valid.sum(-1).max())
         if used < state.sparse_cache:  # slots no row and head holds yet (the first window + G tokens) stay out
@@ -138,15 +135,15 @@ def _exact_keys(state, query, key, value, key_padding_mask):
             cache_key, cache_value, cache_valid = take(cache_key), take(cache_value), cache_valid.gather(-1, order)
         fixed_mask = torch.cat([state.sink_valid[:, None].expand(batch, kv_heads, -1), cache_valid],
                                dim=-1).to(dtype).log()[:, :, None]
-        band_mask = band.to(dtype).log()[:, None, None].expand(batch, kv_heads, 1, size)
+    positions = state.buffer_start + torch.arange(size, device=key.device)
+    band = state.buffer_keep & (positions > (current.boundary - state.window)[:, None])
+    band_mask = band.to(dtype).log()[:, None, None].expand(batch, kv_heads, 1, size)
     free = lambda t: t.new_zeros(t.shape[:-2] + (EXACT_HEADROOM, t.shape[-1]))  # noqa: E731
     keys = torch.cat([state.sink_key, cache_key, state.buffer_key, free(state.buffer_key)], dim=2)
     values = torch.cat([state.sink_value, cache_value, state.buffer_value, free(state.buffer_value)], dim=2)
-    free_mask = band_mask.new_zeros(batch, kv_heads, 1, EXACT_HEADROOM)
-    return ExactKeys(keys, values, state.sinks + cache_key.shape[2], fixed_mask,
-                     torch.cat([band_mask, free_mask], dim=-1), torch.full_like(free_mask, float("-inf")), 0, [size],
-                     last_query, (),
-                     torch.ones(batch, 1, dtype=torch.bool, device=key.device), keys.new_zeros(batch, kv_heads, 1, 1))
+    mask = torch.cat([fixed_mask, band_mask, band_mask.new_zeros(batch, kv_heads, 1, EXACT_HEADROOM)], dim=-1)
+    return ExactKeys(keys, values, state.sinks + cache_key.shape[2], mask, 0, [size], last_query, (),
+                     torch.ones(batch, 1, dtype=torch.bool, device=key.device))
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,

@@ -55,7 +55,7 @@ def window_state_bytes(kv_heads: int, head_dim: int, nb_features: int, window: i
     exact_keys = 0  # between two boundaries a layer without a tail decodes from an ExactKeys record
     if not linear_tail and sparse_cache and max_rollback == 0:
         exact_keys = EXACT_HEADROOM * 2 * kv_heads * head_dim * dtype_bytes + 1 + \
-            kv_heads * (sinks + sparse_cache + buffer + 2 * EXACT_HEADROOM + 1) * dtype_bytes
+            kv_heads * (sinks + sparse_cache + buffer + EXACT_HEADROOM) * dtype_bytes
     return sink_slots + buffer_bytes + 16 + tails + exact_keys
 
 
@@ -102,28 +102,25 @@ class ExactKeys(NamedTuple):
             (the state's tensors are views of these), the slots before them tokens that left it, the ones after free
             (``E`` = :data:`EXACT_HEADROOM` at packing).
         fixed: ``F``, the sinks and the cache slots kept here.
-        fixed_mask: ``[B, Hkv, 1, F]`` the additive mask of the sinks and the cache (0 seen, ``-inf`` not),
-            ``band_mask`` ``[B, Hkv, 1, b + E]`` of the buffer region's tokens, ``gap`` ``[B, Hkv, 1, E]`` ``-inf``.
+        mask: ``[B, Hkv, 1, F + b + E]`` the additive mask of every slot (0 seen, ``-inf`` not: sinks and cache
+            slots no row holds, padding, tokens that left the buffer; free slots 0 until written).
         start: where the state's buffer starts in the buffer region; ``written`` ``[n]``: the buffer region's slots
             written so far, shared by the states of this record (only the newest may write the next slot).
         last_query: the last position before a row's next boundary (where a selection changes the cache).
         parts: the state tensors these stand for (:meth:`parts_of`): a state holding others (replaced since) packs a
             new record.
-        ones: ``[B, 1]`` True, ``zeros`` ``[B, Hkv, 1, 1]``: a new unpadded token's flag and mask entry.
+        ones: ``[B, 1]`` True: a new unpadded token's flag.
     """
 
     key: torch.Tensor
     value: torch.Tensor
     fixed: int
-    fixed_mask: torch.Tensor
-    band_mask: torch.Tensor
-    gap: torch.Tensor
+    mask: torch.Tensor
     start: int
     written: list
     last_query: int
     parts: tuple
     ones: torch.Tensor
-    zeros: torch.Tensor
 
     @staticmethod
     def parts_of(state) -> tuple:
@@ -136,7 +133,7 @@ class ExactKeys(NamedTuple):
 
     def nbytes(self) -> int:
         """Bytes of the record beyond the state's own views: the free and left slots, the masks."""
-        tensors = (self.key, self.value, self.fixed_mask, self.band_mask, self.gap, self.ones, self.zeros)
+        tensors = (self.key, self.value, self.mask, self.ones)
         total = sum(t.numel() * t.element_size() for t in tensors)
         storages = {self.key.untyped_storage().data_ptr(), self.value.untyped_storage().data_ptr()}
         parts = dict(zip(_EXACT_PARTS, self.parts))

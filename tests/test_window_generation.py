@@ -152,21 +152,72 @@ def test_a_prompt_shorter_than_the_sinks_generates(use_cache):
     assert result.sequences.shape == (1, 7) and torch.equal(result.sequences, reference.sequences)
 
 
+def _decode_by_hand(model, input_ids, attention_mask, steps, **step_kwargs):
+    """Prefill, then ``steps`` greedy one-token forwards through a make_favor_cache cache: the logits of each."""
+    cache = make_favor_cache(model)
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1:].argmax(-1)
+            attention_mask = torch.cat([attention_mask, torch.ones_like(token)], dim=1)
+            out = model(input_ids=token, attention_mask=attention_mask, cache=cache, use_cache=True, **step_kwargs)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def test_the_exact_step_ahead_of_the_dispatch_equals_the_general_path(monkeypatch):
+    """favor_attention_forward's early exact step (WindowCacheLayer.exact_step) gives the general path's logits
+    bit for bit, with left padding; weights requested or a rollback window take the general path."""
+    import hf_performer.favor_attention as favor_attention
+
+    model = build("llama", linear_tail=False, sparse_cache=2, chunk_size=8)
+    input_ids, attention_mask = tokens(length=10), torch.ones(2, 10, dtype=torch.long)
+    attention_mask[1, :3] = 0
+    ahead = []
+    original = favor_attention._exact_decoding_step
+    monkeypatch.setattr(favor_attention, "_exact_decoding_step",
+                        lambda *args: ahead.append(original(*args)) or ahead[-1])
+    fast = _decode_by_hand(model, input_ids, attention_mask, 12)
+    assert sum(out is not None for out in ahead) >= 8  # 2 layers x the steps after each boundary's packing
+    monkeypatch.setattr(favor_attention, "_exact_decoding_step", lambda *args: None)
+    general = _decode_by_hand(model, input_ids, attention_mask, 12)
+    assert torch.equal(fast, general)
+    monkeypatch.setattr(favor_attention, "_exact_decoding_step",
+                        lambda *args: ahead.append(original(*args)) or ahead[-1])
+    ahead.clear()
+    _decode_by_hand(model, input_ids, attention_mask, 6, output_attentions=True)
+    assert ahead and all(out is None for out in ahead)
+    cache = make_favor_cache(model, max_rollback=2)
+    with torch.no_grad():
+        model(input_ids=input_ids, attention_mask=attention_mask, cache=cache, use_cache=True)
+        ahead.clear()
+        model(input_ids=input_ids[:, :1], attention_mask=torch.cat([attention_mask, attention_mask[:, :1]], 1),
+              cache=cache, use_cache=True)
+    assert ahead and all(out is None for out in ahead)
+
+
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_greedy_generate_without_a_tail_takes_the_exact_step_and_equals_no_cache(name, monkeypatch):
+    import hf_performer.cache as cache_module
     import hf_performer.window_attention as window_attention
 
     model = build(name, linear_tail=False, sparse_cache=2)
-    served = []
+    served, served_ahead = [], []  # through the general dispatch; through the cache layer's exact_step, ahead of it
     original = window_attention.exact_decode_step
     monkeypatch.setattr(window_attention, "exact_decode_step",
                         lambda *args, **kwargs: served.append(original(*args, **kwargs)) or served[-1])
+    monkeypatch.setattr(cache_module, "exact_decode_step",
+                        lambda *args, **kwargs: served_ahead.append(original(*args, **kwargs)) or served_ahead[-1])
     input_ids = tokens(length=10)
     attention_mask = torch.ones_like(input_ids)
     attention_mask[1, :3] = 0
     cached = _generate(model, input_ids, attention_mask=attention_mask, max_new_tokens=12)
     uncached = _generate(model, input_ids, attention_mask=attention_mask, use_cache=False, max_new_tokens=12)
-    assert sum(step is not None for step in served) >= 10  # 2 layers, steps between the rows' boundaries
+    # 2 layers, steps between the rows' boundaries: the first after a boundary packs the record (general dispatch),
+    # the next ones continue it (ahead of the dispatch).
+    ahead = sum(step is not None for step in served_ahead)
+    assert ahead >= 4 and sum(step is not None for step in served) + ahead >= 10
     assert torch.equal(cached.sequences, uncached.sequences)
     for a, b in zip(cached.scores, uncached.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
