@@ -31,7 +31,7 @@ Behaviour of :func:`favor_attention_forward`:
   as transformers' sdpa does;
 * packed sequences (``position_ids`` restarting inside a row without a cache, or ``cu_seq_lens_q``): the causal
   state restarts at each sequence (:mod:`.packed_sequences`); window layers (causal or bidirectional) run each
-  sequence as its own padded row (:class:`~.packed_sequences.SegmentRows`);
+  sequence as its own row, sequences of similar lengths padded into one call (:class:`~.packed_sequences.SegmentRows`);
 * layers listed in ``favor_settings["softmax_layers"]`` delegate to transformers' sdpa function (exact
   softmax), with the 2-D padding mask turned into the mask sdpa would have been given, or to the architecture's own
   eager function for options sdpa cannot apply (:data:`SOFTMAX_ONLY_OPTIONS`: soft-capping, attention sinks), which
@@ -566,12 +566,13 @@ def favor_attention_forward(
         )
 
     if window_layer:
-        if segment_ids is not None:  # each packed sequence as its own padded row (window, sinks, tail restart)
-            rows = SegmentRows(segment_ids)
-            out, weights = _window_attention_forward(
-                module, rows.split(query), rows.split(key), rows.split(value), feature_map, rows.key_padding_mask,
-                causal, None, settings, layer_idx, common, kwargs)
-            return rows.merge(out), rows.merge_weights(weights)
+        if segment_ids is not None:  # each packed sequence as its own row (window, sinks, tail restart), in groups
+            rows = SegmentRows(segment_ids)  # of similar lengths (little padding)
+            outs, weights = zip(*(_window_attention_forward(
+                module, rows.split(query, g), rows.split(key, g), rows.split(value, g), feature_map,
+                rows.key_padding_mask(g), causal, None, settings, layer_idx, common, kwargs)
+                for g in range(len(rows.groups))))
+            return rows.merge(list(outs)), rows.merge_weights(list(weights))
         return _window_attention_forward(module, query, key, value, feature_map, key_padding_mask, causal,
                                          cache_layer, settings, layer_idx, common, kwargs)
     if is_window_cache_layer(cache_layer):
@@ -637,7 +638,9 @@ def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwa
     operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed sequences, not
     training), which the general path serves with the same result."""
     cache = getattr(module, CACHE_ATTRIBUTE, None)
-    if (cache is None or module.training or kwargs.get("is_causal") is False
+    is_causal = kwargs.get("is_causal")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if (cache is None or module.training or not causal
             or any(kwargs.get(option) is not None for option in _GENERAL_PATH_OPTIONS)
             or (attention_mask is not None and not (
                 isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2

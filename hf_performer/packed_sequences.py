@@ -113,56 +113,109 @@ def packed_sequences_of(attention_mask, query: torch.Tensor, kwargs: dict):
     return segment_ids, attention_mask
 
 
+GROUP_PADDING = 0.25
+"""The most padding :class:`SegmentRows` adds to a group of sequences, as a share of the group's tokens: sequences
+of similar lengths share one padded call, very different ones do not (one call per sequence at most)."""
+
+
 class SegmentRows:
     """Packed sequences as separate right-padded rows, and back: the window operator's way to packed batches (each
     sequence alone, with the operator's guarantee that a padded row behaves as alone).
 
     ``segment_ids`` ``[B, L]`` (``0`` = padding, ``1, 2, ...`` = the sequences of a row, in order) give ``S``
-    sequences, each a row of ``max_length`` positions: :meth:`split` ``[B, H, L, d] -> [S, H, max_length, d]``,
-    :attr:`key_padding_mask` ``[S, max_length]`` its tokens, :meth:`merge` ``[S, max_length, H, d] -> [B, L, H, d]``
-    (padding positions 0) and :meth:`merge_weights` ``[S, H, max_length, max_length] -> [B, H, L, L]`` (block
-    diagonal). Gradients flow through all of them.
+    sequences, gathered into :attr:`groups` of similar lengths (longest first; a group's rows are padded to its
+    longest sequence by at most ``max_padding`` of its tokens in all, so that the padding computed stays a bounded
+    share of the tokens whatever the mix of lengths; ``None``: one group padded to the longest). For group ``g``
+    of ``S_g`` sequences of at most ``L_g`` tokens: :meth:`split` ``[B, H, L, d] -> [S_g, H, L_g, d]``,
+    :meth:`key_padding_mask` ``[S_g, L_g]`` its tokens (``None`` when no row of the group is padded); then
+    :meth:`merge` ``[S_g, L_g, H, d]`` per group ``-> [B, L, H, d]`` (padding positions 0) and
+    :meth:`merge_weights` ``[S_g, H, L_g, L_g]`` per group ``-> [B, H, L, L]`` (block diagonal). Gradients flow
+    through all of them.
     """
 
-    def __init__(self, segment_ids: torch.Tensor):
+    def __init__(self, segment_ids: torch.Tensor, max_padding: float | None = GROUP_PADDING):
         batch, length = segment_ids.shape
+        device = segment_ids.device
         self.batch, self.length = batch, length
         token = segment_ids != 0
-        row_keys = torch.arange(batch, device=segment_ids.device)[:, None] * (length + 1) + segment_ids
-        self.positions = torch.arange(batch * length, device=segment_ids.device).view(batch, length)[token]
+        row_keys = torch.arange(batch, device=device)[:, None] * (length + 1) + segment_ids
+        self.positions = torch.arange(batch * length, device=device).view(batch, length)[token]
         _, counts = torch.unique_consecutive(row_keys[token], return_counts=True)
         self.count = counts.numel()
-        self.max_length = int(counts.max()) if self.count else 0
-        self.segment = torch.repeat_interleave(torch.arange(self.count, device=segment_ids.device), counts)
+        self.segment = torch.repeat_interleave(torch.arange(self.count, device=device), counts)
         starts = counts.cumsum(0) - counts
-        self.offset = torch.arange(self.positions.numel(), device=segment_ids.device) - starts[self.segment]
-        self.key_padding_mask = torch.zeros(self.count, self.max_length, dtype=torch.bool, device=segment_ids.device)
-        self.key_padding_mask[self.segment, self.offset] = True
+        self.offset = torch.arange(self.positions.numel(), device=device) - starts[self.segment]
+        lengths = counts.tolist()
+        self.groups = _length_groups(lengths, max_padding)
+        self.lengths = [max((lengths[i] for i in group), default=0) for group in self.groups]
+        # each sequence's group and row in it; each group's tokens (indices into `positions`)
+        group_of, row_of = [0] * self.count, [0] * self.count
+        for g, group in enumerate(self.groups):
+            for row, sequence in enumerate(group):
+                group_of[sequence], row_of[sequence] = g, row
+        token_group = torch.tensor(group_of, dtype=torch.long, device=device)[self.segment]
+        self.row = torch.tensor(row_of, dtype=torch.long, device=device)[self.segment]
+        self.tokens = [(token_group == g).nonzero().flatten() for g in range(len(self.groups))]
+        self._padded = [any(lengths[i] < self.lengths[g] for i in group) for g, group in enumerate(self.groups)]
 
-    def split(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``[B, H, L, d]`` -> ``[S, H, max_length, d]`` (zeros after each sequence)."""
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths, default=0)
+
+    def split(self, tensor: torch.Tensor, group: int = 0) -> torch.Tensor:
+        """``[B, H, L, d]`` -> ``[S_g, H, L_g, d]`` (zeros after each sequence)."""
         heads, dim = tensor.shape[1], tensor.shape[-1]
-        tokens = tensor.transpose(1, 2).reshape(self.batch * self.length, heads, dim)[self.positions]
-        rows = tensor.new_zeros(self.count, self.max_length, heads, dim)
-        rows = rows.index_put((self.segment, self.offset), tokens)
+        index = self.tokens[group]
+        tokens = tensor.transpose(1, 2).reshape(self.batch * self.length, heads, dim)[self.positions[index]]
+        rows = tensor.new_zeros(len(self.groups[group]), self.lengths[group], heads, dim)
+        rows = rows.index_put((self.row[index], self.offset[index]), tokens)
         return rows.transpose(1, 2)
 
-    def merge(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[S, max_length, H, d]`` -> ``[B, L, H, d]`` (the packed layout; padding positions 0)."""
-        tokens = rows[self.segment, self.offset]
-        merged = rows.new_zeros(self.batch * self.length, *rows.shape[2:])
-        merged = merged.index_put((self.positions,), tokens)
-        return merged.view(self.batch, self.length, *rows.shape[2:])
-
-    def merge_weights(self, weights: torch.Tensor | None) -> torch.Tensor | None:
-        """``[S, H, max_length, max_length]`` -> ``[B, H, L, L]``: each sequence's weights on its block, 0 across."""
-        if weights is None:
+    def key_padding_mask(self, group: int = 0) -> torch.Tensor | None:
+        """``[S_g, L_g]`` bool, ``True`` on each sequence's tokens; ``None`` when the group's rows are all full."""
+        if not self._padded[group]:
             return None
-        heads = weights.shape[1]
-        rows, columns = self.positions // self.length, self.positions % self.length
-        same = self.segment[:, None] == self.segment[None, :]
-        query_index, key_index = same.nonzero(as_tuple=True)
-        values = weights[self.segment[query_index], :, self.offset[query_index], self.offset[key_index]]
-        merged = weights.new_zeros(self.batch, self.length, self.length, heads)
-        merged = merged.index_put((rows[query_index], columns[query_index], columns[key_index]), values)
+        index = self.tokens[group]
+        mask = torch.zeros(len(self.groups[group]), self.lengths[group], dtype=torch.bool, device=index.device)
+        mask[self.row[index], self.offset[index]] = True
+        return mask
+
+    def merge(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        """``[S_g, L_g, H, d]`` for each group -> ``[B, L, H, d]`` (the packed layout; padding positions 0)."""
+        merged = rows[0].new_zeros(self.batch * self.length, *rows[0].shape[2:])
+        for index, group_rows in zip(self.tokens, rows):
+            merged = merged.index_put((self.positions[index],), group_rows[self.row[index], self.offset[index]])
+        return merged.view(self.batch, self.length, *rows[0].shape[2:])
+
+    def merge_weights(self, weights: list[torch.Tensor | None]) -> torch.Tensor | None:
+        """``[S_g, H, L_g, L_g]`` for each group -> ``[B, H, L, L]``: each sequence's weights on its block, 0
+        across."""
+        if any(w is None for w in weights):
+            return None
+        heads = weights[0].shape[1]
+        merged = weights[0].new_zeros(self.batch, self.length, self.length, heads)
+        for index, group_weights in zip(self.tokens, weights):
+            positions, row, offset = self.positions[index], self.row[index], self.offset[index]
+            rows, columns = positions // self.length, positions % self.length
+            same = self.segment[index][:, None] == self.segment[index][None, :]
+            query_index, key_index = same.nonzero(as_tuple=True)
+            values = group_weights[row[query_index], :, offset[query_index], offset[key_index]]
+            merged = merged.index_put((rows[query_index], columns[query_index], columns[key_index]), values)
         return merged.permute(0, 3, 1, 2)
+
+
+def _length_groups(lengths: list[int], max_padding: float | None) -> list[list[int]]:
+    """Sequence indices grouped longest first: a group takes the next longest sequences while its rows, padded to
+    its first (longest), hold at most ``max_padding`` times its tokens in padding (``None``: one group)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    if max_padding is None:
+        return [order]
+    groups, start = [], 0
+    while start < len(order):
+        longest, total, end = lengths[order[start]], 0, start
+        while end < len(order) and (end - start + 1) * longest <= (1 + max_padding) * (total + lengths[order[end]]):
+            total += lengths[order[end]]
+            end += 1
+        groups.append(order[start:end])
+        start = end
+    return groups or [[]]

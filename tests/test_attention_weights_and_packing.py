@@ -158,3 +158,38 @@ def test_window_weights_times_values_is_the_window_kernel_output(causal, learned
         reference_window_linear_attention(q.double(), k.double(), v.double(), fm, **kwargs),
         rtol=1e-9, atol=1e-10,
     )
+
+
+def test_segment_rows_group_similar_lengths_and_round_trip():
+    """SegmentRows: sequences of similar lengths share a group, padded by at most GROUP_PADDING of its tokens;
+    split then merge gives the packed tensor back (padding positions 0), with gradients."""
+    from hf_performer.packed_sequences import GROUP_PADDING, SegmentRows, _length_groups
+
+    assert _length_groups([6, 4, 3], 0.25) == [[0, 1], [2]]
+    assert _length_groups([5, 5, 5], 0.0) == [[0, 1, 2]]
+    assert _length_groups([1000, 10, 9, 10], 0.25) == [[0], [1, 3, 2]]
+    assert _length_groups([3, 9], None) == [[1, 0]] and _length_groups([], 0.25) == [[]]
+    lengths = [[700, 40, 35], [300, 300, 8, 0]]  # two packed rows (the second ends with padding)
+    segment_ids = torch.zeros(2, 775, dtype=torch.long)
+    for row, row_lengths in enumerate(lengths):
+        start = 0
+        for index, n in enumerate(row_lengths):
+            segment_ids[row, start:start + n] = index + 1 if n else 0
+            start += n
+    rows = SegmentRows(segment_ids)  # sequences 700, 40, 35 | 300, 300, 8
+    assert rows.groups == [[0], [3, 4], [1, 2], [5]] and rows.lengths == [700, 300, 40, 8]
+    tokens = int((segment_ids != 0).sum())
+    padded_positions = sum(len(group) * length for group, length in zip(rows.groups, rows.lengths))
+    assert padded_positions == tokens + 5 <= (1 + GROUP_PADDING) * tokens  # one group: 6 rows of 700
+    x = torch.randn(2, 3, 775, 4, requires_grad=True)
+    pieces = [rows.split(x, g) for g in range(len(rows.groups))]
+    assert [piece.shape for piece in pieces] == [(1, 3, 700, 4), (2, 3, 300, 4), (2, 3, 40, 4), (1, 3, 8, 4)]
+    assert [rows.key_padding_mask(g) is None for g in range(4)] == [True, True, False, True]
+    assert rows.key_padding_mask(2).sum(-1).tolist() == [40, 35]
+    torch.testing.assert_close(pieces[2][1, :, :35], x[0, :, 740:775].detach())
+    assert bool((pieces[2][1, :, 35:] == 0).all())
+    merged = rows.merge([piece.transpose(1, 2) for piece in pieces])
+    expected = (x * (segment_ids != 0)[:, None, :, None]).transpose(1, 2)
+    assert torch.equal(merged, expected)
+    merged.sum().backward()
+    assert torch.equal(x.grad, (segment_ids != 0)[:, None, :, None].expand_as(x).float())
