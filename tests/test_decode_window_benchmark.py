@@ -57,6 +57,7 @@ def test_generation_floor_times_window_softmax_and_no_attention(folder, tmp_path
     assert sorted(result["prefill"]["median_s"]) == ["favor", "floor", "softmax"]
     assert set(result["summary"]) == {"decode_context_6_batch_1", "decode_context_12_batch_1", "prefill_16"}
     assert str(folder) not in json.dumps(result) and "tiny-window" in result["command"]
+    assert str(tmp_path) not in json.dumps(result)  # no local path: the output folder by its name
     # The floor's attention does no work: the model's output with it does not depend on the other tokens.
     model = load_converted_causal_lm(folder)
     floor.Runner(model).switch("floor")

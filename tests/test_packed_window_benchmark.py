@@ -37,6 +37,7 @@ def test_packed_rows_are_timed_grouped_and_in_one_group_against_softmax(folders,
     assert settings["groups"] == [[20], [9, 8], [3]] and settings["tokens"] == 40
     assert settings["window_positions"] == {"grouped": 41, "one_group": 80}
     assert str(folders[0].parent) not in json.dumps(result) and "tiny-softmax tiny-cache" in result["command"]
+    assert str(tmp_path) not in json.dumps(result)
 
 
 def test_packed_window_speed_refuses_bad_arguments(folders, capsys):

@@ -191,7 +191,7 @@ def main(argv=None) -> int:
 
     from hf_performer.bench.decode_converted import load_converted_causal_lm
     from hf_performer.bench.machine import load_average, machine_info
-    from hf_performer.bench.report import write_result
+    from hf_performer.bench.report import recorded_path, write_result
 
     start_load = load_average()
     generator = torch.Generator().manual_seed(0)
@@ -208,10 +208,12 @@ def main(argv=None) -> int:
             prefill = prefill_record(runner, args.prefill_length, args.prefill_repeats, generator)
             print(f"prefill {args.prefill_length}: " + ", ".join(f"{k} {v:.2f} s" for k, v in
                                                                  prefill["median_s"].items()), flush=True)
-    arguments = " ".join(argv if argv is not None else sys.argv[1:])
+    arguments = " ".join(argv if argv is not None else sys.argv[1:]).replace(str(Path(args.model)),
+                                                                            Path(args.model).name)
+    if args.output_dir is not None:
+        arguments = arguments.replace(str(args.output_dir), recorded_path(args.output_dir))
     result = dict(
-        command=f"python benchmarks/scripts/generation_floor.py {arguments}".replace(str(Path(args.model)),
-                                                                                     Path(args.model).name),
+        command=f"python benchmarks/scripts/generation_floor.py {arguments}",
         settings=dict(model=Path(args.model).name, contexts=args.contexts, batch=args.batch,
                       prefill_length=args.prefill_length, repeats=args.repeats, prefill_repeats=args.prefill_repeats,
                       dtype="float32"),

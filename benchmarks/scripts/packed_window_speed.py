@@ -94,14 +94,6 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _relative(path: Path) -> str:
-    """``path`` as the record may name it: relative to the working directory, or its last part (no local paths)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return path.name
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     import functools
@@ -111,6 +103,7 @@ def main(argv=None) -> int:
 
     from hf_performer import favor_attention, modeling_performer  # noqa: F401  (modeling: Performer classes in the Auto classes)
     from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.report import recorded_path, write_result
     from hf_performer.packed_sequences import GROUP_PADDING, SegmentRows
 
     start_load = load_average()
@@ -140,7 +133,7 @@ def main(argv=None) -> int:
         command=f"python benchmarks/scripts/packed_window_speed.py {Path(args.softmax).name} "
                 f"{Path(args.converted).name} --lengths {','.join(map(str, args.lengths))} "
                 f"--precision {args.precision} --repeats {args.repeats}"
-                + (f" --output-dir {_relative(args.output_dir)} --name {args.name}" if args.output_dir else ""),
+                + (f" --output-dir {recorded_path(args.output_dir)} --name {args.name}" if args.output_dir else ""),
         settings=dict(lengths=args.lengths, tokens=sum(args.lengths), precision=args.precision,
                       repeats=args.repeats, group_padding=GROUP_PADDING,
                       window_positions=dict(grouped=grouped_positions, one_group=padded),
@@ -151,8 +144,6 @@ def main(argv=None) -> int:
         print(f"{record['arm']}: {record['median_s']:.2f} s, {record['ratio_to_softmax']:.2f}x softmax")
     print(f"positions the window layers compute: {grouped_positions} grouped, {padded} in one group, "
           f"{sum(args.lengths)} tokens")
-    from hf_performer.bench.report import write_result
-
     for path in write_result(result, args.output_dir, args.name, plot):
         print(f"wrote {path}")
     return 0

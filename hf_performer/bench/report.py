@@ -286,6 +286,16 @@ def plot_approximation(result: dict, path: Path) -> None:
     _save(plt, fig, path)
 
 
+def recorded_path(path: Path | str) -> str:
+    """``path`` as a result file may name it: relative to the working directory when inside it (the repository's
+    ``benchmarks/results``), else its last part only (no local absolute paths in committed results)."""
+    path = Path(path)
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path.name
+
+
 def write_result(result: dict, output_dir: Path | None, stem: str, plot) -> list[Path]:
     """Write ``STEM.json`` and ``STEM.png`` (drawn by ``plot(result, path)``) into ``output_dir`` (nothing if
     ``None``); returns their paths."""
