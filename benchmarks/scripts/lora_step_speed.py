@@ -96,24 +96,14 @@ class LoraStep:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from hf_performer.bench.report import plot_median_bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = result["records"]
-    fig, ax = plt.subplots(figsize=(1.8 + 1.6 * len(records), 3.8))
-    bars = ax.bar([r["label"] for r in records], [r["median_s"] for r in records],
-                  color=["tab:blue"] + ["tab:orange"] * (len(records) - 1))
-    ax.bar_label(bars, labels=[f"{r['median_s']:.2f} s\n{r['ratio_to_baseline']:.2f}x" for r in records], fontsize=8)
-    ax.set_ylabel("seconds per LoRA step (median)")
-    settings = result["settings"]
-    ax.set_title(f"LoRA step, {settings['batch']} x {settings['length']} tokens, {settings['precision']}", fontsize=10)
-    ax.tick_params(axis="x", labelsize=8)
-    ax.margins(y=0.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    records, settings = result["records"], result["settings"]
+    plot_median_bars(path, [r["label"] for r in records], [r["median_s"] for r in records],
+                     [r["ratio_to_baseline"] for r in records],
+                     ["tab:blue"] + ["tab:orange"] * (len(records) - 1), ylabel="seconds per LoRA step (median)",
+                     title=f"LoRA step, {settings['batch']} x {settings['length']} tokens, {settings['precision']}",
+                     width=1.8 + 1.6 * len(records))
 
 
 def main(argv=None) -> int:

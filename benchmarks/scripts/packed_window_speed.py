@@ -73,25 +73,14 @@ def step_seconds(model, batch: dict, precision: str) -> float:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
+    from hf_performer.bench.report import plot_median_bars
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    records = result["records"]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
-    bars = ax.bar([r["arm"].replace(", ", ",\n") for r in records], [r["median_s"] for r in records],
-                  color=["tab:blue", "tab:orange", "tab:gray"])
-    ax.bar_label(bars, labels=[f"{r['median_s']:.2f} s\n{r['ratio_to_softmax']:.2f}x" for r in records], fontsize=8)
-    ax.set_ylabel("seconds per forward + backward (median)")
-    settings = result["settings"]
-    ax.set_title(f"one packed row of {len(settings['lengths'])} sequences, {sum(settings['lengths'])} tokens, "
-                 f"{settings['precision']}", fontsize=10)
-    ax.tick_params(axis="x", labelsize=8)
-    ax.margins(y=0.2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    records, settings = result["records"], result["settings"]
+    plot_median_bars(path, [r["arm"].replace(", ", ",\n") for r in records], [r["median_s"] for r in records],
+                     [r["ratio_to_softmax"] for r in records], ["tab:blue", "tab:orange", "tab:gray"],
+                     ylabel="seconds per forward + backward (median)",
+                     title=f"one packed row of {len(settings['lengths'])} sequences, {sum(settings['lengths'])} "
+                           f"tokens, {settings['precision']}", width=7)
 
 
 def main(argv=None) -> int:

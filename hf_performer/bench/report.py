@@ -50,6 +50,20 @@ def _save(plt, fig, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_median_bars(path: Path, labels: list[str], seconds: list[float], ratios: list[float], colors: list[str], *,
+                     ylabel: str, title: str, width: float) -> None:
+    """One bar per timed arm: its median seconds, labelled with them and its ratio to the baseline."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(width, 3.8))
+    bars = ax.bar(labels, seconds, color=colors)
+    ax.bar_label(bars, labels=[f"{s:.2f} s\n{r:.2f}x" for s, r in zip(seconds, ratios)], fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.tick_params(axis="x", labelsize=8)
+    ax.margins(y=0.2)
+    _save(plt, fig, path)
+
+
 # ------------------------------------------------------------------------------------ attention speed and approximation
 
 
