@@ -634,8 +634,8 @@ _GENERAL_PATH_OPTIONS = ("position_bias", "cu_seq_lens_q", *SOFTMAX_ONLY_OPTIONS
 def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
     """The output ``[B, 1, H, dv]`` of a window layer's decoding step from an exact record
     (:meth:`~.cache.WindowCacheLayer.exact_step`), ahead of :func:`favor_attention_forward`'s dispatch: the step a
-    generating model without a tail takes 30 times per token, where that dispatch costs as much as the step's own
-    operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed sequences, not
+    generating model without a tail takes once per layer and token, where that dispatch cost as much as the step's
+    own operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed sequences, not
     training), which the general path serves with the same result."""
     cache = getattr(module, CACHE_ATTRIBUTE, None)
     is_causal = kwargs.get("is_causal")

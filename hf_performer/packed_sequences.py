@@ -158,10 +158,6 @@ class SegmentRows:
         self.tokens = [(token_group == g).nonzero().flatten() for g in range(len(self.groups))]
         self._padded = [any(lengths[i] < self.lengths[g] for i in group) for g, group in enumerate(self.groups)]
 
-    @property
-    def max_length(self) -> int:
-        return max(self.lengths, default=0)
-
     def split(self, tensor: torch.Tensor, group: int = 0) -> torch.Tensor:
         """``[B, H, L, d]`` -> ``[S_g, H, L_g, d]`` (zeros after each sequence)."""
         heads, dim = tensor.shape[1], tensor.shape[-1]
