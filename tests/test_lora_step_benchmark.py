@@ -37,6 +37,7 @@ def test_lora_steps_are_timed_against_the_baseline(folders, tmp_path):
     assert records["tail"]["attention"] == "window 3, 1 sinks, hedgehog tail"
     assert records["cache"]["attention"] == "window 3, 1 sinks, sparse cache 4, no tail"
     assert str(folders[0].parent) not in json.dumps(result) and "tiny-softmax tiny-tail" in result["command"]
+    assert str(tmp_path) not in json.dumps(result)
 
 
 def test_lora_step_speed_refuses_bad_arguments(folders, capsys):

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     import torch
 
     from hf_performer.bench.machine import load_average, machine_info
-    from hf_performer.bench.report import write_result
+    from hf_performer.bench.report import recorded_path, write_result
 
     start_load = load_average()
     steps = [LoraStep(folder, args.precision) for folder in args.folders]
@@ -132,6 +132,8 @@ def main(argv=None) -> int:
     arguments = " ".join(argv if argv is not None else sys.argv[1:])
     for folder in args.folders:  # no local paths in the record: the folders' base names
         arguments = arguments.replace(str(Path(folder).parent) + "/", "")
+    if args.output_dir is not None:
+        arguments = arguments.replace(str(args.output_dir), recorded_path(args.output_dir))
     result = dict(
         command=f"python benchmarks/scripts/lora_step_speed.py {arguments}",
         settings=dict(batch=args.batch, length=args.length, precision=args.precision, repeats=args.repeats,
