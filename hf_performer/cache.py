@@ -346,17 +346,22 @@ class WindowCacheLayer(FavorCacheLayer):
         self.set_state(state)
         return out
 
+    @property
+    def holds_exact_record(self) -> bool:
+        """Whether the next one-token step may continue an exact decoding record (a layer without a tail and with
+        a sparse cache, between two boundaries, keeping no rollback: :func:`~.window_decode.exact_decode_step`)."""
+        return (self.state is not None and self.state.exact_keys is not None and not self.max_rollback
+                and not self.record_past)
+
     def exact_step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *,
                    key_padding_mask: torch.Tensor | None, scaling: float | None) -> torch.Tensor | None:
-        """:meth:`attend` for one token continuing a state that holds an exact decoding record (a layer without a
-        tail and with a sparse cache, between two boundaries: :func:`~.window_decode.exact_decode_step`), without
-        the general call's dispatch; ``None`` (nothing done) for any other call, which :meth:`attend` then serves."""
-        state = self.state
-        if (self.pending_tokens != 1 or key.shape[-2] != 1 or self.max_rollback or self.record_past or state is None
-                or state.exact_keys is None or key.shape[:2] != state.buffer_key.shape[:2]
-                or query.shape[0] != key.shape[0]):
+        """:meth:`attend` for one token continuing a state that :attr:`holds_exact_record`, without the general
+        call's dispatch; ``None`` (nothing done) for any other call, which :meth:`attend` then serves."""
+        if (not self.holds_exact_record or self.pending_tokens != 1 or key.shape[-2] != 1
+                or key.shape[:2] != self.state.buffer_key.shape[:2] or query.shape[0] != key.shape[0]):
             return None
-        step = exact_decode_step(query, key, value, state=state, key_padding_mask=key_padding_mask, scaling=scaling)
+        step = exact_decode_step(query, key, value, state=self.state, key_padding_mask=key_padding_mask,
+                                 scaling=scaling)
         if step is None:
             return None
         self.set_state(step[1])

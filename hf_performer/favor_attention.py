@@ -649,7 +649,7 @@ def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwa
         return None
     layer_idx = layer_index_of(module)
     cache_layer = _cache_layer_of(module, layer_idx)
-    if not is_window_cache_layer(cache_layer) or cache_layer.state is None or cache_layer.state.exact_keys is None:
+    if not (is_window_cache_layer(cache_layer) and cache_layer.holds_exact_record):
         return None
     key_padding_mask = new_tokens_padding_mask(key_padding_mask_of(attention_mask, True), cache_layer, layer_idx,
                                                1, key.shape[2])

@@ -156,9 +156,8 @@ class SegmentRows:
         token_group = torch.tensor(group_of, dtype=torch.long, device=device)[self.segment]
         self.row = torch.tensor(row_of, dtype=torch.long, device=device)[self.segment]
         self.tokens = [(token_group == g).nonzero().flatten() for g in range(len(self.groups))]
-        self._padded = [any(lengths[i] < self.lengths[g] for i in group) for g, group in enumerate(self.groups)]
 
-    def split(self, tensor: torch.Tensor, group: int = 0) -> torch.Tensor:
+    def split(self, tensor: torch.Tensor, group: int) -> torch.Tensor:
         """``[B, H, L, d]`` -> ``[S_g, H, L_g, d]`` (zeros after each sequence)."""
         heads, dim = tensor.shape[1], tensor.shape[-1]
         index = self.tokens[group]
@@ -167,11 +166,11 @@ class SegmentRows:
         rows = rows.index_put((self.row[index], self.offset[index]), tokens)
         return rows.transpose(1, 2)
 
-    def key_padding_mask(self, group: int = 0) -> torch.Tensor | None:
+    def key_padding_mask(self, group: int) -> torch.Tensor | None:
         """``[S_g, L_g]`` bool, ``True`` on each sequence's tokens; ``None`` when the group's rows are all full."""
-        if not self._padded[group]:
-            return None
         index = self.tokens[group]
+        if index.numel() == len(self.groups[group]) * self.lengths[group]:
+            return None
         mask = torch.zeros(len(self.groups[group]), self.lengths[group], dtype=torch.bool, device=index.device)
         mask[self.row[index], self.offset[index]] = True
         return mask
