@@ -349,7 +349,7 @@ class WindowCacheLayer(FavorCacheLayer):
     @property
     def holds_exact_record(self) -> bool:
         """Whether the next one-token step may continue an exact decoding record (a layer without a tail and with
-        a sparse cache, between two boundaries, keeping no rollback: :func:`~.window_decode.exact_decode_step`)."""
+        a sparse cache, keeping no rollback: :func:`~.window_decode.exact_decode_step`)."""
         return (self.state is not None and self.state.exact_keys is not None and not self.max_rollback
                 and not self.record_past)
 

@@ -387,7 +387,7 @@ def window_linear_attention(
     mask = _as_bool_mask(key_padding_mask)
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         step = None if feature_map is not None else exact_decode_step(
-            query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling)
+            query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling, eps=eps)
         if step is not None:
             return step if return_state else step[0]
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,

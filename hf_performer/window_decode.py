@@ -22,8 +22,10 @@ and value into the next free slot in place and makes one ``scaled_dot_product_at
 it (the ones that left the buffer masked, in one mask over all slots), a third of :func:`decode_step`'s operations
 and no copy of the exact keys; in a generating model :meth:`~.cache.WindowCacheLayer.exact_step` calls it ahead of
 the attention function's dispatch, which cost as much as the step's own operations.
-A state never changes: a step writes in place only when its state is the newest of its record (a second step from the
-same state packs a copy first), and only into a slot no earlier state's views cover. Boundaries, autocast,
+At a row's boundary the step runs :func:`decode_step`'s selection first (:func:`_after_selection`) and packs a new
+record with the new cache (a boundary step used to take :func:`decode_step` whole: ~25x an exact step, once every
+``C`` tokens). A state never changes: a step writes in place only when its state is the newest of its record (a second
+step from the same state packs a copy first), and only into a slot no earlier state's views cover. Autocast,
 reduced-precision inputs (whose scores :func:`decode_step` sums in float32) and steps that need gradients take
 :func:`decode_step`.
 
@@ -44,19 +46,24 @@ from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capac
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
 
+_SDPA_TAKES_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
+"""Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5)."""
+
+
 def can_decode_step(state, length: int, max_rollback: int) -> bool:
     """Whether a call is one token continuing a state this module serves."""
     return (state is not None and length == 1 and max_rollback == 0 and state.current is not None
             and state.checkpoint is None and (state.query_tail is not None or state.sparse_cache > 0))
 
 
-def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
+def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, eps: float = 1e-12):
     """:func:`decode_step` of a layer without a tail (no feature map; a ``softmax_weight`` cancels without a tail)
-    and with a sparse cache, between two boundaries: ``(out [B, H, 1, dv], state)``, or ``None`` when the step is
-    not one it serves (module docstring) and :func:`decode_step` runs instead."""
-    exact = _exact_keys(state, query, key, value, key_padding_mask)
-    if exact is None:
+    and with a sparse cache: ``(out [B, H, 1, dv], state)``, or ``None`` when the step is not one it serves (module
+    docstring) and :func:`decode_step` runs instead. ``eps``: the selection's smallest denominator."""
+    packed = _exact_keys(state, query, key, value, key_padding_mask, eps)
+    if packed is None:
         return None
+    exact, state = packed
     batch, heads, _, head_dim = query.shape
     kv_heads, value_dim = key.shape[1], value.shape[-1]
     sinks, fixed, size = state.sinks, exact.fixed, state.buffer_key.shape[2]
@@ -72,10 +79,16 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
     exact.mask.narrow(3, fixed + exact.start, 1).fill_(float("-inf"))
     exact.written[0] = end + 1
     start, count = exact.start + 1, fixed + end + 1
-    out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim),
-                                       exact.key.narrow(2, 0, count), exact.value.narrow(2, 0, count),
-                                       attn_mask=exact.mask.narrow(3, 0, count),
-                                       scale=head_dim**-0.5 if scaling is None else float(scaling))
+    scale = head_dim**-0.5 if scaling is None else float(scaling)
+    keys, values, mask = exact.key.narrow(2, 0, count), exact.value.narrow(2, 0, count), exact.mask.narrow(3, 0, count)
+    if _SDPA_TAKES_GQA and heads != kv_heads:
+        # One query row per head (the fused kernel's work items are its heads: 3 key heads' grouped rows kept 2
+        # threads a third idle), the key heads' masks repeated to them.
+        out = scaled_dot_product_attention(query, keys, values, attn_mask=mask.repeat_interleave(heads // kv_heads, 1)
+                                           if kv_heads > 1 else mask, scale=scale, enable_gqa=True)
+    else:
+        out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
+                                           attn_mask=mask, scale=scale)
     sink_key, sink_value, current = state.sink_key, state.sink_value, state.current
     if exact is not state.exact_keys:  # packed now: the sinks and the (whole) cache are views of the new record
         sink_key, sink_value = exact.key.narrow(2, 0, sinks), exact.value.narrow(2, 0, sinks)
@@ -92,9 +105,10 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling):
         exact_keys=exact._replace(start=start, parts=ExactKeys.parts_of(new_state)))
 
 
-def _exact_keys(state, query, key, value, key_padding_mask):
-    """The :class:`~.window_state.ExactKeys` query ``state.seen`` writes to: the state's own record when it is the
-    newest of its record and has a free slot, else the state packed into a new one; ``None`` when
+def _exact_keys(state, query, key, value, key_padding_mask, eps):
+    """``(record, state)``: the :class:`~.window_state.ExactKeys` query ``state.seen`` writes to (the state's own
+    record when it is the newest of its record and has a free slot, else the state packed into a new one) and the
+    state it continues (at a row's boundary, the state after that boundary's selection); ``None`` when
     :func:`exact_decode_step` does not serve the step."""
     dtype = query.dtype
     if (state.sparse_cache == 0 or (dtype != torch.float32 and dtype != torch.float64) or key.dtype != dtype
@@ -109,12 +123,15 @@ def _exact_keys(state, query, key, value, key_padding_mask):
         return None
     batch, kv_heads, size = state.buffer_key.shape[:3]
     exact, current = state.exact_keys, state.current
-    if exact is not None and exact.stands_for(state):
-        if state.seen > exact.last_query:
-            return None
+    if exact is not None and not exact.stands_for(state):
+        exact = None
+    if exact is not None and state.seen > exact.last_query:  # a boundary: the cache changes, a new record
+        state, exact = _after_selection(state, eps), None
+        current = state.current
+    if exact is not None:
         if exact.written[0] == exact.start + size and exact.fixed + exact.start + size < exact.key.shape[2] and (
                 torch.is_inference_mode_enabled() or not exact.key.is_inference()):
-            return exact
+            return exact, state
         # Another step continued this state already, no free slot, or a record built in inference mode met outside
         # it (which may not write into it): pack it again. (The sinks' and the cache's slots and mask entries never
         # change; the buffer's entries are the newest state's.)
@@ -124,9 +141,10 @@ def _exact_keys(state, query, key, value, key_padding_mask):
     else:
         if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
             return None  # a row without tokens yet, or sink slots still to fill: decode_step's bookkeeping
+        if state.seen > int(current.boundary.min()) + state.chunk_size - 1:
+            state = _after_selection(state, eps)
+            current = state.current
         last_query = int(current.boundary.min()) + state.chunk_size - 1
-        if state.seen > last_query:
-            return None
         cache_key, cache_value, cache_valid = current.cache_key, current.cache_value, current.cache_valid
         used = int(cache_valid.sum(-1).max())
         if used < state.sparse_cache:  # slots no row and head holds yet (the first window + G tokens) stay out
@@ -143,7 +161,28 @@ def _exact_keys(state, query, key, value, key_padding_mask):
     values = torch.cat([state.sink_value, cache_value, state.buffer_value, free(state.buffer_value)], dim=2)
     mask = torch.cat([fixed_mask, band_mask, band_mask.new_zeros(batch, kv_heads, 1, EXACT_HEADROOM)], dim=-1)
     return ExactKeys(keys, values, state.sinks + cache_key.shape[2], mask, 0, [size], last_query, (),
-                     torch.ones(batch, 1, dtype=torch.bool, device=key.device))
+                     torch.ones(batch, 1, dtype=torch.bool, device=key.device)), state
+
+
+def _after_selection(state, eps):
+    """``state`` past the boundary its next query ``x = state.seen`` reaches in some rows (every row has a token and
+    its sinks): their sparse cache selected from the cache and the ``C`` oldest buffer tokens (which left the window
+    since the last boundary: :func:`_select_at_boundary`, without a feature map), their boundary moved to ``x``; what
+    :func:`decode_step` does before its query, so that the step stays on the exact record."""
+    x, size, w, current = state.seen, state.chunk_size, state.window, state.current
+    crossing = ((x - state.row_start) % size == 0) & (x > current.boundary)
+    dtype = state.buffer_key.dtype
+
+    def tokens(start: int, length: int):  # as decode_step's, over the buffer (which ends at x - 1)
+        begin = start - state.buffer_start
+        keep = rows_window(state.buffer_keep, begin, length, 1, fill=False)
+        values = _with_ones_column(rows_window(state.buffer_value, begin, length, 2))
+        return rows_window(state.buffer_key, begin, length, 2), values.masked_fill(~keep[:, None, :, None], 0.0), keep
+
+    cache, (sums, tail_max) = _select_at_boundary(current, (current.tail_sums.to(dtype), current.tail_max), crossing,
+                                                  tokens, None, 1.0, x, size, w, state.sparse_cache, eps)
+    return state._replace(current=cache._replace(boundary=torch.where(crossing, x, current.boundary), tail_sums=sums,
+                                                 tail_max=tail_max), exact_keys=None)
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,

@@ -59,9 +59,9 @@ def test_exact_steps_equal_one_pass_the_reference_and_the_general_step(served, m
     q, k, v = small_qkv(length=LENGTH)
     mask = padded_mask(length=LENGTH) if padded else None
     out, state = run_in_pieces(q, k, v, None, DECODE, mask, **SETTINGS)
-    # Every step but those at a boundary of some row (three offsets when padded) and before the last row's sink slots
-    # are filled (its second token, at 14).
-    assert served.count == (11 if padded else 27)
+    # Every step (boundaries too: the selection runs on the record's path) but, when padded, those up to the one
+    # that fills the last row's sink slots (its second token, at 14).
+    assert served.count == (28 if padded else 34)
     one_pass = window_linear_attention(q, k, v, None, key_padding_mask=mask, **SETTINGS)
     reference = reference_window_linear_attention(q, k, v, None, key_padding_mask=mask, **SETTINGS)
     tokens = torch.ones(q.shape[0], q.shape[2], dtype=torch.bool) if mask is None else mask
@@ -90,11 +90,11 @@ def test_cache_slots_no_row_holds_yet_are_left_out(served, padded):
     mask = padded_mask(length=LENGTH) if padded else None
     fixed = []
     original = window_decode._exact_keys
-    recording = lambda *args: fixed.append(original(*args)) or fixed[-1]  # noqa: E731
+    recording = lambda *args: fixed.append(original(*args)) or fixed[-1]  # noqa: E731 (record, state) or None
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(window_decode, "_exact_keys", recording)
         out, _ = run_in_pieces(q, k, v, None, DECODE, mask, **settings)
-    assert served.count and any(record.fixed < 2 + 12 for record in fixed if record is not None)
+    assert served.count and any(packed[0].fixed < 2 + 12 for packed in fixed if packed is not None)
     served.off = True
     general, _ = run_in_pieces(q, k, v, None, DECODE, mask, **settings)
     torch.testing.assert_close(out, general, rtol=1e-10, atol=1e-10)
@@ -185,3 +185,19 @@ def test_only_the_steps_it_serves(served):
     assert served.count
     torch.testing.assert_close(out, window_linear_attention(q, k, v, None, **{**SETTINGS, "sinks": 0}), rtol=1e-5,
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+@pytest.mark.parametrize("takes_gqa", [True, False])
+def test_the_step_s_sdpa_call_in_both_forms(served, monkeypatch, kv_heads, takes_gqa):
+    # One query row per head (enable_gqa, torch >= 2.5) or each key head's query heads as rows of one problem (older
+    # torch): the same outputs, with one, several and as many key heads as query heads.
+    monkeypatch.setattr(window_decode, "_SDPA_TAKES_GQA", takes_gqa)
+    q, k, v = small_qkv(length=LENGTH)
+    k, v = (t[:, :1].repeat(1, kv_heads, 1, 1) + 0.1 * torch.arange(kv_heads, dtype=t.dtype)[:, None, None]
+            for t in (k, v))
+    mask = padded_mask(length=LENGTH)
+    out, _ = run_in_pieces(q, k, v, None, DECODE, mask, **SETTINGS)
+    assert served.count == 28
+    one_pass = window_linear_attention(q, k, v, None, key_padding_mask=mask, **SETTINGS)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(one_pass, mask), rtol=1e-10, atol=1e-10)
