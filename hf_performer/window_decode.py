@@ -46,10 +46,6 @@ from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capac
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
 
-_SDPA_TAKES_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-"""Whether ``scaled_dot_product_attention`` takes ``enable_gqa`` (torch 2.5)."""
-
-
 def can_decode_step(state, length: int, max_rollback: int) -> bool:
     """Whether a call is one token continuing a state this module serves."""
     return (state is not None and length == 1 and max_rollback == 0 and state.current is not None
@@ -79,16 +75,10 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, ep
     exact.mask.narrow(3, fixed + exact.start, 1).fill_(float("-inf"))
     exact.written[0] = end + 1
     start, count = exact.start + 1, fixed + end + 1
-    scale = head_dim**-0.5 if scaling is None else float(scaling)
-    keys, values, mask = exact.key.narrow(2, 0, count), exact.value.narrow(2, 0, count), exact.mask.narrow(3, 0, count)
-    if _SDPA_TAKES_GQA and heads != kv_heads:
-        # One query row per head (the fused kernel's work items are its heads: 3 key heads' grouped rows kept 2
-        # threads a third idle), the key heads' masks repeated to them.
-        out = scaled_dot_product_attention(query, keys, values, attn_mask=mask.repeat_interleave(heads // kv_heads, 1)
-                                           if kv_heads > 1 else mask, scale=scale, enable_gqa=True)
-    else:
-        out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim), keys, values,
-                                           attn_mask=mask, scale=scale)
+    out = scaled_dot_product_attention(query.reshape(batch, kv_heads, heads // kv_heads, head_dim),
+                                       exact.key.narrow(2, 0, count), exact.value.narrow(2, 0, count),
+                                       attn_mask=exact.mask.narrow(3, 0, count),
+                                       scale=head_dim**-0.5 if scaling is None else float(scaling))
     sink_key, sink_value, current = state.sink_key, state.sink_value, state.current
     if exact is not state.exact_keys:  # packed now: the sinks and the (whole) cache are views of the new record
         sink_key, sink_value = exact.key.narrow(2, 0, sinks), exact.value.narrow(2, 0, sinks)

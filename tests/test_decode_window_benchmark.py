@@ -54,6 +54,12 @@ def test_generation_floor_times_window_softmax_and_no_attention(folder, tmp_path
     for record in result["decode"]:
         assert all(len(times) == 2 and min(times) > 0 for times in record["seconds"].values())
         assert record["cache_bytes"]["favor"] > 0 and record["cache_bytes"]["softmax"] > 0
+        assert record["mean_ms"]["favor"] == pytest.approx(1e3 * sum(record["seconds"]["favor"]) / 2)
+    row = result["summary"]["decode_context_12_batch_1"]
+    record = result["decode"][1]
+    assert row["favor_speedup"] == pytest.approx(record["mean_ms"]["softmax"] / record["mean_ms"]["favor"])
+    assert row["favor_median_step_speedup"] == pytest.approx(record["median_ms"]["softmax"] /
+                                                            record["median_ms"]["favor"])
     assert sorted(result["prefill"]["median_s"]) == ["favor", "floor", "softmax"]
     assert set(result["summary"]) == {"decode_context_6_batch_1", "decode_context_12_batch_1", "prefill_16"}
     assert str(folder) not in json.dumps(result) and "tiny-window" in result["command"]

@@ -188,11 +188,8 @@ def test_only_the_steps_it_serves(served):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2, 4])
-@pytest.mark.parametrize("takes_gqa", [True, False])
-def test_the_step_s_sdpa_call_in_both_forms(served, monkeypatch, kv_heads, takes_gqa):
-    # One query row per head (enable_gqa, torch >= 2.5) or each key head's query heads as rows of one problem (older
-    # torch): the same outputs, with one, several and as many key heads as query heads.
-    monkeypatch.setattr(window_decode, "_SDPA_TAKES_GQA", takes_gqa)
+def test_one_several_and_as_many_key_heads_as_query_heads(served, kv_heads):
+    # (Each key head's query heads are the rows of one SDPA problem.)
     q, k, v = small_qkv(length=LENGTH)
     k, v = (t[:, :1].repeat(1, kv_heads, 1, 1) + 0.1 * torch.arange(kv_heads, dtype=t.dtype)[:, None, None]
             for t in (k, v))
