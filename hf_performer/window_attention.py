@@ -79,7 +79,9 @@ from .window_blocks import reused_outputs
 from .window_causal import causal_window_attention, tail_features
 from .window_decode import can_decode_step, decode_step, exact_decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
-from .window_state import WindowAttentionState, row_sinks, state_tensors, with_state_tensors
+from .window_state import (
+    WindowAttentionState, row_sinks, state_tensors, with_key_copies, with_state_tensors, without_key_copies,
+)
 from .window_tail import _tail_prefix, _tail_suffix, _tail_sum, pieces
 from .window_tail_cap import check_tail_cap, check_tail_gate
 
@@ -540,11 +542,14 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
             chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]
+    first = 0 if initial_state is None else initial_state.seen  # the position of the call's first token
     plan = CausalPlan(
         segments=[(start, min(start + CAUSAL_SEGMENT_LENGTH, length))
                   for start in range(0, length, CAUSAL_SEGMENT_LENGTH)],
         run=run, state_tensors=state_tensors, with_state_tensors=with_state_tensors,
-        max_rollback=max_rollback if return_state else 0, reuse=reused_outputs)
+        max_rollback=max_rollback if return_state else 0, reuse=reused_outputs,
+        store_state=lambda state, all_keys, all_values: without_key_copies(state, all_keys, all_values, first),
+        load_state=lambda stored, all_keys, all_values: with_key_copies(*stored, all_keys, all_values))
     parameters = [] if feature_map is None else [p for p in feature_map.parameters() if p.requires_grad]
     out, state = segmented_causal(plan, query, key, value, softmax_weight, tail_gate, mask, initial_state,
                                   parameters)

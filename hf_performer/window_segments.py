@@ -48,6 +48,9 @@ class CausalPlan(NamedTuple):
         reuse: ``(store, record) -> context manager`` within which ``run`` records its expensive outputs into
             ``store`` (a list per segment; ``record``) or takes them from there: the backward's recomputation of a
             segment reuses what the forward computed instead of computing it again; or ``None``.
+        store_state: ``(state, key, value) -> stored``, what the forward keeps of a state entering a segment (e.g.
+            without its copies of the call's own keys), and ``load_state`` ``(stored, key, value) -> state`` the
+            state again; ``None``: the state itself.
     """
 
     segments: list
@@ -56,6 +59,8 @@ class CausalPlan(NamedTuple):
     with_state_tensors: Callable
     max_rollback: int
     reuse: Callable | None = None
+    store_state: Callable | None = None
+    load_state: Callable | None = None
 
 
 def segmented_causal(plan: CausalPlan, query, key, value, softmax_weight, tail_gate, key_padding_mask, initial_state,
@@ -99,7 +104,7 @@ class _SegmentedCausal(torch.autograd.Function):
         states, state, out = [], initial_state, None
         ctx.records = [[] for _ in plan.segments]
         for index, (start, end) in enumerate(plan.segments):
-            states.append(state)
+            states.append(state if plan.store_state is None or index == 0 else plan.store_state(state, key, value))
             with _reusing(plan, ctx.records[index], record=True):
                 segment_out, state = plan.run(_piece(query, start, end), _piece(key, start, end),
                                               _piece(value, start, end), softmax_weight, tail_gate,
@@ -108,8 +113,9 @@ class _SegmentedCausal(torch.autograd.Function):
             if out is None:
                 out = segment_out.new_empty(query.shape[:3] + segment_out.shape[3:])
             out[:, :, start:end] = segment_out
-        # The states entering segments 1.. (small: sinks, the last window of keys, the tail sums); the first is
-        # the caller's initial state, rebuilt from the saved tensors.
+        # The states entering segments 1.. (small: sinks, the tail sums, and the last window of keys and the sparse
+        # cache unless plan.store_state keeps them as indices into the keys); the first is the caller's initial
+        # state, rebuilt from the saved tensors.
         ctx.states = states[1:]
         ctx.initial_state = initial_state
         holder.append(state)
@@ -138,6 +144,8 @@ class _SegmentedCausal(torch.autograd.Function):
                 pieces = [_leaf(_piece(t, start, end), bool(need)) for t, need in
                           ((query, need_q), (key, need_k), (value, need_v))]
                 state, state_leaves = entering[index], []
+                if index > 0 and plan.load_state is not None:
+                    state = plan.load_state(state, key, value)
                 if state is not None and (index > 0 or need_initial):
                     state_leaves = [_leaf(t) for t in plan.state_tensors(state)]
                     state = plan.with_state_tensors(state, state_leaves)

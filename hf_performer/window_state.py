@@ -310,6 +310,61 @@ def with_state_tensors(state: WindowAttentionState, tensors) -> WindowAttentionS
     return state._replace(current=tails[0], checkpoint=tails[1], query_tail=query_tail, exact_keys=None, **named)
 
 
+class KeyCopies(NamedTuple):
+    """Where the copies of keys and values a :class:`WindowAttentionState` holds sit in one call's own keys and values
+    (:func:`without_key_copies`): ``buffer`` the index of the buffer's first token, ``caches`` per committed tail
+    (``current``, ``checkpoint``) the ``[B, Hkv, G]`` indices of its cache slots; ``None`` for a part kept as is."""
+
+    buffer: int | None
+    caches: tuple
+
+
+def without_key_copies(state: WindowAttentionState, key: torch.Tensor, value: torch.Tensor, first: int):
+    """``(state', copies)``: ``state`` without the buffer's and the sparse caches' keys and values (``None`` in their
+    place) where they are tokens of ``key`` / ``value`` ``[B, Hkv, L, .]`` (positions ``first .. first + L - 1``,
+    the same dtype), and :class:`KeyCopies` saying where; :func:`with_key_copies` puts them back. What a long call
+    keeps of the states between its segments then grows by their indices, not by ``(b + G)`` keys and values per key
+    head. A buffer is the last ``b`` tokens as given, a cache slot the token at its position (both copies, never
+    transformed): a buffer reaching before ``first`` (padding zeros, an earlier call's tokens) and a cache with an
+    empty slot or an earlier call's token stay as they are."""
+    length = key.shape[2]
+    same_dtype = state.buffer_key.dtype == key.dtype and state.buffer_value.dtype == value.dtype
+    buffer = state.buffer_start - first
+    if same_dtype and 0 <= buffer and buffer + state.buffer_key.shape[2] <= length:
+        state = state._replace(buffer_key=None, buffer_value=None)
+    else:
+        buffer = None
+    tails, caches = [], []
+    for tail in (state.current, state.checkpoint):
+        index = None
+        if tail is not None and tail.cache_key.shape[2] and tail.cache_key.dtype == key.dtype and \
+                tail.cache_value.dtype == value.dtype:
+            index = tail.cache_position - first
+            if bool((tail.cache_valid & (index >= 0) & (index < length)).all()):
+                tail = tail._replace(cache_key=None, cache_value=None)
+            else:
+                index = None
+        tails.append(tail)
+        caches.append(index)
+    return state._replace(current=tails[0], checkpoint=tails[1]), KeyCopies(buffer, tuple(caches))
+
+
+def with_key_copies(state: WindowAttentionState, copies: KeyCopies, key: torch.Tensor, value: torch.Tensor):
+    """The state :func:`without_key_copies` was given (the same tensors' values), from ``key`` / ``value``."""
+    if copies.buffer is not None:
+        size = state.buffer_keep.shape[1]
+        state = state._replace(buffer_key=key.narrow(2, copies.buffer, size),
+                               buffer_value=value.narrow(2, copies.buffer, size))
+    tails = [tail if index is None else tail._replace(cache_key=_take(key, index), cache_value=_take(value, index))
+             for tail, index in zip((state.current, state.checkpoint), copies.caches)]
+    return state._replace(current=tails[0], checkpoint=tails[1])
+
+
+def _take(tensor, index):
+    """``tensor`` ``[B, Hkv, L, .]`` at ``index`` ``[B, Hkv, n]``: ``[B, Hkv, n, .]``."""
+    return tensor.gather(2, index[..., None].expand(index.shape + tensor.shape[-1:]))
+
+
 def row_sinks(key, value, keep, sinks, initial_state, seen):
     """Each row's sinks after the new tokens: its first ``sinks`` unpadded tokens, stored or new.
 

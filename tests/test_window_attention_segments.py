@@ -475,3 +475,49 @@ def test_a_fully_padded_row_gives_zeros_and_finite_gradients(causal, segment_len
     alone = window_linear_attention(*(t[:1] for t in (q, k, v)), feature_map, window=3, sinks=2, causal=causal,
                                     key_padding_mask=mask[:1], chunk_size=4)
     torch.testing.assert_close(out[:1], alone)
+
+
+@pytest.mark.parametrize("tail", [False, True])
+@pytest.mark.parametrize("continued", [False, True])
+def test_the_states_between_segments_keep_indices_into_the_keys_not_copies(tail, continued, monkeypatch):
+    """The forward keeps of each state entering a segment its buffer and sparse cache as positions in the call's keys
+    (window_state.without_key_copies) where they are exactly those tokens, else the tensors (a cache with empty slots
+    or still holding tokens of an earlier call): the same outputs and gradients as keeping every state whole."""
+    from hf_performer.window_state import KeyCopies
+
+    q, k, v = _inputs(length=40)
+    feature_map = _map("hedgehog") if tail else None
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    mask[1, :5] = False
+    kwargs = dict(window=3, sinks=2, sparse_cache=3, chunk_size=4)
+    start = 12 if continued else 0
+    state = None
+    if continued:
+        with torch.no_grad():
+            _, state = window_linear_attention(q[:, :, :start], k[:, :, :start], v[:, :, :start], feature_map,
+                                               key_padding_mask=mask[:, :start], return_state=True, **kwargs)
+    tensors = [q, k, v] + ([] if feature_map is None else list(feature_map.parameters()))
+
+    def run():
+        out = window_linear_attention(q[:, :, start:], k[:, :, start:], v[:, :, start:], feature_map,
+                                      key_padding_mask=mask[:, start:], initial_state=state, **kwargs)
+        return out, _gradients(out, tensors)
+
+    _set_segment_length(monkeypatch, SEGMENT)
+    original = window_attention.without_key_copies
+    with monkeypatch.context() as patch:  # every state kept whole, as before
+        patch.setattr(window_attention, "without_key_copies", lambda s, *_: (s, KeyCopies(None, (None, None))))
+        expected_out, expected = run()
+    stored = []
+    monkeypatch.setattr(window_attention, "without_key_copies",
+                        lambda *a: (stored.append(original(*a)), stored[-1])[1])
+    out, got = run()
+    assert len(stored) == (40 - start + SEGMENT - 1) // SEGMENT - 1
+    assert all(kept.buffer_key is None and copies.buffer is not None for kept, copies in stored)
+    held = [copies.caches[0] is not None for _, copies in stored]
+    # A cache with empty slots (the first segment's), or holding an earlier call's tokens (here to the end), stays.
+    assert not held[0] and held[-1] != continued
+    assert all((kept.current.cache_key is None) == cached for (kept, _), cached in zip(stored, held))
+    torch.testing.assert_close(out, expected_out, rtol=0, atol=0)
+    for g, want in zip(got, expected):
+        torch.testing.assert_close(g, want, rtol=1e-12, atol=1e-12)
