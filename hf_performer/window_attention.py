@@ -528,9 +528,10 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
-    between segments kept (their buffer and sparse cache as positions in the keys: ``without_key_copies``), one segment recomputed at a time in the backward (in reverse, the entering state's
-    gradient handed to the segment before), the input gradients written in place. Peak memory is then the inputs,
-    outputs and gradients plus one segment's graph (``benchmarks/results/attention_memory_window.json``)."""
+    between segments kept (their buffer and sparse cache as positions in the keys: ``without_key_copies``), one
+    segment recomputed at a time in the backward (in reverse, the entering state's gradient handed to the segment
+    before), the input gradients written in place. Peak memory is then the inputs, outputs and gradients plus one
+    segment's graph (``benchmarks/results/attention_memory_window.json``)."""
     mask = _as_bool_mask(key_padding_mask)
 
     def run(segment_query, segment_key, segment_value, gamma, gate, segment_mask, state, rollback):
