@@ -185,6 +185,30 @@ def test_memory_summary_per_implementation_and_its_table():
     assert "  4096 causal        window       200.0      70.0   2.86" in table
 
 
+def test_memory_table_and_plot_without_an_sdpa_point(tmp_path):
+    # `bench memory --implementations window-cache` alone: the points are printed and drawn, the ratios left out
+    # (the plot used to fail on its empty ratio panel after the measurement).
+    from hf_performer.bench.report import format_memory_table, plot_memory, summarize_memory
+
+    records = [dict(length=length, mode="causal", implementation="window-cache", peak_memory_bytes=value * 2**20)
+               for length, value in ((4096, 150), (8192, 220))]
+    result = {"records": records, "settings": dict(batch=1, heads=12, head_dim=64, dtype="float32"),
+              "machine": {"device_name": "CPU"}}
+    result["summary"] = summarize_memory(result)
+    table = format_memory_table(result)
+    assert "  8192 causal        window-cache     220.0         -      -" in table
+    assert "add sdpa to --implementations" in table and "at most SDPA's" not in table
+    plot_memory(result, tmp_path / "memory.png")
+    assert (tmp_path / "memory.png").stat().st_size > 0
+    records.append(dict(length=4096, mode="causal", implementation="sdpa", peak_memory_bytes=75 * 2**20))
+    result["summary"] = summarize_memory(result)
+    table = format_memory_table(result)
+    assert "  4096 causal        window-cache     150.0      75.0   2.00" in table
+    assert "  8192 causal        window-cache     220.0         -      -" in table
+    assert "add sdpa" not in table
+    plot_memory(result, tmp_path / "memory.png")
+
+
 def test_throughput_bound_splits_the_counted_flops_and_refuses_bad_input(capsys):
     """benchmarks/scripts/favor_throughput_bound.py: its FLOPs by kind of product add up to attention_flops (what the
     achieved figure divides), its exp count is per feature computed, and bad lengths get a one-line error."""

@@ -197,47 +197,59 @@ def summarize_memory(result: dict) -> dict:
 
 
 def format_memory_table(result: dict) -> str:
+    """Each measured point but SDPA's, with SDPA's at the same length and mode and the ratio where SDPA was measured
+    (else ``-``), then per implementation whether it stays at most SDPA's from 4096 tokens."""
     summary = result["summary"]
     by_implementation = summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}
     targets = summary.get("at_most_sdpa_from_4096_by_implementation") or {"favor": summary["at_most_sdpa_from_4096"]}
     lines = [f"{'L':>6} {'mode':<13} {'impl':<8} {'MiB':>9} {'SDPA MiB':>9} {'ratio':>6}"]
-    for implementation, ratios in by_implementation.items():
-        for mode, by_length in ratios.items():
-            for length, ratio in by_length.items():
-                mine = _lookup(result["records"], mode=mode, length=int(length), implementation=implementation)
-                sdpa = _lookup(result["records"], mode=mode, length=int(length), implementation="sdpa")
-                lines.append(f"{length:>6} {mode:<13} {implementation:<8} {mine['peak_memory_bytes'] / 2**20:9.1f} "
-                             f"{sdpa['peak_memory_bytes'] / 2**20:9.1f} {ratio:6.2f}")
+    order = {name: index for index, name in enumerate(ATTENTION_IMPLEMENTATIONS)}
+    for record in sorted((r for r in result["records"] if r["implementation"] != "sdpa"),
+                         key=lambda r: (order.get(r["implementation"], len(order)), r["mode"], r["length"])):
+        implementation, mode, length = record["implementation"], record["mode"], record["length"]
+        ratio = by_implementation.get(implementation, {}).get(mode, {}).get(str(length))
+        sdpa = _lookup(result["records"], mode=mode, length=length, implementation="sdpa")
+        lines.append(f"{length:>6} {mode:<13} {implementation:<8} {record['peak_memory_bytes'] / 2**20:9.1f} "
+                     + (f"{sdpa['peak_memory_bytes'] / 2**20:9.1f} {ratio:6.2f}" if ratio is not None
+                        else f"{'-':>9} {'-':>6}"))
     for implementation, by_mode in targets.items():
-        lines.append(f"{_NAMES.get(implementation, implementation)} at most SDPA's extra peak at every L >= 4096: "
-                     + ", ".join(f"{mode}: {ok}" for mode, ok in by_mode.items()))
+        if by_mode:
+            lines.append(f"{_NAMES.get(implementation, implementation)} at most SDPA's extra peak at every L >= 4096: "
+                         + ", ".join(f"{mode}: {ok}" for mode, ok in by_mode.items()))
+    if not any(by_implementation.values()):
+        lines.append("no SDPA point at these lengths: add sdpa to --implementations for the ratios")
     return "\n".join(lines)
 
 
 def plot_memory(result: dict, path: Path) -> None:
+    """Extra peak memory against the length, and its ratio to SDPA's when SDPA was measured (else that panel only)."""
     plt = _pyplot()
     records = result["records"]
     names = _legend_names(result["settings"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    summary = result["summary"]
+    ratios_by_implementation = summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}
+    has_ratios = any(any(by_mode.values()) for by_mode in ratios_by_implementation.values())
+    fig, axes = plt.subplots(1, 2 if has_ratios else 1, figsize=(12 if has_ratios else 6.5, 4.8), squeeze=False)
+    axes = axes[0]
     for mode in sorted({r["mode"] for r in records}):
         for impl in ATTENTION_IMPLEMENTATIONS:
             points = sorted((r["length"], r) for r in records if r["mode"] == mode and r["implementation"] == impl)
             if points:
                 axes[0].plot([p[0] for p in points], [p[1]["peak_memory_bytes"] / 2**20 for p in points],
                              _STYLES[impl], color=_MODE_COLORS[mode], label=f"{names[impl]} {mode}")
-        summary = result["summary"]
-        for impl, ratios in (summary.get("over_sdpa_by_implementation") or {"favor": summary["favor_over_sdpa"]}).items():
+        for impl, ratios in ratios_by_implementation.items() if has_ratios else ():
             by_length = ratios.get(mode, {})
             axes[1].plot([int(n) for n in by_length], list(by_length.values()), _STYLES[impl],
                          color=_MODE_COLORS[mode], label=f"{names[impl]} / SDPA {mode}")
-    axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
     s = result["settings"]
     _log_log_axes([axes[0]], "sequence length L", ["extra peak memory, fwd+bwd (MiB)"])
-    axes[1].set_xscale("log", base=2)
-    axes[1].set_xlabel("sequence length L")
-    axes[1].set_ylabel("extra peak memory / SDPA's")
-    axes[1].grid(True, which="both", alpha=0.3)
-    axes[1].legend(fontsize=8)
+    if has_ratios:
+        axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
+        axes[1].set_xscale("log", base=2)
+        axes[1].set_xlabel("sequence length L")
+        axes[1].set_ylabel("extra peak memory / SDPA's")
+        axes[1].grid(True, which="both", alpha=0.3)
+        axes[1].legend(fontsize=8)
     fig.suptitle(f"one attention call, fwd+bwd, fresh process per point (peak RSS growth), B={s['batch']} "
                  f"H={s['heads']} d={s['head_dim']}, {s['dtype']}\n"
                  f"{result['machine']['device_name']}", fontsize=9)
