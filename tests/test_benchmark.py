@@ -229,3 +229,21 @@ def test_throughput_bound_splits_the_counted_flops_and_refuses_bad_input(capsys)
     assert script.exp_count("bidirectional", 8192, 128) == 12 * 4 * 8192 * 256
     assert script.main(["--lengths", "8k"]) == 2
     assert "comma-separated integers" in capsys.readouterr().err
+
+
+def test_memory_benchmark_takes_the_median_of_fresh_processes(monkeypatch):
+    import hf_performer.bench.attention as attention
+
+    figures = iter([100, 300, 10, 200, 50, 20, 150, 250, 30])  # rounds of (window, window-cache, sdpa) at one length
+    calls = []
+    monkeypatch.setattr(attention, "peak_memory_bytes",
+                        lambda implementation, *args: (calls.append(implementation), next(figures))[1])
+    result = attention.run_memory_benchmark(lengths=(64,), heads=2, head_dim=8, modes=("causal",),
+                                            implementations=("window", "window-cache", "sdpa"), repeats=3,
+                                            progress=False)
+    assert calls == ["window", "window-cache", "sdpa"] * 3  # rounds interleaved
+    by_implementation = {r["implementation"]: r for r in result["records"]}
+    assert by_implementation["window"] == dict(length=64, mode="causal", implementation="window",
+                                               peak_memory_bytes=150, runs=[100, 200, 150])
+    assert by_implementation["sdpa"]["peak_memory_bytes"] == 20 and result["settings"]["repeats"] == 3
+    assert result["summary"]["over_sdpa_by_implementation"]["window-cache"] == {"causal": {"64": 250 / 20}}

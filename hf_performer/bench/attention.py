@@ -320,12 +320,14 @@ def run_memory_benchmark(
     dtype: str = "float32",
     backward: bool = True,
     progress: bool = True,
+    repeats: int = 1,
 ) -> dict:
     """Extra peak memory of one attention call (forward, and backward if asked), FAVOR+ against SDPA, length by
     length in the same run: each point runs in a fresh process (:func:`peak_memory_bytes`, CPU), which reports
     the growth of its peak resident set (``VmHWM`` after a reset, i.e. ``ru_maxrss`` for this call) beyond the
     inputs. The resident set counts every byte the call touched (torch's tensors and what the C allocator keeps),
-    which is what decides an out-of-memory; a fresh process keeps earlier calls' caches out of it."""
+    which is what decides an out-of-memory; a fresh process keeps earlier calls' caches out of it. With
+    ``repeats`` > 1 each point is the median of that many processes (each one's figure kept in the record)."""
     from tqdm.auto import tqdm
 
     device_ = torch.device("cpu")
@@ -333,16 +335,23 @@ def run_memory_benchmark(
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
             if not (impl in BIDIRECTIONAL_ONLY and mode == "causal") and not (impl in CAUSAL_ONLY and mode != "causal")]
-    for length, mode, implementation in tqdm(jobs, desc="attention memory", disable=not progress):
+    for length, mode, implementation in tqdm(jobs * repeats if repeats > 1 else jobs, desc="attention memory",
+                                             disable=not progress):
         memory = peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size,
                                    device_, dtype_, backward)
         records.append(dict(length=length, mode=mode, implementation=implementation, peak_memory_bytes=memory))
+    if repeats > 1:  # the rounds interleaved (a slow drift of the machine spreads over every point), then medians
+        records = [dict(length=length, mode=mode, implementation=implementation,
+                        peak_memory_bytes=int(statistics.median(runs)), runs=runs)
+                   for (length, mode, implementation) in jobs
+                   for runs in [[r["peak_memory_bytes"] for r in records if (r["length"], r["mode"],
+                                 r["implementation"]) == (length, mode, implementation)]]]
     result = {
         "benchmark": "attention_memory",
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
                          dtype=dtype, backward=backward, lengths=list(lengths), window=DEFAULT_WINDOW,
                          sinks=DEFAULT_SINKS, window_feature_map=WINDOW_FEATURE_MAP, window_nb_features=2 * head_dim,
-                         sparse_cache=DEFAULT_SPARSE_CACHE,
+                         sparse_cache=DEFAULT_SPARSE_CACHE, repeats=repeats,
                          measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "records": records,

@@ -106,7 +106,7 @@ def run_memory(args) -> int:
     result = attention.run_memory_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
-        implementations=args.implementations, dtype=args.dtype, backward=not args.forward_only,
+        implementations=args.implementations, dtype=args.dtype, backward=not args.forward_only, repeats=args.repeats,
     )
     return _print_and_write(args, result, report.format_memory_table(result), report.plot_memory)
 
@@ -256,6 +256,9 @@ def _add_memory_parser(kinds) -> None:
                              "cache of 256 hard keys per head, no tail")
     memory.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     memory.add_argument("--forward-only", action="store_true", help="measure the forward pass only")
+    memory.add_argument("--repeats", type=int, default=1,
+                        help="fresh processes per point, their median (default: %(default)s; the resident set of one "
+                             "process varies with what the C allocator keeps: ~10-20%% between runs)")
     memory.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
     memory.add_argument("--name", default="attention_memory", help="file stem of the outputs")
     memory.set_defaults(func=run_memory)
