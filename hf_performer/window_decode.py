@@ -23,8 +23,8 @@ it (the ones that left the buffer masked, in one mask over all slots), a third o
 and no copy of the exact keys; in a generating model :meth:`~.cache.WindowCacheLayer.exact_step` calls it ahead of
 the attention function's dispatch, which cost as much as the step's own operations.
 At a row's boundary the step runs :func:`decode_step`'s selection first (:func:`_after_selection`) and packs a new
-record with the new cache (a boundary step used to take :func:`decode_step` whole: ~25x an exact step, once every
-``C`` tokens). A state never changes: a step writes in place only when its state is the newest of its record (a second
+record with the new cache (a boundary step used to take :func:`decode_step` whole, and the step after it packed
+again). A state never changes: a step writes in place only when its state is the newest of its record (a second
 step from the same state packs a copy first), and only into a slot no earlier state's views cover. Autocast,
 reduced-precision inputs (whose scores :func:`decode_step` sums in float32) and steps that need gradients take
 :func:`decode_step`.
