@@ -164,10 +164,7 @@ def _after_selection(state, eps):
     dtype = state.buffer_key.dtype
 
     def tokens(start: int, length: int):  # as decode_step's, over the buffer (which ends at x - 1)
-        begin = start - state.buffer_start
-        keep = rows_window(state.buffer_keep, begin, length, 1, fill=False)
-        values = _with_ones_column(rows_window(state.buffer_value, begin, length, 2))
-        return rows_window(state.buffer_key, begin, length, 2), values.masked_fill(~keep[:, None, :, None], 0.0), keep
+        return _tokens_at(state.buffer_key, state.buffer_value, state.buffer_keep, state.buffer_start, start, length)
 
     cache, (sums, tail_max) = _select_at_boundary(current, (current.tail_sums.to(dtype), current.tail_max), crossing,
                                                   tokens, None, 1.0, x, size, w, state.sparse_cache, eps)
@@ -205,12 +202,8 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         crossing = known & ((x - row_start) % size == 0) & (fresh | (x > current.boundary))
         current_sums = (current.tail_sums.to(dtype), current.tail_max)
 
-        def tokens(start: int, length: int):  # keys, values + ones (zero where not kept), keep of positions start..
-            begin = start - local_start
-            keep = rows_window(local_keep, begin, length, 1, fill=False)
-            values = _with_ones_column(rows_window(local_value.to(dtype), begin, length, 2))
-            return rows_window(local_key.to(dtype), begin, length, 2), values.masked_fill(~keep[:, None, :, None], 0.0), \
-                keep
+        def tokens(start: int, length: int):
+            return _tokens_at(local_key.to(dtype), local_value.to(dtype), local_keep, local_start, start, length)
 
         cache = current
         if bool(crossing.any()):
@@ -276,6 +269,16 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             row_start=row_start, kept_tokens=state.kept_tokens + local_keep[:, -1].long(), current=new_current,
             query_tail=query_tail, seen=x + 1, exact_keys=None)
     return out.to(value.dtype), new_state
+
+
+def _tokens_at(key, value, keep, first: int, start: int, length: int):
+    """Positions ``start .. start + length - 1`` of tokens ``key`` / ``value`` ``[B, Hkv, n, .]`` and ``keep``
+    ``[B, n]`` whose first is at position ``first``: keys, values with a ones column (zero where not kept) and keep
+    (``False`` outside)."""
+    begin = start - first
+    kept = rows_window(keep, begin, length, 1, fill=False)
+    values = _with_ones_column(rows_window(value, begin, length, 2))
+    return rows_window(key, begin, length, 2), values.masked_fill(~kept[:, None, :, None], 0.0), kept
 
 
 def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps):
