@@ -335,17 +335,16 @@ def run_memory_benchmark(
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
             if not (impl in BIDIRECTIONAL_ONLY and mode == "causal") and not (impl in CAUSAL_ONLY and mode != "causal")]
-    for length, mode, implementation in tqdm(jobs * repeats if repeats > 1 else jobs, desc="attention memory",
-                                             disable=not progress):
-        memory = peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size,
-                                   device_, dtype_, backward)
-        records.append(dict(length=length, mode=mode, implementation=implementation, peak_memory_bytes=memory))
-    if repeats > 1:  # the rounds interleaved (a slow drift of the machine spreads over every point), then medians
-        records = [dict(length=length, mode=mode, implementation=implementation,
-                        peak_memory_bytes=int(statistics.median(runs)), runs=runs)
-                   for (length, mode, implementation) in jobs
-                   for runs in [[r["peak_memory_bytes"] for r in records if (r["length"], r["mode"],
-                                 r["implementation"]) == (length, mode, implementation)]]]
+    runs = {job: [] for job in jobs}
+    # Whole rounds one after the other: a slow drift of the machine spreads over every point.
+    for job in tqdm(jobs * repeats, desc="attention memory", disable=not progress):
+        length, mode, implementation = job
+        runs[job].append(peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features,
+                                           chunk_size, device_, dtype_, backward))
+    for (length, mode, implementation), figures in runs.items():
+        records.append(dict(length=length, mode=mode, implementation=implementation,
+                            peak_memory_bytes=int(statistics.median(figures)),
+                            **({"runs": figures} if repeats > 1 else {})))
     result = {
         "benchmark": "attention_memory",
         "settings": dict(batch=batch, heads=heads, head_dim=head_dim, nb_features=nb_features, chunk_size=chunk_size,
