@@ -197,7 +197,7 @@ def main(argv=None) -> int:
     import torch
 
     from hf_performer.bench.decode_converted import load_converted_causal_lm
-    from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.machine import load_average, machine_record
     from hf_performer.bench.report import recorded_path, write_result
 
     start_load = load_average()
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
         settings=dict(model=Path(args.model).name, contexts=args.contexts, batch=args.batch,
                       prefill_length=args.prefill_length, repeats=args.repeats, prefill_repeats=args.prefill_repeats,
                       dtype="float32"),
-        machine={**machine_info(torch.device("cpu")), "load_average": {"start": start_load, "end": load_average()}},
+        machine=machine_record(start_load),
         decode=decode, prefill=prefill, summary=summary(decode, prefill))
     for key, row in result["summary"].items():
         print(f"{key}: window layers {row['favor_speedup']:.2f}x softmax, no attention {row['floor_speedup']:.2f}x")

@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.machine import load_average, machine_record
     from hf_performer.bench.report import recorded_path, write_result
 
     start_load = load_average()
@@ -138,7 +138,7 @@ def main(argv=None) -> int:
         command=f"python benchmarks/scripts/lora_step_speed.py {arguments}",
         settings=dict(batch=args.batch, length=args.length, precision=args.precision, repeats=args.repeats,
                       lora=dict(r=8, alpha=16, optimizer="AdamW", learning_rate=1e-4)),
-        machine={**machine_info(torch.device("cpu")), "load_average": {"start": start_load, "end": load_average()}},
+        machine=machine_record(start_load),
         records=records)
     for record in records:
         print(f"{record['label']} ({record['attention']}): {record['median_s']:.2f} s per step, "

@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     from transformers import AutoModelForCausalLM
 
     from hf_performer import favor_attention, modeling_performer  # noqa: F401  (modeling: Performer classes in the Auto classes)
-    from hf_performer.bench.machine import load_average, machine_info
+    from hf_performer.bench.machine import load_average, machine_record
     from hf_performer.bench.report import recorded_path, write_result
     from hf_performer.packed_sequences import GROUP_PADDING, SegmentRows
 
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
                       repeats=args.repeats, group_padding=GROUP_PADDING,
                       window_positions=dict(grouped=grouped_positions, one_group=padded),
                       groups=[[args.lengths[i] for i in group] for group in grouped.groups]),
-        machine={**machine_info(torch.device("cpu")), "load_average": {"start": start_load, "end": load_average()}},
+        machine=machine_record(start_load),
         records=records)
     for record in records:
         print(f"{record['arm']}: {record['median_s']:.2f} s, {record['ratio_to_softmax']:.2f}x softmax")

@@ -81,6 +81,12 @@ def load_average() -> list[float] | None:
         return None
 
 
+def machine_record(start_load: list[float] | None, device: torch.device | None = None) -> dict:
+    """:func:`machine_info` of ``device`` (the CPU by default) with the load averages at the start of a run
+    (``start_load``, read by :func:`load_average` before it) and now."""
+    return {**machine_info(device or torch.device("cpu")), "load_average": {"start": start_load, "end": load_average()}}
+
+
 def matmul_gflops(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
     """Throughput of a plain square matmul: the compute floor the attention kernels are held to."""
     a = torch.randn(size, size, device=device, dtype=dtype)
