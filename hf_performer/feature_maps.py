@@ -260,7 +260,8 @@ class RandomFeatureMap(FeatureMap):
         self.redraws += 1
         self.calls.zero_()
         new = self.draw_projection(int(self.redraws))
-        self.projection.copy_(new.to(self.projection.device, self.projection.dtype))
+        # A new tensor, not an in-place copy: a forward whose backward is still to run keeps the projection it used.
+        self.projection = new.to(self.projection.device, self.projection.dtype)
 
     @torch.no_grad()
     def maybe_redraw(self) -> None:

@@ -13,7 +13,8 @@ softmax attention with that ``scaling`` would use it.
 Numerics (see ``pitfalls.md`` of the project):
 
 * everything after the inputs runs in float32 (float64 for float64 inputs) with autocast disabled;
-  the output is cast back to the dtype of ``value``;
+  the output is cast back to the dtype of ``value`` (on the parallel path, CUDA's, the matrix products of bf16 inputs
+  take bf16 operands with float32 accumulation: :mod:`.linear_attention_parallel`);
 * query features carry a per-row stabiliser, which cancels between numerator and denominator;
 * key features share one stabiliser per (example, head): the maximum over unpadded keys in the
   bidirectional case, and in the causal case the running maximum over the keys seen so far, so that
@@ -23,8 +24,11 @@ Numerics (see ``pitfalls.md`` of the project):
 
 The slow, obvious float64 references these kernels are tested against live in ``reference.py``.
 
-This module imports only ``torch`` and its sibling ``feature_maps``: it is copied next to saved
-models for ``trust_remote_code``.
+Which computation runs is chosen by device (:func:`~.linear_attention_parallel.attention_path`): the chunked kernels of
+:mod:`.linear_attention_autograd` on the CPU, the parallel ones of :mod:`.linear_attention_parallel` on CUDA.
+
+This module imports only ``torch`` and its siblings ``favor_schema``, ``feature_maps``, ``linear_attention_autograd``
+and ``linear_attention_parallel``: it is copied next to saved models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ import torch
 from .favor_schema import DEFAULT_CHUNK_SIZE
 from .feature_maps import FeatureMap, Features, compute_dtype_for
 from .linear_attention_autograd import _finite_min, _repeat_kv, _safe_denominator, chunked_linear_attention
+from .linear_attention_parallel import attention_path, parallel_linear_attention
 
 # DEFAULT_CHUNK_SIZE: tokens per chunk of the causal scan (declared in favor_schema). The bidirectional kernel, which
 # has no [C, C] tile, takes chunks of at least BIDIRECTIONAL_MIN_CHUNK tokens.
@@ -254,7 +259,8 @@ def linear_attention(
         return_state: causal only; also return the state after the last token.
         chunk_size: tokens per chunk of the chunked computation (causal: exact inside a chunk, a running
             state between chunks; bidirectional chunks take at least 128 tokens); any value gives the same
-            result, it trades speed for temporary memory.
+            result, it trades speed for temporary memory. The parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`)
+            chooses its own chunks.
         eps: smallest magnitude of a denominator.
         recompute_features: ignored, kept for compatibility: the features are always recomputed in the
             backward now.
@@ -293,10 +299,16 @@ def linear_attention(
             )
             return (out.to(out_dtype), state) if return_state else out.to(out_dtype)
         feature_map.maybe_redraw()
-        out, state = chunked_linear_attention(
-            query, key, value, feature_map, causal=causal, key_padding_mask=mask, scale=scale,
-            initial_state=initial_state, chunk_size=chunk_size, eps=eps,
-        )
+        if attention_path(query) == "parallel":  # CUDA: a fixed number of operations per call
+            out, state = parallel_linear_attention(
+                query, key, value, feature_map, causal=causal, key_padding_mask=mask, scale=scale,
+                initial_state=initial_state, eps=eps,
+            )
+        else:
+            out, state = chunked_linear_attention(
+                query, key, value, feature_map, causal=causal, key_padding_mask=mask, scale=scale,
+                initial_state=initial_state, chunk_size=chunk_size, eps=eps,
+            )
     out = out.to(out_dtype)
     if not return_state:
         return out

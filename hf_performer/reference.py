@@ -104,6 +104,21 @@ def reference_recurrent_linear_attention(
     return torch.stack(outputs, dim=2)
 
 
+def reference_decayed_attention(q, k, v, log_decay=None, initial_state=None):
+    """``S_t = exp(g_t) S_{t-1} + k_t v_t^T``, ``o_t = q_t S_t`` one token at a time in float64 (the contract of
+    :func:`~.decayed_attention.decayed_attention`). Returns ``o`` ``[B, H, T, V]`` and the final state."""
+    q, k, v = (t.to(torch.float64) for t in (q, k, v))
+    state = q.new_zeros(q.shape[:2] + (q.shape[-1], v.shape[-1])) if initial_state is None else \
+        initial_state.to(torch.float64)
+    outputs = []
+    for t in range(q.shape[2]):
+        if log_decay is not None:
+            state = state * log_decay[:, :, t].to(torch.float64).exp()[..., None, None]
+        state = state + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, :, t], state))
+    return torch.stack(outputs, dim=2), state
+
+
 def softmax_attention(
     query: torch.Tensor,
     key: torch.Tensor,

@@ -55,8 +55,12 @@ Bidirectional: each segment reads its band's halo and two small tail sums (the k
 through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that redraws in training mode keeps the one
 pass.
 
-This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_tail``,
-``window_tail_cap``, ``window_segments``, ``window_blocks``, ``window_causal``, ``window_decode`` and ``window_state``.
+On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`) nothing is segmented (one pass, the
+memory of its graph) and a bidirectional call runs :mod:`.window_bidirectional_parallel`.
+
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
+``linear_attention_parallel``, ``window_tail``, ``window_tail_cap``, ``window_segments``, ``window_blocks``,
+``window_bidirectional_parallel``, ``window_causal``, ``window_decode`` and ``window_state``.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ from .linear_attention import (
     _safe_denominator,
     _with_ones_column,
 )
+from .linear_attention_parallel import attention_path
+from .window_bidirectional_parallel import parallel_bidirectional_window
 from .window_blocks import reused_outputs
 from .window_causal import causal_window_attention, tail_features
 from .window_decode import can_decode_step, decode_step, exact_decode_step
@@ -178,7 +184,8 @@ def _check_window_arguments(query, key, window, sinks, causal, softmax_weight, c
                 f"softmax_weight must be None (calibrated) or a tensor of shape [heads] = [{heads}] with values "
                 f"in (0, 1); got {shape}"
             )
-        if not bool((softmax_weight.detach() > 0).all()):
+        # (A decoding step's weights were checked at its prefill: no device read per token.)
+        if not (stateful and query.shape[2] == 1) and not bool((softmax_weight.detach() > 0).all()):
             raise ValueError("softmax_weight must be None (calibrated) or hold values in (0, 1); got a value <= 0")
 
 
@@ -402,6 +409,10 @@ def window_linear_attention(
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
             return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
             tail_cap=tail_cap, tail_gate=tail_gate)
+    if attention_path(query) == "parallel":
+        return parallel_bidirectional_window(query, key, value, feature_map, window=window, sinks=sinks,
+                                             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
+                                             eps=eps, sink_rows=(_sink_query_rows, _with_sink_queries))
     return _bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)
@@ -514,8 +525,8 @@ def _with_sink_queries(out, sink_out, sink_position, sink_valid):
 def _segmented_for_gradients(query, key, value, feature_map, learned_weights, causal) -> bool:
     """Whether a call runs in recomputed segments: gradients wanted, longer than one segment, and a map whose
     recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
-    if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal):
-        return False
+    if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal) or attention_path(query) == "parallel":
+        return False  # (the parallel path, CUDA, spends memory on one pass instead of recomputed segments)
     tensors = [query, key, value, *learned_weights] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         return False

@@ -17,7 +17,7 @@ those lines (module code). In learned mode ``c_i`` is part of the definition: it
 (shared by ties, as ``amax``'s). Feature maps are recomputed per group under autograd and backpropagated with
 ``torch.autograd.grad`` (which also accumulates a learned map's parameter gradients).
 
-This module imports only ``torch`` and its sibling ``linear_attention``.
+This module imports only ``torch`` and its siblings ``linear_attention`` and ``linear_attention_parallel``.
 """
 
 from __future__ import annotations
@@ -29,10 +29,16 @@ from typing import NamedTuple
 import torch
 
 from .linear_attention import _safe_denominator
+from .linear_attention_parallel import attention_path
 
 GROUP_ROWS = 8192
 """Query rows (examples x key heads x blocks x g C) processed together: the temporaries of a group are a few
 ``[rows, C + w + G + sinks]`` tensors (8192 rows, window 64: about 5 MiB each)."""
+
+PARALLEL_GROUP_ROWS = 1 << 18
+"""The same on the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`): one group up to 16k tokens
+of 12 heads (a few ``[262144, C + w + G + sinks]`` temporaries, ~100 MiB each with window 64), so that a call is a
+fixed number of kernel launches."""
 
 
 _REUSE = contextvars.ContextVar("window_blocks_reuse", default=None)
@@ -59,8 +65,9 @@ def block_layout(operands: BlockOperands, spec: BlockSpec) -> tuple[int, int, tu
     kv_heads = operands.keys.shape[1]
     blocks = operands.query.shape[2] // spec.size
     rows = operands.query.shape[0] * kv_heads * spec.groups * spec.size
+    budget = PARALLEL_GROUP_ROWS if attention_path(operands.query) == "parallel" else GROUP_ROWS
     expected = operands.query.shape[:1] + (kv_heads, blocks, spec.groups * spec.size, operands.values.shape[-1])
-    return blocks, max(1, GROUP_ROWS // rows), expected
+    return blocks, max(1, budget // rows), expected
 
 
 def take_reused(expected_shape: tuple, kind: str = "outputs") -> tuple | None:

@@ -21,8 +21,13 @@ Every tensor is float32 (float64 for float64 inputs) with autocast off. With ``c
 calibrated ``(E + T e^{u - c}) / .``, learned ``(gamma E + T e^{u}) / .``, both rescaled by ``e^{-rho}``,
 ``rho = max(0, exponent)`` (detached), so that no term overflows.
 
-This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``, ``window_state``,
-``window_sparse_cache``, ``window_tail``, ``window_tail_cap``, ``window_blocks`` and ``window_exact_blocks``.
+On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`) a call is one group of blocks, the
+blocks without a tail one SDPA call (:func:`~.window_exact_blocks.attend_sdpa_blocks`) and the boundaries of a layer
+without a tail one kernel (:mod:`.window_selection_kernel`).
+
+This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
+``linear_attention_parallel``, ``window_state``, ``window_sparse_cache``, ``window_selection_kernel``, ``window_tail``,
+``window_tail_cap``, ``window_blocks`` and ``window_exact_blocks``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,9 @@ import torch
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
 from .window_blocks import BlockOperands, BlockSpec, attend_blocks, record_for_reuse, take_reused
-from .window_exact_blocks import attend_exact_blocks, fused_exact_applies
+from .window_exact_blocks import attend_exact_blocks, attend_sdpa_blocks, fused_exact_applies
+from .window_selection_kernel import kernel_applies, select_without_tail
+from .linear_attention_parallel import attention_path, operand_dtype
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
@@ -181,7 +188,7 @@ def causal_window_attention(query, key, value, feature_map, *, window, sinks, sp
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
         tail_weight = (tail_cap, None if tail_gate is None else tail_gate.to(dtype))
         out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window, sparse_cache,
-                             tail_weight)
+                             tail_weight, operand_dtype(query))
         if not return_state:
             return out.to(value.dtype)
         new_state = _next_state(call, chunk_size, window, sinks, sparse_cache, max_rollback)
@@ -271,6 +278,14 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
     if slots < capacity:  # a fresh state: empty slots
         index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
         valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
+    if selection_map is None and kernel_applies(pool_values) and attention_path(tile_key) == "parallel":
+        # Without a tail, every boundary in one kernel launch (the loop below is its reference).
+        index, valid, sums = select_without_tail(pool_values, index, valid, entering_tail[0], candidate_keep, new_at,
+                                                 slots=slots, capacity=capacity, size=size, eps=eps)
+        tails = (sums, entering_tail[1][:, :, None].expand(-1, -1, blocks))
+        if reusable:
+            record_for_reuse(index, valid, *(t.detach() for t in tails), kind="selection")
+        return tails, _cache_at(pool_keys, pool_values, index, valid)
     tail = entering_tail
     indices, valids, tails = [index], [valid], [tail]
     for block in range(1, blocks):
@@ -315,33 +330,44 @@ def _gather_slots(pool, index):
 
 def _prefix_tails(entering_tail, features, log_scale, value_ones, candidate_keep, blocks, size):
     """Without a sparse cache every candidate folds: the tail sums at block ``k``'s boundary are the entering sums
-    plus the tiles ``0 .. k - 1`` (``[B, Hkv, blocks, m, dv + 1]`` and ``[B, Hkv, blocks]``)."""
+    plus the tiles ``0 .. k - 1`` (``[B, Hkv, blocks, m, dv + 1]`` and ``[B, Hkv, blocks]``).
+
+    Each tile's increment is taken relative to its own largest log-scale ``M_t``; the sums at ``k`` are relative to
+    ``K_k = max(K_entering, M_0 .. M_{k-1})``, i.e. ``sum_{t < k} exp(M_t - K_k) I_t + exp(K_entering - K_k) S``:
+    one ``[blocks, blocks]`` product over the increments (every exponent ``<= 0``), for every block at once."""
     batch, kv_heads = features.shape[:2]
     keep = candidate_keep[:, None].expand(-1, kv_heads, -1, -1)  # [B, Hkv, blocks, C]
     tile_features = features.view(batch, kv_heads, blocks, size, -1)
     tile_values = value_ones.view(batch, kv_heads, blocks, size, -1)
+    weights = tile_features * keep[..., None].to(tile_features.dtype)
+    entering_sums, entering_max = entering_tail
+    block = torch.arange(blocks, device=features.device)
+    earlier = block[:, None] > block[None, :]  # t < k
     if log_scale is None:
-        weights = tile_features * keep[..., None].to(tile_features.dtype)
         increments = torch.matmul(weights.transpose(-1, -2), tile_values)  # [B, Hkv, blocks, m, dv + 1]
         # exclusive prefix over the blocks as one small matmul (cumsum along a middle dim, and its flipped
         # backward, cost more than the increments themselves)
-        earlier = torch.ones(blocks, blocks, dtype=increments.dtype, device=increments.device).tril(-1)
-        before = torch.matmul(earlier, increments.flatten(3)).view_as(increments)
-        sums = entering_tail[0][:, :, None] + before
-        return sums, entering_tail[1][:, :, None].expand(-1, -1, blocks)
-    tail, tails = entering_tail, [entering_tail]
-    tile_log_scale = log_scale.view(batch, kv_heads, blocks, size)
-    for block in range(blocks - 1):
-        tail = fold_into(tail, tile_features[:, :, block], tile_log_scale[:, :, block], tile_values[:, :, block],
-                         keep[:, :, block])
-        tails.append(tail)
-    return _stack_tails(tails)
+        before = torch.matmul(earlier.to(increments.dtype), increments.flatten(3)).view_as(increments)
+        return entering_sums[:, :, None] + before, entering_max[:, :, None].expand(-1, -1, blocks)
+    floor = torch.finfo(features.dtype).min
+    masked = log_scale.view(batch, kv_heads, blocks, size).masked_fill(~keep, float("-inf"))
+    tile_max = masked.detach().amax(-1)  # M_t, -inf for a tile without candidates
+    increments = torch.matmul((weights * (masked - tile_max.clamp_min(floor)[..., None]).exp()[..., None])
+                              .transpose(-1, -2), tile_values)  # relative to M_t
+    running = torch.cummax(tile_max, dim=-1).values
+    stabilizer = torch.maximum(entering_max[..., None], torch.cat(
+        [torch.full_like(running[..., :1], float("-inf")), running[..., :-1]], dim=-1)).clamp_min(floor)  # K_k
+    between = torch.where(earlier, tile_max[..., None, :] - stabilizer[..., :, None], float("-inf")).exp()
+    before = torch.matmul(between, increments.flatten(3)).view_as(increments)
+    carried = (entering_max[..., None] - stabilizer).exp()[..., None, None]
+    return entering_sums[:, :, None] * carried + before, stabilizer
 
 
-def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, capacity, tail_weight):
+def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w, capacity, tail_weight,
+                   operands_dtype=None):
     """The outputs ``[B, H, L, dv]`` of the queries, computed for the blocks ``n_query .. n_last`` of the shifted
     frame (module docstring) by :func:`~.window_blocks.attend_blocks`; ``tail_weight`` = ``(tail_cap, tail_gate)``
-    (:mod:`.window_tail_cap`)."""
+    (:mod:`.window_tail_cap`); ``operands_dtype``: the dtype of the parallel path's products (that of the inputs)."""
     layout_key, layout_value, layout_keep = call.layout
     tile_features, _, tile_keep = call.tiles
     sink_key, sink_value, sink_position, sink_valid = call.sinks
@@ -381,8 +407,11 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
         tile_keep=tile_keep[:, tail_blocks].view(batch, blocks, size),
         gamma=gamma, tail_log_weight=None if feature_map is None else
         _tail_log_weights(call, query_position, size, w, capacity, *tail_weight, kv_heads, query.dtype))
-    attend = attend_exact_blocks if fused_exact_applies(operands, spec) else attend_blocks
-    out = attend(operands, spec)  # [B, Hkv, n, g C, dv]
+    if feature_map is None and attention_path(query) == "parallel":
+        out = attend_sdpa_blocks(operands, spec, operands_dtype)
+    else:
+        attend = attend_exact_blocks if fused_exact_applies(operands, spec) else attend_blocks
+        out = attend(operands, spec)  # [B, Hkv, n, g C, dv]
     value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)

@@ -40,6 +40,7 @@ from torch.nn.functional import scaled_dot_product_attention
 
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
+from .linear_attention_parallel import attention_path
 from .window_causal import _key_features, combine, exact_terms, rows_window
 from .window_sparse_cache import fold_into, select_hard_keys
 from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capacity, last_tokens, row_sinks
@@ -101,15 +102,19 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps):
     state it continues (at a row's boundary, the state after that boundary's selection); ``None`` when
     :func:`exact_decode_step` does not serve the step."""
     dtype = query.dtype
-    if (state.sparse_cache == 0 or (dtype != torch.float32 and dtype != torch.float64) or key.dtype != dtype
+    # float32 / float64 everywhere; bf16 / fp16 on the parallel path (CUDA), where the step is SDPA in the model's
+    # dtype as a softmax model's (float32 accumulation in the kernel) instead of decode_step's float32 sums.
+    served_dtypes = (torch.float32, torch.float64) + (
+        (torch.bfloat16, torch.float16) if attention_path(query) == "parallel" else ())
+    if (state.sparse_cache == 0 or dtype not in served_dtypes or key.dtype != dtype
             or value.dtype != dtype or state.buffer_key.dtype != dtype or torch.is_autocast_enabled(query.device.type)
             or (state.sinks == 0 and key_padding_mask is not None)
             or (torch.is_grad_enabled() and any(t.requires_grad for t in (
                 query, key, value, state.sink_key, state.sink_value, state.buffer_key, state.buffer_value,
                 state.current.cache_key, state.current.cache_value)))):
-        # (float32 / float64: decode_step sums reduced-precision scores in float32. Without sinks a padded new token
-        # could leave a row no key: decode_step's zero output. Gradients: the in-place writes would change what
-        # autograd saved.)
+        # (Reduced precision on the CPU: decode_step sums its scores in float32. Without sinks a padded new token could
+        # leave a row no key: decode_step's zero output. Gradients: the in-place writes would change what autograd
+        # saved.)
         return None
     batch, kv_heads, size = state.buffer_key.shape[:3]
     exact, current = state.exact_keys, state.current
@@ -206,13 +211,16 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             return _tokens_at(local_key.to(dtype), local_value.to(dtype), local_keep, local_start, start, length)
 
         cache = current
-        if bool(crossing.any()):
+        # (Known row starts tell on the host whether any row may cross a boundary: no device read between them.)
+        starts = None if state.host is None else state.host[1]
+        may_cross = starts is None or any((x - start) % size == 0 for start in starts)
+        if may_cross and bool(crossing.any()):
             cache, current_sums = _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x,
                                                       size, w, capacity, eps)
         # Without a cache the tokens that left the window since the boundary are in the tail (the state keeps the last
         # query's tail sums); with one they wait exactly for the next selection, in the band.
         query_tail = None if capacity else _query_tail(state, current, crossing, known, tokens, feature_map, root, x,
-                                                       w, current_sums)
+                                                       w, current_sums, may_cross)
         boundary = torch.where(crossing, x, current.boundary)
 
         # Exact keys: sinks, cache, the last w tokens (with a cache, every token after the boundary's window edge),
@@ -268,7 +276,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
             buffer_key=buffer_key, buffer_value=buffer_value, buffer_keep=buffer_keep,
             row_start=row_start, kept_tokens=state.kept_tokens + local_keep[:, -1].long(), current=new_current,
             query_tail=query_tail, seen=x + 1, exact_keys=None)
-    return out.to(value.dtype), new_state
+    return out.to(value.dtype), new_state.with_host_facts()
 
 
 def _tokens_at(key, value, keep, first: int, start: int, length: int):
@@ -314,16 +322,17 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
                                                                                 current_sums[1]))
 
 
-def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums):
+def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums, may_cross=True):
     """The tail sums of query ``x`` without a sparse cache: the committed tail at a boundary (or before the row's first
-    token), else the last query's plus token ``x - w``."""
+    token), else the last query's plus token ``x - w``. ``may_cross`` ``False``: the host knows that every row has a
+    token and none is at a boundary."""
     key, value_ones, keep = tokens(x - w, 1)
     keep = keep & (x > current.boundary)[:, None]
     last_sums, last_max = state.query_tail
     tail = fold_into((last_sums.to(value_ones.dtype), last_max), *_key_features(feature_map, key, root), value_ones,
                      keep[:, None].expand(-1, key.shape[1], -1))
     rows = crossing | ~known
-    if not bool(rows.any()):
+    if (not may_cross and state.host is not None and state.host[1] is not None) or not bool(rows.any()):
         return tail
     return (torch.where(rows.view(-1, 1, 1, 1), current_sums[0], tail[0]),
             torch.where(rows[:, None], current_sums[1], tail[1]))

@@ -13,6 +13,10 @@ over the blocks), the per-block cache and the overlapping tiles (folded), as :mo
 Same operands, outputs and reference as :func:`~.window_blocks.attend_blocks` (``attend_blocks_naive``); the
 reuse of recorded outputs by a recomputing caller (:func:`~.window_blocks.reused_outputs`) works the same way.
 
+On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`), :func:`attend_sdpa_blocks` hands
+every block to one ``scaled_dot_product_attention`` call (the blocks as its batch, the allowed keys a boolean mask:
+the memory-efficient kernel on CUDA) and leaves the backward to autograd, in the inputs' bf16 / fp16 when they have it.
+
 This module imports only ``torch`` and its sibling ``window_blocks``.
 """
 
@@ -80,6 +84,22 @@ def _block_problem(operands: BlockOperands, spec: BlockSpec):
     flat = batch * kv_heads * blocks
     return (query.reshape(flat, 1, rows, width), torch.cat(keys, dim=-2).reshape(flat, 1, total, width),
             torch.cat(values, dim=-2).reshape(flat, 1, total, width), mask.view(flat, 1, rows, total), counts)
+
+
+def attend_sdpa_blocks(operands: BlockOperands, spec: BlockSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`attend_exact_blocks`'s outputs ``[B, Hkv, n, g C, d]`` from one ``scaled_dot_product_attention`` call
+    over every block (operands in ``dtype``, default theirs), differentiable by autograd (the parallel path: a fixed
+    number of operations per call). A row that may see no key (left padding) gets 0, as the reference."""
+    expected = block_layout(operands, spec)[2]
+    if not _kinds(operands, spec):
+        return operands.query.new_zeros(expected)
+    query, key, value, mask, _ = _block_problem(operands, spec)
+    empty = torch.isneginf(mask).all(-1, keepdim=True)  # [N, 1, rows, 1]
+    dtype = dtype or query.dtype
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask.masked_fill(empty, 0.0).to(dtype),
+        scale=spec.scaling)
+    return out.masked_fill(empty, 0.0).to(operands.query.dtype).view(expected)
 
 
 def _run_group(operands: BlockOperands, spec: BlockSpec):

@@ -174,6 +174,9 @@ class WindowAttentionState(NamedTuple):
             ``max_rollback == 0`` (then ``current`` is the only one).
         seen: tokens seen (padding included); window, sinks, sparse_cache (``G``), chunk_size, max_rollback: the
             settings the state was built with.
+        host: ``(sinks filled, row starts)`` as Python values (``row starts`` ``None`` while a row has no token), or
+            ``None``: what a decoding step would otherwise read back from the device each token (a rollback or a
+            batch change drops it).
         exact_keys: the :class:`ExactKeys` of a layer without a tail between two boundaries while decoding, or
             ``None`` (rebuilt on demand).
     """
@@ -197,6 +200,21 @@ class WindowAttentionState(NamedTuple):
     chunk_size: int
     max_rollback: int
     exact_keys: ExactKeys | None = None
+    host: tuple | None = None
+
+    def sinks_filled(self) -> bool:
+        """Whether every row's sink slots hold a token (from :attr:`host` once it says so: no device read)."""
+        if self.host is not None and self.host[0]:
+            return True
+        return bool(self.sink_valid.all())
+
+    def with_host_facts(self) -> "WindowAttentionState":
+        """This state with :attr:`host` filled in: read once from the device (two reads), then carried by the decoding
+        steps, which then need no device read between boundaries."""
+        if self.host is not None and self.host[0] and self.host[1] is not None:
+            return self
+        starts = self.row_start.tolist()
+        return self._replace(host=(bool(self.sink_valid.all()), tuple(starts) if min(starts) >= 0 else None))
 
     @property
     def buffer_start(self) -> int:
@@ -242,7 +260,7 @@ class WindowAttentionState(NamedTuple):
             sink_valid=self.sink_valid & (self.sink_position < seen), buffer_key=self.buffer_key[:, :, :buffer],
             buffer_value=self.buffer_value[:, :, :buffer], buffer_keep=self.buffer_keep[:, :buffer],
             kept_tokens=self.kept_tokens - self.buffer_keep[:, buffer:].sum(-1), current=None, query_tail=None,
-            checkpoint=self.oldest, seen=seen, exact_keys=None,
+            checkpoint=self.oldest, seen=seen, exact_keys=None, host=None,
         )
 
     def map_batch(self, fn) -> "WindowAttentionState":
@@ -251,7 +269,8 @@ class WindowAttentionState(NamedTuple):
         query_tail = None if self.query_tail is None else tuple(fn(t) for t in self.query_tail)
         return self._replace(
             current=None if self.current is None else self.current.map_batch(fn), query_tail=query_tail,
-            checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), exact_keys=None, **tensors)
+            checkpoint=None if self.checkpoint is None else self.checkpoint.map_batch(fn), exact_keys=None, host=None,
+            **tensors)
 
     def nbytes(self) -> int:
         """Bytes held by the tensors (bounded by the settings, not by ``seen``)."""
@@ -379,7 +398,7 @@ def row_sinks(key, value, keep, sinks, initial_state, seen):
         and which new tokens are sinks.
     """
     batch, kv_heads, length, _ = key.shape
-    if initial_state is not None and bool(initial_state.sink_valid.all()):  # every slot taken: no new sink
+    if initial_state is not None and initial_state.sinks_filled():  # every slot taken: no new sink
         return (initial_state.sink_key.to(key.dtype), initial_state.sink_value.to(value.dtype),
                 initial_state.sink_position, initial_state.sink_valid, torch.zeros_like(keep))
     positions = torch.arange(seen, seen + length, device=key.device)

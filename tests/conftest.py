@@ -1,6 +1,15 @@
 """Fixtures shared by the test files."""
 
+import os
 import sys
+
+# Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (the parallel path's selection kernel,
+# tests/test_parallel_path.py); it must be on before anything imports triton.
+if not os.environ.get("CUDA_VISIBLE_DEVICES") and "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest
 

@@ -41,9 +41,13 @@ RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_a
                    "configuration_performer", "favor_attention", "modeling_performer", "window_tail", "window_segments",
                    "window_state", "window_sparse_cache", "window_causal", "window_decode", "window_blocks",
                    "window_exact_blocks", "window_tail_cap",
-                   "favor_masks", "favor_modules")
+                   "favor_masks", "favor_modules", "decayed_attention", "linear_attention_parallel",
+                   "window_selection_kernel", "window_bidirectional_parallel")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {
+    ("hf_performer.window_selection_kernel", "triton"):
+        "the selection kernel, imported under try: without Triton the boundary loop serves (a CUDA install has it)",
+    ("hf_performer.window_selection_kernel", "triton.language"): "the same kernel's language module, under try",
     ("hf_performer.configuration_performer", "huggingface_hub.dataclasses"):
         "@strict, as transformers' own configurations use it (huggingface_hub is installed with transformers)",
 }

@@ -609,6 +609,44 @@ def results_index(root: str) -> str:
                               ", ".join(f"`{RESULTS_LINK}/{folder}/`" for folder in folders) + "."])
 
 
+def launch_counts(root: str) -> str:
+    """Kernel launches and host reads of one attention call and of one decoding step, CPU path against parallel path
+    (``launch_counts.json``, counted on the CPU)."""
+    result = load("launch_counts.json")
+    records = result["records"]
+    lengths = sorted({r["length"] for r in records})
+    kinds = list(dict.fromkeys((r["implementation"], r["mode"]) for r in records))
+    count = lambda path, kind, length, field="launches": next(  # noqa: E731
+        r[field] for r in records if r["path"] == path and (r["implementation"], r["mode"]) == kind
+        and r["length"] == length)
+    head = " | ".join(f"CPU path, L={length:,}" for length in lengths) + " | " + \
+        " | ".join(f"parallel path, L={length:,}" for length in lengths)
+    lines = [f"One attention call, forward + backward (B=1, H=12, d=64, m=256), launches (host reads) "
+             f"({_link(root, 'launch_counts.json')}):", "",
+             f"| kind | {head} |", "|---|" + "---:|" * (2 * len(lengths))]
+    for kind in kinds:
+        cells = [f"{count(path, kind, length):,} ({count(path, kind, length, 'synchronisations')})"
+                 for path in ("chunked", "parallel") for length in lengths]
+        lines.append(f"| {kind[0]}, {kind[1]} | " + " | ".join(cells) + " |")
+    decoding = result["decoding"]
+    models = list(decoding["chunked/float32"])
+    lines += ["", "One generated token, per layer of a SmolLM2-shaped model (9 heads, 3 KV heads), inside `generate`, "
+              "launches (host reads):", "",
+              "| model | CPU path, float32 | CPU path, bf16 | parallel path, float32 | parallel path, bf16 |",
+              "|---|---:|---:|---:|---:|"]
+    for model in models:
+        cells = []
+        for key in ("chunked/float32", "chunked/bfloat16", "parallel/float32", "parallel/bfloat16"):
+            row = decoding[key][model]
+            cells.append(f"{row['launches_per_layer']:.1f} ({row['synchronisations_per_layer']:.2f})")
+        lines.append(f"| {model.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    info = result["machine"]
+    lines += ["", f"Counted on the CPU ({info['cpu']}, torch {info['torch']}, {info['date'][:10]}); the counts do not "
+              "depend on the device. A launch is an operation that is not a view (on a GPU, at least one kernel); the "
+              "sparse cache's selection kernel counts as one."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "recovery-results": recovery_results,
     "attention-speed": attention_speed,
@@ -629,5 +667,6 @@ TABLES = {
     "readme-headline": readme_headline,
     "break-even": break_even_lengths,
     "results-index": results_index,
+    "launch-counts": launch_counts,
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""

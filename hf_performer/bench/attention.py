@@ -128,6 +128,18 @@ def attention_flops(implementation: str, mode: str, length: int, heads: int, hea
 # ------------------------------------------------------------------------------------ one call
 
 
+def kernel_record(device: torch.device, dtype: torch.dtype) -> dict:
+    """Which path and linear backend the measured calls ran (:mod:`~hf_performer.linear_attention_parallel`,
+    :mod:`~hf_performer.decayed_attention`)."""
+    from ..decayed_attention import backend_for
+    from ..linear_attention_parallel import attention_path, operand_dtype
+
+    probe = torch.zeros(1, device=device, dtype=dtype)
+    path = attention_path(probe)
+    return {"attention_path": path,
+            "linear_backend": backend_for(probe.to(operand_dtype(probe))) if path == "parallel" else "chunked loop"}
+
+
 def _eager_attention(q, k, v, causal):
     """Materialised softmax, as transformers' eager attention: an [L, L] score matrix per head."""
     scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
@@ -299,6 +311,7 @@ def run_speed_benchmark(
                          sparse_cache=DEFAULT_SPARSE_CACHE),
         "machine": {**machine_info(device_), "load_average": load_average()},
         "matmul_gflops_per_s": matmul_gflops(device_, dtype_),
+        "kernels": kernel_record(device_, dtype_),
         "records": records,
     }
     result["summary"] = summarize_speed(result)
