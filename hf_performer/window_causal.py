@@ -56,10 +56,14 @@ def rows_window(x: torch.Tensor, start, length: int, dim: int, fill=0):
     one ``int`` for every row), with ``fill`` where that range leaves ``x``; one ``narrow`` view when every row starts
     at the same place inside."""
     size = x.shape[dim]
-    if isinstance(start, int):
-        if 0 <= start and start + length <= size:
-            return x.narrow(dim, start, length)
-        start = torch.full((x.shape[0],), start, dtype=torch.long, device=x.device)
+    if isinstance(start, int):  # one start for every row: a view, padded with `fill` where it leaves x (no host read)
+        low, high = min(max(start, 0), size), min(max(start + length, 0), size)
+        inside = x.narrow(dim, low, high - low)
+        if high - low == length:
+            return inside
+        pad = lambda count: x.new_full(x.shape[:dim] + (count,) + x.shape[dim + 1:], fill)  # noqa: E731
+        before = min(max(-start, 0), length)
+        return torch.cat([pad(before), inside, pad(length - before - (high - low))], dim=dim)
     first, last = int(start.min()), int(start.max())
     if first == last and first >= 0 and first + length <= size:
         return x.narrow(dim, first, length)
@@ -113,6 +117,7 @@ class _Call(NamedTuple):
     tiles: tuple  # (features, value_ones, keep) of the first blocks C keys of the layout
     tails: tuple  # (sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])
     caches: tuple | None  # (key, value_ones, pool index, valid) [B, Hkv, blocks, G, .]
+    uniform_offset: int | None = None  # the offset of every row when the host knows it (no state, no padding)
 
 
 def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cache, key_padding_mask, scaling, state,
@@ -142,8 +147,13 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
     commit_block = torch.where(known_before >= 0, _floor_div(entering.boundary - offset, size),
                                _floor_div(seen - offset, size) - (1 if w == 0 else 0))
     last_block = _floor_div(seen + length - 1 - offset, size)
-    n_first, n_last = int(commit_block.min()), int(last_block.max())
-    n_query = int(_floor_div(seen - offset, size).min())
+    # Without a state or padding every row starts at 0: its blocks are known on the host (no device read).
+    uniform_offset = 0 if state is None and key_padding_mask is None else None
+    if uniform_offset is None:
+        n_first, n_last = int(commit_block.min()), int(last_block.max())
+        n_query = int(_floor_div(seen - offset, size).min())
+    else:
+        n_first, n_last, n_query = -1 if w == 0 else 0, (length - 1) // size, 0
     blocks = n_last - n_first + 1
 
     # The local sequence (absolute positions [local_start, seen + L)) laid out per row in the shifted frame.
@@ -155,7 +165,8 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
         local = (torch.cat([state.buffer_key.to(key.dtype), key], dim=2),
                  torch.cat([state.buffer_value.to(value.dtype), value], dim=2),
                  torch.cat([state.buffer_keep, new_keep], dim=1), state.buffer_start)
-    to_local = n_first * size - w + 1 + offset - local[3]  # layout index 0 is shifted position n_first C - w + 1
+    # layout index 0 is shifted position n_first C - w + 1
+    to_local = n_first * size - w + 1 + (offset if uniform_offset is None else uniform_offset) - local[3]
     layout_length = blocks * size + max(w - 1, 0)
     layout = (rows_window(local[0].to(dtype), to_local, layout_length, 2),
               rows_window(local[1].to(dtype), to_local, layout_length, 2),
@@ -170,7 +181,7 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
                                 blocks, size, sparse_cache, feature_map, root, eps)
     return _Call(seen, length, (sink_key, sink_value, sink_position, sink_valid), row_start, offset, entering,
                  last_block, n_first, n_query, n_last, local, kept_before, layout, (tile_features, tile_value_ones, tile_keep),
-                 tails, caches)
+                 tails, caches, uniform_offset)
 
 
 def causal_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
@@ -371,6 +382,7 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
     layout_key, layout_value, layout_keep = call.layout
     tile_features, _, tile_keep = call.tiles
     sink_key, sink_value, sink_position, sink_valid = call.sinks
+    row_offset = call.offset if call.uniform_offset is None else call.uniform_offset  # (an int: no host read)
     offset, seen, n_first, n_query, n_last, caches = call.offset, call.seen, call.n_first, call.n_query, call.n_last, \
         call.caches
     batch, heads, length, _ = query.shape
@@ -392,7 +404,7 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
     tail_blocks = slice(skip, skip + blocks * size)
     with_pending = feature_map is not None and not pending_in_band
     operands = BlockOperands(
-        query=rows_window(query, n_query * size + offset - seen, blocks * size, 2),
+        query=rows_window(query, n_query * size + row_offset - seen, blocks * size, 2),
         keys=layout_key[:, :, skip:reach], values=layout_value[:, :, skip:reach], band_keep=band_keep,
         sink_key=sink_key.to(query.dtype), sink_value=sink_value.to(query.dtype),
         sink_allowed=sink_valid[:, None, None, :] & (sink_position[:, None, None, :] <= query_position[..., None]),
@@ -415,7 +427,7 @@ def _attend_blocks(query, feature_map, scaling, gamma, eps, call: _Call, size, w
     value_dim = out.shape[-1]
     out = out.view(batch, kv_heads, blocks, groups, size, value_dim).transpose(2, 3).reshape(
         batch, heads, blocks * size, value_dim)
-    return rows_window(out, seen - n_query * size - offset, length, 2)
+    return rows_window(out, seen - n_query * size - row_offset, length, 2)
 
 
 def _tail_log_weights(call: _Call, query_position, size, w, capacity, tail_cap, tail_gate, kv_heads, dtype):
