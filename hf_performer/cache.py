@@ -58,6 +58,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache
 from .favor_settings import is_window_layer, resolve_favor_settings
 from .feature_maps import no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, LinearAttentionState, linear_attention
+from .linear_attention_parallel import attention_path
 from .window_attention import window_linear_attention
 from .window_decode import exact_decode_step
 
@@ -296,7 +297,10 @@ class WindowCacheLayer(FavorCacheLayer):
             calls) the tokens of the last forward are kept croppable on top of that, however many.
 
     Attributes:
-        state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before).
+        state: the :class:`~.window_attention.WindowAttentionState` after all tokens seen (``None`` before). On the
+            parallel path (CUDA) the first call of a layer computes its outputs without a state and the state only when
+            something reads it (a decoding step, ``crop``, its size): a training forward, which builds a cache by
+            default (``use_cache``) and never reads it, pays nothing for it.
     """
 
     _layer_type = "favor_window"
@@ -312,6 +316,27 @@ class WindowCacheLayer(FavorCacheLayer):
         # Set by Cache.activate_past_recording() (assisted generation): the tokens of each forward also stay
         # unfolded until the next one, so that any number of rejected draft tokens can be cropped.
         self.record_past = False
+
+    @property
+    def state(self):
+        pending = self.__dict__.get("_pending_state")
+        if pending is not None:
+            self.__dict__["_pending_state"] = None
+            self.__dict__["_state"] = pending()
+        return self.__dict__.get("_state")
+
+    @state.setter
+    def state(self, value) -> None:
+        self.__dict__["_pending_state"] = None
+        self.__dict__["_state"] = value
+
+    def _defers_state(self, query, key, feature_map) -> bool:
+        """Whether :meth:`attend` computes this call's outputs now and its state when read: the parallel path, the
+        layer's first call over a whole prompt, no recording for assisted decoding, a map that cannot redraw."""
+        return (self.__dict__.get("_state") is None and self.__dict__.get("_pending_state") is None
+                and not self.record_past and query.shape[-2] == key.shape[-2] > 1
+                and attention_path(query) == "parallel"
+                and (feature_map is None or not (feature_map.training and getattr(feature_map, "redraw_interval", 0))))
 
     def activate_past_recording(self) -> None:
         """Keep every token of the last forward croppable, however many (transformers' assisted generation)."""
@@ -339,6 +364,20 @@ class WindowCacheLayer(FavorCacheLayer):
         max_rollback = self.max_rollback or 0
         if self.record_past:
             max_rollback += key.shape[-2]
+        if self._defers_state(query, key, feature_map):
+            grad = torch.is_grad_enabled()
+
+            def state_of_the_call():  # the same call with its state, as it would have run (grad mode included)
+                with torch.set_grad_enabled(grad):
+                    return window_linear_attention(
+                        query, key, value, feature_map, window=window, key_padding_mask=key_padding_mask,
+                        return_state=True, max_rollback=max_rollback, **kwargs)[1]
+
+            out = window_linear_attention(query, key, value, feature_map, window=window,
+                                          key_padding_mask=key_padding_mask, **kwargs)
+            self.pending_tokens = 0
+            self.__dict__["_pending_state"] = state_of_the_call
+            return out
         out, state = window_linear_attention(
             query, key, value, feature_map, window=window, key_padding_mask=key_padding_mask,
             initial_state=self.state, return_state=True, max_rollback=max_rollback, **kwargs,

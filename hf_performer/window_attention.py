@@ -55,12 +55,13 @@ Bidirectional: each segment reads its band's halo and two small tail sums (the k
 through :mod:`.window_segments` (:func:`_segmented_bidirectional`). A map that redraws in training mode keeps the one
 pass.
 
-On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`) nothing is segmented (one pass, the
-memory of its graph) and a bidirectional call runs :mod:`.window_bidirectional_parallel`.
+On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`) a call without a state runs
+:mod:`.window_parallel` (every block at once) when it serves it, and nothing is segmented (one pass, the memory of its
+graph).
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
 ``linear_attention_parallel``, ``window_tail``, ``window_tail_cap``, ``window_segments``, ``window_blocks``,
-``window_bidirectional_parallel``, ``window_causal``, ``window_decode`` and ``window_state``.
+``window_parallel``, ``window_causal``, ``window_decode`` and ``window_state``.
 """
 
 from __future__ import annotations
@@ -80,9 +81,9 @@ from .linear_attention import (
     _with_ones_column,
 )
 from .linear_attention_parallel import attention_path
-from .window_bidirectional_parallel import parallel_bidirectional_window
 from .window_blocks import reused_outputs
 from .window_causal import causal_window_attention, tail_features
+from .window_parallel import parallel_window_attention
 from .window_decode import can_decode_step, decode_step, exact_decode_step
 from .window_segments import CausalPlan, SegmentPlan, segmented_bidirectional, segmented_causal
 from .window_state import (
@@ -394,6 +395,13 @@ def window_linear_attention(
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
             eps=eps)
     mask = _as_bool_mask(key_padding_mask)
+    if not stateful and attention_path(query) == "parallel":
+        out = parallel_window_attention(
+            query, key, value, feature_map, window=window, sinks=sinks, causal=causal, softmax_weight=softmax_weight,
+            key_padding_mask=mask, scaling=scaling, sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
+            chunk_size=chunk_size, eps=eps, sink_rows=(_sink_query_rows, _with_sink_queries))
+        if out is not None:
+            return out
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         step = None if feature_map is not None else exact_decode_step(
             query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling, eps=eps)
@@ -409,10 +417,6 @@ def window_linear_attention(
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
             return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
             tail_cap=tail_cap, tail_gate=tail_gate)
-    if attention_path(query) == "parallel":
-        return parallel_bidirectional_window(query, key, value, feature_map, window=window, sinks=sinks,
-                                             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
-                                             eps=eps, sink_rows=(_sink_query_rows, _with_sink_queries))
     return _bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)

@@ -194,7 +194,38 @@ def test_parallel_linear_attention_runs_a_fixed_number_of_operations_without_hos
     assert totals[0] == totals[1] < 300
 
 
-# ------------------------------------------------------------------------------------ causal window attention
+# ------------------------------------------------------------------------------------ window attention
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the dev extra installs it)")
+@pytest.mark.parametrize("tail,causal,cache", [(False, True, 16), (True, True, 0), (True, False, 0)],
+                         ids=["window-cache", "tail-causal", "tail-bidirectional"])
+def test_parallel_window_attention_runs_a_fixed_number_of_operations(parallel, monkeypatch, tail, causal, cache):
+    """Every block at once (window_parallel): the same operations at every length; no host read without a tail (with
+    one, a learned gamma is checked once)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from hf_performer import window_parallel
+
+    kernel = window_parallel.select_without_tail
+
+    def one_launch(*args, **kwargs):  # the interpreted kernel's own operations are not the GPU's
+        with _disable_current_modes():
+            return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(window_parallel, "select_without_tail", one_launch)
+    feature_map = make_feature_map("hedgehog", 16, num_heads=4, num_key_value_heads=2) if tail else None
+    gamma = torch.full((4,), 0.1) if tail and causal else None
+    totals = []
+    for length in (96, 400):
+        q = torch.randn(1, 4, length, 16, requires_grad=True)
+        k, v = (torch.randn(1, 2, length, 16, requires_grad=True) for _ in range(2))
+        with OperationCounts() as ops:
+            window_linear_attention(q, k, v, feature_map, window=8, sinks=2, causal=causal, sparse_cache=cache,
+                                    softmax_weight=gamma, chunk_size=16).sum().backward()
+        assert ops.synchronisations == (1 if gamma is not None else 0)
+        totals.append(ops.total)
+    assert totals[0] == totals[1]
 
 
 WINDOW_CASES = [  # (feature map, window, sinks, sparse cache, learned gamma)

@@ -3,8 +3,8 @@
 What sets a GPU's time at short lengths and when decoding is the number of launches and the host reads, which are the
 same on any device: counted here on the CPU (``hf_performer.bench.operations``) with ``HF_PERFORMER_ATTENTION_PATH``
 set to each path, for one attention call (B=1, H=12, d=64, forward + backward) at two lengths, and per generated token
-of a tiny SmolLM2-shaped model (9 heads, 3 KV heads) and its conversions, per layer. No timing: counts, exact and
-repeatable.
+and per layer of one training step (1,024 tokens, bf16 autocast) of a tiny SmolLM2-shaped model (9 heads, 3 KV heads)
+and its conversions. No timing: counts, exact and repeatable.
 
     python benchmarks/scripts/launch_counts.py --output-dir benchmarks/results
 """
@@ -25,7 +25,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 from torch.utils._python_dispatch import _disable_current_modes  # noqa: E402
 
-from hf_performer import window_causal  # noqa: E402
+from hf_performer import window_causal, window_parallel  # noqa: E402
 from hf_performer.bench.machine import machine_info  # noqa: E402
 from hf_performer.bench.operations import attention_call_counts, count_operations  # noqa: E402
 from hf_performer.linear_attention_parallel import PATH_VARIABLE  # noqa: E402
@@ -41,7 +41,7 @@ def _one_launch(*args, **kwargs):
     return result
 
 
-window_causal.select_without_tail = _one_launch
+window_causal.select_without_tail = window_parallel.select_without_tail = _one_launch
 
 KINDS = [("favor", "bidirectional"), ("favor", "causal"), ("window", "bidirectional"), ("window", "causal"),
          ("window-cache", "causal"), ("improved-clustered", "bidirectional"), ("sdpa", "causal")]
@@ -53,24 +53,62 @@ DECODERS = {
 }
 
 
-def decode_counts(dtype: torch.dtype, layers=(1, 2), steps: int = 64) -> dict:
-    """Launches and synchronisations per generated token and layer (the difference between a 2- and a 1-layer model),
-    inside ``generate`` after a 600-token prompt."""
+def _smollm2_shaped(layers: int):
     from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging
 
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=99, hidden_size=144, intermediate_size=96, num_hidden_layers=layers,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=4096)
+    return LlamaForCausalLM(config)
+
+
+def _converted(source, settings):
     from hf_performer.conversion import convert_to_performer
+
+    return source if settings is None else convert_to_performer(source, task="causal-lm", **settings)
+
+
+def training_counts(length: int = 1024, layers=(1, 2)) -> dict:
+    """Launches and synchronisations per layer of one training step (forward + backward of the LM loss, bf16 autocast,
+    ``1 x length`` tokens, the model's default ``use_cache``): the difference between a 2- and a 1-layer model."""
+    from transformers.utils import logging
 
     logging.set_verbosity_error()
     per_layers = {}
     for count in layers:
-        torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=99, hidden_size=144, intermediate_size=96, num_hidden_layers=count,
-                             num_attention_heads=9, num_key_value_heads=3, head_dim=16, max_position_embeddings=4096)
-        source = LlamaForCausalLM(config).eval()
+        source = _smollm2_shaped(count)
+        ids = torch.randint(0, 99, (1, length))
+        for name, settings in DECODERS.items():
+            model = _converted(source, settings).train()
+
+            def step():
+                with torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            step()
+            counts = count_operations(step)
+            per_layers.setdefault(name, {})[count] = (counts.launches, counts.synchronisations)
+    low, high = layers
+    return {name: {"launches_per_layer": (c[high][0] - c[low][0]) / (high - low),
+                   "synchronisations_per_layer": (c[high][1] - c[low][1]) / (high - low)}
+            for name, c in per_layers.items()}
+
+
+def decode_counts(dtype: torch.dtype, layers=(1, 2), steps: int = 64) -> dict:
+    """Launches and synchronisations per generated token and layer (the difference between a 2- and a 1-layer model),
+    inside ``generate`` after a 600-token prompt."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    per_layers = {}
+    for count in layers:
+        source = _smollm2_shaped(count).eval()
         ids = torch.randint(0, 99, (1, 600))
         for name, settings in DECODERS.items():
-            model = source if settings is None else convert_to_performer(source, task="causal-lm", **settings)
+            model = _converted(source, settings)
             model.to(dtype)
 
             def generate(tokens):
@@ -94,7 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[1024, 4096])
     args = parser.parse_args(argv)
     previous = os.environ.get(PATH_VARIABLE)
-    records, decoding = [], {}
+    records, decoding, training = [], {}, {}
     try:
         for path in ("chunked", "parallel"):
             os.environ[PATH_VARIABLE] = path
@@ -106,6 +144,7 @@ def main(argv=None) -> int:
                           f"syncs {counts['synchronisations']:5d}", flush=True)
             for dtype in (torch.float32, torch.bfloat16):
                 decoding[f"{path}/{str(dtype).replace('torch.', '')}"] = decode_counts(dtype)
+            training[path] = training_counts()
     finally:
         if previous is None:
             os.environ.pop(PATH_VARIABLE, None)
@@ -120,6 +159,7 @@ def main(argv=None) -> int:
         "machine": machine_info(torch.device("cpu")),
         "records": records,
         "decoding": decoding,
+        "training": training,
     }
     args.output_dir.mkdir(parents=True, exist_ok=True)
     (args.output_dir / "launch_counts.json").write_text(json.dumps(result, indent=1) + "\n")

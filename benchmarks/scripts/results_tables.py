@@ -640,6 +640,15 @@ def launch_counts(root: str) -> str:
             row = decoding[key][model]
             cells.append(f"{row['launches_per_layer']:.1f} ({row['synchronisations_per_layer']:.2f})")
         lines.append(f"| {model.replace('_', ' ')} | " + " | ".join(cells) + " |")
+    if result.get("training"):
+        lines += ["", "One training step (1 x 1,024 tokens, bf16 autocast, forward + backward of the LM loss), per layer "
+                  "of the same model, launches (host reads):", "",
+                  "| model | CPU path | parallel path |", "|---|---:|---:|"]
+        for model in models:
+            cells = [f"{result['training'][key][model]['launches_per_layer']:.0f} "
+                     f"({result['training'][key][model]['synchronisations_per_layer']:.0f})"
+                     for key in ("chunked", "parallel")]
+            lines.append(f"| {model.replace('_', ' ')} | " + " | ".join(cells) + " |")
     info = result["machine"]
     lines += ["", f"Counted on the CPU ({info['cpu']}, torch {info['torch']}, {info['date'][:10]}); the counts do not "
               "depend on the device. A launch is an operation that is not a view (on a GPU, at least one kernel); the "
