@@ -227,6 +227,9 @@ def test_documented_entry_points_keep_working():
     (["decode", "--context-lengths", "-5"], "--context-lengths must be integers >= 1"),
     (["decode", "--device", "nonsense"], "--device nonsense: not a torch device name"),
     (["model", "a", "--repeats", "0"], "--repeats must be an integer >= 1"),
+    (["attention", "--implementations", "clustered", "--modes", "causal"], "none of --implementations clustered runs "
+     "in --modes causal (clustered, improved-clustered, lsh are bidirectional only, window-cache causal only)"),
+    (["memory", "--implementations", "window-cache", "--modes", "bidirectional"], "none of --implementations"),
 ])
 def test_bench_sizes_are_checked_before_any_work_in_one_line(arguments, message, capsys):
     with pytest.raises(cli.CommandFailed) as failure:

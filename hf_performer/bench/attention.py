@@ -366,6 +366,7 @@ def run_memory_benchmark(
                          sparse_cache=DEFAULT_SPARSE_CACHE, repeats=repeats,
                          measurement="growth of the peak resident set (VmHWM) of a fresh process during one call"),
         "machine": {**machine_info(device_), "load_average": load_average()},
+        "kernels": kernel_record(device_, dtype_),
         "records": records,
     }
     result["summary"] = summarize_memory(result)

@@ -15,6 +15,8 @@ from pathlib import Path
 from ..bench.defaults import (
     ATTENTION_IMPLEMENTATIONS,
     ATTENTION_MODES,
+    BIDIRECTIONAL_ONLY,
+    CAUSAL_ONLY,
     DEFAULT_ATTENTION_IMPLEMENTATIONS,
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CLUSTERS,
@@ -63,6 +65,19 @@ def check_sizes(args) -> None:
             raise SystemExit(f"hf-performer bench {args.benchmark}: error: --device {device}: {error}") from None
 
 
+def check_pairs(args) -> None:
+    """Refuse, in one line before any work, ``--implementations`` none of which runs in any of ``--modes`` (an empty
+    table otherwise)."""
+    pairs = [(implementation, mode) for implementation in args.implementations for mode in args.modes
+             if not (implementation in BIDIRECTIONAL_ONLY and mode == "causal")
+             and not (implementation in CAUSAL_ONLY and mode != "causal")]
+    if not pairs:
+        raise SystemExit(
+            f"hf-performer bench {args.benchmark}: error: none of --implementations {' '.join(args.implementations)} "
+            f"runs in --modes {' '.join(args.modes)} ({', '.join(BIDIRECTIONAL_ONLY)} are bidirectional only, "
+            f"{', '.join(CAUSAL_ONLY)} causal only)")
+
+
 def _warn_if_loaded() -> None:
     from ..bench.machine import machine_load_warning
 
@@ -87,6 +102,7 @@ def run_speed(args) -> int:
     from ..bench import attention, report
 
     check_sizes(args)
+    check_pairs(args)
     _warn_if_loaded()
     result = attention.run_speed_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
@@ -103,6 +119,7 @@ def run_memory(args) -> int:
     from ..bench import attention, report
 
     check_sizes(args)
+    check_pairs(args)
     result = attention.run_memory_benchmark(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
