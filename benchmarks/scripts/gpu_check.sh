@@ -40,7 +40,8 @@ stage() {  # stage NAME SECONDS COMMAND...
     shift 2
     echo "== $(date +%T) $name (limit ${limit}s)"
     timeout "$limit" "$@" > "$work/$name.log" 2>&1
-    echo "== $(date +%T) $name rc=$?"
+    local status=$?
+    echo "== $(date +%T) $name rc=$status"
     tail -n 40 "$work/$name.log"
     pack
 }
