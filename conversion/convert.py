@@ -38,6 +38,7 @@ from hf_performer.favor_attention import (
     find_attention_modules,
     layer_index_of,
 )
+from hf_performer.favor_settings import exact_budget_problem
 from hf_performer.feature_maps import default_feature_map_init
 from hf_performer.linear_attention import LinearAttentionError
 from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, PerformerPreTrainedModel
@@ -340,6 +341,12 @@ def convert_to_performer(
                     layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})
+    positions = max_position_embeddings or learned_position_count(source) or getattr(
+        source.config.get_text_config(), "max_position_embeddings", None)
+    problem = exact_budget_problem(settings, positions)
+    if problem:
+        raise ConversionError(f"{problem}: every input would be exact softmax at a higher cost; give a smaller value "
+                              "(or max_position_embeddings above it)")
     try:
         config = PerformerConfig(source_config=source.config, favor_settings=settings)
     except PerformerConfigError as error:

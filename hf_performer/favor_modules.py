@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .configuration_performer import reads_attention_registry
-from .favor_settings import canonical_favor_settings, favor_settings_of, is_int
+from .favor_settings import canonical_favor_settings, exact_budget_problem, favor_settings_of, is_int
 
 ATTN_IMPLEMENTATION = "favor"
 SETTINGS_ATTRIBUTE = "_favor_settings"
@@ -130,9 +130,16 @@ def update_favor_settings(model: nn.Module, **changes) -> dict:
     if not configs:
         raise ValueError(f"{type(model).__name__} has no attention module running favor attention to change")
     settings = None
-    for config in configs.values():
-        settings = canonical_favor_settings({**(config.favor_settings or {}), **changes})
-        config.favor_settings = settings
+    new_settings = {}
+    for key, config in configs.items():
+        new_settings[key] = canonical_favor_settings({**(config.favor_settings or {}), **changes})
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        problem = exact_budget_problem(new_settings[key], getattr(text, "max_position_embeddings", None))
+        if problem:
+            raise ValueError(f"update_favor_settings: {problem}: every input would be exact softmax at a higher cost; "
+                             "give a smaller value")
+    for key, config in configs.items():  # (nothing changes unless every config takes the new settings)
+        settings = config.favor_settings = new_settings[key]
     top = getattr(model, "config", None)
     if top is not None and getattr(top, "favor_settings", None) is not None and id(top) not in configs:
         top.favor_settings = settings  # a Performer model's own config records them too

@@ -327,6 +327,24 @@ def largest_window(settings: dict) -> int:
     return max([settings.get("window", 0), *(values.get("window", 0) for values in overrides.values())])
 
 
+def largest_sparse_cache(settings: dict) -> int:
+    """The largest ``sparse_cache`` of any layer of ``settings`` (the model-wide one and the overrides)."""
+    overrides = settings.get("layer_windows") or {}
+    return max([settings.get("sparse_cache", 0), *(values.get("sparse_cache", 0) for values in overrides.values())])
+
+
+def exact_budget_problem(settings: dict, positions: int | None) -> str | None:
+    """What is wrong with a window or a sparse cache that covers all ``positions`` the model takes (every input would
+    be exact softmax, at a higher cost, and a cache's decoding state would be allocated for more tokens than any input
+    holds), as a clause naming the setting; ``None`` when both fit or ``positions`` is unknown."""
+    if not positions:
+        return None
+    for name, value in (("window", largest_window(settings)), ("sparse_cache", largest_sparse_cache(settings))):
+        if value and value >= positions:
+            return f"{name} {value} covers all {positions} positions the model takes"
+    return None
+
+
 def is_window_layer(settings: dict, layer_idx: int) -> bool:
     """Whether layer ``layer_idx`` runs sink + window attention (its window or sinks > 0)."""
     return any(value > 0 for value in layer_window(settings, layer_idx))

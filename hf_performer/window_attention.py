@@ -383,6 +383,8 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, sparse_cache, causal,
                                               initial_state, max_rollback, chunk_size)
+    if not stateful:  # a call's cost is bounded by its input: more exact keys than it has tokens change nothing
+        window, sparse_cache = min(window, key.shape[2]), min(sparse_cache, key.shape[2])
     segmented = _segmented_for_gradients(query, key, value, feature_map, (softmax_weight, tail_gate), causal)
     if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(

@@ -29,10 +29,15 @@ def read_training_text(files: list[str], max_chars: int | None = None) -> str:
     return "\n\n".join(parts)
 
 
-def check_causal_source(source: str):
+LINEARIZE_NEEDS_CAUSAL = "linearize trains next-token prediction, which needs causal attention"
+
+
+def check_causal_source(source: str, needs: str = LINEARIZE_NEEDS_CAUSAL,
+                        instead: str = "convert an encoder with `hf-performer convert` or `hf-performer distill`"):
     """Refuse a source that is not a causal LM: its attention must be causal (a BERT encoder has a causal-LM head
     class, but trained through bidirectional attention its next-token predictions see the tokens they predict).
-    Returns the source's config.
+    ``source`` may be a softmax model or a converted (Performer) folder; ``needs`` and ``instead`` say why a causal LM
+    is needed and what to do with the model instead. Returns the source's config.
 
     Raises:
         RecipeError: one line naming the source and what it is.
@@ -61,21 +66,23 @@ def check_causal_source(source: str):
     finally:
         hf_logging.set_verbosity(verbosity)
     if not modules or not all(getattr(module, "is_causal", False) for _, module in modules):
+        source_config = getattr(config, "source_config", None)  # a converted folder: say what it was converted from
+        kind = source_config.model_type if source_config is not None else config.model_type
         raise RecipeError(
-            f"{source} is a bidirectional {config.model_type} model, not a causal LM: linearize trains next-token "
-            "prediction, which needs causal attention (Llama, GPT-2, Qwen2, Mistral, ...); convert an encoder with "
-            "`hf-performer convert` or `hf-performer distill`")
+            f"{source} is a bidirectional {kind} model, not a causal LM: {needs} (Llama, GPT-2, Qwen2, Mistral, ...); "
+            f"{instead}")
     return config
 
 
 def check_conversion(arguments: dict, config) -> None:
     """Build the converted model on the meta device (no weights, no time) so that settings the convert stage would
     refuse are refused now (a projection the map's init cannot have, a softmax layer the model lacks), and refuse a
-    window that covers every position the model takes (every layer would be exact softmax at a higher cost)."""
+    window or a sparse cache that covers every position the model takes (every layer would be exact softmax at a
+    higher cost)."""
     import torch
 
     from ..configuration_performer import PerformerConfig, PerformerConfigError
-    from ..favor_settings import largest_window
+    from ..favor_settings import exact_budget_problem
     from ..modeling_performer import PERFORMER_CLASSES_BY_TASK
 
     favor = {("softmax_layers" if key == "keep_softmax_layers" else key): value for key, value in arguments.items()
@@ -85,11 +92,10 @@ def check_conversion(arguments: dict, config) -> None:
             PERFORMER_CLASSES_BY_TASK["causal-lm"](PerformerConfig(source_config=config, favor_settings=favor))
     except (PerformerConfigError, ValueError, TypeError) as error:
         raise RecipeError(" ".join(str(error).split())) from None
-    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
-    if positions and largest_window(favor) >= positions:
-        raise RecipeError(f"--window {largest_window(favor)} covers all {positions} positions of the model: every "
-                          "input would fit in the window and every layer would compute exact softmax at a higher "
-                          "cost; give a smaller --window")
+    problem = exact_budget_problem(favor, getattr(config.get_text_config(), "max_position_embeddings", None))
+    if problem:
+        flag = problem.split()[0].replace("_", "-")
+        raise RecipeError(f"--{problem}: every input would be exact softmax at a higher cost; give a smaller --{flag}")
 
 
 def load_tokenizer(source: str):

@@ -224,3 +224,20 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     assert arms.main(arguments) == 0
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         arms.main([*arguments[:5], "oops", *arguments[5:]])
+
+
+@pytest.mark.parametrize("verb,arguments", [("settings", ["--sparse-cache", "4"]),
+                                            ("budget", ["--cache-budget", "10%", "--text-file", __file__])])
+def test_budget_and_settings_refuse_a_bidirectional_window_model_before_any_work(tmp_path, verb, arguments):
+    """A converted encoder loads as a causal LM with a random head: refused in one line, nothing written."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    encoder = convert_to_performer(BertModel(BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2,
+                                                        num_attention_heads=2, intermediate_size=37)).eval(),
+                                   feature_map="hedgehog", window=4, sinks=1)
+    encoder.save_pretrained(tmp_path / "encoder")
+    with pytest.raises(SystemExit, match=f"hf-performer {verb}: error: .* is a bidirectional bert model, not a causal "
+                                         "LM: .* an encoder keeps no decoding state") as failure:
+        cli_main([verb, str(tmp_path / "encoder"), str(tmp_path / "out"), *arguments])
+    assert "\n" not in str(failure.value) and not (tmp_path / "out").exists()

@@ -302,3 +302,33 @@ def test_the_selection_kernel_equals_the_boundary_loop(parallel, monkeypatch, le
     for got, expected in zip(with_kernel[1:], with_loop[1:]):
         assert _relative(got, expected, rows) < 1e-12
     assert _relative(with_kernel[2], with_kernel[1], rows) < 1e-12  # the continued call equals the whole one
+
+
+def test_settings_beyond_the_input_cost_what_the_input_holds():
+    """A call without a state clips its window and sparse cache to its tokens (the same outputs): a cost bounded by
+    the input, not by a setting of a million."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 150, 16, generator=generator) for _ in range(3))
+    huge = window_linear_attention(q, k, v, None, window=8, sinks=1, sparse_cache=10**6)
+    assert torch.equal(huge, window_linear_attention(q, k, v, None, window=8, sinks=1, sparse_cache=150))
+    wide = window_linear_attention(q, k, v, None, window=10**5, sinks=1)
+    assert torch.equal(wide, window_linear_attention(q, k, v, None, window=150, sinks=1))
+
+
+@pytest.mark.parametrize("changes", [{"sparse_cache": 10**6}, {"window": 600},
+                                     {"layer_windows": {"1": {"sparse_cache": 512}}}])
+def test_settings_covering_every_position_are_refused_in_one_line(tiny_llama_lm, changes):
+    """convert_to_performer and update_favor_settings refuse a window or a sparse cache that covers every position the
+    model takes (exact softmax at a higher cost; a decoding state sized by the setting), and change nothing."""
+    from hf_performer.conversion import ConversionError, convert_to_performer
+    from hf_performer.favor_attention import update_favor_settings
+
+    positions = tiny_llama_lm.config.max_position_embeddings
+    with pytest.raises(ConversionError, match=f"covers all {positions} positions the model takes") as failure:
+        convert_to_performer(tiny_llama_lm, feature_map="hedgehog", **{"window": 8, **changes})
+    assert "\n" not in str(failure.value)
+    model = convert_to_performer(tiny_llama_lm, feature_map="hedgehog", window=8, sinks=1)
+    before = dict(model.config.favor_settings)
+    with pytest.raises(ValueError, match=f"update_favor_settings: .* covers all {positions} positions"):
+        update_favor_settings(model, **changes)
+    assert model.config.favor_settings == before

@@ -132,7 +132,11 @@ def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_lla
     tokenizer.save_pretrained(plain)
     for arguments, message in (([str(folder), str(tmp_path / "a")], "nothing to change"),
                                ([str(folder), str(tmp_path / "b"), "--sparse-cache", "-1"], "must be an int >= 0"),
-                               ([str(plain), str(tmp_path / "c"), "--window", "8"], "not a window hybrid")):
+                               ([str(plain), str(tmp_path / "c"), "--window", "8"], "not a window hybrid"),
+                               ([str(folder), str(tmp_path / "d"), "--sparse-cache", "1000000"],
+                                "sparse_cache 1000000 covers all 256 positions the model takes"),
+                               ([str(folder), str(tmp_path / "e"), "--window", "100000"],
+                                "window 100000 covers all 256 positions the model takes")):
         with pytest.raises(SystemExit, match=message) as failure:
             cli_main(["settings", *arguments])
         assert "\n" not in str(failure.value) and not Path(arguments[1]).exists()

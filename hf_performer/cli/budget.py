@@ -66,8 +66,13 @@ def run_budget(args: argparse.Namespace) -> int:
     )
     from ..recipes.arguments import RecipeError
     from ..recipes.linearize import transfer_batches
-    from ..recipes.linearize_inputs import load_tokenizer, read_training_text
+    from ..recipes.linearize_inputs import check_causal_source, load_tokenizer, read_training_text
 
+    try:  # (before loading: a bidirectional folder loads as a causal LM with a random head)
+        check_causal_source(args.model, needs="budget sizes a causal LM's decoding state, which needs causal attention",
+                            instead="an encoder keeps no decoding state to budget")
+    except RecipeError as error:
+        raise SystemExit(f"hf-performer budget: error: {error}") from None
     try:
         tokenizer = load_tokenizer(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()

@@ -101,19 +101,20 @@ def position_table_size(args: argparse.Namespace, source) -> int | None:
 
 
 def check_window_fits(settings: dict, source, max_position_embeddings: int | None) -> None:
-    """Refuse a window as long as the inputs the model takes (its position table after any extension, or its
-    configured maximum): every input would fit in it, so the window layers would compute exact softmax at a higher
-    cost than softmax itself. Raises ``ConversionError``."""
+    """Refuse a window or a sparse cache as long as the inputs the model takes (its position table after any extension,
+    or its configured maximum): every input would fit in it, so the window layers would compute exact softmax at a
+    higher cost than softmax itself (and a cache's state would be allocated for more tokens than any input holds).
+    Raises ``ConversionError``."""
     from ..conversion import ConversionError, learned_position_count
-    from ..favor_settings import largest_window
+    from ..favor_settings import exact_budget_problem
 
-    window = largest_window(settings)
     positions = max_position_embeddings or learned_position_count(source) or getattr(
         source.config.get_text_config(), "max_position_embeddings", None)
-    if window and positions and window >= positions:
+    problem = exact_budget_problem(settings, positions)
+    if problem:
+        flag = problem.split()[0].replace("_", "-")
         raise ConversionError(
-            f"--window {window} covers all {positions} positions the model takes: every input would fit in the window "
-            "and the layers would compute exact softmax at a higher cost; give a window below that (or "
+            f"--{problem}: every input would be exact softmax at a higher cost; give a {flag} below that (or "
             "--max-position-embeddings N above it)")
 
 

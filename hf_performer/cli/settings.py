@@ -55,8 +55,14 @@ def run_settings(args: argparse.Namespace) -> int:
 
     from ..conversion.cache_budget import SERVING_SETTINGS_FILE, serving_settings_record
     from ..recipes.arguments import RecipeError
-    from ..recipes.linearize_inputs import load_tokenizer
+    from ..recipes.linearize_inputs import check_causal_source, load_tokenizer
 
+    try:  # (before loading: a bidirectional folder loads as a causal LM with a random head)
+        check_causal_source(args.model,
+                            needs="settings change a causal LM's decoding state, which needs causal attention",
+                            instead="an encoder keeps no decoding state (its window and tail are set at conversion)")
+    except RecipeError as error:
+        raise SystemExit(f"hf-performer settings: error: {error}") from None
     try:
         tokenizer = load_tokenizer(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()
