@@ -279,6 +279,13 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
                 "sinks=0): a sparse cache keeps tokens older than the window exact; give the layer a window and/or "
                 "sinks, or sparse_cache=0"
             )
+    window_layers = [label for label, values in layers
+                     if values.get("window", resolved["window"]) or values.get("sinks", resolved["sinks"])]
+    for name, off in (("tail_cap", 0), ("tail_gate", False)):
+        if resolved[name] and not window_layers:
+            raise ValueError(
+                f"favor_settings[{name!r}] weighs a window layer's linear tail, but no layer has a window or sinks "
+                f"(nothing would use it): give a window and/or sinks, or {name}={off}")
     if not resolved["linear_tail"]:
         without = [
             label for label, values in [("the default", {}), *((f"layer {k}", v) for k, v in normalised.items())]

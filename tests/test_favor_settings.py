@@ -147,3 +147,18 @@ def test_settings_config_and_cache_do_not_import_the_attention_function():
     tree = ast.parse((package / "favor_settings.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 1}
     assert imported == {"favor_schema", "feature_maps"}
+
+
+@pytest.mark.parametrize("settings,name", [({"tail_cap": 5}, "tail_cap"), ({"tail_gate": True}, "tail_gate"),
+                                           ({"attention": "clustered", "tail_cap": 5}, "tail_cap")])
+def test_a_tail_weight_without_a_window_layer_is_refused_not_stored(settings, name):
+    """A tail cap or gate where no layer has a window (plain linear, or clustered attention) would be stored and never
+    used: refused in one line naming the setting."""
+    from hf_performer.favor_settings import canonical_favor_settings
+
+    with pytest.raises(ValueError, match=f"favor_settings\\['{name}'\\] weighs a window layer's linear tail, but no "
+                                         "layer has a window or sinks") as failure:
+        canonical_favor_settings({"feature_map": "favor+", **settings})
+    assert "\n" not in str(failure.value)
+    if "attention" not in settings:  # with a window: kept
+        assert canonical_favor_settings({"feature_map": "favor+", "window": 4, **settings})[name]
