@@ -246,3 +246,11 @@ def test_bench_refuses_a_cuda_device_this_torch_does_not_have():
         pytest.skip("a CUDA device is visible")
     with pytest.raises(cli.CommandFailed, match="--device cuda: .*use --device cpu"):
         cli.main(["bench", "attention", "--device", "cuda"])
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc (a folder no one can write in, root included)")
+def test_an_unwritable_output_is_refused_before_any_work_even_as_root(capsys):
+    """Permission bits say nothing to root: the check writes (and removes) a probe file; /proc refuses it for anyone."""
+    with pytest.raises(cli.CommandFailed, match="--output /proc/metrics.json: /proc is not writable") as failure:
+        cli.main(["evaluate", "no-such-model", "--task", "sst2", "--output", "/proc/metrics.json"])
+    assert "\n" not in str(failure.value) and capsys.readouterr().out == ""

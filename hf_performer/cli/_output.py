@@ -187,9 +187,25 @@ def check_output_file(path: str, command: str) -> str:
             raise SystemExit(f"hf-performer {command}: error: --output {path}: {existing} is a file, not a folder")
         existing = os.path.dirname(existing)
     target = absolute if os.path.exists(absolute) else existing
-    if not os.access(target, os.W_OK):
+    if not os.access(target, os.W_OK) or not _can_write(target):
         raise SystemExit(f"hf-performer {command}: error: --output {path}: {target} is not writable")
     return absolute
+
+
+def _can_write(target: str) -> bool:
+    """Whether a file can be written at ``target`` (an existing file, opened for appending: unchanged) or in it (a
+    folder: a probe file made and removed). Permission bits alone mislead where the process runs as root on a
+    read-only mount."""
+    try:
+        if os.path.isdir(target):
+            with tempfile.NamedTemporaryFile(dir=target):
+                pass
+        else:
+            with open(target, "a"):
+                pass
+    except OSError:
+        return False
+    return True
 
 
 def public_command(verb: str) -> str | None:
