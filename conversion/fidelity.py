@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hf_performer.favor_attention import find_attention_modules, layer_index_of, module_favor_settings, uses_favor
-from hf_performer.favor_settings import is_clustered, layer_window
+from hf_performer.favor_settings import is_clustered, layer_sparse_cache, layer_window
 from hf_performer.modeling_performer import PerformerPreTrainedModel
 
 from .convert import learned_position_count, public_source_name, tokenizer_is_usable
@@ -145,13 +145,21 @@ def describe_attention_settings(settings: dict) -> str:
         text = f"{settings['attention']} attention, {settings.get('clusters')} query clusters per head"
         text += f", exact softmax on each cluster's top {settings.get('topk')} keys" if "topk" in settings else ""
     else:
-        features = settings.get("nb_features")
-        text = f"feature map {settings.get('feature_map')}" + (f", {features} features" if features is not None else "")
-        text += f", seed {settings['seed']}" if "seed" in settings else ""
-        if settings.get("window") or settings.get("sinks") or settings.get("layer_windows"):
-            text += (f"; window {settings.get('window', 0)}, sinks {settings.get('sinks', 0)}"
-                     + (f" (per layer: {settings['layer_windows']})" if settings.get("layer_windows") else "")
-                     + ("" if settings.get("linear_tail", True) else ", no linear tail"))
+        windowed = settings.get("window") or settings.get("sinks") or settings.get("layer_windows")
+        exact = ""
+        if windowed:
+            exact = (f"window {settings.get('window', 0)}, sinks {settings.get('sinks', 0)}"
+                     + (f", a sparse cache of {settings['sparse_cache']} keys per head" if settings.get("sparse_cache")
+                        else "")
+                     + (f" (per layer: {settings['layer_windows']})" if settings.get("layer_windows") else ""))
+        if windowed and not settings.get("linear_tail", True):  # no feature map runs: do not name one
+            text = f"exact softmax over {exact}; no linear tail"
+        else:
+            features = settings.get("nb_features")
+            text = (f"feature map {settings.get('feature_map')}"
+                    + (f", {features} features" if features is not None else ""))
+            text += f", seed {settings['seed']}" if "seed" in settings else ""
+            text += f"; {exact}" if exact else ""
     softmax_layers = settings.get("softmax_layers") or []
     return text + (f"; softmax kept in layers {', '.join(map(str, softmax_layers))}" if softmax_layers else "")
 
@@ -187,6 +195,10 @@ def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, se
     sequence the inputs must include (past the window layers' windows); a built-in one is added when no text reaches
     it."""
     limit = _position_limit(model, max_length)
+    short = ""
+    if long_length > limit:  # the probe cannot reach past every exact key: say so
+        short = (f"; the model takes {limit} positions, fewer than the {long_length} tokens a sample needs to leave "
+                 "keys out of every exact part: some layers' errors cover their exact part only")
     long_length = min(long_length, limit)
     if tokenizer_is_usable(tokenizer):
         description = f"{len(texts)} user texts" if texts else f"{len(DEFAULT_SENTENCES)} built-in sentences"
@@ -204,7 +216,7 @@ def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, se
                 passage += " " + " ".join(DEFAULT_SENTENCES)
             encodings.append(dict(tokenizer(passage, return_tensors="pt", truncation=True, max_length=long_length)))
             description += f" and a {long_length}-token passage of the built-in sentences (longer than the windows)"
-        return encodings, description
+        return encodings, description + short
     if texts:
         raise ValueError("fidelity_report: texts were given but no usable tokenizer to encode them")
     vocab_size = model.config.vocab_size
@@ -215,7 +227,7 @@ def _sample_inputs(model: PreTrainedModel, tokenizer, texts, max_length: int, se
         length = min(length, limit - 2, max(max_length, long_length))
         input_ids = torch.randint(low, vocab_size, (1, length), generator=generator)
         inputs.append({"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)})
-    return inputs, RANDOM_INPUTS
+    return inputs, RANDOM_INPUTS + short
 
 
 def _position_limit(model: PreTrainedModel, max_length: int) -> int:
@@ -228,13 +240,16 @@ def _position_limit(model: PreTrainedModel, max_length: int) -> int:
 
 
 def _longest_window(performer_modules: list[nn.Module]) -> int:
-    """Tokens a sample must exceed for every window layer to use its tail: the largest window + sinks, plus
-    :data:`TAIL_POSITIONS`; 0 without window layers."""
+    """Tokens a sample must exceed for every window layer to leave keys out of its exact part: the largest window +
+    sinks (+ the sparse cache's keys and one chunk of tokens waiting for its selection), plus :data:`TAIL_POSITIONS`;
+    0 without window layers."""
     spans = []
     for module in performer_modules:
         if layer_kind(module) == "window":
-            window, sinks = layer_window(module_favor_settings(module), layer_index_of(module))
-            spans.append(window + sinks + TAIL_POSITIONS)
+            settings, layer = module_favor_settings(module), layer_index_of(module)
+            window, sinks = layer_window(settings, layer)
+            cache = layer_sparse_cache(settings, layer)
+            spans.append(window + sinks + (cache + settings.get("chunk_size", 64) if cache else 0) + TAIL_POSITIONS)
     return max(spans, default=0)
 
 

@@ -306,6 +306,23 @@ def test_fidelity_report_on_tiny_models(name, tmp_path):
     assert "rel. error (own inputs)" in table and "softmax" in table
 
 
+def test_the_fidelity_probe_reaches_past_the_sparse_cache_and_names_no_unused_map(tiny_llama_config):
+    """A layer that keeps sinks + window + G keys exact (no tail) is probed past all of them (a non-zero error), its
+    description names the cache and no feature map; where the positions do not allow such a probe, it says so."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    settings = dict(feature_map="hedgehog", window=16, sinks=2, sparse_cache=40, linear_tail=False)
+    long = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=512)).eval()
+    report = fidelity_report(long, convert_to_performer(long, task="causal-lm", **settings))
+    assert all(layer.own_inputs_relative_error > 1e-4 for layer in report.layers)  # keys left the exact part
+    line = report.format_table().splitlines()[1]
+    assert "sparse cache of 40 keys" in line and "no linear tail" in line and "hedgehog" not in line
+    short = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=100)).eval()
+    report = fidelity_report(short, convert_to_performer(short, task="causal-lm", **settings))
+    assert "the model takes 100 positions, fewer than the" in report.inputs
+
+
 def test_fidelity_report_of_an_all_softmax_model_is_exact(tokenizer):
     source = make_source("bert-mlm")
     report = fidelity_report(source, convert_to_performer(source, keep_softmax_layers=[0, 1]), tokenizer)
