@@ -385,7 +385,9 @@ def window_linear_attention(
                                               initial_state, max_rollback, chunk_size)
     if not stateful:  # a call's cost is bounded by its input: more exact keys than it has tokens change nothing
         window, sparse_cache = min(window, key.shape[2]), min(sparse_cache, key.shape[2])
-    segmented = _segmented_for_gradients(query, key, value, feature_map, (softmax_weight, tail_gate), causal)
+    parallel = attention_path(query) == "parallel"
+    segmented = not parallel and _segmented_for_gradients(query, key, value, feature_map, (softmax_weight, tail_gate),
+                                                          causal)
     if segmented and not causal:  # (bidirectional calls are never stateful)
         return _segmented_bidirectional(
             query, key, value, feature_map, window=window, sinks=sinks, softmax_weight=softmax_weight,
@@ -397,7 +399,7 @@ def window_linear_attention(
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
             eps=eps)
     mask = _as_bool_mask(key_padding_mask)
-    if not stateful and attention_path(query) == "parallel":
+    if not stateful and parallel:
         out = parallel_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, causal=causal, softmax_weight=softmax_weight,
             key_padding_mask=mask, scaling=scaling, sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
@@ -529,10 +531,11 @@ def _with_sink_queries(out, sink_out, sink_position, sink_valid):
 
 
 def _segmented_for_gradients(query, key, value, feature_map, learned_weights, causal) -> bool:
-    """Whether a call runs in recomputed segments: gradients wanted, longer than one segment, and a map whose
-    recomputation in the backward sees the forward's tensors (no random redraw in training mode)."""
-    if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal) or attention_path(query) == "parallel":
-        return False  # (the parallel path, CUDA, spends memory on one pass instead of recomputed segments)
+    """Whether a call of the chunked path runs in recomputed segments (the parallel path, CUDA, spends memory on one
+    pass instead): gradients wanted, longer than one segment, and a map whose recomputation in the backward sees the
+    forward's tensors (no random redraw in training mode)."""
+    if not torch.is_grad_enabled() or query.shape[2] <= _segment_length(causal):
+        return False
     tensors = [query, key, value, *learned_weights] + ([] if feature_map is None else list(feature_map.parameters()))
     if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         return False

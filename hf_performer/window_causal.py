@@ -38,10 +38,10 @@ import torch
 
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
+from .linear_attention_parallel import attention_path, operand_dtype
 from .window_blocks import BlockOperands, BlockSpec, attend_blocks, record_for_reuse, take_reused
 from .window_exact_blocks import attend_exact_blocks, attend_sdpa_blocks, fused_exact_applies
 from .window_selection_kernel import kernel_applies, select_without_tail
-from .linear_attention_parallel import attention_path, operand_dtype
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
 from .window_state import CommittedTail, WindowAttentionState, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens

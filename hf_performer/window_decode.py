@@ -212,7 +212,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
 
         cache = current
         # (Known row starts tell on the host whether any row may cross a boundary: no device read between them.)
-        starts = None if state.host is None else state.host[1]
+        starts = None if state.host is None else state.host.row_starts
         may_cross = starts is None or any((x - start) % size == 0 for start in starts)
         if may_cross and bool(crossing.any()):
             cache, current_sums = _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x,
@@ -325,14 +325,14 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
 def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w, current_sums, may_cross=True):
     """The tail sums of query ``x`` without a sparse cache: the committed tail at a boundary (or before the row's first
     token), else the last query's plus token ``x - w``. ``may_cross`` ``False``: the host knows that every row has a
-    token and none is at a boundary."""
+    token (``known``) and none is at a boundary (``crossing``): no device read."""
     key, value_ones, keep = tokens(x - w, 1)
     keep = keep & (x > current.boundary)[:, None]
     last_sums, last_max = state.query_tail
     tail = fold_into((last_sums.to(value_ones.dtype), last_max), *_key_features(feature_map, key, root), value_ones,
                      keep[:, None].expand(-1, key.shape[1], -1))
     rows = crossing | ~known
-    if (not may_cross and state.host is not None and state.host[1] is not None) or not bool(rows.any()):
+    if not may_cross or not bool(rows.any()):
         return tail
     return (torch.where(rows.view(-1, 1, 1, 1), current_sums[0], tail[0]),
             torch.where(rows[:, None], current_sums[1], tail[1]))

@@ -56,57 +56,74 @@ def _kinds(operands: BlockOperands, spec: BlockSpec) -> list[str]:
 
 
 def _block_problem(operands: BlockOperands, spec: BlockSpec):
-    """A group's blocks as the kernel's batch: queries ``[N, 1, g C, d]``, keys and values ``[N, 1, K, d]`` and the
-    additive mask ``[N, 1, g C, K]`` (``N = B Hkv n``, ``K`` = sinks + cache + tile), and each kind's key count."""
+    """A group's blocks as the kernel's batch: queries ``[N, 1, g C, d]``, keys and values ``[N, 1, K, d]``, which key
+    each row may see ``[N, 1, g C, K]`` bool (``N = B Hkv n``, ``K`` = sinks + cache + tile), and each kind's key
+    count."""
     kv_heads = operands.keys.shape[1]
     query = _per_block(operands.query, kv_heads, spec.groups, spec.size)  # [B, Hkv, n, gC, d]
-    batch, _, blocks, rows, width = query.shape
-    keys, values, allowed, counts = [], [], [], []
+    key_sets = []
     for kind in _kinds(operands, spec):
         if kind == "sinks":
-            key = operands.sink_key[:, :, None].expand(-1, -1, blocks, -1, -1)
-            value = operands.sink_value[:, :, None].expand(-1, -1, blocks, -1, -1)
-            visible = operands.sink_allowed[:, None]  # [B, 1, n, gC, s]
+            key_sets.append((operands.sink_key[:, :, None], operands.sink_value[:, :, None],
+                             operands.sink_allowed[:, None]))  # [B, 1, n, gC, s]
         elif kind == "cache":
-            key, value = operands.cache_key, operands.cache_value
-            visible = operands.cache_valid[:, :, :, None, :]  # [B, Hkv, n, 1, G]
+            key_sets.append((operands.cache_key, operands.cache_value, operands.cache_valid[:, :, :, None, :]))
         else:
-            key = operands.keys.unfold(2, spec.span, spec.size).transpose(-1, -2)  # [B, Hkv, n, span, d]
-            value = operands.values.unfold(2, spec.span, spec.size).transpose(-1, -2)
-            visible = spec.band_mask(query.device) & operands.band_keep[:, None, :, None, :]
-        keys.append(key)
-        values.append(value)
-        allowed.append(visible.expand(batch, kv_heads, blocks, rows, key.shape[-2]))
-        counts.append(key.shape[-2])
-    total = sum(counts)
-    zero = query.new_zeros(())
-    mask = torch.where(torch.cat(allowed, dim=-1), zero, zero - float("inf"))
-    flat = batch * kv_heads * blocks
-    return (query.reshape(flat, 1, rows, width), torch.cat(keys, dim=-2).reshape(flat, 1, total, width),
-            torch.cat(values, dim=-2).reshape(flat, 1, total, width), mask.view(flat, 1, rows, total), counts)
+            key_sets.append((operands.keys.unfold(2, spec.span, spec.size).transpose(-1, -2),  # [B, Hkv, n, span, d]
+                             operands.values.unfold(2, spec.span, spec.size).transpose(-1, -2),
+                             spec.band_mask(query.device) & operands.band_keep[:, None, :, None, :]))
+    keys, values, allowed, counts = stack_key_sets(key_sets, query.shape[:4])
+    return query.flatten(0, 2)[:, None], keys, values, allowed, counts
+
+
+def stack_key_sets(key_sets, shape):
+    """Every block's keys as one batch: ``key_sets`` of ``(keys [B, Hkv, n or 1, k, d], values [.., k, dv], allowed
+    [B, Hkv or 1, n or 1, g C or 1, k] bool)`` for blocks of ``shape = (B, Hkv, n, g C)`` query rows. Returns keys
+    ``[N, 1, K, d]``, values ``[N, 1, K, dv]``, allowed ``[N, 1, g C, K]`` (``N = B Hkv n``) and each set's ``k``."""
+    batch, kv_heads, blocks, rows = shape
+    expand = lambda t: t.expand(batch, kv_heads, blocks, *t.shape[3:])  # noqa: E731
+    keys = torch.cat([expand(k) for k, _, _ in key_sets], dim=3).flatten(0, 2)[:, None]
+    values = torch.cat([expand(v) for _, v, _ in key_sets], dim=3).flatten(0, 2)[:, None]
+    allowed = torch.cat([a.expand(batch, kv_heads, blocks, rows, a.shape[-1]) for _, _, a in key_sets], dim=-1)
+    return keys, values, allowed.flatten(0, 2)[:, None], [k.shape[-2] for k, _, _ in key_sets]
+
+
+def softmax_over_blocks(query, keys, values, allowed, scaling: float, dtype: torch.dtype,
+                        guard_empty: bool = True) -> torch.Tensor:
+    """One ``scaled_dot_product_attention`` call over every block (:func:`stack_key_sets`' layout, operands in
+    ``dtype``), differentiable by autograd: ``[N, 1, g C, dv]`` in ``query``'s dtype. With ``guard_empty`` a row that
+    may see no key (padding) gets 0, as the reference, and finite gradients."""
+    empty = None
+    if guard_empty:
+        empty = ~allowed.any(-1, keepdim=True)
+        allowed = allowed | empty
+    out = torch.nn.functional.scaled_dot_product_attention(query.to(dtype), keys.to(dtype), values.to(dtype),
+                                                           attn_mask=allowed, scale=scaling)
+    return (out if empty is None else out.masked_fill(empty, 0.0)).to(query.dtype)
+
+
+def _additive(allowed: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The CPU kernel's additive mask (0 where allowed, -inf elsewhere) in ``like``'s dtype."""
+    zero = like.new_zeros(())
+    return torch.where(allowed, zero, zero - float("inf"))
 
 
 def attend_sdpa_blocks(operands: BlockOperands, spec: BlockSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
     """:func:`attend_exact_blocks`'s outputs ``[B, Hkv, n, g C, d]`` from one ``scaled_dot_product_attention`` call
-    over every block (operands in ``dtype``, default theirs), differentiable by autograd (the parallel path: a fixed
-    number of operations per call). A row that may see no key (left padding) gets 0, as the reference."""
+    over every block (operands in ``dtype``, default theirs; :func:`softmax_over_blocks`): the parallel path, a fixed
+    number of operations per call."""
     expected = block_layout(operands, spec)[2]
     if not _kinds(operands, spec):
         return operands.query.new_zeros(expected)
-    query, key, value, mask, _ = _block_problem(operands, spec)
-    empty = torch.isneginf(mask).all(-1, keepdim=True)  # [N, 1, rows, 1]
-    dtype = dtype or query.dtype
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query.to(dtype), key.to(dtype), value.to(dtype), attn_mask=mask.masked_fill(empty, 0.0).to(dtype),
-        scale=spec.scaling)
-    return out.masked_fill(empty, 0.0).to(operands.query.dtype).view(expected)
+    query, key, value, allowed, _ = _block_problem(operands, spec)
+    return softmax_over_blocks(query, key, value, allowed, spec.scaling, dtype or query.dtype).view(expected)
 
 
 def _run_group(operands: BlockOperands, spec: BlockSpec):
     """One group's outputs ``[B, Hkv, n, g C, d]`` and log-sum-exps ``[B, Hkv, n, g C]``."""
-    query, key, value, mask, _ = _block_problem(operands, spec)
+    query, key, value, allowed, _ = _block_problem(operands, spec)
     out, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, False, attn_mask=mask, scale=spec.scaling)
+        query, key, value, 0.0, False, attn_mask=_additive(allowed, query), scale=spec.scaling)
     shape = operands.query.shape[:1] + (operands.keys.shape[1], -1, query.shape[2])
     return out.view(*shape, out.shape[-1]), log_sum_exp.view(shape)
 
@@ -165,12 +182,12 @@ class _ExactBlocks(torch.autograd.Function):
 
 def _backward_group(operands: BlockOperands, spec: BlockSpec, out, log_sum_exp, grad_out) -> dict:
     """The gradients of one group's operands (tiles folded, sinks summed over the blocks)."""
-    query, key, value, mask, counts = _block_problem(operands, spec)
+    query, key, value, allowed, counts = _block_problem(operands, spec)
     flat = query.shape[:2]
     d_query, d_key, d_value = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out.reshape(*flat, *grad_out.shape[-2:]).contiguous(), query, key, value,
-        out.reshape(*flat, *out.shape[-2:]), log_sum_exp.reshape(*flat, -1), 0.0, False, attn_mask=mask,
-        scale=spec.scaling)
+        out.reshape(*flat, *out.shape[-2:]), log_sum_exp.reshape(*flat, -1), 0.0, False,
+        attn_mask=_additive(allowed, query), scale=spec.scaling)
     batch, kv_heads = operands.keys.shape[:2]
     blocks = operands.query.shape[2] // spec.size
     grads = {"query": _from_blocks(d_query.view(batch, kv_heads, blocks, *d_query.shape[-2:]), spec.groups,

@@ -24,8 +24,8 @@ for the calls a training step or a plain forward makes (no ``initial_state``, no
 mask, or without the kernel): the general operator takes those. Gradients by autograd; the memory of one pass.
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
-``linear_attention_parallel``, ``window_causal``, ``window_selection_kernel``, ``window_state`` and
-``window_tail_cap``.
+``linear_attention_parallel``, ``window_blocks``, ``window_causal``, ``window_exact_blocks``,
+``window_selection_kernel``, ``window_state`` and ``window_tail_cap``.
 """
 
 from __future__ import annotations
@@ -36,28 +36,12 @@ import torch.nn.functional as F
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _repeat_kv, _safe_denominator, _with_ones_column
 from .linear_attention_parallel import operand_dtype, shifted_tail_sums
-from .window_causal import rows_window
+from .window_blocks import _from_blocks, _per_block
+from .window_causal import _gather_slots, rows_window
+from .window_exact_blocks import softmax_over_blocks, stack_key_sets
 from .window_selection_kernel import kernel_applies, select_without_tail
 from .window_state import row_sinks
 from .window_tail_cap import tail_log_weights
-
-
-def _grouped(x: torch.Tensor, kv_heads: int, size: int, blocks: int) -> torch.Tensor:
-    """``[B, H, L, e] -> [B, Hkv, n, g C, e]``: query blocks, the ``g`` query heads of a key head stacked."""
-    batch, heads, length, width = x.shape
-    groups = heads // kv_heads
-    x = F.pad(x, (0, 0, 0, blocks * size - length))
-    return x.view(batch, kv_heads, groups, blocks, size, width).transpose(2, 3).reshape(
-        batch, kv_heads, blocks, groups * size, width)
-
-
-def _ungrouped(x: torch.Tensor, heads: int, length: int) -> torch.Tensor:
-    """The inverse of :func:`_grouped`: ``[B, Hkv, n, g C, e] -> [B, H, L, e]``."""
-    batch, kv_heads, blocks, rows, width = x.shape
-    groups = heads // kv_heads
-    size = rows // groups
-    return x.view(batch, kv_heads, blocks, groups, size, width).transpose(2, 3).reshape(
-        batch, heads, blocks * size, width)[:, :, :length]
 
 
 def _tiles(x: torch.Tensor, left: int, span: int, size: int, blocks: int, fill=0.0) -> torch.Tensor:
@@ -107,10 +91,11 @@ def parallel_window_attention(query, key, value, feature_map, *, window, sinks, 
 
         # The key sets of every block: sinks, the sparse cache, the tile.
         left = w - 1  # the tile of block n starts at position nC - w + 1 (nC + 1 without a window)
-        span = (size + w - 1 if causal else size + 2 * left) if w > 0 else 0
         pending = causal and sparse_cache > 0  # the tokens waiting for the next selection stay exact
-        if pending:
-            span = size + w - 1
+        if causal:
+            span = size + w - 1 if w > 0 or pending else 0
+        else:
+            span = size + 2 * left if w > 0 else 0
         rows = torch.arange(size, device=device)[:, None]
         columns = torch.arange(span, device=device)[None, :]
         if causal:  # tile column c is position nC - w + 1 + c; row r is nC + r
@@ -132,16 +117,19 @@ def parallel_window_attention(query, key, value, feature_map, *, window, sinks, 
             tile_keep = _tiles(keep, left, span, size, blocks, fill=False)  # [B, n, span]
             key_sets.append((_tiles(key, left, span, size, blocks), _tiles(value, left, span, size, blocks),
                              band[None, None, None] & tile_keep[:, None, :, None, :]))
-        query_blocks = _grouped(query, kv_heads, size, blocks)  # [B, Hkv, n, g C, d]
+        query_blocks = _per_block(F.pad(query, (0, 0, 0, blocks * size - length)), kv_heads, groups, size)
 
         if feature_map is None:  # softmax over the exact keys: one SDPA call, the blocks as its batch
             # (rows that may see no key: padding, and the queries past the end of the last block without sinks)
             guard = unpadded is not None or (blocks * size != length and not sink_key.shape[2])
-            out = _block_softmax(query_blocks, key_sets, scaling, operands, guard)
-            out = _ungrouped(out.to(dtype), heads, length)
+            keys, values, allowed, _ = stack_key_sets(key_sets, query_blocks.shape[:4])
+            out = softmax_over_blocks(query_blocks.flatten(0, 2)[:, None], keys, values, allowed, scaling, operands,
+                                      guard)
+            out = _from_blocks(out.view(*query_blocks.shape[:4], -1).to(dtype), groups, size)[:, :, :length]
         else:
             exact, row_max = _block_sums(query_blocks.to(dtype), key_sets, scaling, gamma, dtype)
-            exact, row_max = _ungrouped(exact, heads, length), _ungrouped(row_max[..., None], heads, length)[..., 0]
+            exact = _from_blocks(exact, groups, size)[:, :, :length]
+            row_max = _from_blocks(row_max[..., None], groups, size)[:, :, :length, 0]
             if gamma is not None:
                 exact = exact * gamma[None, :, None, None]
             tails = _tails(query.to(dtype), key.to(dtype), value.to(dtype), feature_map, keep, w, causal, scaling,
@@ -173,7 +161,7 @@ def _sparse_cache(key, value, keep, w, size, blocks, capacity, eps):
 
     pool_keep = pool(keep, fill=False)  # [B, T C]
     pool_key, pool_value = pool(key), pool(value)
-    pool_values = _with_ones_column(pool_value.to(torch.float64 if value.dtype == torch.float64 else torch.float32))
+    pool_values = _with_ones_column(pool_value.to(compute_dtype_for(value)))
     pool_values = pool_values * pool_keep[:, None, :, None].to(pool_values.dtype)
     index = torch.zeros(batch, kv_heads, capacity, dtype=torch.long, device=key.device)
     empty = torch.zeros(batch, kv_heads, capacity, dtype=torch.bool, device=key.device)
@@ -182,30 +170,9 @@ def _sparse_cache(key, value, keep, w, size, blocks, capacity, eps):
     index, valid, _ = select_without_tail(pool_values, index, empty, sums, pool_keep.view(batch, selections, size),
                                           active, slots=0, capacity=capacity, size=size, eps=eps)
     index, valid = index[:, :, -first:], valid[:, :, -first:]  # the caches of the query blocks 0 .. n - 1
-    flat = index.reshape(batch, kv_heads, blocks * capacity, 1)
-    gather = lambda x: x.gather(2, flat.expand(-1, -1, -1, x.shape[-1])).view(  # noqa: E731
-        batch, kv_heads, blocks, capacity, x.shape[-1])
+    flat = index.flatten(2)  # [B, Hkv, n G]
+    gather = lambda x: _gather_slots(x, flat).unflatten(2, (blocks, capacity))  # noqa: E731
     return gather(pool_key), gather(pool_value), valid[:, :, :, None, :]
-
-
-def _block_softmax(query_blocks, key_sets, scaling, operands, guard_empty: bool):
-    """Softmax of each block's rows over its keys, ``[B, Hkv, n, g C, dv]``: one SDPA call over every block. With
-    ``guard_empty`` a row that may see no key (padding) gets 0 and finite gradients."""
-    batch, kv_heads, blocks, rows, _ = query_blocks.shape
-    shape = lambda t: t.expand(batch, kv_heads, blocks, *t.shape[3:])  # noqa: E731
-    keys = torch.cat([shape(k) for k, _, _ in key_sets], dim=3).flatten(0, 2)[:, None]
-    values = torch.cat([shape(v) for _, v, _ in key_sets], dim=3).flatten(0, 2)[:, None]
-    allowed = torch.cat([a.expand(batch, kv_heads, blocks, rows, a.shape[-1]) for _, _, a in key_sets], dim=-1)
-    allowed = allowed.flatten(0, 2)[:, None]  # [B Hkv n, 1, g C, k]
-    empty = None
-    if guard_empty:
-        empty = ~allowed.any(-1, keepdim=True)
-        allowed = allowed | empty
-    out = F.scaled_dot_product_attention(query_blocks.flatten(0, 2)[:, None].to(operands), keys.to(operands),
-                                         values.to(operands), attn_mask=allowed, scale=scaling)
-    if empty is not None:
-        out = out.masked_fill(empty, 0.0)
-    return out.view(batch, kv_heads, blocks, rows, -1)
 
 
 def _block_sums(query_blocks, key_sets, scaling, gamma, dtype):

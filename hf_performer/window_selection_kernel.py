@@ -62,6 +62,12 @@ if triton is not None:
         return candidate, valid, in_cache | in_tile
 
     @triton.jit
+    def _rows(pool, candidate, rows, d, d_ok, pool_stride):
+        """The pool's values ``[TILE, BD]`` of ``candidate`` where ``rows``, zeros elsewhere."""
+        return tl.load(pool + candidate.to(tl.int64)[:, None] * pool_stride + d[None, :],
+                       mask=rows[:, None] & d_ok[None, :], other=0.0)
+
+    @triton.jit
     def _select_kernel(pool_ptr, index0_ptr, valid0_ptr, sums0_ptr, count0_ptr, keep_ptr, active_ptr, error_ptr,
                        index_ptr, valid_ptr, sums_ptr, count_ptr, kv_heads, pool_size, pool_stride, blocks, slots, eps,
                        G: tl.constexpr, C: tl.constexpr, DV: tl.constexpr, TILE: tl.constexpr, BD: tl.constexpr):
@@ -98,8 +104,7 @@ if triton is not None:
             while start < total:
                 candidate, valid, _ = _candidates(index_ptr, valid_ptr, keep_ptr, program, row, n, blocks, slots,
                                                   start + t, G, C)
-                values = tl.load(pool + candidate.to(tl.int64)[:, None] * pool_stride + d[None, :],
-                                 mask=valid[:, None] & d_ok[None, :], other=0.0)
+                values = _rows(pool, candidate, valid, d, d_ok, pool_stride)
                 every += tl.sum(values, axis=0)
                 every_count += tl.sum(valid.to(values.dtype), axis=0)
                 start += TILE
@@ -109,8 +114,7 @@ if triton is not None:
             while start < width:
                 candidate, valid, real = _candidates(index_ptr, valid_ptr, keep_ptr, program, row, n, blocks, slots,
                                                      start + t, G, C)
-                values = tl.load(pool + candidate.to(tl.int64)[:, None] * pool_stride + d[None, :],
-                                 mask=real[:, None] & d_ok[None, :], other=0.0)
+                values = _rows(pool, candidate, real, d, d_ok, pool_stride)
                 difference = tl.where(d_ok[None, :], mean[None, :] - values, 0.0)
                 error = tl.where(valid, tl.sum(difference * difference, axis=1), float("-inf"))
                 tl.store(errors + start + t, error)
@@ -143,8 +147,7 @@ if triton is not None:
                 tl.store(valid_ptr + here + slot, valid.to(tl.int8), mask=kept & active)
                 kept_before += tl.sum(kept.to(tl.int32), axis=0)
                 folded = valid & ~kept
-                values = tl.load(pool + candidate.to(tl.int64)[:, None] * pool_stride + d[None, :],
-                                 mask=folded[:, None] & d_ok[None, :], other=0.0)
+                values = _rows(pool, candidate, folded, d, d_ok, pool_stride)
                 fold_sums += tl.sum(values, axis=0)
                 fold_count += tl.sum(folded.to(values.dtype), axis=0)
                 start += TILE

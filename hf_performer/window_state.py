@@ -152,6 +152,13 @@ FLOAT_FIELDS = ("cache_key", "cache_value", "tail_sums")
 """The differentiable tensors of a :class:`CommittedTail` (``tail_max`` is a detached stabiliser)."""
 
 
+class HostFacts(NamedTuple):
+    """What a decoding step would otherwise read back from the device each token, kept as Python values."""
+
+    sinks_filled: bool  # every row's sink slots hold a token
+    row_starts: tuple | None  # each row's first unpadded position; None while a row has no token
+
+
 class WindowAttentionState(NamedTuple):
     """State of causal window attention after ``seen`` tokens (module docstring): constant size.
 
@@ -174,9 +181,7 @@ class WindowAttentionState(NamedTuple):
             ``max_rollback == 0`` (then ``current`` is the only one).
         seen: tokens seen (padding included); window, sinks, sparse_cache (``G``), chunk_size, max_rollback: the
             settings the state was built with.
-        host: ``(sinks filled, row starts)`` as Python values (``row starts`` ``None`` while a row has no token), or
-            ``None``: what a decoding step would otherwise read back from the device each token (a rollback or a
-            batch change drops it).
+        host: the :class:`HostFacts` of the state, or ``None`` (a rollback or a batch change drops them).
         exact_keys: the :class:`ExactKeys` of a layer without a tail between two boundaries while decoding, or
             ``None`` (rebuilt on demand).
     """
@@ -200,21 +205,19 @@ class WindowAttentionState(NamedTuple):
     chunk_size: int
     max_rollback: int
     exact_keys: ExactKeys | None = None
-    host: tuple | None = None
+    host: HostFacts | None = None
 
     def sinks_filled(self) -> bool:
         """Whether every row's sink slots hold a token (from :attr:`host` once it says so: no device read)."""
-        if self.host is not None and self.host[0]:
-            return True
-        return bool(self.sink_valid.all())
+        return (self.host is not None and self.host.sinks_filled) or bool(self.sink_valid.all())
 
     def with_host_facts(self) -> "WindowAttentionState":
         """This state with :attr:`host` filled in: read once from the device (two reads), then carried by the decoding
         steps, which then need no device read between boundaries."""
-        if self.host is not None and self.host[0] and self.host[1] is not None:
+        if self.host is not None and self.host.sinks_filled and self.host.row_starts is not None:
             return self
         starts = self.row_start.tolist()
-        return self._replace(host=(bool(self.sink_valid.all()), tuple(starts) if min(starts) >= 0 else None))
+        return self._replace(host=HostFacts(bool(self.sink_valid.all()), tuple(starts) if min(starts) >= 0 else None))
 
     @property
     def buffer_start(self) -> int:
