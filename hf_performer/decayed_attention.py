@@ -16,7 +16,8 @@ Backends (:func:`decayed_attention` picks one by device and dtype, or ``HF_PERFO
   (itself tested against the float64 recurrence ``reference.reference_decayed_attention``).
 * ``fla``: flash-linear-attention's fused Triton kernels (``fla.ops.simple_gla.chunk_simple_gla``, PyPI
   ``flash-linear-attention``; ``pip install "hf-performer[cuda]"``), used on CUDA for bf16 / fp16 operands when
-  installed. Without it the CUDA path runs the ``torch`` backend after a one-line notice.
+  installed and safe (not on a Hopper GPU with Triton < 3.7.1: :data:`FLA_HOPPER_TRITON`). Otherwise the CUDA path
+  runs the ``torch`` backend after a one-line notice.
 
 Every exponent is a difference of cumulative decays that is ``<= 0`` (no overflow); sums between chunks run in
 float32 (float64 for float64 inputs) whatever the operands' dtype.
@@ -128,6 +129,31 @@ def fla_decayed_attention(q, k, v, log_decay=None, initial_state=None, output_fi
     return out.transpose(1, 2).float(), final
 
 
+FLA_HOPPER_TRITON = (3, 7, 1)
+"""On Hopper GPUs flash-linear-attention refuses its gated backward with Triton 3.4 to 3.7.0 (wrong results there: its
+issue 640); the fla backend is then not used (measured on an H200 with Triton 3.6.0, 2026-11-28)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _fla_refused_on(device_index: int) -> bool:
+    """Whether fla's kernels are unsafe on this CUDA device with this Triton (:data:`FLA_HOPPER_TRITON`); says so once."""
+    import torch.cuda
+
+    try:
+        triton = importlib.import_module("triton")
+        version = tuple(int(part) for part in triton.__version__.split("+")[0].split(".")[:3])
+    except Exception:  # noqa: BLE001 - no triton: fla cannot run either
+        return True
+    if torch.cuda.get_device_capability(device_index)[0] != 9 or version >= FLA_HOPPER_TRITON:
+        return False
+    from transformers.utils import logging
+
+    logging.get_logger(__name__).warning(
+        f"hf-performer: flash-linear-attention's gated backward is wrong on Hopper GPUs with Triton {triton.__version__} "
+        "(it refuses it: Triton >= 3.7.1 needed); linear attention runs its portable chunk-parallel kernels")
+    return True
+
+
 def requested_backend() -> str:
     """``HF_PERFORMER_LINEAR_BACKEND`` (``auto`` when unset); anything else than :data:`BACKENDS` raises."""
     name = os.environ.get(BACKEND_VARIABLE, "auto").strip().lower() or "auto"
@@ -144,7 +170,8 @@ def backend_for(q: torch.Tensor) -> str:
         return "torch"
     if name == "fla":
         return "fla"
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _fla_module() is not None:
+    if (q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and _fla_module() is not None
+            and not _fla_refused_on(q.device.index if q.device.index is not None else torch.cuda.current_device())):
         return "fla"
     return "torch"
 

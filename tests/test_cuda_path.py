@@ -54,6 +54,10 @@ def test_linear_attention_on_cuda_matches_the_reference(name, causal, dtype, tol
 
 @pytest.mark.skipif(not HAS_FLA, reason="flash-linear-attention is not installed")
 def test_fla_backend_matches_the_portable_kernels():
+    from hf_performer.decayed_attention import _fla_refused_on
+
+    if _fla_refused_on(torch.cuda.current_device()):
+        pytest.skip("fla's gated backward is refused on this GPU with this Triton (Hopper, Triton < 3.7.1)")
     generator = torch.Generator().manual_seed(1)
     q, k = (torch.rand(2, 3, 4096, 128, generator=generator).cuda().bfloat16() / 8 for _ in range(2))
     v = torch.randn(2, 3, 4096, 65, generator=generator).cuda().bfloat16()

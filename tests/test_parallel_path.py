@@ -106,6 +106,25 @@ def test_a_missing_fla_is_announced_once_and_the_torch_backend_serves(monkeypatc
     assert decayed.backend_for(torch.zeros(1, dtype=torch.bfloat16)) == "torch"
 
 
+@pytest.mark.parametrize("capability,triton_version,refused", [
+    ((9, 0), "3.6.0", True), ((9, 0), "3.7.1", False), ((9, 0), "3.8.0+git1234", False), ((8, 0), "3.6.0", False)])
+def test_fla_is_not_used_on_hopper_with_an_old_triton(monkeypatch, caplog, capability, triton_version, refused):
+    """flash-linear-attention refuses its gated backward on Hopper with Triton < 3.7.1 (measured on an H200): the
+    torch backend serves there, after one notice."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: capability)
+    real_import = decayed.importlib.import_module
+    monkeypatch.setattr(decayed.importlib, "import_module", lambda name: types.SimpleNamespace(
+        __version__=triton_version) if name == "triton" else real_import(name))
+    decayed._fla_refused_on.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert decayed._fla_refused_on(0) is refused and decayed._fla_refused_on(0) is refused
+        notices = [r.getMessage() for r in caplog.records if "Hopper" in r.getMessage()]
+        assert len(notices) == (1 if refused else 0)
+    finally:
+        decayed._fla_refused_on.cache_clear()
+
+
 @pytest.mark.parametrize("variable,value", [(decayed.BACKEND_VARIABLE, "triton"), (PATH_VARIABLE, "gpu")])
 def test_bad_switches_are_refused_in_one_line(monkeypatch, variable, value):
     monkeypatch.setenv(variable, value)

@@ -8,10 +8,10 @@
 #   pip wheel --no-deps . -w .whl        # this project
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #       transformers==5.24.0 fla-core==0.6.0 flash-linear-attention==0.6.0 -d .whl
-#   benchmarks/scripts/gpu_check.sh RESULTS_DIR [smoke]
+#   benchmarks/scripts/gpu_check.sh RESULTS_DIR [smoke | core]
 # RESULTS_DIR receives gpu_check.log and gpu_results.tgz (gpu_*.json and .png for benchmarks/results, and the logs).
 # "smoke": the tests, a profile and small lengths only (about two minutes): a check that every stage runs before the
-# full run (about nine minutes).
+# full run (about nine minutes); "core": the tests, the attention bench with memory and a profile (about five).
 set -u
 results=${1:?usage: gpu_check.sh RESULTS_DIR [smoke]}
 mode=${2:-full}
@@ -46,7 +46,9 @@ stage() {  # stage NAME SECONDS COMMAND...
     pack
 }
 
-if [ "$mode" = smoke ]; then
+if [ "$mode" = core ]; then  # the tests, the forward + backward bench of every kind with memory, a 16k profile
+    lengths=4096,16384,65536; limit=(100 50 150 0 0 0)
+elif [ "$mode" = smoke ]; then
     lengths=4096; train=1024; prefill=4096; contexts=512; batches=1; limit=(90 40 60 30 30 90)
 else
     lengths=4096,16384,65536; train=2048,8192; prefill=16384; contexts=512,16384; batches=1,8
@@ -55,10 +57,11 @@ fi
 bench="python3 -m hf_performer.cli bench attention --device cuda --dtype bfloat16 --repeats 3 --lengths $lengths"
 
 stage cuda_tests "${limit[0]}" python3 -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda_path.py
-stage profile "${limit[1]}" python3 benchmarks/scripts/gpu_profile.py --length "${lengths##*,}" \
+stage profile "${limit[1]}" python3 benchmarks/scripts/gpu_profile.py --length 16384 \
     --output "$work/gpu_profile.json"
 stage attention "${limit[2]}" $bench --implementations sdpa favor window window-cache --output-dir "$work" \
     --name gpu_attention_bf16
+[ "${limit[3]}" = 0 ] && { echo "== $(date +%T) done"; exit 0; }
 stage attention_torch_backend "${limit[3]}" env HF_PERFORMER_LINEAR_BACKEND=torch $bench --implementations sdpa \
     favor --no-memory --output-dir "$work" --name gpu_attention_bf16_torch_backend
 stage attention_forward "${limit[4]}" $bench --implementations sdpa favor window window-cache --forward-only \

@@ -136,7 +136,10 @@ def main(argv=None) -> int:
         models[name] = convert_to_performer(source, task="causal-lm", **CONVERSIONS[name])
     result = {
         "benchmark": "gpu_model_speed",
-        "command": "python benchmarks/scripts/gpu_model_speed.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        # (the output as a repository path: the record carries no local folder)
+        "command": "python benchmarks/scripts/gpu_model_speed.py " + " ".join(
+            f"benchmarks/results/{Path(word).name}" if word.endswith(".json") else word
+            for word in (argv if argv is not None else sys.argv[1:])),
         "model": f"SmolLM2-135M-shaped Llama ({args.layers} layers, hidden 576, 9 heads, 3 KV heads), random weights",
         "conversions": {name: CONVERSIONS[name] for name in args.conversions},
         "machine": machine_info(DEVICE),

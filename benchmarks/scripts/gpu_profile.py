@@ -58,7 +58,9 @@ def main(argv=None) -> int:
         print(f"{implementation:13s} {mode:13s} wall {records[-1]['wall_ms']:9.2f} ms  kernels "
               f"{records[-1]['kernel_ms']:8.2f} ms in {len(events)} launches", flush=True)
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"benchmark": "gpu_profile", "device": torch.cuda.get_device_name(),
+        args.output.write_text(json.dumps({"benchmark": "gpu_profile", "command": "python benchmarks/scripts/"
+                                           f"gpu_profile.py --length {args.length} --output benchmarks/results/"
+                                           f"{args.output.name}", "device": torch.cuda.get_device_name(),
                                            "dtype": "bfloat16", "records": records}, indent=1) + "\n")
     return 0
 

@@ -656,6 +656,55 @@ def launch_counts(root: str) -> str:
     return "\n".join(lines)
 
 
+def gpu_results(root: str) -> str:
+    """The parallel path on a GPU: one attention call (forward + backward, forward only) and the SmolLM2-shaped model
+    against their softmax selves, measured in the same runs."""
+    lines = []
+    for name, title in (("gpu_attention_bf16_torch_backend.json", "forward + backward, portable linear kernels"),
+                        ("gpu_attention_bf16_forward.json", "forward only")):
+        result = load(name)
+        records = result["records"]
+        kinds = list(dict.fromkeys((r["implementation"], r["mode"]) for r in records if r["implementation"] != "sdpa"))
+        lengths = sorted({r["length"] for r in records})
+        seconds = {(r["implementation"], r["mode"], r["length"]): r["seconds"] for r in records}
+        lines += [f"One attention call, {title}, B=1, H=12, d=64, m=256, bf16, median of "
+                  f"{result['settings']['repeats']}; ms (SDPA's speed / ours) ({_link(root, name)}):", "",
+                  "| kind | " + " | ".join(f"{length:,}" for length in lengths) + " |",
+                  "|---|" + "---:|" * len(lengths)]
+        for implementation, mode in kinds:
+            cells = [f"{1e3 * seconds[(implementation, mode, length)]:.2f} "
+                     f"({seconds[('sdpa', mode, length)] / seconds[(implementation, mode, length)]:.2f}x)"
+                     for length in lengths]
+            lines.append(f"| {implementation}, {mode} | " + " | ".join(cells) + " |")
+        lines.append(f"| sdpa, causal | " + " | ".join(f"{1e3 * seconds[('sdpa', 'causal', length)]:.2f}"
+                                                    for length in lengths) + " |")
+        lines.append("")
+    model = load("gpu_model_speed.json")
+    rows = {}
+    for record in model["records"]:
+        value = record.get("median_s", record.get("median_ms_per_token"))
+        rows.setdefault((record["stage"], record["length"], record["batch"]), {})[record["model"]] = value
+    names = [name for name in ("softmax_sdpa", *model["conversions"])]
+    lines += [f"SmolLM2-135M-shaped model (random weights), bf16, median of 2 ({_link(root, 'gpu_model_speed.json')}): "
+              "training step and prefill in s, decoding in ms per token; in brackets softmax's time / the "
+              "conversion's:", "",
+              "| measurement | " + " | ".join(name.replace("_", " ") for name in names) + " |",
+              "|---|" + "---:|" * len(names)]
+    labels = {"train": "training step, 1 x {length:,}", "prefill": "prefill of {length:,} tokens",
+              "decode": "decoding after {length:,} tokens, batch {batch}"}
+    for (stage, length, batch), values in rows.items():
+        base = values["softmax_sdpa"]
+        cells = [f"{values[name]:.3g}" + ("" if name == "softmax_sdpa" else f" ({base / values[name]:.2f}x)")
+                 for name in names]
+        lines.append(f"| {labels[stage].format(length=length, batch=batch)} | " + " | ".join(cells) + " |")
+    info = model["machine"]
+    lines += ["", f"Machine: {info['device_name']}, torch {info['torch']}, {info['date'][:16].replace('T', ' ')} UTC; "
+              "one process each (each figure's runs in its JSON). Linear backend: the portable kernels for the "
+              "forward + backward table; flash-linear-attention's (0.6.0, Triton 3.6.0) for the forward-only table "
+              "and the model's Hedgehog tail."]
+    return "\n".join(lines)
+
+
 TABLES = {
     "recovery-results": recovery_results,
     "attention-speed": attention_speed,
@@ -677,5 +726,6 @@ TABLES = {
     "break-even": break_even_lengths,
     "results-index": results_index,
     "launch-counts": launch_counts,
+    "gpu-results": gpu_results,
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""
