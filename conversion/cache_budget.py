@@ -29,7 +29,8 @@ from hf_performer.cache import linear_state_bytes
 from hf_performer.favor_attention import (
     find_attention_modules, layer_index_of, module_favor_settings, update_favor_settings, uses_favor,
 )
-from hf_performer.favor_settings import effective_nb_features, layer_sparse_cache, layer_window
+from hf_performer.favor_settings import (effective_nb_features, layer_sparse_cache, layer_window,
+                                         resolve_favor_settings)
 from hf_performer.window_state import window_state_bytes
 
 CACHE_SIZES = (0, 32, 64, 128, 256, 512)
@@ -111,33 +112,47 @@ class LayerGeometry:
 
 
 def layer_geometries(model: nn.Module) -> list[LayerGeometry]:
-    """One :class:`LayerGeometry` per favor attention layer of ``model``, in layer order."""
+    """One :class:`LayerGeometry` per attention layer of ``model``, in layer order (a layer kept on softmax at
+    conversion as :data:`SOFTMAX`)."""
     layers = []
     for _, module in find_attention_modules(model):
-        if not uses_favor(module):
-            continue
-        settings = module_favor_settings(module)
-        layer = layer_index_of(module)
         config = module.config
-        heads = config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or \
-            config.hidden_size // heads
-        nb_features = effective_nb_features(settings, head_dim)
-        window, sinks = layer_window(settings, layer)
-        if layer in settings["softmax_layers"]:
-            kind = SOFTMAX
-        elif window or sinks:
-            kind = "window"
-        else:
-            kind = "linear"
-        layers.append(LayerGeometry(layer, kind, kv_heads, heads, head_dim, nb_features, window, sinks,
-                                    layer_sparse_cache(settings, layer), settings.get("chunk_size", 64),
-                                    bool(settings.get("linear_tail", True))))
-    if not layers:
+            config.hidden_size // config.num_attention_heads
+        if uses_favor(module):
+            layers.append(_layer_geometry(layer_index_of(module), module_favor_settings(module), config, head_dim))
+        else:  # a layer kept on softmax at conversion (keep_softmax_layers): its key/value cache grows
+            heads = config.num_attention_heads
+            layers.append(LayerGeometry(layer_index_of(module), SOFTMAX, getattr(config, "num_key_value_heads", None)
+                                        or heads, heads, head_dim, 0))
+    if not any(uses_favor(module) for _, module in find_attention_modules(model)):
         raise CacheBudgetError(f"{type(model).__name__} has no favor attention layer; a cache budget is for a "
                                "converted window hybrid")
     return layers
+
+
+def settings_layer_geometries(config, favor_settings: dict) -> list[LayerGeometry]:
+    """The :class:`LayerGeometry` of every layer of a model of the source ``config`` (a transformers config) converted
+    with ``favor_settings`` (a ``config.json``'s or a result record's; missing keys take their defaults), without
+    building it: what :func:`layer_geometries` gives for that model."""
+    settings = resolve_favor_settings(favor_settings)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return [_layer_geometry(layer, settings, config, head_dim) for layer in range(config.num_hidden_layers)]
+
+
+def _layer_geometry(layer: int, settings: dict, config, head_dim: int) -> LayerGeometry:
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    window, sinks = layer_window(settings, layer)
+    if layer in settings["softmax_layers"]:
+        kind = SOFTMAX
+    elif window or sinks:
+        kind = "window"
+    else:
+        kind = "linear"
+    return LayerGeometry(layer, kind, kv_heads, heads, head_dim, effective_nb_features(settings, head_dim), window,
+                         sinks, layer_sparse_cache(settings, layer), settings.get("chunk_size", 64),
+                         bool(settings.get("linear_tail", True)))
 
 
 def option_bytes(geometry: LayerGeometry, option: int | str, context: int, dtype_bytes: int) -> int:
@@ -155,6 +170,13 @@ def option_bytes(geometry: LayerGeometry, option: int | str, context: int, dtype
 def configured_bytes(geometry: LayerGeometry, context: int, dtype_bytes: int) -> int:
     """Bytes of ``geometry``'s decoding state at ``context`` tokens with the layer's own setting."""
     return option_bytes(geometry, SOFTMAX if geometry.kind == SOFTMAX else geometry.sparse_cache, context, dtype_bytes)
+
+
+def settings_state_bytes(config, favor_settings: dict, context: int, dtype_bytes: int = 4) -> int:
+    """:func:`model_state_bytes` of a model of the source ``config`` converted with ``favor_settings``, without
+    building it (how a result record's state sizes are checked against this accounting)."""
+    return sum(configured_bytes(geometry, context, dtype_bytes)
+               for geometry in settings_layer_geometries(config, favor_settings))
 
 
 def model_state_bytes(model: nn.Module, context: int) -> int:

@@ -13,14 +13,15 @@ from hf_performer import convert_to_performer
 from hf_performer.cache import make_favor_cache
 from hf_performer.cli import main as cli_main
 from hf_performer.conversion.cache_budget import (
-    SOFTMAX, CacheBudgetError, allocate_cache_budget, apply_cache_allocation, layer_geometries,
-    measure_option_errors, option_bytes, parse_cache_budget,
+    SOFTMAX, CacheBudgetError, allocate_cache_budget, apply_cache_allocation, layer_geometries, model_state_bytes,
+    measure_option_errors, option_bytes, parse_cache_budget, settings_state_bytes,
 )
 from hf_performer.favor_settings import layer_sparse_cache
 
 from conftest import benchmark_script, forbid_new_evaluations, save_tiny_hybrid_and_softmax
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
 
 
@@ -241,3 +242,28 @@ def test_budget_and_settings_refuse_a_bidirectional_window_model_before_any_work
                                          "LM: .* an encoder keeps no decoding state") as failure:
         cli_main([verb, str(tmp_path / "encoder"), str(tmp_path / "out"), *arguments])
     assert "\n" not in str(failure.value) and not (tmp_path / "out").exists()
+
+
+def test_settings_state_bytes_is_the_state_of_the_converted_model(tiny_llama_config):
+    source = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=256, num_hidden_layers=3)).eval()
+    for settings in (dict(feature_map="hedgehog", window=4, sinks=1, sparse_cache=8, linear_tail=False),
+                     dict(feature_map="hedgehog", window=4, sinks=1, layer_windows={"1": {"sparse_cache": 4}},
+                          keep_softmax_layers=[2])):
+        model = convert_to_performer(source, **settings)
+        stored = model.config.favor_settings
+        assert settings_state_bytes(source.config, stored, 200) == model_state_bytes(model, 200)
+
+
+def test_the_committed_state_sizes_follow_the_one_accounting():
+    """Every decoding-state size of the committed SmolLM2 arms is what ``model_state_bytes`` gives for the arm's
+    settings on the record's source geometry (the numbers the docs quote come from there)."""
+    import types
+
+    record = json.loads((REPO / "benchmarks" / "results" / "hybrid_arms_smollm2.json").read_text())
+    geometry = dict(record["source_geometry"])
+    dtype_bytes = geometry.pop("dtype_bytes")
+    config = types.SimpleNamespace(**geometry)
+    for name, arm in record["arms"].items():
+        expected = {context: settings_state_bytes(config, arm["favor_settings"], int(context), dtype_bytes)
+                    for context in arm["cache_bytes"]}
+        assert arm["cache_bytes"] == expected, name

@@ -89,6 +89,17 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
     return summary
 
 
+def _source_geometry(folder: str) -> dict:
+    """What the decoding state's size depends on in the softmax model (with each arm's favor_settings, the record's
+    cache_bytes follow from it: ``settings_state_bytes``)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    geometry = {name: getattr(config, name, None) for name in
+                ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim")}
+    return {name: value for name, value in geometry.items() if value is not None} | {"dtype_bytes": 4}
+
+
 def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict:
     """Bytes of the decoding state of one sequence at each length, the favor settings, the training record."""
     from transformers import AutoModelForCausalLM
@@ -102,8 +113,8 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
         if changes:
             update_favor_settings(model, **changes)
         info["favor_settings"] = {key: model.config.favor_settings[key] for key in
-                                  ("window", "sinks", "sparse_cache", "tail_cap", "linear_tail", "layer_windows",
-                                   "softmax_layers")}
+                                  ("feature_map", "nb_features", "chunk_size", "window", "sinks", "sparse_cache",
+                                   "tail_cap", "linear_tail", "layer_windows", "softmax_layers")}
         info["cache_bytes"] = {str(length): model_state_bytes(model, length) for length in lengths}
     else:
         per_token = softmax_token_bytes(model.config, torch_dtype_bytes(model))
@@ -236,6 +247,8 @@ def main(argv=None) -> int:
                      "passkey_lengths": args.passkey_lengths, "depths": args.depths, "trials": args.trials,
                      "seed": args.seed, "memory_lengths": args.memory_lengths},
         "baseline_model": os.path.relpath(args.baseline), "baseline": baseline, "arms": results,
+        "source_geometry": _source_geometry(args.baseline),
+        "state_accounting": "cache_bytes: hf_performer.conversion.cache_budget.model_state_bytes of each arm's model",
         "machine": {**machine_info(torch.device("cpu")), "load_average": load_average()},
         "command": " ".join(command),
     }

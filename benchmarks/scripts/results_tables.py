@@ -10,6 +10,7 @@ crossovers).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -443,6 +444,89 @@ def smollm2_hybrid(root: str) -> str:
     return "\n".join(lines + ["", *[note + "\n" for note in notes], _latest_machine(SMOLLM2_HYBRID_FILES)])
 
 
+ARM_TABLES = {
+    "smollm2-arms": ("arm", False, (
+        ("window", "window only (`--no-tail`)"), ("tail", "window + tail (G = 0)"),
+        ("tail_G256_load", "window + tail, G = 256 set at load"),
+        ("tail_G256", "window + tail + G = 256, trained with it"),
+        ("budget20MiB", "window + tail, per-layer budget 20 MiB (no retraining)"),
+        ("tail_G256_no_tail", "G = 256 trained, tail dropped at load"))),
+    "smollm2-no-tail": ("arm (window 64 + 4 sinks)", False, (
+        ("tail_G256", "window + tail + G = 256, trained at 1024"),
+        ("tail_G256_trained4k", "window + tail + G = 256, trained at 4096"),
+        ("window_G256", "**window + G = 256, no tail**"), ("window_G256_trained4k", "the same, trained at 4096"))),
+    "smollm2-serving": ("served with (4 sinks, no tail)", True, (
+        ("window_G256", "window 64 + G 256 (as trained)"), ("window_G1024_load", "window 64 + G 1024"),
+        ("window_G1472_load", "window 64 + G 1472"), ("window512_G512_load", "window 512 + G 512"),
+        ("window1024_load", "window 1024, no cache"), ("window512_G1024_load", "**window 512 + G 1024** (round 6)"),
+        ("window768_G768_load", "window 768 + G 768 (round 6)"))),
+}
+"""The tables of ``hybrid_arms_smollm2.json``: a column label, whether ratios <= 1.10x are bold (the target), rows."""
+
+
+def smollm2_arms_table(root: str, name: str) -> str:
+    """One table of the SmolLM2 arms: perplexity / softmax + LoRA's at each context (positions 512-1024 of the 1k
+    windows), passkey, and the decoding state of one sequence (at 16k: its share of softmax's KV cache), every state
+    from the record (``model_state_bytes``)."""
+    result = load("hybrid_arms_smollm2.json")
+    label, bold_target, rows = ARM_TABLES[name]
+    baseline = result["baseline"]
+    contexts = [str(context) for context in result["protocol"]["contexts"]]
+    passkeys = [str(length) for length in result["protocol"]["passkey_lengths"]]
+
+    def ratio(value: float | None, reference: float) -> str:
+        if value is None:
+            return "-"
+        text = f"{value / reference:.3f}x"
+        return f"**{text}**" if bold_target and value / reference <= 1.10 else text
+
+    def passkey(arm: dict) -> str:
+        scores = arm["passkey_by_length"]
+        return " / ".join(f"{scores[n]:.2f}" if n in scores else "-" for n in passkeys) if scores else "-"
+
+    def state(arm: dict) -> str:
+        state_bytes = arm["cache_bytes"]["16384"]
+        share = f" ({state_bytes / baseline['cache_bytes']['16384']:.1%})" if bold_target else ""
+        return f"{state_bytes / MIB:.1f} MiB{share}"
+
+    lines = [f"| {label} | " + " | ".join(contexts[:1] + ["positions 512-1024"] + contexts[1:])
+             + f" | passkey {' / '.join(f'{int(n) // 1024}k' for n in passkeys)} | state at 16k |",
+             "|---|" + "---:|" * (len(contexts) + 1) + "---|---:|",
+             f"| softmax + LoRA | " + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts[:1])
+             + f" | {baseline['perplexity_by_position']['512:1024']:.2f} | "
+             + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts[1:])
+             + f" | {passkey(baseline)} | {baseline['cache_bytes']['16384'] / MIB:.1f} MiB |"]
+    for arm_name, arm_label in rows:
+        arm = result["arms"][arm_name]
+        perplexity = arm["perplexity"]
+        by_position = arm.get("perplexity_by_position", {}).get("512:1024")
+        cells = [ratio(perplexity.get(contexts[0]), baseline["perplexity"][contexts[0]]),
+                 ratio(by_position, baseline["perplexity_by_position"]["512:1024"]),
+                 *(ratio(perplexity.get(c), baseline["perplexity"][c]) for c in contexts[1:])]
+        lines.append(f"| {arm_label} | " + " | ".join(cells) + f" | {passkey(arm)} | {state(arm)} |")
+    return "\n".join(lines + ["", f"{_link(root, 'hybrid_arms_smollm2.json')}; " + machine(result)])
+
+
+RECOMMENDED_SERVING = (("window_G256", "window 64 + G 256 (as trained)"), ("window512_G512_load", "window 512 + G 512"),
+                       ("window_G1024_load", "window 64 + G 1024"), ("window512_G1024_load", "window 512 + G 1024"))
+
+
+def smollm2_recommended(root: str) -> str:
+    """The recommended causal-LM path's serving choices (the guide's table), from ``hybrid_arms_smollm2.json``."""
+    result = load("hybrid_arms_smollm2.json")
+    baseline = result["baseline"]
+    softmax_passkey = " / ".join(f"{value:.2f}" for value in baseline["passkey_by_length"].values())
+    lines = [f"| served with | perplexity | passkey (softmax {softmax_passkey}) | state per sequence (of softmax's "
+             "at 16k) |", "|---|---|---|---:|"]
+    for name, label in RECOMMENDED_SERVING:
+        arm = result["arms"][name]
+        state = arm["cache_bytes"]["16384"]
+        lines.append(f"| {label} | " + " / ".join(f"{ratio:.3f}x" for ratio in arm["perplexity_ratio"].values())
+                     + " | " + " / ".join(f"{value:.2f}" for value in arm["passkey_by_length"].values())
+                     + f" | {state / MIB:.1f} MiB ({state / baseline['cache_bytes']['16384']:.1%}) |")
+    return "\n".join(lines)
+
+
 def smollm2_tail(root: str) -> str:
     result = load("window_hybrid_smollm2_tail_error.json")
     lines = [f"Each window layer's attention-output error against exact softmax (1000 x MSE, teacher forcing, "
@@ -520,8 +604,9 @@ def readme_headline(root: str) -> str:
         f"{generation_batch8['decode_context_512_batch_8']['favor_speedup']:.2f}x at 512, "
         f"{generation_batch8['decode_context_16384_batch_8']['favor_speedup']:.1f}x at 16k; prefill of 4k tokens "
         f"{generation['prefill_4096']['favor_speedup']:.2f}x (floor "
-        f"{generation['prefill_4096']['floor_speedup']:.2f}x); state {generation_bytes['favor'] / MIB:.0f} MiB at any "
-        f"context (softmax's KV cache {generation_bytes['softmax'] / MIB:,.0f} MiB at 16k); with a tail: "
+        f"{generation['prefill_4096']['floor_speedup']:.2f}x); state {generation_bytes['favor'] / MIB:.1f} MiB at any "
+        f"context (softmax's KV cache {arms_result['baseline']['cache_bytes']['16384'] / MIB:,.0f} MiB at 16k); "
+        f"with a tail: "
         f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x at 16k, "
         f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}) | "
         f"{_link(root, 'generation_floor_smollm2_window_g256.json', 'generation')}, "
@@ -544,9 +629,9 @@ def readme_headline(root: str) -> str:
                      for ratio in served['perplexity_ratio'].values()) + " at 1k / 2k / 4k, passkey "
         + " / ".join(f"{value:.2f}" for value in served['passkey_by_length'].values()) + " (softmax "
         + " / ".join(f"{value:.2f}" for value in arms_result['baseline']['passkey_by_length'].values())
-        + f"), state {served['cache_bytes']['16384'] / MIB:.0f} MiB at any context "
+        + f"), state {served['cache_bytes']['16384'] / MIB:.1f} MiB at any context "
         f"({served['cache_fraction_of_baseline']['16384']:.1%} of softmax's KV cache at 16k); with 256 keys "
-        f"({no_tail['cache_bytes']['16384'] / MIB:.0f} MiB) "
+        f"({no_tail['cache_bytes']['16384'] / MIB:.1f} MiB) "
         + " / ".join(f"{ratio:.3f}x" for ratio in no_tail['perplexity_ratio'].values())
         + f"; with a learned tail {trained4k['perplexity_ratio']['4096']:.3f}x at 4096 trained there | "
         f"{_link(root, 'hybrid_arms_smollm2.json', 'arms')} |",
@@ -727,5 +812,7 @@ TABLES = {
     "results-index": results_index,
     "launch-counts": launch_counts,
     "gpu-results": gpu_results,
+    "smollm2-recommended": smollm2_recommended,
+    **{name: functools.partial(smollm2_arms_table, name=name) for name in ARM_TABLES},
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""
