@@ -492,7 +492,7 @@ def smollm2_arms_table(root: str, name: str) -> str:
     lines = [f"| {label} | " + " | ".join(contexts[:1] + ["positions 512-1024"] + contexts[1:])
              + f" | passkey {' / '.join(f'{int(n) // 1024}k' for n in passkeys)} | state at 16k |",
              "|---|" + "---:|" * (len(contexts) + 1) + "---|---:|",
-             f"| softmax + LoRA | " + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts[:1])
+             "| softmax + LoRA | " + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts[:1])
              + f" | {baseline['perplexity_by_position']['512:1024']:.2f} | "
              + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts[1:])
              + f" | {passkey(baseline)} | {baseline['cache_bytes']['16384'] / MIB:.1f} MiB |"]
@@ -761,7 +761,7 @@ def gpu_results(root: str) -> str:
                      f"({seconds[('sdpa', mode, length)] / seconds[(implementation, mode, length)]:.2f}x)"
                      for length in lengths]
             lines.append(f"| {implementation}, {mode} | " + " | ".join(cells) + " |")
-        lines.append(f"| sdpa, causal | " + " | ".join(f"{1e3 * seconds[('sdpa', 'causal', length)]:.2f}"
+        lines.append("| sdpa, causal | " + " | ".join(f"{1e3 * seconds[('sdpa', 'causal', length)]:.2f}"
                                                     for length in lengths) + " |")
         lines.append("")
     model = load("gpu_model_speed.json")
