@@ -46,6 +46,7 @@ from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, Performer
 from .defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 from .gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
 from .probe import probe_converted_model
+from .source import SourceError, check_source
 
 
 logger = logging.get_logger(__name__)
@@ -138,6 +139,10 @@ def load_source(
 
 def _load_source_config(name_or_path: str | os.PathLike):
     """The config of a source folder or offline Hub name; a one-line :class:`ConversionError` when there is none."""
+    try:
+        check_source(name_or_path)
+    except SourceError as error:
+        raise ConversionError(str(error)) from None
     try:
         path, gguf = from_pretrained_arguments(name_or_path)
         return AutoConfig.from_pretrained(path, **gguf)

@@ -48,9 +48,14 @@ def check_causal_source(source: str, needs: str = LINEARIZE_NEEDS_CAUSAL,
 
     from ..configuration_performer import PerformerConfigError
     from ..conversion.gguf import from_pretrained_arguments
+    from ..conversion.source import SourceError, check_source
     from ..favor_attention import find_attention_modules
     from ..modeling_performer import PERFORMER_CLASSES_BY_TASK
 
+    try:
+        check_source(source)
+    except SourceError as error:
+        raise RecipeError(str(error)) from None
     path, gguf = from_pretrained_arguments(source)
     try:
         config = AutoConfig.from_pretrained(path, **gguf)

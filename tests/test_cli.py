@@ -254,3 +254,45 @@ def test_an_unwritable_output_is_refused_before_any_work_even_as_root(capsys):
     with pytest.raises(cli.CommandFailed, match="--output /proc/metrics.json: /proc is not writable") as failure:
         cli.main(["evaluate", "no-such-model", "--task", "sst2", "--output", "/proc/metrics.json"])
     assert "\n" not in str(failure.value) and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("verb,extra", [
+    ("convert", []), ("linearize", ["out", "--train-file", __file__, "--eval-file", __file__]),
+    ("budget", ["out", "--cache-budget", "10%", "--text-file", __file__]), ("settings", ["out", "--window", "8"]),
+    ("evaluate", ["--task", "sst2", "--validation-file", __file__]), ("quickstart", [])])
+def test_a_source_that_cannot_load_is_named_for_what_it_is_at_once(verb, extra, tmp_path, monkeypatch):
+    """A missing folder, a folder without config.json, and a Hub name neither cached nor reachable: one line each,
+    before any network retry (the Hub probe is one connection attempt; here it fails at once)."""
+    import socket
+
+    from huggingface_hub import constants
+
+    def unreachable(*args, **kwargs):
+        raise OSError(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # CI runs offline: that case is below
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "empty").mkdir()
+    cases = {str(tmp_path / "missing"): "no such folder; SOURCE must be",
+             str(tmp_path / "empty"): "the folder has no config.json",
+             "no-such-namespace/no-such-model": "not in the local Hugging Face cache, and the Hub is unreachable: "
+                                                "cannot reach huggingface.co"}
+    if verb == "convert":
+        extra = [str(tmp_path / "out")]
+    for source, message in cases.items():
+        arguments = [verb, source, *extra]
+        if verb in ("linearize", "budget", "settings"):
+            arguments[2] = str(tmp_path / "out")
+        with pytest.raises((SystemExit, cli.CommandFailed)) as failure:
+            cli.main(arguments)
+        text = str(failure.value)
+        assert message in text and "\n" not in text, (verb, source, text)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    arguments = [verb, "no-such-namespace/no-such-model", *extra]
+    if verb in ("linearize", "budget", "settings"):
+        arguments[2] = str(tmp_path / "out")
+    with pytest.raises((SystemExit, cli.CommandFailed), match="the Hub is unreachable: offline mode is on"):
+        cli.main(arguments)
+    assert not (tmp_path / "out").exists()

@@ -108,6 +108,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``hf-performer evaluate`` (see :func:`add_parser`). Returns the exit status."""
+    from hf_performer.conversion.source import SourceError, check_source
     from hf_performer.tasks.data import LM_DATASETS, TASKS, DataError
     from hf_performer.tasks.evaluation import (
         EvaluationError, evaluate_classification_model, evaluate_perplexity_model,
@@ -127,6 +128,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
     values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
     if args.output:
         check_output_file(args.output, "evaluate")
+    try:
+        check_source(args.model)
+    except SourceError as error:
+        raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "tail_cap")
                      if getattr(args, name) is not None}
     try:
