@@ -185,6 +185,29 @@ def model_state_bytes(model: nn.Module, context: int) -> int:
     return sum(configured_bytes(geometry, context, dtype_bytes) for geometry in layer_geometries(model))
 
 
+def check_measurement_length(model: nn.Module, length: int, cache_sizes: Sequence[int]) -> str | None:
+    """Refuse a measurement length at which no key leaves a window layer's exact part (its sinks and window, and
+    everything before the first chunk boundary, where the sparse cache first selects): every option would measure
+    the same error. Returns a warning (one line) when the largest cache sizes keep every older key at this length
+    (they tie), else ``None``.
+
+    Raises:
+        CacheBudgetError: ``length`` does not reach past the exact part of some window layer.
+    """
+    windows = [g for g in layer_geometries(model) if g.kind == "window"]
+    exact = max((max(g.chunk_size, g.sinks + g.window) for g in windows), default=0)
+    if length <= exact:
+        raise CacheBudgetError(f"--length {length} never reaches past a window layer's exact part (its sinks and window, "
+                               f"and the tokens before the first chunk boundary: {exact}): every cache size would "
+                               f"measure the same error; give --length > {exact}")
+    older = max((length - g.sinks - g.window for g in windows), default=0)  # keys a last query could lose
+    tied = sorted(size for size in cache_sizes if size >= older)
+    if len(tied) > 1:
+        return (f"cache sizes {', '.join(map(str, tied))} keep every older key at --length {length}: they measure "
+                f"alike and the allocation takes the cheapest; a longer --length tells them apart")
+    return None
+
+
 def check_budget_reachable(model: nn.Module, budget_bytes: int, context: int, cache_sizes: Sequence[int],
                            dtype_bytes: int = 4) -> None:
     """Refuse, before anything is measured, a budget below the model's smallest decoding state at ``context`` tokens

@@ -221,4 +221,4 @@ def format_estimate(estimate: dict, settings: LinearizeSettings) -> str:
             f"~{_minutes(estimate['transfer'])}, LoRA ~{_minutes(estimate['lora'])}, evaluation "
             f"~{_minutes(estimate['evaluate'])}), from one timed training step of {settings.block_size} tokens "
             f"({estimate['train_step_s']:.2f} s) scaled by the steps and batch sizes; --time-limit MINUTES bounds the "
-            "training stages, --preset cpu runs a smaller protocol")
+            "training stages (--preset cpu: the protocol of the committed SmolLM2-135M runs, about 35 min there)")

@@ -154,7 +154,7 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
     torch.manual_seed(0)
     source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
-    hybrid = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0)
+    hybrid = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0, chunk_size=16)
     model_dir, output = tmp_path / "hybrid", tmp_path / "budgeted"
     hybrid.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

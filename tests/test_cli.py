@@ -167,7 +167,7 @@ def test_favor_flags_have_one_spelling_across_the_verbs_and_the_recipes():
     for name, parser in parsers.items():
         favor = {option for option in parser._option_string_actions
                  if parser._option_string_actions[option].dest in {f.dest for f in FAVOR_FLAGS.values()}}
-        assert favor - spellings <= {"--seed"}, name  # convert's deprecated alias only
+        assert favor - spellings <= {"--seed", "--no-linear-tail"}, name  # the deprecated aliases only
     args = cli.build_parser("convert").parse_args(["convert", "src", "out", "--favor-seed", "3", "--projection", "iid"])
     assert args.favor_seed == 3 and args.projection == "iid"
 

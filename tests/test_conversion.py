@@ -556,8 +556,8 @@ def test_cli_missing_source_is_a_one_line_error(tmp_path):
     with pytest.raises(SystemExit) as error:
         convert_cli.main([str(missing), str(tmp_path / "out")])
     message = str(error.value)
-    assert message.startswith(f"hf-performer convert: error: {missing}: no such folder, and not a Hub name available "
-                              "offline") and "\n" not in message
+    assert message.startswith(f"hf-performer convert: error: {missing}: no such folder; SOURCE must be") \
+        and "\n" not in message
 
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as error:

@@ -35,6 +35,31 @@ def test_site_builds_in_strict_mode(tmp_path):
     assert "usage: hf-performer convert" in (site / "reference/cli/index.html").read_text()
 
 
+def test_the_committed_command_reference_lists_every_flag():
+    """docs/reference/cli.md reads on GitHub: each verb's block holds its --help, every option of the parser in it
+    (the exact wrapping depends on Python's argparse; the site is built from the parsers themselves)."""
+    import argparse
+    import re
+
+    from hf_performer.cli import build_parser
+
+    hooks = _load(REPO / "docs" / "_build" / "hooks.py", "_docs_hooks_reference")
+    text = hooks.CLI_REFERENCE.read_text()
+    blocks = {match.group(2): match.group(0) for match in hooks._CLI_HELP.finditer(text)}
+    assert blocks and set(blocks) == set(re.findall(r"<!-- cli-help: ([a-z -]+?) -->", text))
+    for verb, block in blocks.items():
+        words = verb.split()
+        parser = build_parser(words[0])
+        for word in words:
+            parser = next(action for action in parser._actions
+                          if isinstance(action, argparse._SubParsersAction)).choices[word]
+        options = [option for action in parser._actions for option in action.option_strings
+                   if action.help != argparse.SUPPRESS]
+        missing = [option for option in options if option not in block]
+        assert f"usage: hf-performer {verb}" in block and not missing, \
+            f"{verb}: {missing} (run python docs/_build/hooks.py)"
+
+
 def test_generated_tables_match_the_committed_results():
     """The tables between <!-- NAME:start --> / <!-- NAME:end --> in README.md and docs/ are what the JSON gives."""
     update = _load(REPO / "benchmarks" / "scripts" / "update_readme_results.py", "_update_readme_results_docs")

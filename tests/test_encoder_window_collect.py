@@ -43,7 +43,7 @@ def test_pipeline_shell_syntax():
     for script in ("stsb_window_hybrid.sh", "glue_recovery.sh"):
         subprocess.run(["bash", "-n", str(SCRIPTS / script)], check=True)
     text = (SCRIPTS / "stsb_window_hybrid.sh").read_text()
-    for needle in ("--no-linear-tail", "--softmax-weight learned", "--feature-map-init identity", "CONVERT_ARGS",
+    for needle in ("--no-tail", "--softmax-weight learned", "--feature-map-init identity", "CONVERT_ARGS",
                    "RUNS=\"f\"", "collect_encoder_window.py"):
         assert needle in text
 

@@ -44,6 +44,7 @@ from hf_performer.hub import (
     validate_folder,
     write_model_card,
 )
+from hf_performer.hub.folder import TOKENIZER_FILES
 from conftest import tiny_bert_config
 
 logging.set_verbosity_error()
@@ -952,6 +953,22 @@ def test_push_refuses_a_broken_folder_and_sends_nothing(folder, fake_hub):
         push_folder(folder, REPO_ID)
     with pytest.raises(SystemExit, match="hf-performer push: error: .* would not load"):
         cli_main(["push", str(folder), REPO_ID, "--dry-run"])
+    assert fake_hub.requests == []
+
+
+def test_a_folder_without_a_tokenizer_is_pushed_only_when_asked(folder, fake_hub, capsys):
+    """A conversion of a source without tokenizer has none: refused by default, accepted with --no-tokenizer (a
+    warning); a half tokenizer is refused either way."""
+    for path in folder.iterdir():
+        if path.name in TOKENIZER_FILES:
+            path.unlink()
+    with pytest.raises(SystemExit, match="tokenizer_config.json missing"):
+        cli_main(["push", str(folder), REPO_ID, "--dry-run"])
+    assert cli_main(["push", str(folder), REPO_ID, "--dry-run", "--no-tokenizer"]) == 0
+    assert "warning: no tokenizer (--no-tokenizer)" in capsys.readouterr().err
+    (folder / "tokenizer_config.json").write_text("{}")
+    with pytest.raises(SystemExit, match="no vocabulary file"):
+        cli_main(["push", str(folder), REPO_ID, "--dry-run", "--no-tokenizer"])
     assert fake_hub.requests == []
 
 

@@ -443,7 +443,11 @@ def test_end_to_end_folder_reloads_with_trust_remote_code(tiny_models, tmp_path,
 
 def test_no_tail_ablation_skips_the_transfer(tiny_models, tmp_path):
     output = tmp_path / "window-only"
-    assert _run(_argv(tiny_models, "llama", output, *_hybrid_flags(), "--no-tail")) == 0
+    with pytest.raises(SystemExit, match="--transfer-steps, --transfer-length, --transfer-batch-size would be ignored: "
+                                         "--no-tail has no linear tail"):
+        _run(_argv(tiny_models, "llama", output, *_hybrid_flags(), "--no-tail"))
+    assert not output.exists()
+    assert _run(_argv(tiny_models, "llama", output, "--window", "4", "--sinks", "1", "--no-tail")) == 0
     record = json.loads((output / "linearize.json").read_text())
     assert record["kind"] == "window-only"
     assert record["stages"]["transfer"]["status"] == "skipped" and "--no-tail" in record["stages"]["transfer"]["reason"]

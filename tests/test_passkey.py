@@ -147,10 +147,13 @@ def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config
     assert cli_main(arguments[:-1] + [str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())
     assert [cell["keys"] for cell in again["cells"]] == [cell["keys"] for cell in record["cells"]]  # deterministic
+    not_loaded = tmp_path / "not-loaded"  # a folder that is never loaded: the arguments are refused first
+    not_loaded.mkdir()
+    (not_loaded / "config.json").write_text("{}")
     for extra, message in ((["--depths", "1.5"], "depths must be in \\[0, 1\\].*got \\[1.5\\]"),
                            (["--trials", "0"], "trials must be >= 1")):
         with pytest.raises(SystemExit, match=message):
-            cli_main(["evaluate", str(tmp_path / "not-loaded"), "--task", "passkey", *extra])
+            cli_main(["evaluate", str(not_loaded), "--task", "passkey", *extra])
     with pytest.raises(SystemExit, match="exceeds the model's 512 positions"):
         cli_main(["evaluate", str(folder), "--task", "passkey", "--context-lengths", "1024", "--no-progress"])
 

@@ -136,7 +136,9 @@ def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_lla
                                ([str(folder), str(tmp_path / "d"), "--sparse-cache", "1000000"],
                                 "sparse_cache 1000000 covers all 256 positions the model takes"),
                                ([str(folder), str(tmp_path / "e"), "--window", "100000"],
-                                "window 100000 covers all 256 positions the model takes")):
+                                "window 100000 covers all 256 positions the model takes"),
+                               ([str(folder), str(tmp_path / "f"), "--window", "4", "--sparse-cache", "0"],
+                                "already has window 4, sparse_cache 0: nothing to change, nothing written")):
         with pytest.raises(SystemExit, match=message) as failure:
             cli_main(["settings", *arguments])
         assert "\n" not in str(failure.value) and not Path(arguments[1]).exists()

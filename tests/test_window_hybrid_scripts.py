@@ -33,7 +33,7 @@ def test_pipeline_shell_syntax_and_profiles():
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
     assert "set -euo pipefail" in text and "pipeline_steps.sh" in text
-    for needle in ("linearize", "--baseline softmax", "--no-tail", "--transfer-steps 0 --lora-steps 0",
+    for needle in ("linearize", "--baseline softmax", "--no-tail", "--transfer-steps 0 --lora-steps 0", "--no-tail --lora-steps 0",
                    "--task passkey", "--position-ranges", "collect_window_hybrid.py", "PROFILE", "full)", "short)",
                    "tiny)"):
         assert needle in text

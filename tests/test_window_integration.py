@@ -376,8 +376,19 @@ def test_convert_flags_end_up_in_config_json(tmp_path, capsys):
     assert gamma_keys == [f"performer.model.layers.1.self_attn.{SOFTMAX_WEIGHT_ATTRIBUTE}.logit"]
 
     no_tail = tmp_path / "no_tail"
-    assert convert_cli.main([str(tmp_path / "source"), str(no_tail), "--window", "4", "--no-linear-tail"]) == 0
+    assert convert_cli.main([str(tmp_path / "source"), str(no_tail), "--window", "4", "--no-tail"]) == 0
     assert json.loads((no_tail / "config.json").read_text())["favor_settings"]["linear_tail"] is False
+    card = (no_tail / "README.md").read_text()  # no layer uses a feature map: the card does not describe one
+    assert "Also recorded but not used by this attention: `feature_map`" in card and "| `nb_features` |" not in card
+    assert "0.07" not in card and "estimator" not in card and "These window layers have no linear tail" in card
+    with pytest.raises(SystemExit, match="--feature-map, --nb-features would be ignored: --no-tail drops the linear "
+                                         "tail"):
+        convert_cli.main([str(tmp_path / "source"), str(tmp_path / "mapped"), "--window", "4", "--no-tail",
+                          "--feature-map", "hedgehog", "--nb-features", "64"])
+    assert not (tmp_path / "mapped").exists()
+    old_spelling = tmp_path / "old_spelling"  # the deprecated spelling still works, with a warning
+    assert convert_cli.main([str(tmp_path / "source"), str(old_spelling), "--window", "4", "--no-linear-tail"]) == 0
+    assert json.loads((old_spelling / "config.json").read_text())["favor_settings"]["linear_tail"] is False
 
 
 @pytest.mark.parametrize("flags, message", [

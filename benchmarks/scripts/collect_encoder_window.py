@@ -7,7 +7,7 @@ pretrained model and gets the same recipe arguments (``glue_recovery.sh``'s ``fi
 * ``e_transfer`` -> ``f_transfer_finetuned``: the hybrid (band + sinks exact softmax, learned linear tail) after
   attention transfer of the tail on the pretrained model (no labels), then fine-tuned;
 * ``window_only/e_transfer`` -> ``window_only/f_transfer_finetuned``: the tail ablation, sinks + band only
-  (``--no-linear-tail``, nothing to transfer), fine-tuned;
+  (``--no-tail``, nothing to transfer), fine-tuned;
 * ``b_converted`` (optional): the fine-tuned softmax model (a) converted to sinks + band only, no training;
 * ``from_a/e_transfer`` (optional): (a) converted to the hybrid, attention transfer of the tail with (a) as the
   teacher, no fine-tuning (zero-shot: the same head, so comparable with ``b_converted``).
@@ -33,8 +33,8 @@ import sys
 
 HYBRID_DESCRIPTION = "hybrid: pretrained model + attention transfer of the linear tail, fine-tuned like (a)"
 WINDOW_ONLY_DESCRIPTIONS = {
-    "zero_shot": "(a) converted to sinks + window softmax only (--no-linear-tail), no training",
-    "fine_tuned": "pretrained model converted to sinks + window softmax only (--no-linear-tail), fine-tuned like "
+    "zero_shot": "(a) converted to sinks + window softmax only (--no-tail), no training",
+    "fine_tuned": "pretrained model converted to sinks + window softmax only (--no-tail), fine-tuned like "
                   "(a): the tail ablation of (f)",
 }
 HYBRID_ZERO_SHOT_DESCRIPTION = ("(a) converted to the hybrid, attention transfer of the tail with (a) as the teacher, "

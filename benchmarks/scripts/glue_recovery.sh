@@ -8,7 +8,7 @@
 #   HYBRID_ARGS="--window 32 --sinks 1" RUNS="a e f" OUT=/tmp/stsb_window \
 #       RESULT=benchmarks/results/recovery_stsb_window32.json bash benchmarks/scripts/glue_recovery.sh
 #                                                                            # sink + window hybrid in every layer (e, f)
-#   CONVERT_ARGS="--window 16 --sinks 1 --no-linear-tail" RUNS="a b c" OUT=/tmp/stsb_window_only \
+#   CONVERT_ARGS="--window 16 --sinks 1 --no-tail" RUNS="a b c" OUT=/tmp/stsb_window_only \
 #       bash benchmarks/scripts/glue_recovery.sh                                 # (b, c): another conversion than FAVOR+
 #
 # Steps, in order (each logs to $OUT/<step>.log and is skipped when its output exists, so an interrupted pipeline

@@ -6,7 +6,7 @@ way before the grouping), and softmax on the same row; interleaved in one proces
         --output-dir benchmarks/results
 
 The first folder is the softmax source, the second a converted folder with window layers (``hf-performer convert
-... --window 64 --sinks 4 --sparse-cache 256 --no-linear-tail``). The row is what ``DataCollatorWithFlattening``
+... --window 64 --sinks 4 --sparse-cache 256 --no-tail``). The row is what ``DataCollatorWithFlattening``
 makes of random sequences of ``--lengths`` tokens (``position_ids`` restarting at each: the window layers run each
 sequence as its own row, :class:`hf_performer.packed_sequences.SegmentRows`); one step is the causal-LM loss under
 bfloat16 autocast (``--precision bf16``, the default) or float32 and its backward (every parameter trained). Medians

@@ -11,7 +11,7 @@
 # ARM_NAMES (default: all seven) runs a subset:
 #   softmax_zeroshot   $SMOL, no training
 #   hybrid_zeroshot    linearize --transfer-steps 0 --lora-steps 0            (converted: sinks + window + tail)
-#   window_zeroshot    linearize --no-tail --transfer-steps 0 --lora-steps 0  (converted: sinks + window only)
+#   window_zeroshot    linearize --no-tail --lora-steps 0  (converted: sinks + window only)
 #   softmax_lora       linearize --baseline softmax  (the same LoRA budget on the softmax model: the fair baseline)
 #   hybrid_transfer    hybrid_lora's model after its attention transfer, before LoRA (linearize --stop-after transfer,
 #                      then the same command continues: no extra training)
@@ -236,7 +236,7 @@ if wants hybrid_zeroshot; then
 fi
 if wants window_zeroshot; then
     run_step linearize_window_zeroshot "$OUT/window_zeroshot/linearize.json" \
-        linearize window_zeroshot "${HYBRID_ARGS[@]}" --no-tail --transfer-steps 0 --lora-steps 0
+        linearize window_zeroshot --window "$WINDOW" --sinks "$SINKS" --no-tail --lora-steps 0
 fi
 if wants softmax_lora; then
     run_step linearize_softmax_lora "$OUT/softmax_lora/linearize.json" \
@@ -280,8 +280,8 @@ if wants hybrid_worst_softmax_lora; then
     run_step linearize_hybrid_worst_softmax_lora "$OUT/hybrid_worst_softmax_lora/linearize.json" worst_softmax_model
 fi
 if wants window_lora; then
-    run_step linearize_window_lora "$OUT/window_lora/linearize.json" linearize window_lora "${HYBRID_ARGS[@]}" \
-        --no-tail --transfer-steps "$TRANSFER_STEPS" --lora-steps "$LORA_STEPS"
+    run_step linearize_window_lora "$OUT/window_lora/linearize.json" linearize window_lora \
+        --window "$WINDOW" --sinks "$SINKS" --no-tail --lora-steps "$LORA_STEPS"
 fi
 
 model_of() { if [[ "$1" == softmax_zeroshot ]]; then echo "$SMOL"; else echo "$OUT/$1"; fi; }

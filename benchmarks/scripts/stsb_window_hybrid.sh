@@ -11,7 +11,7 @@
 #                                           softmax + hedgehog tail (identity init, separate q / k maps, gamma
 #                                           learned); attention transfer of the tail only (output MSE, no labels)
 #   $OUT/f_transfer_finetuned               (e) fine-tuned                                   glue_recovery.sh RUNS=f
-#   $OUT/window_only/e_transfer             pretrained model converted to band + sink only (--no-linear-tail)
+#   $OUT/window_only/e_transfer             pretrained model converted to band + sink only (--no-tail)
 #   $OUT/window_only/f_transfer_finetuned   that fine-tuned (the tail ablation)  glue_recovery.sh RUNS=f OUT=.../window_only
 #   $OUT/b_converted                        (a) converted to band + sink only, no training  glue_recovery.sh RUNS=b
 #   $OUT/from_a/e_transfer                  (a) converted to the hybrid + attention transfer with (a) as the teacher,
@@ -34,7 +34,7 @@ VALIDATION_FILE="${VALIDATION_FILE:-$(dirname "$REPO")/shared/data/glue/STS-B/de
 RESULT="${RESULT:-$REPO/benchmarks/results/window_hybrid_stsb.json}"
 export TASK=stsb MODEL PYTHON HF_PERFORMER TRAIN_FILE VALIDATION_FILE
 RECOVERY="$REPO/benchmarks/scripts/glue_recovery.sh"
-WINDOW_ONLY=(--window "$WINDOW" --sinks "$SINKS" --no-linear-tail)
+WINDOW_ONLY=(--window "$WINDOW" --sinks "$SINKS" --no-tail)
 
 mkdir -p "$OUT/window_only"
 TIMINGS="$OUT/timings.tsv"

@@ -9,7 +9,9 @@
   README) are published as they are at build time (:data:`PUBLISHED`), not copied into git: a page links them by
   their repository path (``../../benchmarks/results/decode.png`` from ``docs/results/decoding.md``), which is right
   on GitHub and is rewritten here to the published file's place in the site.
-* ``<!-- cli-help: VERB -->`` in a page becomes the ``--help`` of ``hf-performer VERB`` (from the parser itself).
+* ``<!-- cli-help: VERB -->`` ... ``<!-- /cli-help -->`` in a page holds the ``--help`` of ``hf-performer VERB``:
+  committed (so that the page reads on GitHub; ``python docs/_build/hooks.py`` rewrites it) and replaced at build
+  time by what the parser itself prints.
 * Inline code naming an object of the package (``hf_performer.conversion.convert_to_performer``) must name one that
   exists: a warning otherwise, so that ``mkdocs build --strict`` fails on a stale name.
 """
@@ -59,7 +61,8 @@ def on_files(files, config):
 
 
 _LINK = re.compile(r"(\]\()([^)\s#]+)((?:#[^)\s]*)?\))")
-_CLI_HELP = re.compile(r"<!-- cli-help: ([a-z-]+(?: [a-z-]+)*) -->")
+_CLI_HELP = re.compile(r"(<!-- cli-help: ([a-z-]+(?: [a-z-]+)*) -->\n)(?:.*?\n)??(<!-- /cli-help -->)", re.S)
+CLI_REFERENCE = REPO / "docs" / "reference" / "cli.md"
 _PACKAGE_NAME = re.compile(r"`(hf_performer(?:\.\w+)+)(?:\(\))?`")
 
 
@@ -108,6 +111,11 @@ def cli_help(verb: str) -> str:
     return "```text\n" + output.getvalue().rstrip() + "\n```"
 
 
+def fill_cli_help(markdown: str) -> str:
+    """Every ``cli-help`` block of ``markdown`` with the parser's current ``--help``."""
+    return _CLI_HELP.sub(lambda match: match.group(1) + cli_help(match.group(2)) + "\n" + match.group(3), markdown)
+
+
 @functools.cache
 def _package_tree():
     import griffe
@@ -147,10 +155,18 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     for name in sorted(set(_PACKAGE_NAME.findall(markdown))):
         if not names_object(name):
             log.warning(f"{page.file.src_uri}: `{name}` names nothing in the package")
-    markdown = _CLI_HELP.sub(lambda match: cli_help(match.group(1)), markdown)
+    markdown = fill_cli_help(markdown)
 
     def relink(match):
         target = _site_link(page, match.group(2))
         return match.group(0) if target is None else match.group(1) + target + match.group(3)
 
     return _LINK.sub(relink, markdown)
+
+
+if __name__ == "__main__":  # rewrite the committed --help texts of docs/reference/cli.md
+    text = CLI_REFERENCE.read_text()
+    updated = fill_cli_help(text)
+    if updated != text:
+        CLI_REFERENCE.write_text(updated)
+    print(f"{CLI_REFERENCE.relative_to(REPO)}: {'updated' if updated != text else 'up to date'}")

@@ -72,15 +72,18 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("tail_gate", "--tail-gate", {"action": "store_const", "const": True}),
     FavorFlag("softmax_weight", "--softmax-weight", {"choices": SOFTMAX_WEIGHT_MODES}),
     FavorFlag("layer_windows", "--layer-windows", {"type": json_object, "metavar": "JSON"}),
-    FavorFlag("linear_tail", "--no-linear-tail", {"action": "store_const", "const": False}),
+    FavorFlag("linear_tail", "--no-tail", {"action": "store_const", "const": False}),
     FavorFlag("attention", "--attention", {"choices": ATTENTION_KINDS}),
     FavorFlag("clusters", "--clusters", {"type": int, "metavar": "C"}),
     FavorFlag("topk", "--topk", {"type": int, "metavar": "K"}),
 )}
 """``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
-sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes JSON; ``--no-linear-tail`` sets
-``linear_tail=False``. The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
+sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes JSON; ``--no-tail`` sets
+``linear_tail=False`` (``linearize``'s spelling too; ``--no-linear-tail`` is its deprecated one, :data:`OLD_SPELLINGS`). The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
 ``attention``."""
+
+OLD_SPELLINGS = {"linear_tail": "--no-linear-tail"}
+"""Deprecated spellings of favor flags, still accepted (with a warning) wherever the flag is declared."""
 
 WINDOW_FLAG_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "tail_gate", "softmax_weight", "layer_windows",
                         "linear_tail")
@@ -127,6 +130,8 @@ def add_favor_arguments(parser, settings, defaults: dict | None = None, helps: d
         text = helps.get(setting, _schema_help(setting))
         actions[setting] = parser.add_argument(flag.flag, dest=flag.dest, default=default,
                                                help=help_prefix + text, **flag.keywords)
+        if setting in OLD_SPELLINGS:
+            add_deprecated_alias(parser, OLD_SPELLINGS[setting], actions[setting])
     return actions
 
 
@@ -140,14 +145,14 @@ class _DeprecatedAlias(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         print(f"{parser.prog}: warning: {option_string} is deprecated and will be removed in the next release; "
               f"use {self.new_flag}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
 
 
 def add_deprecated_alias(parser, old_flag: str, action: argparse.Action) -> None:
     """Accept ``old_flag`` as a deprecated spelling of ``action``'s flag (same ``dest``, type and choices)."""
     parser.add_argument(old_flag, dest=action.dest, action=_DeprecatedAlias, new_flag=action.option_strings[0],
-                        type=action.type, choices=action.choices, nargs=action.nargs, metavar=action.metavar,
-                        default=argparse.SUPPRESS,
+                        type=action.type, choices=action.choices, nargs=action.nargs, const=action.const,
+                        metavar=action.metavar, default=argparse.SUPPRESS,
                         help=f"deprecated spelling of {action.option_strings[0]} (removed in the next release)")
 
 
@@ -176,8 +181,8 @@ FEATURE_MAP_SETTINGS = ("feature_map", "nb_features", "feature_map_options", "or
 def refuse_ignored_flags(values: dict, command: str) -> None:
     """Refuse favor flags that the combination given would ignore, in one line naming them (``values``: what
     :func:`favor_settings_from_args` returns): ``--clusters`` / ``--topk`` with linear attention, ``--topk`` with plain
-    clustered attention, the feature-map flags with clustered attention, ``--softmax-weight`` / ``--no-linear-tail``
-    without window layers."""
+    clustered attention, the feature-map flags with clustered attention, ``--softmax-weight`` / ``--no-tail``
+    without window layers, the feature-map flags with ``--no-tail``."""
     attention = values.get("attention", "linear")
     problems = []
     if attention == "linear":
@@ -191,6 +196,9 @@ def refuse_ignored_flags(values: dict, command: str) -> None:
     if not (values.get("window") or values.get("sinks") or values.get("layer_windows")):
         problems.append(([key for key in ("softmax_weight", "linear_tail") if key in values],
                          "they apply to window layers (--window / --sinks / --layer-windows)"))
+    if values.get("linear_tail") is False:
+        problems.append(([key for key in FEATURE_MAP_SETTINGS if key in values and key != "chunk_size"],
+                         "--no-tail drops the linear tail, the only part that uses a feature map"))
     for keys, why in problems:
         if keys:
             flags = ", ".join(FAVOR_FLAGS[key].flag for key in keys)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from . import add_verb_parser
 from ._output import check_output_folder, write_reconfigured_model
@@ -61,8 +62,8 @@ def run_budget(args: argparse.Namespace) -> int:
 
     from ..conversion.cache_budget import (
         CACHE_BUDGET_FILE, CACHE_SIZES, CacheBudgetError, allocate_cache_budget, allocation_table,
-        apply_cache_allocation, check_budget_reachable, measure_option_errors, parse_cache_budget, softmax_token_bytes,
-        torch_dtype_bytes,
+        apply_cache_allocation, check_budget_reachable, check_measurement_length, measure_option_errors,
+        parse_cache_budget, softmax_token_bytes, torch_dtype_bytes,
     )
     from ..recipes.arguments import RecipeError
     from ..recipes.linearize import transfer_batches
@@ -83,6 +84,9 @@ def run_budget(args: argparse.Namespace) -> int:
         budget = parse_cache_budget(args.cache_budget, softmax_token_bytes(model.config, dtype_bytes))
         cache_sizes = args.cache_sizes or CACHE_SIZES
         check_budget_reachable(model, budget, args.context, cache_sizes, dtype_bytes)
+        tie_warning = check_measurement_length(model, args.length, cache_sizes)
+        if tie_warning:
+            print(f"hf-performer budget: warning: {tie_warning}", file=sys.stderr)
         text = read_training_text([args.text_file])
         token_ids = tokenizer(text)["input_ids"]
         batches = transfer_batches(token_ids, args.length, 1, args.seed)[:args.sequences]

@@ -195,6 +195,14 @@ def settings_from_args(args: argparse.Namespace):
             flags = ", ".join("--" + name.replace("_", "-") for name in given)
             raise SystemExit(f"hf-performer linearize: error: --baseline softmax trains the softmax model without "
                              f"conversion or transfer; it takes no {flags}")
+    if args.no_tail:
+        given = [name for name in ("feature_map", "nb_features", "feature_map_init", "tail_cap", "tail_gate",
+                                   "transfer_steps", "transfer_length", "transfer_batch_size",
+                                   "transfer_learning_rate", "transfer_schedule") if getattr(args, name) is not None]
+        if given:
+            flags = ", ".join("--" + name.replace("_", "-") for name in given)
+            raise SystemExit(f"hf-performer linearize: error: {flags} would be ignored: --no-tail has no linear tail "
+                             f"(no feature map, no transfer stage); drop {'it' if len(given) == 1 else 'them'}")
     preset = PRESETS.get(getattr(args, "preset", None), {})
     values = {name: getattr(args, name) if getattr(args, name) is not None else preset.get(name, DEFAULTS[name])
               for name in DEFAULTS}

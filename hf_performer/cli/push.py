@@ -33,6 +33,9 @@ def add_parser(subparsers) -> None:
     push.add_argument("--commit-message", default=None, help="commit message")
     push.add_argument("--include-checkpoints", action="store_true",
                       help="also upload checkpoints/ (training states of a recipe run; left out by default)")
+    push.add_argument("--no-tokenizer", action="store_true",
+                      help="push a folder that has no tokenizer (a conversion of a source without one); users then "
+                           "load the source's tokenizer themselves")
     push.set_defaults(func=run_push)
 
 
@@ -51,6 +54,7 @@ def run_push(args: argparse.Namespace) -> int:
             token=args.token,
             commit_message=args.commit_message,
             include_checkpoints=args.include_checkpoints,
+            without_tokenizer=args.no_tokenizer,
         )
     except (FolderValidationError, PushError) as error:
         raise SystemExit(f"hf-performer push: error: {error}") from None

@@ -58,11 +58,16 @@ def run_settings(args: argparse.Namespace) -> int:
     from ..recipes.linearize_inputs import check_causal_source, load_tokenizer
 
     try:  # (before loading: a bidirectional folder loads as a causal LM with a random head)
-        check_causal_source(args.model,
+        source_config = check_causal_source(args.model,
                             needs="settings change a causal LM's decoding state, which needs causal attention",
                             instead="an encoder keeps no decoding state (its window and tail are set at conversion)")
     except RecipeError as error:
         raise SystemExit(f"hf-performer settings: error: {error}") from None
+    stored = getattr(source_config, "favor_settings", None) or {}
+    if not stored.get("layer_windows") and all(stored.get(name) == value for name, value in changes.items()):
+        given = ", ".join(f"{name} {value}" for name, value in changes.items())
+        raise SystemExit(f"hf-performer settings: error: {args.model} already has {given}: nothing to change, "
+                         "nothing written")
     try:
         tokenizer = load_tokenizer(args.model)
         model = AutoModelForCausalLM.from_pretrained(args.model).eval()

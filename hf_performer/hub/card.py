@@ -58,6 +58,12 @@ ALL_SOFTMAX_TAG = "softmax-attention"
 """The attention tag of a folder whose every layer went back to exact softmax (``linearize --softmax-worst``)."""
 
 
+MAP_ONLY_SETTINGS = ("feature_map", "nb_features", "orthogonal", "row_norms", "redraw_interval", "seed",
+                     "feature_map_options", "softmax_weight", "tail_cap", "tail_gate")
+"""Settings that only a layer with a feature map reads (linear attention, a window layer's tail): listed as unused
+in the card of a model whose window layers have no tail."""
+
+
 def default_template_path() -> Path:
     """``model_cards/performer_card.md``, installed as package data of ``hf_performer.model_cards``."""
     from importlib.resources import files
@@ -306,7 +312,9 @@ def build_model_card(
     paper, citations = _citations(feature_map, kinds, distilled=transfer_info is not None)
     meanings = setting_meanings(settings, geometry["head_dim"])
     clustered = settings.get("attention", "linear") != "linear"
-    shown = [key for key in settings if not clustered or key in meanings]
+    uses_map = not kinds or any(kind in LINEAR_KINDS for kind in kinds)  # a window layer without a tail uses none
+    shown = [key for key in settings if (not clustered or key in meanings)
+             and (uses_map or key not in MAP_ONLY_SETTINGS)]
     order = list(meanings) + [key for key in SETTING_MEANINGS if key not in meanings]
     columns, behaviours = behaviour_rows(kinds or ["linear"], is_causal)
     context = {

@@ -234,7 +234,15 @@ def describe_map(feature_map: str, kinds: list[str], settings: dict, distilled: 
     init = options.get("init", _map_default(feature_map, "init"))
     clustered = any(layer in ("clustered", "improved-clustered") for layer in kinds)
     window = any(layer in ("window", "window-no-tail") for layer in kinds)
-    if clustered:
+    no_map = bool(kinds) and not any(layer in ("linear", "window") for layer in kinds)
+    if no_map and not clustered:
+        fidelity_note = (
+            "These window layers have no linear tail: they attend exactly to their sinks, their window and (with a\n"
+            "sparse cache) the older keys it keeps, and drop the rest; the error is what the dropped keys held.\n"
+            "Fine-tune the model to the window (a causal LM: `hf-performer linearize --no-tail`; see Results).")
+        quality = ("keys outside the sinks, the window and the sparse cache are dropped, not approximated; check the "
+                   "results\n  above for this model.")
+    elif clustered:
         fidelity_note = (
             "Clustered attention gives every query of a cluster its centroid's attention (the improved variant adds\n"
             "exact scores on the cluster's top keys): the error grows when fewer clusters must cover more distinct\n"
@@ -280,12 +288,12 @@ def describe_map(feature_map: str, kinds: list[str], settings: dict, distilled: 
                     "  can vanish)" if feature_map == "trig" else "is an approximation of softmax attention")
         quality = (f"{map_name(feature_map)} {estimate}; published conversions with fixed random features\n"
                    "  trail softmax on some tasks (e.g. CoLA) even after fine-tuning. Check the results above for this model.")
-    if window and not clustered:
+    if window and not clustered and not no_map:
         fidelity_note = ("Window layers are exact inside their window and over their sinks; only the query positions "
                          "counted in the\nlast column reached older keys, through the tail: their error is the tail's. "
                          + fidelity_note)
     return {
-        "is_favor": is_favor and not clustered,
+        "is_favor": is_favor and not clustered and not no_map,
         "feature_map": feature_map,
         "fidelity_note": fidelity_note,
         "quality_note": quality,

@@ -294,10 +294,15 @@ def _check_weights(folder: Path, problems: list[str]) -> list[str]:
     return []
 
 
-def _check_tokenizer(folder: Path, problems: list[str], warnings: list[str]) -> list[str]:
+def _check_tokenizer(folder: Path, problems: list[str], warnings: list[str],
+                     without_tokenizer: bool = False) -> list[str]:
     from ..conversion.convert import TOKENIZER_VOCAB_FILES  # lazily: `push --help` imports no torch
 
     present = [name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if without_tokenizer and not present:
+        warnings.append("no tokenizer (--no-tokenizer): users load the source's tokenizer themselves; say which in the "
+                        "card")
+        return []
     if "tokenizer_config.json" not in present:
         problems.append("tokenizer: tokenizer_config.json missing (save the tokenizer with save_pretrained)")
     if not any(all((folder / name).is_file() for name in option) for option in TOKENIZER_VOCAB_FILES):
@@ -447,7 +452,8 @@ def _check_config_and_weights(folder: Path, config: dict, weight_files: list[str
         problems.append(f"{_list_names(mismatched)} (the config does not describe these weights)")
 
 
-def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False) -> FolderCheck:
+def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False,
+                    without_tokenizer: bool = False) -> FolderCheck:
     """Check that ``folder`` would load with ``AutoModel*.from_pretrained(folder, trust_remote_code=True)``
     and ``AutoTokenizer.from_pretrained(folder, trust_remote_code=True)``.
 
@@ -464,6 +470,8 @@ def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False
         folder: the model folder.
         include_checkpoints: list ``checkpoints/`` (:data:`CHECKPOINT_PATTERNS`) in the upload; by default it is
             left out, with a warning.
+        without_tokenizer: accept a folder with no tokenizer file at all (a conversion of a source without one),
+            with a warning; tokenizer files that are there are checked all the same.
 
     Returns:
         A :class:`FolderCheck` (required files, the upload list, warnings such as a missing README.md card).
@@ -504,7 +512,7 @@ def validate_folder(folder: str | os.PathLike, include_checkpoints: bool = False
     weight_files = _check_weights(path, problems)
     if config and not problems:  # the files are all there and sound: does the config describe these weights?
         _check_config_and_weights(path, config, weight_files, problems, warnings)
-    tokenizer_files = _check_tokenizer(path, problems, warnings)
+    tokenizer_files = _check_tokenizer(path, problems, warnings, without_tokenizer)
     if problems:
         raise FolderValidationError(folder, problems)
     if not (path / REPOCARD_NAME).is_file():

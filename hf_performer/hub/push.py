@@ -101,6 +101,7 @@ def push_folder(
     commit_message: str | None = None,
     endpoint: str | None = None,
     include_checkpoints: bool = False,
+    without_tokenizer: bool = False,
 ) -> PushResult:
     """Validate ``folder`` and upload it to the Hub model repository ``repo_id``.
 
@@ -115,6 +116,7 @@ def push_folder(
         commit_message: default "Upload Performer model with hf-performer".
         endpoint: the Hub's URL; default ``HF_ENDPOINT`` (read now) or https://huggingface.co.
         include_checkpoints: also upload ``checkpoints/`` (training states; left out by default).
+        without_tokenizer: push a folder that has no tokenizer (:func:`validate_folder`).
 
     Returns:
         A :class:`PushResult` listing the files (sent, or that would be sent).
@@ -124,7 +126,7 @@ def push_folder(
         PushError: bad repo id or revision, no token, ``HF_HUB_OFFLINE`` set, the Hub unreachable or refusing the
             upload; the message is one line saying what to do.
     """
-    check = validate_folder(folder, include_checkpoints=include_checkpoints)
+    check = validate_folder(folder, include_checkpoints=include_checkpoints, without_tokenizer=without_tokenizer)
     if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not _HUB_ID.match(repo_id) or ".." in repo_id:
         raise PushError(f"repo id {repo_id!r} is not of the form namespace/name")
     create_branch = _check_revision(revision)

@@ -121,7 +121,7 @@ def status_warning(*, kinds: list[str], settings: dict, is_causal: bool, fine_tu
         return None
     feature_map = settings.get("feature_map", "favor+")
     learned = _map_kind(feature_map) == "learned" and any(kind in LINEAR_KINDS for kind in kinds)
-    window = "window" in kinds
+    window = any(kind in ("window", "window-no-tail") for kind in kinds)
     init = (settings.get("feature_map_options") or {}).get("init", _map_default(feature_map, "init"))
     if transfer is not None or (linearize is not None and linearize["transfer_done"]):
         return ("> **Attention transfer only, not fine-tuned.** The feature maps were trained to mimic the source's "
