@@ -39,7 +39,7 @@ The class sets ``_layer_type = "favor"``, which registers it in transformers'
 ``DYNAMIC_LAYER_TYPE_MAPPING["favor"]`` work). Note that transformers 5.23 validates
 ``config.layer_types`` against a closed list, so ``config.layer_types = ["favor", ...]`` is rejected
 by the config; ``generate()`` instead gets this layer through the attention modules' pre-hook
-installed by ``attach_feature_maps`` (see ``favor_attention.py``), or explicitly with
+installed by ``attach_feature_maps`` (see ``favor_cache_hooks.py``), or explicitly with
 ``cache=make_favor_cache(model)`` (``past_key_values=`` before transformers 5.24).
 
 This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved

@@ -66,19 +66,18 @@ recurrent state (constant memory, equal to one full forward). A cache layer that
 all cached keys at every step (``O(L)`` per token). Static caches (whose key length differs from the mask length)
 raise.
 
-This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved
-models for ``trust_remote_code``.
+The modules each layer owns and :func:`attach_feature_maps` live in :mod:`.favor_layer_modules`, the cache hand-over
+in :mod:`.favor_cache_hooks` (both re-exported here). This module imports only ``torch``, ``transformers`` and
+relative siblings: it is copied next to saved models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
 
-import types
 import sys
 
 import torch
 from torch import nn
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache, DynamicLayer, EncoderDecoderCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
     AttentionMaskInterface,
@@ -96,19 +95,28 @@ from .attention_weights import (
     softmax_attention_weights,
     window_attention_weights,
 )
-from .cache import (
-    FavorCacheLayer,
-    cache_from_kwargs,
-    cache_layer_class,
-    is_favor_cache_layer,
-    is_window_cache_layer,
-    new_tokens_padding_mask,
-    record_for_rollback,
-)
+from .cache import is_favor_cache_layer, is_window_cache_layer, new_tokens_padding_mask, record_for_rollback
 from .clustered_attention import (
     clustered_attention_from_settings,
     clustered_attention_weights_from_settings,
     refuse_causal_clustered,
+)
+from .favor_cache_hooks import (  # noqa: F401  (install_favor_cache_layers, runs_causal_favor: re-exported)
+    CACHE_ATTRIBUTE,
+    cache_layer_of,
+    install_favor_cache_layers,
+    reject_fixed_size_cache,
+    runs_causal_favor,
+)
+from .favor_layer_modules import (  # noqa: F401  (the attributes and attach_feature_maps: re-exported)
+    FEATURE_MAP_ATTRIBUTE,
+    SOFTMAX_WEIGHT_ATTRIBUTE,
+    TAIL_GATE_ATTRIBUTE,
+    WINDOW_DROPPED_ATTRIBUTE,
+    attach_feature_maps,
+    feature_map_for,
+    softmax_weight_for,
+    tail_gate_for,
 )
 from .favor_masks import favor_attention_mask, key_padding_mask_of
 from .favor_modules import (  # noqa: F401  (re-exported: the module walk lives there)
@@ -123,270 +131,14 @@ from .favor_modules import (  # noqa: F401  (re-exported: the module walk lives 
     update_favor_settings,
     uses_favor,
 )
-from .favor_settings import (
-    build_feature_map,
-    is_clustered,
-    is_window_layer,
-    layer_sparse_cache,
-    layer_tail_cap,
-    layer_tail_gate,
-    layer_window,
-    softmax_weight_mode,
-)
-from .feature_maps import FeatureMap, no_redraw
+from .favor_settings import is_clustered, is_window_layer, layer_sparse_cache, layer_tail_cap, layer_window
+from .feature_maps import no_redraw
 from .linear_attention import FavorMaskError, LinearAttentionError, linear_attention
 from .packed_sequences import SegmentRows, packed_sequences_of
-from .window_attention import SoftmaxWeight, TailGate, window_linear_attention
+from .window_attention import window_linear_attention
 
 
 logger = logging.get_logger(__name__)
-
-FEATURE_MAP_ATTRIBUTE = "favor_feature_map"
-SOFTMAX_WEIGHT_ATTRIBUTE = "favor_softmax_weight"
-"""Attribute of a learned-mode window layer's attention module holding its :class:`~.window_attention.SoftmaxWeight`
-(state-dict key ``...favor_softmax_weight.logit``)."""
-TAIL_GATE_ATTRIBUTE = "favor_tail_gate"
-"""Attribute of a causal window layer with ``tail_gate`` holding its :class:`~.window_attention.TailGate`
-(state-dict key ``...favor_tail_gate.exponent``)."""
-WINDOW_DROPPED_ATTRIBUTE = "_favor_window_dropped"
-"""Set to ``True`` on a window layer with a linear tail by a training schedule (the recipes' sliding-window dropout,
-arXiv 2510.05901): its next forward in training mode attends to its sinks and its tail only (no band, no sparse
-cache), so that the tail is trained to carry the signal. Ignored in eval mode and without a tail."""
-
-def _attach_feature_map(module: nn.Module, feature_map: FeatureMap) -> FeatureMap:
-    feature_map.train(module.training)
-    module.add_module(FEATURE_MAP_ATTRIBUTE, feature_map)
-    return feature_map
-
-
-def _softmax_weight_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
-                        device: torch.device) -> torch.Tensor | None:
-    """gamma ``[H]`` of a learned-mode window layer (its :class:`SoftmaxWeight` created on first use, float32, with
-    its deterministic initialisation), or ``None`` (calibrated mode, or not a window layer)."""
-    if not is_window_layer(settings, layer_idx) or softmax_weight_mode(settings) != "learned":
-        return None
-    return _per_head_module(module, SOFTMAX_WEIGHT_ATTRIBUTE, SoftmaxWeight, layer_idx, num_heads, device)()
-
-
-def _tail_gate_for(module: nn.Module, layer_idx: int, settings: dict, num_heads: int | None,
-                   device: torch.device) -> torch.Tensor | None:
-    """alpha ``[H]`` of a causal window layer with ``tail_gate`` (its :class:`TailGate` created on first use, float32,
-    at 0), or ``None``."""
-    if not is_window_layer(settings, layer_idx) or not layer_tail_gate(settings, getattr(module, "is_causal", False)):
-        return None
-    return _per_head_module(module, TAIL_GATE_ATTRIBUTE, TailGate, layer_idx, num_heads, device)()
-
-
-def _per_head_module(module: nn.Module, attribute: str, build, layer_idx: int, num_heads: int | None,
-                     device: torch.device) -> nn.Module:
-    """The learned per-head module ``module.<attribute>``, created on first use as ``build(num_heads)`` (on the CPU:
-    real values even under a meta-device context, as the feature maps) in the module's training mode."""
-    learned = getattr(module, attribute, None)
-    if not isinstance(learned, nn.Module):  # not isinstance of `build`: remote-code copies define their own class
-        if num_heads is None:
-            raise ValueError(f"cannot tell the number of query heads of layer {layer_idx} for its {attribute}")
-        with torch.device("cpu"):
-            learned = build(num_heads)
-        learned.train(module.training)
-        module.add_module(attribute, learned.to(device))
-    return learned
-
-
-def attach_feature_maps(model: nn.Module) -> list[int]:
-    """Create ``favor_feature_map`` on every attention module of ``model`` that uses favor attention.
-
-    Call it on a model whose config has ``_attn_implementation == "favor"`` (``attn_implementation="favor"``
-    at load time or ``model.set_attn_implementation("favor")``), before ``load_state_dict`` of a converted
-    model. Existing feature maps are kept. It also installs the forward hooks that let the attention
-    function use a constant-memory :class:`~.cache.FavorCacheLayer` during generation, and makes ``generate()`` put
-    those layers in its cache as soon as it makes it (so that assisted decoding's past recording reaches them).
-
-    Modules without ``layer_idx`` (DistilBERT) are numbered in module order (``module.favor_layer_idx``).
-
-    Returns:
-        The sorted layer indices that have a favor feature map.
-
-    Raises:
-        ValueError: no attention module of ``model`` uses ``attn_implementation="favor"``.
-    """
-    modules = find_attention_modules(model)
-    unindexed = [module for _, module in modules if getattr(module, "layer_idx", None) is None]
-    for ordinal, module in enumerate(unindexed):
-        if getattr(module, "favor_layer_idx", None) is None:
-            module.favor_layer_idx = ordinal
-
-    favor_layers = set()
-    for name, module in modules:
-        if not uses_favor(module):
-            continue
-        layer_idx = layer_index_of(module)
-        if is_clustered(module_favor_settings(module)):  # no feature map, no recurrent cache
-            refuse_causal_clustered(module_favor_settings(module)["attention"], layer_idx, getattr(module, "is_causal", False))
-            continue
-        if layer_sparse_cache(module_favor_settings(module), layer_idx) and not getattr(module, "is_causal", False):
-            raise LinearAttentionError(
-                f"favor_settings give layer {layer_idx} a sparse_cache, but it attends bidirectionally (an encoder "
-                "layer sees every key already): sparse caches are for causal window layers; set sparse_cache=0"
-            )
-        if any(layer_window(module_favor_settings(module), layer_idx)):
-            try:
-                layer_tail_cap(module_favor_settings(module), getattr(module, "is_causal", False))
-                layer_tail_gate(module_favor_settings(module), getattr(module, "is_causal", False))
-            except ValueError as error:
-                raise LinearAttentionError(f"layer {layer_idx}: {error}") from None
-        install_cache_hooks(module)
-        if not isinstance(getattr(module, FEATURE_MAP_ATTRIBUTE, None), nn.Module):
-            head_dim = module_head_dim(module)
-            if head_dim is None:
-                raise ValueError(
-                    f"cannot tell the head dimension of attention module {name!r} ({type(module).__name__}): it has "
-                    "no head_dim / attention_head_size attribute and its config no head_dim or "
-                    "hidden_size / num_attention_heads"
-                )
-            # Drawn on the CPU even under a meta-device context (from_pretrained builds models on meta):
-            # the projection must exist when a checkpoint does not hold it.
-            with torch.device("cpu"):
-                feature_map = build_feature_map(
-                    module_favor_settings(module), head_dim, layer_idx, *module_head_counts(module)
-                )
-            _attach_feature_map(module, feature_map.to(module_device(module)))
-        for learned_weight_for in (_softmax_weight_for, _tail_gate_for):
-            learned_weight_for(module, layer_idx, module_favor_settings(module), module_head_counts(module)[0],
-                               module_device(module))
-        favor_layers.add(layer_idx)
-    if favor_layers and callable(getattr(model, "_prepare_cache_for_generation", None)):
-        model._prepare_cache_for_generation = types.MethodType(_prepare_cache_with_favor_layers, model)
-    if not favor_layers and not any(
-        getattr(getattr(m, "config", None), "_attn_implementation", None) == ATTN_IMPLEMENTATION for _, m in modules
-    ):
-        found = sorted({getattr(getattr(m, "config", None), "_attn_implementation", None) or "?" for _, m in modules})
-        raise ValueError(
-            f"attach_feature_maps: no attention module of {type(model).__name__} uses attn_implementation='favor' "
-            f"(found {found or 'no attention modules'}); load it with attn_implementation='favor' or call "
-            "model.set_attn_implementation('favor') first"
-        )
-    return sorted(favor_layers)
-
-
-def _feature_map_for(module: nn.Module, layer_idx: int, settings: dict, query: torch.Tensor, key: torch.Tensor) -> FeatureMap:
-    """The module's feature map, created on first use for stock models switched to favor."""
-    feature_map = getattr(module, FEATURE_MAP_ATTRIBUTE, None)
-    if isinstance(feature_map, nn.Module):  # not isinstance FeatureMap: remote-code copies define their own class
-        return feature_map
-    install_cache_hooks(module)  # later calls will see the cache
-    _softmax_weight_for(module, layer_idx, settings, query.shape[1], query.device)
-    feature_map = build_feature_map(settings, query.shape[-1], layer_idx, query.shape[1], key.shape[1])
-    return _attach_feature_map(module, feature_map.to(query.device))
-
-
-# --------------------------------------------------------------------------------------------
-# Cache hand-over: forward hooks on attention modules
-# --------------------------------------------------------------------------------------------
-
-CACHE_ATTRIBUTE = "_favor_past_key_values"
-
-def _cache_from_call(module: nn.Module, args: tuple, kwargs: dict):
-    """The cache an attention module's call carries, whatever the architecture names it (``cache``,
-    ``past_key_values``, ``past_key_value``, ``layer_past``, ...) and however it is passed (keyword or positional):
-    the :class:`~transformers.cache_utils.Cache` object among the call's arguments."""
-    cache = cache_from_kwargs(kwargs, type(module).__name__)
-    if cache is not None:
-        return cache
-    return next((value for value in (*kwargs.values(), *args) if isinstance(value, Cache)), None)
-
-
-def _self_attention_cache(cache) -> Cache | None:
-    if isinstance(cache, EncoderDecoderCache):
-        cache = cache.self_attention_cache
-    return cache if isinstance(cache, Cache) else None
-
-
-def _install_favor_cache_layer(cache: Cache, layer_idx: int, layer_class=FavorCacheLayer) -> None:
-    """Replace an empty ``DynamicLayer`` (the default layer) at ``layer_idx`` by a ``layer_class()``
-    (:class:`FavorCacheLayer`, or :class:`WindowCacheLayer` for window layers)."""
-    layers = cache.layers
-    if layer_idx < len(layers):
-        layer = layers[layer_idx]
-        if type(layer) is DynamicLayer and layer.get_seq_length() == 0:
-            layers[layer_idx] = layer_class()
-    elif cache.layer_class_to_replicate is DynamicLayer:  # DynamicCache() without config: layers added lazily
-        while len(layers) < layer_idx:
-            layers.append(cache.layer_class_to_replicate())
-        layers.append(layer_class())
-
-
-def runs_causal_favor(model: nn.Module) -> bool:
-    """Whether some causal attention module of ``model`` runs favor (linear) attention: its cache is recurrent."""
-    return any(getattr(module, "is_causal", False) and uses_favor(module) for _, module in find_attention_modules(model))
-
-
-def _prepare_cache_with_favor_layers(model, generation_config, model_kwargs: dict, *args, **kwargs):
-    """``generate()``'s cache preparation with the favor layers' constant-size cache layers put in the new cache right
-    away (not at the first forward), so that ``activate_past_recording()``, which assisted decoding calls before its
-    first forward, reaches them (installed on the model by :func:`attach_feature_maps`)."""
-    result = type(model)._prepare_cache_for_generation(model, generation_config, model_kwargs, *args, **kwargs)
-    install_favor_cache_layers(cache_from_kwargs(model_kwargs, "generate"), model)
-    return result
-
-
-def install_favor_cache_layers(cache, model: nn.Module) -> None:
-    """Put a constant-size cache layer (:func:`~.cache.cache_layer_class`: :class:`FavorCacheLayer`, or
-    :class:`WindowCacheLayer` for window layers) in ``cache`` (a new one, or the self-attention part of an
-    encoder-decoder cache) for every causal favor attention module of ``model``, in place of its empty default layer."""
-    cache = _self_attention_cache(cache)
-    if cache is None:
-        return
-    for _, module in find_attention_modules(model):
-        if getattr(module, "is_causal", False) and uses_favor(module):
-            layer_idx = layer_index_of(module)
-            _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
-
-
-def _favor_cache_pre_hook(module: nn.Module, args: tuple, kwargs: dict):
-    cache = _self_attention_cache(_cache_from_call(module, args, kwargs))
-    object.__setattr__(module, CACHE_ATTRIBUTE, cache)  # (a plain attribute: nn.Module's own setattr costs more)
-    if cache is not None and getattr(module, "is_causal", False):
-        layer_idx = layer_index_of(module)
-        layer = cache.layers[layer_idx] if layer_idx < len(cache.layers) else None
-        installed = is_favor_cache_layer(layer) or is_window_cache_layer(layer)
-        if not installed and uses_favor(module):
-            _install_favor_cache_layer(cache, layer_idx, cache_layer_class(module_favor_settings(module), layer_idx))
-    return None
-
-
-def _favor_cache_post_hook(module: nn.Module, args: tuple, kwargs: dict, output):
-    object.__setattr__(module, CACHE_ATTRIBUTE, None)
-    return None
-
-
-def install_cache_hooks(module: nn.Module) -> None:
-    """Install (once) the hooks that hand the cache (``cache`` / ``past_key_values``) to the attention function."""
-    if getattr(module, "_favor_cache_hooks", False):
-        return
-    module.register_forward_pre_hook(_favor_cache_pre_hook, with_kwargs=True)
-    module.register_forward_hook(_favor_cache_post_hook, with_kwargs=True, always_call=True)
-    module._favor_cache_hooks = True
-    setattr(module, CACHE_ATTRIBUTE, None)
-
-
-def _cache_layer_of(module: nn.Module, layer_idx: int):
-    cache = getattr(module, CACHE_ATTRIBUTE, None)
-    if cache is None or layer_idx >= len(cache.layers):
-        return None
-    return cache.layers[layer_idx]
-
-
-def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
-    """Static / sliding cache layers hold a key buffer whose slots are not the tokens seen: refuse them."""
-    if layer is not None and not is_favor_cache_layer(layer) and layer.get_max_length() != -1:
-        raise LinearAttentionError(
-            f"favor attention (layer {layer_idx}): cache layer {type(layer).__name__} has a fixed size "
-            f"({layer.get_max_length()} slots); static and sliding-window caches are not supported. Use the default "
-            "cache (generate() without cache_implementation) or make_favor_cache(model)."
-        )
-
-
-
 
 # --------------------------------------------------------------------------------------------
 # Attention functions
@@ -395,11 +147,11 @@ def _reject_fixed_size_cache(layer, layer_idx: int) -> None:
 
 def _softmax_attention_forward(module, query, key, value, attention_mask, scaling, dropout, causal, kwargs):
     """Exact softmax attention (sdpa) for ``softmax_layers``, given the mask built for favor."""
-    cache_layer = _cache_layer_of(module, layer_index_of(module))
+    cache_layer = cache_layer_of(module, layer_index_of(module))
     if not (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4):
         # A 4-D mask was built by transformers for this layer's cache (a sliding window's too); the 2-D one is
         # turned into a causal mask below, which needs the keys to be the tokens seen.
-        _reject_fixed_size_cache(cache_layer, layer_index_of(module))
+        reject_fixed_size_cache(cache_layer, layer_index_of(module))
     if is_favor_cache_layer(cache_layer) or is_window_cache_layer(cache_layer):
         raise RuntimeError(
             f"layer {layer_index_of(module)} uses softmax attention (favor_settings['softmax_layers']) but its cache "
@@ -549,11 +301,11 @@ def favor_attention_forward(
         out = clustered_attention_from_settings(query, key, value, padding, scaling, settings, layer_idx)
         return out.transpose(1, 2).contiguous(), None
 
-    feature_map = _feature_map_for(module, layer_idx, settings, query, key)
+    feature_map = feature_map_for(module, layer_idx, settings, query, key)
     key_padding_mask = key_padding_mask_of(attention_mask, causal)
     q_len, k_len = query.shape[2], key.shape[2]
-    cache_layer = _cache_layer_of(module, layer_idx) if causal else None
-    _reject_fixed_size_cache(cache_layer, layer_idx)
+    cache_layer = cache_layer_of(module, layer_idx) if causal else None
+    reject_fixed_size_cache(cache_layer, layer_idx)
     common = dict(scaling=scaling, chunk_size=settings["chunk_size"])
     window_layer = is_window_layer(settings, layer_idx)
     if segment_ids is not None and ((not causal and not window_layer) or k_len != q_len or
@@ -648,7 +400,7 @@ def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwa
             or attention_weights_requested(kwargs)):
         return None
     layer_idx = layer_index_of(module)
-    cache_layer = _cache_layer_of(module, layer_idx)
+    cache_layer = cache_layer_of(module, layer_idx)
     if not (is_window_cache_layer(cache_layer) and cache_layer.holds_exact_record):
         return None
     key_padding_mask = new_tokens_padding_mask(key_padding_mask_of(attention_mask, True), cache_layer, layer_idx,
@@ -680,12 +432,12 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
             )
         weights = window_attention_weights(
             query, key, value, feature_map if settings["linear_tail"] else None, window=window, sinks=sinks,
-            causal=causal, softmax_weight=_softmax_weight_for(module, layer_idx, settings, query.shape[1],
+            causal=causal, softmax_weight=softmax_weight_for(module, layer_idx, settings, query.shape[1],
                                                               query.device),
             key_padding_mask=key_padding_mask, scaling=common["scaling"],
             sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
             tail_cap=layer_tail_cap(settings, causal),
-            tail_gate=_tail_gate_for(module, layer_idx, settings, query.shape[1], query.device),
+            tail_gate=tail_gate_for(module, layer_idx, settings, query.shape[1], query.device),
         )
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
@@ -698,9 +450,9 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     sparse_cache, tail_cap = layer_sparse_cache(settings, layer_idx), layer_tail_cap(settings, causal)
     tail_map = feature_map if settings["linear_tail"] else None
     # (Without a tail gamma weighs every term of the output alike: it cancels.)
-    gamma = None if tail_map is None else _softmax_weight_for(module, layer_idx, settings, query.shape[1],
+    gamma = None if tail_map is None else softmax_weight_for(module, layer_idx, settings, query.shape[1],
                                                               query.device)
-    tail_gate = _tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
+    tail_gate = tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
     if tail_map is not None and module.training and getattr(module, WINDOW_DROPPED_ATTRIBUTE, False):
         window, sparse_cache = 0, 0  # sliding-window dropout: the sinks and the tail only
     q_len, k_len = query.shape[2], key.shape[2]

@@ -55,6 +55,8 @@ CODE_FILES = (
     "modeling_performer.py",
     "configuration_performer.py",
     "favor_attention.py",
+    "favor_layer_modules.py",
+    "favor_cache_hooks.py",
     "favor_schema.py",
     "favor_settings.py",
     "cache.py",
