@@ -18,13 +18,13 @@ for the calls a training step or a plain forward makes (no ``initial_state``, no
   (:func:`~.window_selection_kernel.select_without_tail`), the candidates of boundary ``kC`` being the tokens
   ``kC - C - w < j <= kC - w`` and the cache of ``kC - C``, exactly as :func:`~.window_causal._boundaries` chooses
   them; the tokens waiting for the next selection stay in the band;
-* bidirectional sink queries attend to every unpadded key exactly (``window_attention._sink_query_rows``).
+* bidirectional sink queries attend to every unpadded key exactly (:func:`~.window_bidirectional.sink_query_rows`).
 
 :func:`parallel_window_attention` returns ``None`` for what it does not serve (a sparse cache with a tail or a padding
 mask, or without the kernel): the general operator takes those. Gradients by autograd; the memory of one pass.
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
-``linear_attention_parallel``, ``window_blocks``, ``window_causal``, ``window_exact_blocks``,
+``linear_attention_parallel``, ``window_bidirectional``, ``window_blocks``, ``window_causal``, ``window_exact_blocks``,
 ``window_selection_kernel``, ``window_state`` and ``window_tail_cap``.
 """
 
@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _repeat_kv, _safe_denominator, _with_ones_column
 from .linear_attention_parallel import operand_dtype, shifted_tail_sums
+from .window_bidirectional import sink_query_rows, with_sink_queries
 from .window_blocks import _from_blocks, _per_block
 from .window_causal import _gather_slots, rows_window
 from .window_exact_blocks import softmax_over_blocks, stack_key_sets
@@ -61,9 +62,8 @@ def _serves(feature_map, causal, sparse_cache, key_padding_mask, value) -> bool:
 
 
 def parallel_window_attention(query, key, value, feature_map, *, window, sinks, causal, softmax_weight,
-                              key_padding_mask, scaling, sparse_cache, tail_cap, tail_gate, chunk_size, eps, sink_rows):
-    """The operator without a state (already validated; ``key_padding_mask`` bool or ``None``; ``sink_rows`` =
-    ``(sink_query_rows, with_sink_queries)`` of :mod:`.window_attention`). Returns ``[B, H, L, dv]`` in ``value``'s
+                              key_padding_mask, scaling, sparse_cache, tail_cap, tail_gate, chunk_size, eps):
+    """The operator without a state (already validated; ``key_padding_mask`` bool or ``None``). Returns ``[B, H, L, dv]`` in ``value``'s
     dtype, or ``None`` for a call it does not serve (module docstring)."""
     if not _serves(feature_map, causal, sparse_cache, key_padding_mask, value):
         return None
@@ -137,7 +137,6 @@ def parallel_window_attention(query, key, value, feature_map, *, window, sinks, 
             weight = _tail_weight(keep, w, tail_cap, tail_gate, heads, length, dtype) if causal else None
             out = _merge(exact, row_max, tails, weight, calibrated=gamma is None, eps=eps)
         if not causal and sinks > 0:
-            sink_query_rows, with_sink_queries = sink_rows
             full_keep = torch.ones(batch, length, dtype=torch.bool, device=device) if unpadded is None else unpadded
             sink_out = sink_query_rows(query.to(dtype), _repeat_kv(key.to(dtype), groups),
                                        _repeat_kv(value.to(dtype), groups), full_keep, sink_position, scaling)

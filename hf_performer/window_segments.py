@@ -8,8 +8,8 @@ value gradients are written into three preallocated tensors. What a segment's ru
 ``plan.reuse`` (the block attention's outputs and denominators: about one output's size per call) its recomputation
 takes back instead of computing it again.
 
-:func:`segmented_bidirectional` runs the pieces that ``window_attention._segmented_bidirectional`` prepares (a
-:class:`SegmentPlan`) without any graph in the forward, and in the backward recomputes one piece at a time with
+:func:`segmented_bidirectional` runs the pieces that
+``window_bidirectional.segmented_bidirectional_window_attention`` prepares (a :class:`SegmentPlan`) without any graph in the forward, and in the backward recomputes one piece at a time with
 autograd, writing the gradients of the queries, keys and values into three preallocated tensors. So the memory of
 a call is its inputs, outputs and gradients plus one piece's graph, and nothing else lives from one segment to the
 next (per-segment graphs or gradient pieces left on the heap between freed temporaries would make the resident set

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import hf_performer.window_attention as window_attention
+import hf_performer.window_bidirectional as window_bidirectional
 from hf_performer import make_feature_map, window_linear_attention
 from hf_performer.window_state import state_tensors
 from hf_performer.reference import reference_window_linear_attention
@@ -17,6 +18,7 @@ SEGMENT = 8  # tokens per segment in these tests (the module's: CAUSAL_SEGMENT_L
 def _set_segment_length(monkeypatch, length):
     for name in ("CAUSAL_SEGMENT_LENGTH", "BIDIRECTIONAL_SEGMENT_LENGTH"):
         monkeypatch.setattr(window_attention, name, length)
+    monkeypatch.setattr(window_bidirectional, "BIDIRECTIONAL_SEGMENT_LENGTH", length)  # (where segments are cut)
 
 
 def _inputs(length=29, heads=4, kv_heads=2, d=8, seed=0):
@@ -279,8 +281,8 @@ def test_when_it_segments(monkeypatch):
 
 def _bidirectional_calls(monkeypatch):
     calls = []
-    original = window_attention.segmented_bidirectional
-    monkeypatch.setattr(window_attention, "segmented_bidirectional",
+    original = window_bidirectional.segmented_bidirectional
+    monkeypatch.setattr(window_bidirectional, "segmented_bidirectional",
                         lambda plan, *a: (calls.append(len(plan.segments)), original(plan, *a))[1])
     return calls
 
