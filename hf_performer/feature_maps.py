@@ -32,168 +32,35 @@ only in training mode, every ``redraw_interval`` forward calls, from ``seed`` an
 New maps (learned ones included) subclass :class:`FeatureMap` and register a name with
 :func:`register_feature_map`; trainable parameters are ordinary ``nn.Parameter`` s.
 
-This module imports only ``torch`` (and the torch-free :mod:`.favor_schema`): it is copied next to saved models for
-``trust_remote_code``.
+The random maps and the registry live here; the base class and the random projections in :mod:`.feature_map_base`,
+the learned maps in :mod:`.feature_maps_learned` (all re-exported here). This module imports only ``torch`` and
+those siblings: it is copied next to saved models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 from torch import nn
 
-from .favor_schema import LEARNED_MAP_DEFAULT_INIT, LEARNED_MAP_INITS
-
-
-class Features(NamedTuple):
-    """Output of a feature map: ``phi(x) = values * exp(log_scale)[..., None]``.
-
-    Attributes:
-        values: ``[..., L, m]`` feature values (for exponential maps, at most 1).
-        log_scale: ``[..., L]`` per-row log multiplier, or ``None`` when ``values`` is the whole map.
-    """
-
-    values: torch.Tensor
-    log_scale: torch.Tensor | None
-
-
-def compute_dtype_for(x: torch.Tensor) -> torch.dtype:
-    """Feature maps and linear-attention sums run in float32, or float64 for float64 inputs."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
-class FeatureMap(nn.Module):
-    """Base class of all feature maps.
-
-    Args:
-        head_dim: size ``d`` of the query/key vectors.
-        nb_features: number ``m`` of features produced per vector.
-
-    Subclasses implement :meth:`features`. Calling the module maps queries and keys together, so
-    that both always use the same projection and a redraw happens at most once per attention call.
-
-    Class attributes:
-        name: the registry name (``"favor+"``, ...).
-        is_positive: ``True`` when every feature is > 0, so denominators cannot vanish.
-    """
-
-    name: str = ""
-    is_positive: bool = True
-
-    def __init__(self, head_dim: int, nb_features: int):
-        super().__init__()
-        if head_dim <= 0 or nb_features <= 0:
-            raise ValueError(f"head_dim and nb_features must be positive, got {head_dim} and {nb_features}")
-        self.head_dim = head_dim
-        self.nb_features = nb_features
-
-    @classmethod
-    def check_nb_features(cls, nb_features: int) -> None:
-        """Raise ``ValueError`` if this map cannot produce ``nb_features`` features whatever the head size (e.g. an
-        odd count for the sin/cos pairs of "trig"); lets a configuration be checked before any map is built."""
-
-    def features(self, x: torch.Tensor) -> Features:
-        """Map ``x`` ``[..., L, d]`` (already multiplied by ``sqrt(scaling)``) to :class:`Features`."""
-        raise NotImplementedError
-
-    def maybe_redraw(self) -> None:
-        """Hook called once per attention call; random maps redraw their projection here."""
-
-    def initial_tensors(self) -> dict[str, torch.Tensor]:
-        """The values a fresh map of these settings starts from, by parameter / buffer name (on the CPU,
-        deterministic for a seed). ``_init_weights`` copies them into tensors a checkpoint did not provide, so a
-        model built on the meta device and then materialised gets the same values as one built directly."""
-        return {}
-
-    def features_vjp(self, x: torch.Tensor, values: torch.Tensor, grad_values: torch.Tensor) -> torch.Tensor:
-        """Optional: the gradient with respect to ``x`` of ``sum(grad_values * values)``.
-
-        ``values`` is ``features(x).values`` times any per-row constant (a stabiliser rescaling).
-        Maps whose only inputs are ``x`` (no trainable parameters) may implement it to let the
-        bidirectional kernel run a hand-written backward without storing autograd intermediates.
-        """
-        raise NotImplementedError
-
-    def shifted_key_features(self, x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
-        """``phi(x) exp(-shift)`` ``[..., L, m]`` for a per-row ``shift`` ``[..., L]`` at least ``log_scale`` (a
-        kernel's stabiliser, already known): the key features as a kernel uses them. Maps may override it with a
-        cheaper form (FAVOR+: one exp); this one rescales :meth:`key_features`."""
-        features = self.key_features(x)
-        if features.log_scale is None:
-            return features.values
-        return features.values * torch.exp(features.log_scale - shift)[..., None]
-
-    @property
-    def has_features_vjp(self) -> bool:
-        return type(self).features_vjp is not FeatureMap.features_vjp and not any(
-            p.requires_grad for p in self.parameters()
-        )
-
-    def query_features(self, query: torch.Tensor) -> Features:
-        """Features of queries ``[B, H, Lq, d]``; the same as :meth:`features` unless queries and keys have their
-        own parameters (learned maps)."""
-        return self.features(query)
-
-    def key_features(self, key: torch.Tensor) -> Features:
-        """Features of keys ``[B, Hkv, Lk, d]`` (see :meth:`query_features`)."""
-        return self.features(key)
-
-    def forward(self, query: torch.Tensor, key: torch.Tensor) -> tuple[Features, Features]:
-        """Map queries ``[B, H, Lq, d]`` and keys ``[B, Hkv, Lk, d]`` (after one possible redraw)."""
-        self.maybe_redraw()
-        return self.query_features(query), self.key_features(key)
-
-    def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, nb_features={self.nb_features}"
+from .favor_schema import LEARNED_MAP_DEFAULT_INIT, LEARNED_MAP_INITS  # noqa: F401  (re-exported)
+from .feature_map_base import (  # noqa: F401  (re-exported: the base every map and kernel imports from here)
+    PROJECTION_KINDS,
+    ROW_NORMS,
+    FeatureMap,
+    Features,
+    compute_dtype_for,
+    gaussian_orthogonal_random_matrix,
+)
+from .feature_maps_learned import HedgehogFeatureMap, LearnedFeatureMap, T2RFeatureMap
 
 
 # --------------------------------------------------------------------------------------------
-# Random projections
+# Random maps
 # --------------------------------------------------------------------------------------------
-
-PROJECTION_KINDS = ("orthogonal", "iid")
-ROW_NORMS = ("chi", "fixed")
-
-
-def gaussian_orthogonal_random_matrix(
-    nb_rows: int,
-    nb_columns: int,
-    *,
-    orthogonal: bool = True,
-    row_norms: str = "chi",
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """Draw the ``[nb_rows, nb_columns]`` projection ``W`` of random-feature maps (float32, on the CPU,
-    whatever the default device, so that a seed gives the same matrix everywhere).
-
-    ``orthogonal=True`` stacks independent ``d x d`` blocks whose rows are orthonormal and uniformly
-    (Haar) distributed: the QR factor ``Q`` of a Gaussian matrix is multiplied by ``sign(diag(R))``,
-    without which it is not uniform. Rows are then rescaled so that their norms follow the chi
-    distribution with ``d`` degrees of freedom (``row_norms="chi"``: each row is marginally
-    ``N(0, I_d)``, so the estimator stays unbiased) or are all ``sqrt(d)`` (``row_norms="fixed"``).
-    ``orthogonal=False`` returns iid ``N(0, I_d)`` rows.
-    """
-    if row_norms not in ROW_NORMS:
-        raise ValueError(f"row_norms must be one of {ROW_NORMS}, got {row_norms!r}")
-    d = nb_columns
-    if not orthogonal:
-        return torch.randn(nb_rows, d, generator=generator, dtype=torch.float64, device="cpu").float()
-    blocks = []
-    for _ in range(math.ceil(nb_rows / d)):
-        gaussian = torch.randn(d, d, generator=generator, dtype=torch.float64, device="cpu")
-        q, r = torch.linalg.qr(gaussian)
-        q = q * torch.sign(torch.diagonal(r)).unsqueeze(0)  # columns of q, sign-corrected
-        blocks.append(q.T)
-    directions = torch.cat(blocks, dim=0)[:nb_rows]
-    if row_norms == "fixed":
-        norms = torch.full((nb_rows,), math.sqrt(d), dtype=torch.float64, device="cpu")
-    else:
-        norms = torch.randn(nb_rows, d, generator=generator, dtype=torch.float64, device="cpu").norm(dim=1)
-    return (directions * norms.unsqueeze(1)).float()
-
 
 class RandomFeatureMap(FeatureMap):
     """A feature map built on a random projection ``W`` of shape ``[m, d]``.
@@ -377,178 +244,6 @@ class EluPlusOneFeatureMap(FeatureMap):
 
     def features(self, x: torch.Tensor) -> Features:
         return Features(nn.functional.elu(x.to(compute_dtype_for(x))) + 1.0, None)
-
-
-# --------------------------------------------------------------------------------------------
-# Learned maps
-# --------------------------------------------------------------------------------------------
-
-class LearnedFeatureMap(FeatureMap):
-    """A feature map with a trainable affine projection per head, ``z = x W_h + b_h`` (``W_h`` ``[d, p]``).
-
-    Queries and keys have their own parameters (``query_weight`` ``[H, d, p]``, ``query_bias`` ``[H, p]``,
-    ``key_weight`` ``[Hkv, d, p]``, ``key_bias`` ``[Hkv, p]``) unless ``tie_qk`` (keys then use the query ones); subclasses choose the
-    activation (:meth:`activation`) and how ``m`` relates to ``p`` (:attr:`features_per_projection`).
-
-    Args:
-        head_dim: ``d``.
-        nb_features: ``m`` features per vector; ``None`` takes the map's default (:meth:`default_nb_features`).
-        num_heads: query heads ``H`` (each head has its own projection).
-        num_key_value_heads: key heads ``Hkv`` (grouped-query attention); default ``num_heads``.
-        init: ``"identity"`` (``W_h = I``, ``b_h = 0``; needs ``p == d``) or ``"favor+"`` (the orthogonal random
-            projection FAVOR+ draws, chi row norms, one draw per head from ``seed``); ``None`` takes the map's
-            :attr:`default_init`.
-        tie_qk: queries and keys share one set of parameters (needs ``Hkv == H``).
-        seed: seed of the ``"favor+"`` initialisation.
-
-    The parameters are ordinary ``nn.Parameter`` s: they train with the model (or alone, by attention transfer),
-    are saved in the state dict, and are kept in float32 by the converter.
-    """
-
-    features_per_projection = 1
-    default_init = LEARNED_MAP_DEFAULT_INIT
-
-    def __init__(
-        self,
-        head_dim: int,
-        nb_features: int | None = None,
-        *,
-        num_heads: int,
-        num_key_value_heads: int | None = None,
-        init: str | None = None,
-        tie_qk: bool = False,
-        seed: int = 0,
-    ):
-        if nb_features is None:
-            nb_features = self.default_nb_features(head_dim)
-        if init is None:
-            init = self.default_init
-        super().__init__(head_dim, nb_features)
-        num_key_value_heads = num_heads if num_key_value_heads is None else num_key_value_heads
-        if num_heads <= 0 or num_key_value_heads <= 0 or num_heads % num_key_value_heads:
-            raise ValueError(
-                f"num_heads ({num_heads}) must be a positive multiple of num_key_value_heads ({num_key_value_heads})"
-            )
-        self.check_nb_features(nb_features)
-        if init not in LEARNED_MAP_INITS:
-            raise ValueError(f"init must be one of {LEARNED_MAP_INITS}, got {init!r}")
-        projection_size = nb_features // self.features_per_projection
-        if init == "identity" and projection_size != head_dim:
-            raise ValueError(
-                f"init='identity' needs a square projection: nb_features={nb_features} gives {projection_size} "
-                f"projections per head for head_dim={head_dim}; use nb_features={head_dim * self.features_per_projection} "
-                "or init='favor+'"
-            )
-        if tie_qk and num_key_value_heads != num_heads:
-            raise ValueError("tie_qk needs as many key heads as query heads (no grouped-query attention)")
-        self.num_heads, self.num_key_value_heads = num_heads, num_key_value_heads
-        self.projection_size, self.init, self.tie_qk, self.seed = projection_size, init, tie_qk, seed
-        groups = num_heads // num_key_value_heads
-        self.query_weight = nn.Parameter(self._initial_weight(num_key_value_heads, seed).repeat_interleave(groups, 0))
-        self.query_bias = nn.Parameter(torch.zeros(num_heads, projection_size))
-        if not tie_qk:
-            # Key head g starts from the projection of the query heads it serves, so the untrained map is symmetric.
-            self.key_weight = nn.Parameter(self._initial_weight(num_key_value_heads, seed))
-            self.key_bias = nn.Parameter(torch.zeros(num_key_value_heads, projection_size))
-
-    def initial_tensors(self) -> dict[str, torch.Tensor]:
-        groups = self.num_heads // self.num_key_value_heads
-        key_weight = self._initial_weight(self.num_key_value_heads, self.seed)
-        initial = {"query_weight": key_weight.repeat_interleave(groups, 0),
-                   "query_bias": torch.zeros(self.num_heads, self.projection_size)}
-        if not self.tie_qk:
-            initial.update(key_weight=key_weight, key_bias=torch.zeros(self.num_key_value_heads, self.projection_size))
-        return initial
-
-    @classmethod
-    def default_nb_features(cls, head_dim: int) -> int:
-        return head_dim * cls.features_per_projection
-
-    @classmethod
-    def check_nb_features(cls, nb_features: int) -> None:
-        if nb_features % cls.features_per_projection:
-            raise ValueError(
-                f"the {cls.name!r} feature map needs nb_features divisible by {cls.features_per_projection}, "
-                f"got {nb_features}"
-            )
-
-    def _initial_weight(self, heads: int, seed: int) -> torch.Tensor:
-        """``[heads, d, p]`` initial projections, on the CPU (deterministic for a seed)."""
-        if self.init == "identity":
-            return torch.eye(self.head_dim).expand(heads, -1, -1).clone()
-        generator = torch.Generator().manual_seed(seed)
-        return torch.stack(
-            [gaussian_orthogonal_random_matrix(self.projection_size, self.head_dim, generator=generator).T
-             for _ in range(heads)]
-        )
-
-    def project(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``x W_h + b_h`` in the compute dtype: ``[B, heads, L, d] -> [B, heads, L, p]``."""
-        heads = x.shape[-3] if x.dim() >= 3 else 0
-        if heads != weight.shape[0]:
-            raise ValueError(
-                f"the {self.name} feature map has parameters for {weight.shape[0]} heads; got an input of shape "
-                f"{tuple(x.shape)} (expected [batch, {weight.shape[0]}, length, {self.head_dim}])"
-            )
-        dtype = compute_dtype_for(x)
-        return torch.matmul(x.to(dtype), weight.to(dtype)) + bias.to(dtype).unsqueeze(-2)
-
-    def activation(self, projected: torch.Tensor) -> Features:
-        """Features from the projection ``[..., L, p]``."""
-        raise NotImplementedError
-
-    def features(self, x: torch.Tensor) -> Features:
-        """Query features (the query parameters); see :meth:`key_features` for keys."""
-        return self.query_features(x)
-
-    def query_features(self, query: torch.Tensor) -> Features:
-        return self.activation(self.project(query, self.query_weight, self.query_bias))
-
-    def key_features(self, key: torch.Tensor) -> Features:
-        if self.tie_qk:
-            return self.query_features(key)
-        return self.activation(self.project(key, self.key_weight, self.key_bias))
-
-    def extra_repr(self) -> str:
-        return (
-            f"{super().extra_repr()}, num_heads={self.num_heads}, num_key_value_heads={self.num_key_value_heads}, "
-            f"init={self.init}, tie_qk={self.tie_qk}"
-        )
-
-
-class HedgehogFeatureMap(LearnedFeatureMap):
-    """Hedgehog features: ``phi(x) = [softmax(z), softmax(-z)]`` with ``z = x W_h + b_h`` (``m = 2p``).
-
-    Each half is a softmax over the ``p`` projections, so features are positive and bounded (no stabiliser).
-    ``init="favor+"`` (the default) makes the untrained map the self-normalised, antithetic FAVOR+ estimator
-    (``softmax(Wx)_i = exp(w_i.x) / sum_j exp(w_j.x)``, whose denominator estimates ``p exp(|x|^2 / 2)``, the
-    FAVOR+ correction); ``init="identity"`` is the Hedgehog / LoLCATs start. After the same attention transfer the
-    FAVOR+ start fits better (MiniLM-L6 on STS-B, 768 steps, 64 features: dev Pearson 67.2 against 62.5 from
-    the identity; ``benchmarks/results/recovery_stsb.json``), and it allows any ``nb_features``.
-    """
-
-    name = "hedgehog"
-    features_per_projection = 2
-
-    def activation(self, projected: torch.Tensor) -> Features:
-        return Features(torch.cat([projected.softmax(-1), (-projected).softmax(-1)], dim=-1), None)
-
-
-class T2RFeatureMap(LearnedFeatureMap):
-    """T2R features: ``phi(x) = relu(x W_h + b_h) + eps`` (``m = p``; ``eps`` keeps features positive).
-
-    ``init="favor+"`` (the default) starts from the Performer's generalised ReLU kernel on an orthogonal
-    random projection.
-    """
-
-    name = "t2r"
-
-    def __init__(self, head_dim: int, nb_features: int | None = None, *, feature_epsilon: float = 1e-3, **kwargs):
-        super().__init__(head_dim, nb_features, **kwargs)
-        self.feature_epsilon = feature_epsilon
-
-    def activation(self, projected: torch.Tensor) -> Features:
-        return Features(torch.relu(projected) + self.feature_epsilon, None)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 All tensors use one layout, the one of transformers' attention functions: queries ``[B, H, Lq, d]``,
 keys ``[B, Hkv, Lk, d]`` and values ``[B, Hkv, Lk, dv]`` (``Hkv`` divides ``H``: grouped-query
-attention). With features ``phi`` from a :class:`~.feature_maps.FeatureMap`,
+attention). With features ``phi`` from a :class:`~.feature_map_base.FeatureMap`,
 
     out_i = sum_j phi(q_i).phi(k_j) v_j / sum_j phi(q_i).phi(k_j)
 
@@ -249,7 +249,7 @@ def linear_attention(
         query: ``[B, H, Lq, d]``.
         key: ``[B, Hkv, Lk, d]`` with ``H % Hkv == 0`` (grouped-query attention).
         value: ``[B, Hkv, Lk, dv]``.
-        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d`` (see ``make_feature_map``).
+        feature_map: a :class:`~.feature_map_base.FeatureMap` built for ``d`` (see ``make_feature_map``).
             Called once per call: a random map in training mode may redraw its projection then.
         causal: token ``i`` attends to keys ``<= i`` (needs ``Lq == Lk``).
         key_padding_mask: ``[B, Lk]``, ``True``/1 for tokens and ``False``/0 for padding; padded keys

@@ -18,7 +18,7 @@ copy of the inputs is kept). Stabilisers (``pitfalls.md`` #1-#3):
 * causal: ``c_j``, the running maximum of the log-scales up to key ``j`` (and the initial state's); the
   forward saves ``c_j`` ``[B, H, L]`` and the backward uses it as it is.
 
-Gradients: maps with :meth:`~.feature_maps.FeatureMap.features_vjp` (FAVOR+, whose projection is a buffer)
+Gradients: maps with :meth:`~.feature_map_base.FeatureMap.features_vjp` (FAVOR+, whose projection is a buffer)
 use it; any other map (learned maps with trainable parameters, trig, relu, elu+1) recomputes each chunk's
 features under autograd and backpropagates the chunk's feature gradient with ``torch.autograd.grad``, which
 also accumulates the gradients of the map's parameters. The backward recomputes with the tensors of the forward:

@@ -187,7 +187,7 @@ class PerformerPreTrainedModel(PreTrainedModel):
     def initialize_weights(self) -> None:
         """transformers' initialisation (the source model's own ``_init_weights`` for its modules), then the
         feature maps' parameters and buffers (projections, learned maps) set to their deterministic initial values
-        (seed + layer, :meth:`~.feature_maps.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
+        (seed + layer, :meth:`~.feature_map_base.FeatureMap.initial_tensors`). Like every ``transformers.initialization``
         function, tensors loaded from a checkpoint (``_is_hf_initialized``) are left alone: a model materialised
         from the meta device gets the saved values where the checkpoint has them and valid fresh ones elsewhere."""
         # transformers treats any class outside its package as custom code and then skips modules without parameters

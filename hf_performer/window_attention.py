@@ -253,7 +253,7 @@ def window_linear_attention(
         query: ``[B, H, L, d]``.
         key: ``[B, Hkv, L, d]`` with ``H % Hkv == 0``.
         value: ``[B, Hkv, L, dv]``.
-        feature_map: a :class:`~.feature_maps.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
+        feature_map: a :class:`~.feature_map_base.FeatureMap` built for ``d``, or ``None``: no tail at all (sinks +
             window exact softmax only, ``O(L (window + sinks) d)``; ``window``, ``sinks`` and ``sparse_cache`` not
             all 0).
         window: exact keys per query: causal ``i-window+1..i``; bidirectional ``|i-j| < window``. ``>= 0``.

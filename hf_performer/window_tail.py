@@ -1,6 +1,6 @@
 """The linear tail of window attention: sums ``sum_j phi(k_j) exp(lk_j - K) [v_j, 1]`` over key sets, stabilised.
 
-With key features ``phi(k_j) = values_j exp(lk_j)`` (:class:`~.feature_maps.Features`), a tail sum over a key set
+With key features ``phi(k_j) = values_j exp(lk_j)`` (:class:`~.feature_map_base.Features`), a tail sum over a key set
 holds ``sum_j values_j exp(lk_j - K) [v_j, 1]`` ``[B, H, m, dv + 1]`` with ``K`` ``[B, H]`` the (detached) maximum
 of the ``lk_j`` in the set (``finfo.min`` for an empty set): every term is ``<= ~1``, and two sums merge by
 rescaling to the larger maximum. :func:`_tail_prefix` gives each query the sum over its keys ``j <= i - offset``

@@ -62,6 +62,8 @@ CODE_FILES = (
     "cache.py",
     "clustered_attention.py",
     "feature_maps.py",
+    "feature_map_base.py",
+    "feature_maps_learned.py",
     "linear_attention.py",
 )
 
