@@ -55,7 +55,7 @@ VOCAB_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"the quick brown 
                 *"abcdefghijklmnopqrstuvwxyz.,"]
 CODE_FILES = ["attention_weights.py", "cache.py", "clustered_attention.py", "configuration_performer.py",
               "decayed_attention.py", "favor_attention.py", "favor_cache_hooks.py", "favor_layer_modules.py", "favor_masks.py", "favor_modules.py", "favor_schema.py", "favor_settings.py", "feature_map_base.py", "feature_maps.py", "feature_maps_learned.py", "linear_attention.py",
-              "linear_attention_autograd.py", "linear_attention_parallel.py", "modeling_performer.py", "packed_sequences.py",
+              "linear_attention_autograd.py", "linear_attention_parallel.py", "modeling_performer.py", "modeling_performer_base.py", "packed_sequences.py",
               "window_attention.py", "window_bidirectional.py", "window_blocks.py", "window_causal.py", "window_decode.py",
               "window_exact_blocks.py", "window_parallel.py", "window_segments.py", "window_selection_kernel.py",
               "window_sparse_cache.py", "window_state.py", "window_tail.py", "window_tail_cap.py"]
@@ -616,7 +616,7 @@ def _remove(*names):
         (_remove("configuration_performer.py"), "configuration_performer.py: missing (needed by config.json auto_map['AutoConfig'])"),
         # favor_attention.py is named by no auto_map entry: only the relative imports reach it.
         (_remove("favor_attention.py"), "favor_attention.py: missing (needed by modeling_performer.py "
-                                        "(from .favor_attention import ATTN_IMPLEMENTATION, attach_feature_maps"),
+                                        "(from .favor_attention import install_favor_cache_layers, runs_causal_favor"),
         (_remove("linear_attention.py"), "linear_attention.py: missing (needed by cache.py (from .linear_attention"),
         (_rename_class, "modeling_performer.py: does not define PerformerForSequenceClassification"),
         (_remove("model.safetensors"), "weights: missing (expected one of model.safetensors"),

@@ -53,6 +53,7 @@ VOCAB = TINY_VOCAB
 PACKAGE_DIR = Path(hf_performer.__file__).parent
 CODE_FILES = (
     "modeling_performer.py",
+    "modeling_performer_base.py",
     "configuration_performer.py",
     "favor_attention.py",
     "favor_layer_modules.py",
