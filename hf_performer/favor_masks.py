@@ -44,7 +44,7 @@ def favor_attention_mask(
 
     Any other pattern (a sliding window, chunks during decoding, custom ``or``/``and`` mask functions) gives the 4-D
     mask sdpa would get: the layers with a bounded span (sliding window, chunks) keep softmax attention
-    (:func:`~.configuration_performer.check_bounded_layers_kept`) and apply it exactly; a favor layer given such a
+    (:func:`~.source_architectures.check_bounded_layers_kept`) and apply it exactly; a favor layer given such a
     mask raises :class:`FavorMaskError` (:func:`_key_padding_from_4d`), as linear attention cannot express it.
     """
     if mask_function not in (causal_mask_function, bidirectional_mask_function):

@@ -12,7 +12,7 @@ import weakref
 import torch
 from torch import nn
 
-from .configuration_performer import reads_attention_registry
+from .source_architectures import reads_attention_registry
 from .favor_settings import canonical_favor_settings, exact_budget_problem, favor_settings_of, is_int
 
 ATTN_IMPLEMENTATION = "favor"

@@ -42,7 +42,7 @@ RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_a
                    "window_state", "window_sparse_cache", "window_causal", "window_decode", "window_blocks",
                    "window_exact_blocks", "window_tail_cap",
                    "favor_masks", "favor_modules", "favor_layer_modules", "favor_cache_hooks", "decayed_attention", "linear_attention_parallel",
-                   "window_selection_kernel", "window_parallel", "window_bidirectional", "feature_map_base", "modeling_performer_base",
+                   "window_selection_kernel", "window_parallel", "window_bidirectional", "feature_map_base", "modeling_performer_base", "source_architectures",
                    "feature_maps_learned")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {

@@ -55,6 +55,7 @@ CODE_FILES = (
     "modeling_performer.py",
     "modeling_performer_base.py",
     "configuration_performer.py",
+    "source_architectures.py",
     "favor_attention.py",
     "favor_layer_modules.py",
     "favor_cache_hooks.py",

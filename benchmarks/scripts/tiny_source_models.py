@@ -20,7 +20,7 @@ import torch
 import transformers
 from transformers.models.auto import configuration_auto, modeling_auto
 
-from hf_performer.configuration_performer import MODALITY_WORDS
+from hf_performer.source_architectures import MODALITY_WORDS
 
 VOCAB_SIZE = 256
 TINY_SIZES = {
