@@ -59,12 +59,12 @@ Generation: :func:`attach_feature_maps` also installs a forward pre-hook on the 
 layer's cache (the ``Cache`` among the module's arguments, whatever the architecture names it: ``cache``,
 ``past_key_values``, ``layer_past``, ...) to the attention function and, for causal
 favor layers, replaces an *empty* ``DynamicLayer`` of that cache (the layer ``generate()`` and the models create by
-default) by a :class:`~.cache.FavorCacheLayer` (a :class:`~.cache.WindowCacheLayer` for window layers: sinks, recent
-keys and the tail state, croppable for assisted generation). Prefill and token-by-token decoding then carry the
-recurrent state (constant memory, equal to one full forward). A cache layer that already holds full keys and values
-(e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the causal kernel is run over
-all cached keys at every step (``O(L)`` per token). Static caches (whose key length differs from the mask length)
-raise.
+default) by a :class:`~.favor_cache_layer.FavorCacheLayer` (a :class:`~.window_cache_layer.WindowCacheLayer` for
+window layers: sinks, recent keys and the tail state, croppable for assisted generation). Prefill and token-by-token
+decoding then carry the recurrent state (constant memory, equal to one full forward). A cache layer that already holds
+full keys and values (e.g. a ``DynamicCache`` filled before the hook existed) is still handled correctly: the causal
+kernel is run over all cached keys at every step (``O(L)`` per token). Static caches (whose key length differs from
+the mask length) raise.
 
 The modules each layer owns and :func:`attach_feature_maps` live in :mod:`.favor_layer_modules`, the cache hand-over
 in :mod:`.favor_cache_hooks` (both re-exported here). This module imports only ``torch``, ``transformers`` and
@@ -385,10 +385,10 @@ _GENERAL_PATH_OPTIONS = ("position_bias", "cu_seq_lens_q", *SOFTMAX_ONLY_OPTIONS
 
 def _exact_decoding_step(module, query, key, value, attention_mask, scaling, kwargs) -> torch.Tensor | None:
     """The output ``[B, 1, H, dv]`` of a window layer's decoding step from an exact record
-    (:meth:`~.cache.WindowCacheLayer.exact_step`), ahead of :func:`favor_attention_forward`'s dispatch: the step a
-    generating model without a tail takes once per layer and token, where that dispatch cost as much as the step's
-    own operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed sequences, not
-    training), which the general path serves with the same result."""
+    (:meth:`~.window_cache_layer.WindowCacheLayer.exact_step`), ahead of :func:`favor_attention_forward`'s dispatch:
+    the step a generating model without a tail takes once per layer and token, where that dispatch cost as much as
+    the step's own operations. ``None`` for any other call (a plain padding mask or none; no weights, no packed
+    sequences, not training), which the general path serves with the same result."""
     cache = getattr(module, CACHE_ATTRIBUTE, None)
     is_causal = kwargs.get("is_causal")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

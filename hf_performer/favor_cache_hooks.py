@@ -1,7 +1,7 @@
 """How a favor attention layer finds its cache: forward hooks on the attention modules hand the ``Cache`` of each call
-to the attention function, and put a constant-size cache layer (:class:`~.cache.FavorCacheLayer`, or a
-:class:`~.cache.WindowCacheLayer` for window layers) in place of the empty default one, at the first forward or as soon
-as ``generate()`` makes its cache (:func:`prepare_cache_with_favor_layers`).
+to the attention function, and put a constant-size cache layer (:class:`~.favor_cache_layer.FavorCacheLayer`, or
+a :class:`~.window_cache_layer.WindowCacheLayer` for window layers) in place of the empty default one, at the first
+forward or as soon as ``generate()`` makes its cache (:func:`prepare_cache_with_favor_layers`).
 
 This module imports only ``torch``, ``transformers`` and relative siblings: it is copied next to saved models for
 ``trust_remote_code``.

@@ -98,9 +98,9 @@ def attach_feature_maps(model: nn.Module) -> list[int]:
     Call it on a model whose config has ``_attn_implementation == "favor"`` (``attn_implementation="favor"``
     at load time or ``model.set_attn_implementation("favor")``), before ``load_state_dict`` of a converted
     model. Existing feature maps are kept. It also installs the forward hooks that let the attention
-    function use a constant-memory :class:`~.cache.FavorCacheLayer` during generation, and makes ``generate()`` put
-    those layers in its cache as soon as it makes it (so that assisted decoding's past recording reaches them).
-
+    function use a constant-memory :class:`~.favor_cache_layer.FavorCacheLayer` during generation, and makes
+    ``generate()`` put those layers in its cache as soon as it makes it (so that assisted decoding's past recording
+reaches them). 
     Modules without ``layer_idx`` (DistilBERT) are numbered in module order (``module.favor_layer_idx``).
 
     Returns:

@@ -204,7 +204,7 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
     causal FAVOR+ attention.
 
     ``generate()`` decodes with constant memory per layer: the attention modules replace the default cache
-    layers by :class:`~.cache.FavorCacheLayer` (recurrent state instead of keys and values); layers kept on
+    layers by :class:`~.favor_cache_layer.FavorCacheLayer` (recurrent state instead of keys and values); layers kept on
     softmax attention keep ordinary key/value layers.
     """
 
@@ -305,9 +305,9 @@ class PerformerForCausalLM(PerformerPreTrainedModel, GenerationMixin):
         return type(self.source_model)._supports_default_dynamic_cache()
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs: dict, *args, **kwargs):
-        """transformers' cache preparation, with the favor layers' :class:`~.cache.FavorCacheLayer` put in the new
-        cache right away (instead of at the first forward), so that ``activate_past_recording()``, which assisted
-        decoding calls before its first forward, reaches them."""
+        """transformers' cache preparation, with the favor layers' :class:`~.favor_cache_layer.FavorCacheLayer` put in
+        the new cache right away (instead of at the first forward), so that ``activate_past_recording()``, which
+        assisted decoding calls before its first forward, reaches them."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
         install_favor_cache_layers(cache_from_kwargs(model_kwargs, "generate"), self)
         return result

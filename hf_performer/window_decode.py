@@ -20,8 +20,8 @@ side by side in one tensor with free slots after them (:class:`~.window_state.Ex
 and buffer are views of it; cache slots that no row and head holds yet are left out), so that a step writes its key
 and value into the next free slot in place and makes one ``scaled_dot_product_attention`` call over the slots up to
 it (the ones that left the buffer masked, in one mask over all slots), a third of :func:`decode_step`'s operations
-and no copy of the exact keys; in a generating model :meth:`~.cache.WindowCacheLayer.exact_step` calls it ahead of
-the attention function's dispatch, which cost as much as the step's own operations.
+and no copy of the exact keys; in a generating model :meth:`~.window_cache_layer.WindowCacheLayer.exact_step` calls
+it ahead of the attention function's dispatch, which cost as much as the step's own operations.
 At a row's boundary the step runs :func:`decode_step`'s selection first (:func:`_after_selection`) and packs a new
 record with the new cache (a boundary step used to take :func:`decode_step` whole, and the step after it packed
 again). A state never changes: a step writes in place only when its state is the newest of its record (a second

@@ -37,13 +37,14 @@ PACKAGE = "hf_performer"
 
 # The runtime that ships with the weights: flat files at the root of hf_performer/ (those present are checked).
 RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_attention_autograd", "window_attention",
-                   "clustered_attention", "reference", "favor_settings", "cache", "attention_weights", "packed_sequences",
-                   "configuration_performer", "favor_attention", "modeling_performer", "window_tail", "window_segments",
-                   "window_state", "window_sparse_cache", "window_causal", "window_decode", "window_blocks",
-                   "window_exact_blocks", "window_tail_cap",
-                   "favor_masks", "favor_modules", "favor_layer_modules", "favor_cache_hooks", "decayed_attention", "linear_attention_parallel",
-                   "window_selection_kernel", "window_parallel", "window_bidirectional", "feature_map_base", "modeling_performer_base", "source_architectures",
-                   "feature_maps_learned")
+                   "clustered_attention", "reference", "favor_settings", "cache", "attention_weights",
+                   "packed_sequences", "configuration_performer", "favor_attention", "modeling_performer",
+                   "window_tail", "window_segments", "window_state", "window_sparse_cache", "window_causal",
+                   "window_decode", "window_blocks", "window_exact_blocks", "window_tail_cap", "favor_masks",
+                   "favor_modules", "favor_layer_modules", "favor_cache_hooks", "decayed_attention",
+                   "linear_attention_parallel", "window_selection_kernel", "window_parallel", "window_bidirectional",
+                   "feature_map_base", "modeling_performer_base", "source_architectures", "favor_cache_layer",
+                   "window_cache_layer", "feature_maps_learned")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {
     ("hf_performer.window_selection_kernel", "triton"):

@@ -62,6 +62,8 @@ CODE_FILES = (
     "favor_schema.py",
     "favor_settings.py",
     "cache.py",
+    "favor_cache_layer.py",
+    "window_cache_layer.py",
     "clustered_attention.py",
     "feature_maps.py",
     "feature_map_base.py",

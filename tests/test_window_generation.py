@@ -199,7 +199,7 @@ def test_the_exact_step_ahead_of_the_dispatch_equals_the_general_path(monkeypatc
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
 def test_greedy_generate_without_a_tail_takes_the_exact_step_and_equals_no_cache(name, monkeypatch):
-    import hf_performer.cache as cache_module
+    import hf_performer.window_cache_layer as cache_module
     import hf_performer.window_attention as window_attention
 
     model = build(name, linear_tail=False, sparse_cache=2)

@@ -8,7 +8,7 @@ differences:
 * Model: the converted folder, loaded with ``AutoModelForCausalLM.from_pretrained`` (``eval()``, under
   ``torch.inference_mode()``). One model, two implementations switched with ``set_attn_implementation``:
   ``favor`` (its window layers: exact softmax over the sinks and the last ``window`` tokens, the linear tail,
-  each with a constant-size :class:`~hf_performer.cache.WindowCacheLayer` from ``make_favor_cache``) and
+  each with a constant-size :class:`~hf_performer.window_cache_layer.WindowCacheLayer` from ``make_favor_cache``) and
   ``softmax`` (``sdpa``, transformers' ``DynamicCache``): the source model's own attention, same weights.
 * Contexts of the favor stream are **real**: a prefill through the model and its cache, in chunks of
   ``prefill_chunk`` tokens (random token ids, ``logits_to_keep=1``), continued from one length to the next;
