@@ -50,7 +50,7 @@ Training memory: a call that needs gradients and is longer than one segment (:da
 segment's graph at a time (the outputs and gradients of one pass). Causal: segments each continuing the previous
 one's :class:`WindowAttentionState`, recomputed one at a time in the backward (:func:`_segmented_window_attention`,
 :mod:`.window_segments`); the recomputation reuses the block outputs the forward computed
-(:func:`~.window_blocks.reused_outputs`), so that only the hand-written block gradient computes them again.
+(:func:`~.window_block_operands.reused_outputs`), so that only the hand-written block gradient computes them again.
 Bidirectional: each segment reads its band's halo and two small tail sums (the keys before and after its halo)
 through :mod:`.window_segments` (:func:`~.window_bidirectional.segmented_bidirectional_window_attention`). A map
 that redraws in training mode keeps the one pass.
@@ -62,8 +62,8 @@ graph).
 The bidirectional operator lives in :mod:`.window_bidirectional`, the causal one in :mod:`.window_causal`, decoding
 steps in :mod:`.window_decode`, the parallel path in :mod:`.window_parallel`. This module imports only ``torch`` and
 its siblings ``feature_maps``, ``linear_attention``, ``linear_attention_parallel``, ``window_bidirectional``,
-``window_tail_cap``, ``window_segments``, ``window_blocks``, ``window_parallel``, ``window_causal``, ``window_decode``
-and ``window_state``.
+``window_tail_cap``, ``window_segments``, ``window_block_operands``, ``window_parallel``, ``window_causal``,
+``window_decode`` and ``window_state``.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ from .window_bidirectional import (
     bidirectional_window_attention,
     segmented_bidirectional_window_attention,
 )
-from .window_blocks import reused_outputs
+from .window_block_operands import reused_outputs
 from .window_causal import causal_window_attention, tail_features
 from .window_parallel import parallel_window_attention
 from .window_decode import can_decode_step, decode_step, exact_decode_step

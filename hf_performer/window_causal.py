@@ -27,7 +27,7 @@ without a tail one kernel (:mod:`.window_selection_kernel`).
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
 ``linear_attention_parallel``, ``window_state``, ``window_sparse_cache``, ``window_selection_kernel``, ``window_tail``,
-``window_tail_cap``, ``window_blocks`` and ``window_exact_blocks``.
+``window_tail_cap``, ``window_block_operands``, ``window_blocks`` and ``window_exact_blocks``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ import torch
 from .feature_maps import Features, compute_dtype_for
 from .linear_attention import _no_autocast, _with_ones_column
 from .linear_attention_parallel import attention_path, operand_dtype
-from .window_blocks import BlockOperands, BlockSpec, attend_blocks, record_for_reuse, take_reused
+from .window_block_operands import BlockOperands, BlockSpec, record_for_reuse, take_reused
+from .window_blocks import attend_blocks
 from .window_exact_blocks import attend_exact_blocks, attend_sdpa_blocks, fused_exact_applies
 from .window_selection_kernel import kernel_applies, select_without_tail
 from .window_sparse_cache import empty_tail_sum, fold_into, select_hard_keys
@@ -274,7 +275,7 @@ def _boundaries(entering, tile_features, tile_value_ones, tile_keep, tile_key, c
     pool_values = torch.cat([_with_ones_column(entering.cache_value.to(features.dtype)), tile_value_ones], dim=2)
     pool_keys = torch.cat([entering.cache_key.to(tile_key.dtype), tile_key], dim=2)
     # Without a tail the selection (and the tail sums it keeps for the next one) take no gradient to the output: a
-    # segment's recomputation takes what its forward chose (window_blocks.reused_outputs).
+    # segment's recomputation takes what its forward chose (window_block_operands.reused_outputs).
     reusable = selection_map is None
     reused = take_reused((batch, kv_heads, blocks, capacity), kind="selection") if reusable else None
     if reused is not None:

@@ -11,20 +11,20 @@ recomputed group by group from the saved outputs and log-sum-exps, and the key g
 over the blocks), the per-block cache and the overlapping tiles (folded), as :mod:`.window_blocks` does.
 
 Same operands, outputs and reference as :func:`~.window_blocks.attend_blocks` (``attend_blocks_naive``); the
-reuse of recorded outputs by a recomputing caller (:func:`~.window_blocks.reused_outputs`) works the same way.
+reuse of recorded outputs by a recomputing caller (:func:`~.window_block_operands.reused_outputs`) works the same way.
 
 On the parallel path (CUDA, :func:`~.linear_attention_parallel.attention_path`), :func:`attend_sdpa_blocks` hands
 every block to one ``scaled_dot_product_attention`` call (the blocks as its batch, the allowed keys a boolean mask:
 the memory-efficient kernel on CUDA) and leaves the backward to autograd, in the inputs' bf16 / fp16 when they have it.
 
-This module imports only ``torch`` and its sibling ``window_blocks``.
+This module imports only ``torch`` and its sibling ``window_block_operands``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .window_blocks import (
+from .window_block_operands import (
     BlockOperands, BlockSpec, _accumulate, _fold_tiles, _from_blocks, _group, _per_block, block_layout,
     record_for_reuse, take_reused,
 )

@@ -24,8 +24,8 @@ for the calls a training step or a plain forward makes (no ``initial_state``, no
 mask, or without the kernel): the general operator takes those. Gradients by autograd; the memory of one pass.
 
 This module imports only ``torch`` and its siblings ``feature_maps``, ``linear_attention``,
-``linear_attention_parallel``, ``window_bidirectional``, ``window_blocks``, ``window_causal``, ``window_exact_blocks``,
-``window_selection_kernel``, ``window_state`` and ``window_tail_cap``.
+``linear_attention_parallel``, ``window_bidirectional``, ``window_block_operands``, ``window_causal``,
+``window_exact_blocks``, ``window_selection_kernel``, ``window_state`` and ``window_tail_cap``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _repeat_kv, _safe_denominator, _with_ones_column
 from .linear_attention_parallel import operand_dtype, shifted_tail_sums
 from .window_bidirectional import sink_query_rows, with_sink_queries
-from .window_blocks import _from_blocks, _per_block
+from .window_block_operands import _from_blocks, _per_block
 from .window_causal import _gather_slots, rows_window
 from .window_exact_blocks import softmax_over_blocks, stack_key_sets
 from .window_selection_kernel import kernel_applies, select_without_tail
