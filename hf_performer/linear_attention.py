@@ -27,8 +27,9 @@ The slow, obvious float64 references these kernels are tested against live in ``
 Which computation runs is chosen by device (:func:`~.linear_attention_parallel.attention_path`): the chunked kernels of
 :mod:`.linear_attention_autograd` on the CPU, the parallel ones of :mod:`.linear_attention_parallel` on CUDA.
 
-This module imports only ``torch`` and its siblings ``favor_schema``, ``feature_maps``, ``linear_attention_autograd``
-and ``linear_attention_parallel``: it is copied next to saved models for ``trust_remote_code``.
+This module imports only ``torch`` and its siblings ``favor_schema``, ``feature_maps``, ``linear_attention_autograd``,
+``linear_attention_chunks`` and ``linear_attention_parallel``: it is copied next to saved models for
+``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 
 from .favor_schema import DEFAULT_CHUNK_SIZE
 from .feature_maps import FeatureMap, Features, compute_dtype_for
-from .linear_attention_autograd import _finite_min, _repeat_kv, _safe_denominator, chunked_linear_attention
+from .linear_attention_autograd import chunked_linear_attention
+from .linear_attention_chunks import _finite_min, _repeat_kv, _safe_denominator
 from .linear_attention_parallel import attention_path, parallel_linear_attention
 
 # DEFAULT_CHUNK_SIZE: tokens per chunk of the causal scan (declared in favor_schema). The bidirectional kernel, which

@@ -1,5 +1,5 @@
 """The parallel path of linear attention (FAVOR+ and every other feature map): a fixed number of tensor operations per
-call, the one the CUDA path runs; :mod:`.linear_attention_autograd`'s chunk loop stays the CPU path.
+call, the one the CUDA path runs; :mod:`.linear_attention_chunks`'s chunk loop stays the CPU path.
 
 Same function as :func:`~.linear_attention.linear_attention` (layouts, stabilisers, padding, grouped heads, initial
 and final state), computed whole-sequence:
@@ -23,7 +23,7 @@ it for speed (benchmarks/README.md, "GPU").
 chunked elsewhere; the default), ``parallel`` or ``chunked`` (everywhere, for comparisons and tests).
 
 This module imports only ``torch``, the standard library and its siblings ``feature_maps``, ``decayed_attention`` and
-``linear_attention_autograd``: it is copied next to saved models for ``trust_remote_code``.
+``linear_attention_chunks``: it is copied next to saved models for ``trust_remote_code``.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 from .decayed_attention import decayed_attention
 from .feature_maps import FeatureMap, compute_dtype_for
-from .linear_attention_autograd import _finite_min, _repeat_kv, _safe_denominator
+from .linear_attention_chunks import _finite_min, _repeat_kv, _safe_denominator
 
 PATH_VARIABLE = "HF_PERFORMER_ATTENTION_PATH"
 PATHS = ("auto", "parallel", "chunked")

@@ -44,7 +44,7 @@ RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_a
                    "favor_modules", "favor_layer_modules", "favor_cache_hooks", "decayed_attention",
                    "linear_attention_parallel", "window_selection_kernel", "window_parallel", "window_bidirectional",
                    "feature_map_base", "modeling_performer_base", "source_architectures", "favor_cache_layer",
-                   "window_cache_layer", "feature_maps_learned", "window_block_operands")
+                   "window_cache_layer", "feature_maps_learned", "window_block_operands", "linear_attention_chunks")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {
     ("hf_performer.window_selection_kernel", "triton"):

@@ -7,11 +7,8 @@ import pytest
 import torch
 
 from hf_performer import linear_attention, make_feature_map
-from hf_performer.linear_attention_autograd import (
-    BIDIRECTIONAL_MIN_CHUNK,
-    ChunkedAttentionSettings,
-    ChunkedLinearAttention,
-)
+from hf_performer.linear_attention_autograd import ChunkedLinearAttention
+from hf_performer.linear_attention_chunks import BIDIRECTIONAL_MIN_CHUNK, ChunkedAttentionSettings
 from hf_performer.reference import reference_linear_attention
 
 RANDOM_MAPS = ["favor+", "trig", "relu", "elu+1"]

@@ -120,7 +120,7 @@ def measure(lengths, repeats: int) -> dict:
     from hf_performer.bench.attention import attention_flops, make_attention_call, time_attention_call
     from hf_performer.bench.machine import machine_info, matmul_gflops
     from hf_performer.linear_attention import DEFAULT_CHUNK_SIZE
-    from hf_performer.linear_attention_autograd import BIDIRECTIONAL_MIN_CHUNK
+    from hf_performer.linear_attention_chunks import BIDIRECTIONAL_MIN_CHUNK
 
     device = torch.device("cpu")
     matmul = matmul_gflops(device, torch.float32)
