@@ -41,7 +41,8 @@ from torch.nn.functional import scaled_dot_product_attention
 from .feature_maps import compute_dtype_for
 from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
 from .linear_attention_parallel import attention_path
-from .window_causal import _key_features, combine, exact_terms, rows_window
+from .window_boundaries import tail_key_features
+from .window_causal import combine, exact_terms, rows_window
 from .window_sparse_cache import fold_into, select_hard_keys
 from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
@@ -294,13 +295,13 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
     rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer."""
     batch, kv_heads = current.cache_valid.shape[:2]
     tile_key, tile_value_ones, tile_keep = tokens(x - size - w + 1, size)
-    tile_features = _key_features(feature_map, tile_key, root)
+    tile_features = tail_key_features(feature_map, tile_key, root)
     keep = tile_keep[:, None].expand(-1, kv_heads, -1)
     if capacity == 0:
         new_sums = fold_into(current_sums, *tile_features, tile_value_ones, keep)
         cache = current
     else:
-        cache_features = _key_features(feature_map, current.cache_key.to(tile_key.dtype), root)
+        cache_features = tail_key_features(feature_map, current.cache_key.to(tile_key.dtype), root)
         features = torch.cat([cache_features.values, tile_features.values], dim=2)
         log_scale = (None if tile_features.log_scale is None
                      else torch.cat([cache_features.log_scale, tile_features.log_scale], dim=2))
@@ -329,7 +330,7 @@ def _query_tail(state, current, crossing, known, tokens, feature_map, root, x, w
     key, value_ones, keep = tokens(x - w, 1)
     keep = keep & (x > current.boundary)[:, None]
     last_sums, last_max = state.query_tail
-    tail = fold_into((last_sums.to(value_ones.dtype), last_max), *_key_features(feature_map, key, root), value_ones,
+    tail = fold_into((last_sums.to(value_ones.dtype), last_max), *tail_key_features(feature_map, key, root), value_ones,
                      keep[:, None].expand(-1, key.shape[1], -1))
     rows = crossing | ~known
     if not may_cross or not bool(rows.any()):

@@ -16,8 +16,8 @@ for the calls a training step or a plain forward makes (no ``initial_state``, no
   ``E`` times gamma), ``rho = max(0, f ...)`` (detached);
 * a sparse cache (causal, no tail, no padding mask): every boundary's selection in one kernel
   (:func:`~.window_selection_kernel.select_without_tail`), the candidates of boundary ``kC`` being the tokens
-  ``kC - C - w < j <= kC - w`` and the cache of ``kC - C``, exactly as :func:`~.window_causal._boundaries` chooses
-  them; the tokens waiting for the next selection stay in the band;
+  ``kC - C - w < j <= kC - w`` and the cache of ``kC - C``, exactly as
+  :func:`~.window_boundaries.boundary_states` chooses them; the tokens waiting for the next selection stay in the band;
 * bidirectional sink queries attend to every unpadded key exactly (:func:`~.window_bidirectional.sink_query_rows`).
 
 :func:`parallel_window_attention` returns ``None`` for what it does not serve (a sparse cache with a tail or a padding
@@ -38,7 +38,8 @@ from .linear_attention import _no_autocast, _repeat_kv, _safe_denominator, _with
 from .linear_attention_parallel import operand_dtype, shifted_tail_sums
 from .window_bidirectional import sink_query_rows, with_sink_queries
 from .window_block_operands import _from_blocks, _per_block
-from .window_causal import _gather_slots, rows_window
+from .window_boundaries import gather_slots
+from .window_causal import rows_window
 from .window_exact_blocks import softmax_over_blocks, stack_key_sets
 from .window_selection_kernel import kernel_applies, select_without_tail
 from .window_state import row_sinks
@@ -170,7 +171,7 @@ def _sparse_cache(key, value, keep, w, size, blocks, capacity, eps):
                                           active, slots=0, capacity=capacity, size=size, eps=eps)
     index, valid = index[:, :, -first:], valid[:, :, -first:]  # the caches of the query blocks 0 .. n - 1
     flat = index.flatten(2)  # [B, Hkv, n G]
-    gather = lambda x: _gather_slots(x, flat).unflatten(2, (blocks, capacity))  # noqa: E731
+    gather = lambda x: gather_slots(x, flat).unflatten(2, (blocks, capacity))  # noqa: E731
     return gather(pool_key), gather(pool_value), valid[:, :, :, None, :]
 
 

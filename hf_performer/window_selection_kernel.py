@@ -1,7 +1,7 @@
 """The sparse cache's boundary selection of a layer without a linear tail, as one Triton kernel.
 
-:func:`~.window_causal._boundaries` walks a call's boundaries in a Python loop, a few dozen tensor operations each
-(:func:`~.window_sparse_cache.select_hard_keys`); on a GPU that loop costs far more in launches than in work. Without a
+:func:`~.window_boundaries.boundary_states` walks a call's boundaries in a Python loop, a few dozen tensor operations
+each (:func:`~.window_sparse_cache.select_hard_keys`); on a GPU that loop costs far more in launches than in work. Without a
 tail the selection only needs values: the tail sums hold ``S = sum v`` and ``z`` (the count) of the folded tokens
 (the constant feature 1), each candidate's recall error is its distance to the mean of the folded tokens and the
 candidates, ``err_j = || (S + sum_c v_c) / (z + n) - v_j ||^2``, the ``G`` largest errors stay (ties: the older, i.e.
@@ -176,7 +176,7 @@ def _power_of_two(n: int) -> int:
 def select_without_tail(pool_values, index, valid, tail_sums, candidate_keep, active, *, slots: int, capacity: int,
                         size: int, eps: float):
     """Every boundary's sparse cache and tail sums of a call without a tail, as the loop of
-    :func:`~.window_causal._boundaries` computes them (its names).
+    :func:`~.window_boundaries.boundary_states` computes them (its names).
 
     Args:
         pool_values: ``[B, Hkv, P, dv + 1]`` the values (and ones) of the entering cache's slots, then the tiles'.

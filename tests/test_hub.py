@@ -60,7 +60,7 @@ CODE_FILES = sorted(["attention_weights.py", "cache.py", "clustered_attention.py
                      "linear_attention.py", "linear_attention_autograd.py", "linear_attention_chunks.py",
                      "linear_attention_parallel.py", "modeling_performer.py", "modeling_performer_base.py",
                      "packed_sequences.py", "source_architectures.py", "window_attention.py",
-                     "window_bidirectional.py", "window_block_operands.py", "window_blocks.py",
+                     "window_bidirectional.py", "window_block_operands.py", "window_blocks.py", "window_boundaries.py",
                      "window_cache_layer.py", "window_causal.py", "window_decode.py", "window_exact_blocks.py",
                      "window_parallel.py", "window_segments.py", "window_selection_kernel.py",
                      "window_sparse_cache.py", "window_state.py", "window_tail.py", "window_tail_cap.py"])

@@ -13,7 +13,8 @@ under ``if TYPE_CHECKING:`` (annotations only, never run). The rules:
    torch, transformers, the standard library and single-dot siblings: transformers copies a saved model's code by
    following ``from .name import`` to sibling files, so anything else is missing where the model is loaded.
 3. argparse is imported only by ``hf_performer.cli`` (and its modules) and ``hf_performer.recipes.arguments``.
-4. No module is over :data:`MAX_LINES` lines.
+4. No module is over :data:`MAX_LINES` lines, and no runtime module over :data:`RUNTIME_MAX_LINES` (a runtime file
+   holds one concept: split a longer one by concept, as docs/concepts says where each lives).
 5. Every package folder is listed in pyproject's ``packages``: otherwise a wheel (``pip install .``) misses it.
 6. Subpackages import each other downward only: tasks < conversion < hub < cli; bench < cli;
    tasks, conversion < recipes < cli (a layer that does not exist yet is skipped).
@@ -44,7 +45,8 @@ RUNTIME_MODULES = ("favor_schema", "feature_maps", "linear_attention", "linear_a
                    "favor_modules", "favor_layer_modules", "favor_cache_hooks", "decayed_attention",
                    "linear_attention_parallel", "window_selection_kernel", "window_parallel", "window_bidirectional",
                    "feature_map_base", "modeling_performer_base", "source_architectures", "favor_cache_layer",
-                   "window_cache_layer", "feature_maps_learned", "window_block_operands", "linear_attention_chunks")
+                   "window_cache_layer", "feature_maps_learned", "window_block_operands", "linear_attention_chunks",
+                   "window_boundaries")
 RUNTIME_THIRD_PARTY = ("torch", "transformers")
 ALLOWED_RUNTIME_IMPORTS = {
     ("hf_performer.window_selection_kernel", "triton"):
@@ -59,6 +61,7 @@ ARGPARSE_HOMES = ("hf_performer.cli", "hf_performer.recipes.arguments")
 ALLOWED_ARGPARSE: dict[str, str] = {}
 
 MAX_LINES = 800
+RUNTIME_MAX_LINES = 500
 ALLOWED_LONG_MODULES: dict[str, str] = {}
 
 # Function-level imports that close a cycle, as (importing module, imported module).
@@ -306,7 +309,12 @@ def test_argparse_only_in_the_command_line():
 
 
 def long_modules() -> set[str]:
-    return {name for name, module in MODULES.items() if module.lines > MAX_LINES}
+    return {name for name, module in MODULES.items()
+            if module.lines > (RUNTIME_MAX_LINES if _is_runtime(name) else MAX_LINES)}
+
+
+def _is_runtime(name: str) -> bool:
+    return name.count(".") == 1 and name.split(".")[1] in RUNTIME_MODULES
 
 
 def test_no_module_over_the_line_limit():

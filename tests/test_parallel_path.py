@@ -284,7 +284,7 @@ def test_the_selection_kernel_equals_the_boundary_loop(parallel, monkeypatch, le
     """Under Triton's interpreter (conftest sets TRITON_INTERPRET=1 without a GPU): the sparse cache a layer without a
     tail keeps at every boundary, and its outputs, equal the loop's, for left-padded rows (whose boundaries are
     shifted: some rows skip a block's selection) and for a call continuing a state (an entering cache)."""
-    from hf_performer import window_causal
+    from hf_performer import window_boundaries
     from hf_performer.window_causal import sparse_cache_membership
     from hf_performer.window_selection_kernel import kernel_applies
 
@@ -298,8 +298,8 @@ def test_the_selection_kernel_equals_the_boundary_loop(parallel, monkeypatch, le
     mask[1, :6] = False
     options = dict(window=window, sinks=1, sparse_cache=cache, chunk_size=chunk)
     calls = []
-    kernel = window_causal.select_without_tail
-    monkeypatch.setattr(window_causal, "select_without_tail", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    kernel = window_boundaries.select_without_tail
+    monkeypatch.setattr(window_boundaries, "select_without_tail", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
 
     def run():
         member = sparse_cache_membership(k, v, None, key_padding_mask=mask, scaling=None, **options)
@@ -313,7 +313,7 @@ def test_the_selection_kernel_equals_the_boundary_loop(parallel, monkeypatch, le
 
     with_kernel = run()
     assert len(calls) == 4  # the membership, the whole call, both halves
-    monkeypatch.setattr(window_causal, "kernel_applies", lambda _: False)
+    monkeypatch.setattr(window_boundaries, "kernel_applies", lambda _: False)
     with_loop = run()
     assert len(calls) == 4
     assert torch.equal(with_kernel[0], with_loop[0]) and with_kernel[0].any()

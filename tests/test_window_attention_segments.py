@@ -145,14 +145,14 @@ def test_the_backward_reuses_the_fused_exact_outputs(sparse_cache, monkeypatch):
 def test_the_backward_reuses_the_sparse_cache_selection_without_a_tail(monkeypatch):
     """Without a tail the selection takes no gradient to the output: a segment's recomputation takes the forward's
     chosen slots instead of choosing again (the tail's layers choose again: their tail sums are differentiable)."""
-    import hf_performer.window_causal as window_causal
+    import hf_performer.window_boundaries as window_boundaries
 
     q, k, v = _inputs()
     kwargs = dict(window=3, sinks=2, sparse_cache=3, chunk_size=4)
     one_pass = window_linear_attention(q, k, v, None, **kwargs)
     expected = _gradients(one_pass, [q, k, v])
     _set_segment_length(monkeypatch, SEGMENT)
-    chosen = _counted(monkeypatch, window_causal, "select_hard_keys")
+    chosen = _counted(monkeypatch, window_boundaries, "select_hard_keys")
     segmented = window_linear_attention(q, k, v, None, **kwargs)
     selections = len(chosen)
     assert selections > 0
