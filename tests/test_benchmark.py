@@ -168,6 +168,45 @@ def test_speed_benchmark_window_rows_with_memory_and_their_speedup_over_sdpa():
     assert "window" in format_speed_table(result)
 
 
+def test_each_speed_point_keeps_every_timed_call_beside_its_median():
+    """The spread of a point is in its record: the seconds of each timed call, whose median is the point."""
+    import statistics
+
+    from hf_performer.bench.attention import run_speed_benchmark
+
+    result = run_speed_benchmark(lengths=(32,), heads=2, head_dim=8, nb_features=16, chunk_size=8, repeats=3,
+                                 implementations=("favor", "sdpa"), modes=("causal",), memory=False, progress=False)
+    for record in result["records"]:
+        assert len(record["runs"]) == 3 and all(t > 0 for t in record["runs"])
+        assert record["seconds"] == pytest.approx(statistics.median(record["runs"]), abs=1e-6)
+
+
+def test_processes_give_each_point_the_median_of_whole_runs_in_fresh_processes(monkeypatch):
+    """``--processes N``: N whole runs, each in its own process; a point's seconds is the median of the runs' medians,
+    and every run's figure and timed calls stay in the record."""
+    from hf_performer.bench import attention
+
+    seen = []
+
+    def fake_fresh_process(target, **arguments):
+        seen.append((target, arguments["progress"]))
+        run = len(seen)
+        records = [dict(length=32, mode="causal", implementation=name, seconds=base * run, flops=1e9,
+                        gflops_per_s=1.0 / (base * run), runs=[base * run] * 2)
+                   for name, base in (("favor", 1.0), ("sdpa", 2.0))]
+        return {"settings": {"repeats": 2}, "machine": {"date": f"run {run}", "load_average": [0.1, 0.1, 0.1]},
+                "records": records}
+
+    monkeypatch.setattr(attention, "run_in_fresh_process", fake_fresh_process)
+    result = attention.run_speed_benchmark_in_processes(3, lengths=[32], implementations=["favor", "sdpa"])
+    assert seen == [("hf_performer.bench.attention:run_speed_benchmark", False)] * 3
+    favor = next(r for r in result["records"] if r["implementation"] == "favor")
+    assert favor["process_seconds"] == [1.0, 2.0, 3.0] and favor["seconds"] == 2.0 and len(favor["runs"]) == 6
+    assert result["settings"]["processes"] == 3 and [run["date"] for run in result["machine"]["runs"]] == \
+        ["run 1", "run 2", "run 3"]
+    assert "summary" in result
+
+
 def test_memory_summary_per_implementation_and_its_table():
     from hf_performer.bench.report import format_memory_table, summarize_memory
 

@@ -269,18 +269,3 @@ def test_tail_error_probe_measures_with_and_without_the_tail(tmp_path, tiny_llam
         probe.main(["no-equals", "--text-file", text, "--output", str(output)])
     with pytest.raises(SystemExit, match="no config.json"):
         probe.main([f"x={tmp_path}", "--text-file", text, "--output", str(output)])
-
-
-def test_window_segment_ab_times_both_settings_and_refuses_a_negative_length(capsys, monkeypatch):
-    import hf_performer.window_attention as window_attention
-
-    spec = importlib.util.spec_from_file_location("_script_window_segment_ab", SCRIPTS / "window_segment_ab.py")
-    segment_ab = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(segment_ab)
-    monkeypatch.setattr(window_attention, "CAUSAL_SEGMENT_LENGTH", window_attention.CAUSAL_SEGMENT_LENGTH)
-    for length, label in ((256, "segment length 256"), (0, "segment length one pass")):
-        assert segment_ab.main(["--segment-length", str(length), "--repeats", "1"]) == 0
-        assert label in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        segment_ab.main(["--segment-length", "-1"])
-    assert "--segment-length must be >= 0" in capsys.readouterr().err

@@ -188,6 +188,12 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
 
 def time_attention_call(call, batch, heads, length, head_dim, device, dtype, backward=True, repeats=3) -> float:
     """Median seconds of ``repeats`` calls (forward, and backward if asked) after one warm-up."""
+    return statistics.median(time_attention_calls(call, batch, heads, length, head_dim, device, dtype, backward,
+                                                  repeats))
+
+
+def time_attention_calls(call, batch, heads, length, head_dim, device, dtype, backward=True, repeats=3) -> list[float]:
+    """Seconds of each of ``repeats`` calls (forward, and backward if asked) after one warm-up."""
     shape = (batch, heads, length, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
 
@@ -200,7 +206,7 @@ def time_attention_call(call, batch, heads, length, head_dim, device, dtype, bac
     def clear_gradients():
         q.grad = k.grad = v.grad = None
 
-    return statistics.median(timed_calls(one_call, repeats, device, after=clear_gradients))
+    return list(timed_calls(one_call, repeats, device, after=clear_gradients))
 
 
 def peak_memory_bytes(implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device,
@@ -291,11 +297,12 @@ def run_speed_benchmark(
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
         call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, heads=heads,
                                    **options)
-        seconds = time_attention_call(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
+        runs = time_attention_calls(call, batch, heads, length, head_dim, device_, dtype_, backward, repeats)
+        seconds = statistics.median(runs)
         flops = attention_flops(implementation, mode, length, heads, head_dim, nb_features, batch, chunk_size, backward,
                                 **options)
         record = dict(length=length, mode=mode, implementation=implementation, seconds=seconds,
-                      gflops_per_s=flops / seconds / 1e9, flops=flops)
+                      gflops_per_s=flops / seconds / 1e9, flops=flops, runs=[round(t, 6) for t in runs])
         if memory:
             record["peak_memory_bytes"] = peak_memory_bytes(
                 implementation, mode, batch, heads, length, head_dim, nb_features, chunk_size, device_, dtype_, backward,
@@ -316,6 +323,30 @@ def run_speed_benchmark(
     }
     result["summary"] = summarize_speed(result)
     return result
+
+
+def run_speed_benchmark_in_processes(processes: int, **arguments) -> dict:
+    """:func:`run_speed_benchmark` in ``processes`` fresh processes, one after the other (a process's allocator and
+    caches, or a noisy neighbour during one run, do not decide a figure): each point's ``seconds`` is the median of
+    the processes' medians, ``process_seconds`` those medians (the spread between runs), ``runs`` every timed call."""
+    results = [run_in_fresh_process("hf_performer.bench.attention:run_speed_benchmark",
+                                    **{**arguments, "progress": False}) for _ in range(processes)]
+    merged = results[0]
+    by_point = {}
+    for result in results:
+        for record in result["records"]:
+            by_point.setdefault((record["length"], record["mode"], record["implementation"]), []).append(record)
+    for record in merged["records"]:
+        points = by_point[(record["length"], record["mode"], record["implementation"])]
+        record["process_seconds"] = [point["seconds"] for point in points]
+        record["seconds"] = statistics.median(record["process_seconds"])
+        record["gflops_per_s"] = record["flops"] / record["seconds"] / 1e9
+        record["runs"] = [t for point in points for t in point["runs"]]
+    merged["settings"]["processes"] = processes
+    merged["machine"]["runs"] = [{"date": result["machine"]["date"], "load_average": result["machine"]["load_average"]}
+                                 for result in results]
+    merged["summary"] = summarize_speed(merged)
+    return merged
 
 
 # ------------------------------------------------------------------------------------ memory

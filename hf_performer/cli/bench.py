@@ -33,7 +33,7 @@ from .arguments import add_favor_arguments, comma_separated_ints
 
 
 POSITIVE_SIZES = ("lengths", "context_lengths", "nb_features", "batch", "heads", "head_dim", "chunk_size", "repeats",
-                  "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer", "n_head", "n_embd",
+                  "processes", "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer", "n_head", "n_embd",
                   "vocab_size")
 """Arguments of the benchmarks that count something: each must be >= 1 (a list: non-empty, every entry >= 1)."""
 NON_NEGATIVE_SIZES = ("window", "sinks", "warmup", "verify_context", "eager_max_length")
@@ -104,13 +104,17 @@ def run_speed(args) -> int:
     check_sizes(args)
     check_pairs(args)
     _warn_if_loaded()
-    result = attention.run_speed_benchmark(
+    arguments = dict(
         lengths=args.lengths, batch=args.batch, heads=args.heads, head_dim=args.head_dim,
         nb_features=args.nb_features, chunk_size=args.chunk_size, modes=args.modes,
         implementations=args.implementations, eager_max_length=args.eager_max_length, clusters=args.clusters,
         topk=args.topk, bucket_size=args.bucket_size, window=args.window, sinks=args.sinks, device=args.device,
         dtype=args.dtype, repeats=args.repeats, backward=not args.forward_only, memory=not args.no_memory,
     )
+    if args.processes > 1:
+        result = attention.run_speed_benchmark_in_processes(args.processes, **arguments)
+    else:
+        result = attention.run_speed_benchmark(**arguments)
     return _print_and_write(args, result, report.format_speed_table(result), report.plot_speed)
 
 
@@ -218,6 +222,9 @@ def add_parser(subparsers) -> None:
     speed.add_argument("--device", default="cpu")
     speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     speed.add_argument("--repeats", type=int, default=3, help="timed calls per point (median), after a warm-up")
+    speed.add_argument("--processes", type=int, default=1,
+                       help="whole runs, each in a fresh process, one after the other; a point is the median of the "
+                            "runs' medians (default: 1, in this process)")
     speed.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     speed.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     speed.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
