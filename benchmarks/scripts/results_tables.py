@@ -78,6 +78,18 @@ def _speedup(result: dict, mode: str, implementation: str, length: int) -> float
     return records[(mode, "sdpa", length)]["seconds"] / records[(mode, implementation, length)]["seconds"]
 
 
+def _speedup_text(result: dict, mode: str, implementation: str, length: int, bold: bool = False) -> str:
+    """``"9.5x"`` (bold if asked), with the range of the runs' own ratios when the result holds several processes'."""
+    records = _speed_records(result)
+    value = f"{_speedup(result, mode, implementation, length):.1f}x"
+    text = f"**{value}**" if bold else value
+    sdpa, other = records[(mode, "sdpa", length)], records[(mode, implementation, length)]
+    if len(sdpa.get("process_seconds", ())) > 1:
+        ratios = [a / b for a, b in zip(sdpa["process_seconds"], other["process_seconds"])]
+        text += f" (runs: {min(ratios):.1f}-{max(ratios):.1f}x)"
+    return text
+
+
 def _link(root: str, name: str, text: str | None = None) -> str:
     """A markdown link to the result ``name`` from a page whose path to the repository root is ``root``."""
     return f"[{text or name}]({root}{RESULTS_LINK}/{name})"
@@ -93,8 +105,10 @@ def attention_speed(root: str) -> str:
     by_key = _speed_records(current)
     lines = ["Today's kernel (chunked, features recomputed in the backward), forward + backward of one call, B=1, "
              f"H={current['settings']['heads']}, d={current['settings']['head_dim']}, "
-             f"m={current['settings']['nb_features']}, float32, median of {current['settings']['repeats']} "
-             f"({_link(root, 'attention_speed_chunked.json')}):", "",
+             f"m={current['settings']['nb_features']}, float32, median of "
+             + (f"{current['settings']['processes']} runs (fresh processes) of {current['settings']['repeats']} calls "
+                "each" if current["settings"].get("processes", 1) > 1 else f"{current['settings']['repeats']}")
+             + f" ({_link(root, 'attention_speed_chunked.json')}):", "",
              "| mode | L | FAVOR+ (s) | SDPA (s) | SDPA / FAVOR+ | FAVOR+ GFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
     for mode in ("bidirectional", "causal"):
         for length in current["settings"]["lengths"]:
@@ -105,11 +119,13 @@ def attention_speed(root: str) -> str:
               f"{break_even(current['records'], 'causal', 'favor')}. {machine(current)}", ""]
     by_key = _speed_records(old)
     common = sorted(set(current["settings"]["lengths"]) & set(old["settings"]["lengths"]))
-    faster = all(_speedup(current, mode, "favor", length) > _speedup(old, mode, "favor", length)
-                 for mode in ("bidirectional", "causal") for length in common)
-    comparison = (f"today's kernel is faster than it at every length both measured ({common[0]:,}-{common[-1]:,}); "
-                  f"below {common[0]:,} only this older kernel was measured" if faster else
-                  "today's kernel is not faster than it at every length both measured")
+    pairs = "; ".join(
+        f"{mode} " + ", ".join(f"{_speedup(current, mode, 'favor', length):.2f}x against "
+                               f"{_speedup(old, mode, 'favor', length):.2f}x at {length // 1024}k" for length in common)
+        for mode in ("bidirectional", "causal"))
+    comparison = (f"SDPA's time over FAVOR+'s, today's kernel against it, each measured in its own run (on other days: "
+                  f"compare the ratios, not the seconds): {pairs}; below {common[0]:,} only this older kernel was "
+                  "measured")
     lines += ["The kernel before issue 17 (it kept the `[L, m]` features for the backward, 128-token causal chunks), "
               f"measured from {old['settings']['lengths'][0]} tokens ({_link(root, 'attention_speed.json')}): "
               f"{comparison}.", "",
@@ -587,9 +603,10 @@ def readme_headline(root: str) -> str:
     trained4k, no_tail, served = arms["tail_G256_trained4k"], arms["window_G256"], arms["window512_G1024_load"]
     lines = [
         "| | result | source |", "|---|---|---|",
-        f"| one FAVOR+ attention call, forward + backward, vs SDPA | **{_speedup(speed, 'bidirectional', 'favor', 8192):.1f}x** "
-        f"bidirectional and **{_speedup(speed, 'causal', 'favor', 8192):.1f}x** causal at 8k tokens, "
-        f"{_speedup(speed, 'causal', 'favor', longest):.1f}x causal at {longest // 1024}k; break-even "
+        "| one FAVOR+ attention call, forward + backward, vs SDPA (median of "
+        f"{speed['settings'].get('processes', 1)} runs) | {_speedup_text(speed, 'bidirectional', 'favor', 8192, True)} "
+        f"bidirectional and {_speedup_text(speed, 'causal', 'favor', 8192, True)} causal at 8k tokens, "
+        f"{_speedup_text(speed, 'causal', 'favor', longest)} causal at {longest // 1024}k; break-even "
         f"{break_even(speed['records'], 'causal', 'favor')} | {_link(root, 'attention_speed_chunked.json', 'kernels')} |",
         f"| its extra peak memory, 4k-32k tokens | {low:.2f}-{high:.2f}x SDPA's | "
         f"{_link(root, 'attention_memory.json', 'memory')} |",
