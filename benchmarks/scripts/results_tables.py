@@ -480,6 +480,12 @@ ARM_TABLES = {
 """The tables of ``hybrid_arms_smollm2.json``: a column label, whether ratios <= 1.10x are bold (the target), rows."""
 
 
+def _state_at_16k(arm: dict, baseline: dict, share: bool) -> str:
+    """An arm's decoding state per sequence at 16k (``"73.2 MiB"``), with its share of softmax's KV cache if asked."""
+    state_bytes = arm["cache_bytes"]["16384"]
+    return f"{state_bytes / MIB:.1f} MiB" + (f" ({state_bytes / baseline['cache_bytes']['16384']:.1%})" if share else "")
+
+
 def smollm2_arms_table(root: str, name: str) -> str:
     """One table of the SmolLM2 arms: perplexity / softmax + LoRA's at each context (positions 512-1024 of the 1k
     windows), passkey, and the decoding state of one sequence (at 16k: its share of softmax's KV cache), every state
@@ -500,11 +506,6 @@ def smollm2_arms_table(root: str, name: str) -> str:
         scores = arm["passkey_by_length"]
         return " / ".join(f"{scores[n]:.2f}" if n in scores else "-" for n in passkeys) if scores else "-"
 
-    def state(arm: dict) -> str:
-        state_bytes = arm["cache_bytes"]["16384"]
-        share = f" ({state_bytes / baseline['cache_bytes']['16384']:.1%})" if bold_target else ""
-        return f"{state_bytes / MIB:.1f} MiB{share}"
-
     lines = [f"| {label} | " + " | ".join(contexts[:1] + ["positions 512-1024"] + contexts[1:])
              + f" | passkey {' / '.join(f'{int(n) // 1024}k' for n in passkeys)} | state at 16k |",
              "|---|" + "---:|" * (len(contexts) + 1) + "---|---:|",
@@ -519,7 +520,8 @@ def smollm2_arms_table(root: str, name: str) -> str:
         cells = [ratio(perplexity.get(contexts[0]), baseline["perplexity"][contexts[0]]),
                  ratio(by_position, baseline["perplexity_by_position"]["512:1024"]),
                  *(ratio(perplexity.get(c), baseline["perplexity"][c]) for c in contexts[1:])]
-        lines.append(f"| {arm_label} | " + " | ".join(cells) + f" | {passkey(arm)} | {state(arm)} |")
+        lines.append(f"| {arm_label} | " + " | ".join(cells) + f" | {passkey(arm)} | "
+                     f"{_state_at_16k(arm, baseline, share=bold_target)} |")
     return "\n".join(lines + ["", f"{_link(root, 'hybrid_arms_smollm2.json')}; " + machine(result)])
 
 
@@ -536,10 +538,9 @@ def smollm2_recommended(root: str) -> str:
              "at 16k) |", "|---|---|---|---:|"]
     for name, label in RECOMMENDED_SERVING:
         arm = result["arms"][name]
-        state = arm["cache_bytes"]["16384"]
         lines.append(f"| {label} | " + " / ".join(f"{ratio:.3f}x" for ratio in arm["perplexity_ratio"].values())
                      + " | " + " / ".join(f"{value:.2f}" for value in arm["passkey_by_length"].values())
-                     + f" | {state / MIB:.1f} MiB ({state / baseline['cache_bytes']['16384']:.1%}) |")
+                     + f" | {_state_at_16k(arm, baseline, share=True)} |")
     return "\n".join(lines)
 
 

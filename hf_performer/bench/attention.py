@@ -42,7 +42,6 @@ from .defaults import (
     ATTENTION_IMPLEMENTATIONS,
     ATTENTION_MODES,
     BIDIRECTIONAL_ONLY,
-    CAUSAL_ONLY,
     DEFAULT_ATTENTION_IMPLEMENTATIONS,
     DEFAULT_BUCKET_SIZE,
     DEFAULT_CLUSTERS,
@@ -50,6 +49,7 @@ from .defaults import (
     DEFAULT_SPARSE_CACHE,
     DEFAULT_TOPK,
     DEFAULT_WINDOW,
+    runs_in_mode,
 )
 from .lsh_attention import lsh_attention
 from .machine import (
@@ -156,10 +156,9 @@ def make_attention_call(implementation: str, mode: str, head_dim: int, nb_featur
     """A function ``(q, k, v) -> out`` for one implementation and mode (``lsh`` ignores ``k``: shared QK;
     ``window`` needs ``heads``: its learned map and gamma are per head)."""
     causal = mode == "causal"
-    if implementation in BIDIRECTIONAL_ONLY and causal:
-        raise ValueError(f"{implementation} attention is bidirectional only; got mode={mode!r}")
-    if implementation in CAUSAL_ONLY and not causal:
-        raise ValueError(f"{implementation} attention is causal only; got mode={mode!r}")
+    if not runs_in_mode(implementation, mode):
+        only = "bidirectional" if implementation in BIDIRECTIONAL_ONLY else "causal"
+        raise ValueError(f"{implementation} attention is {only} only; got mode={mode!r}")
     if implementation == "clustered":
         return lambda q, k, v: clustered_attention(q, k, v, clusters=clusters)
     if implementation == "improved-clustered":
@@ -192,7 +191,8 @@ def time_attention_call(call, batch, heads, length, head_dim, device, dtype, bac
                                                   repeats))
 
 
-def time_attention_calls(call, batch, heads, length, head_dim, device, dtype, backward=True, repeats=3) -> list[float]:
+def time_attention_calls(call, batch, heads, length, head_dim, device, dtype, backward=True,
+                         repeats=3) -> list[float]:
     """Seconds of each of ``repeats`` calls (forward, and backward if asked) after one warm-up."""
     shape = (batch, heads, length, head_dim)
     q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=backward) for _ in range(3))
@@ -291,8 +291,7 @@ def run_speed_benchmark(
     dtype_ = getattr(torch, dtype)
     records = []
     jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
-            if not (impl == "eager" and L > eager_max_length) and not (impl in BIDIRECTIONAL_ONLY and mode == "causal")
-            and not (impl in CAUSAL_ONLY and mode != "causal")]
+            if runs_in_mode(impl, mode) and not (impl == "eager" and L > eager_max_length)]
     options = dict(clusters=clusters, topk=topk, bucket_size=bucket_size, window=window, sinks=sinks)
     for length, mode, implementation in tqdm(jobs, desc="attention benchmark", disable=not progress):
         call = make_attention_call(implementation, mode, head_dim, nb_features, chunk_size, device_, heads=heads,
@@ -377,8 +376,7 @@ def run_memory_benchmark(
     device_ = torch.device("cpu")
     dtype_ = getattr(torch, dtype)
     records = []
-    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations
-            if not (impl in BIDIRECTIONAL_ONLY and mode == "causal") and not (impl in CAUSAL_ONLY and mode != "causal")]
+    jobs = [(L, mode, impl) for L in lengths for mode in modes for impl in implementations if runs_in_mode(impl, mode)]
     runs = {job: [] for job in jobs}
     # Whole rounds one after the other: a slow drift of the machine spreads over every point.
     for job in tqdm(jobs * repeats, desc="attention memory", disable=not progress):

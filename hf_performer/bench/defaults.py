@@ -7,6 +7,13 @@ BIDIRECTIONAL_ONLY = ("clustered", "improved-clustered", "lsh")
 CAUSAL_ONLY = ("window-cache",)
 DEFAULT_ATTENTION_IMPLEMENTATIONS = ("favor", "sdpa", "eager")  # the others on request
 ATTENTION_MODES = ("bidirectional", "causal")
+
+
+def runs_in_mode(implementation: str, mode: str) -> bool:
+    """Whether ``implementation`` runs in ``mode`` (:data:`BIDIRECTIONAL_ONLY` / :data:`CAUSAL_ONLY` do not both)."""
+    return not (implementation in BIDIRECTIONAL_ONLY and mode == "causal") and \
+        not (implementation in CAUSAL_ONLY and mode != "causal")
+
 DECODE_IMPLEMENTATIONS = ("favor", "softmax")
 
 DEFAULT_CLUSTERS = 100

@@ -79,7 +79,8 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
 )}
 """``favor_settings`` key -> its flag. ``--projection orthogonal|iid`` sets ``orthogonal``; ``--feature-map-init``
 sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes JSON; ``--no-tail`` sets
-``linear_tail=False`` (``linearize``'s spelling too; ``--no-linear-tail`` is its deprecated one, :data:`OLD_SPELLINGS`). The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
+``linear_tail=False`` (``linearize``'s spelling too; ``--no-linear-tail`` is its deprecated one,
+:data:`OLD_SPELLINGS`). The recipes declare their own ``--attention favor|softmax`` (what to train) and do not take
 ``attention``."""
 
 OLD_SPELLINGS = {"linear_tail": "--no-linear-tail"}

@@ -25,6 +25,7 @@ from ..bench.defaults import (
     DEFAULT_WINDOW,
     FULL_CONTEXT_LENGTHS,
     QUICK_CONTEXT_LENGTHS,
+    runs_in_mode,
 )
 from ..favor_schema import DEFAULT_CHUNK_SIZE
 from . import add_verb_parser
@@ -33,8 +34,8 @@ from .arguments import add_favor_arguments, comma_separated_ints
 
 
 POSITIVE_SIZES = ("lengths", "context_lengths", "nb_features", "batch", "heads", "head_dim", "chunk_size", "repeats",
-                  "processes", "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer", "n_head", "n_embd",
-                  "vocab_size")
+                  "processes", "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer",
+                  "n_head", "n_embd", "vocab_size")
 """Arguments of the benchmarks that count something: each must be >= 1 (a list: non-empty, every entry >= 1)."""
 NON_NEGATIVE_SIZES = ("window", "sinks", "warmup", "verify_context", "eager_max_length")
 
@@ -68,10 +69,7 @@ def check_sizes(args) -> None:
 def check_pairs(args) -> None:
     """Refuse, in one line before any work, ``--implementations`` none of which runs in any of ``--modes`` (an empty
     table otherwise)."""
-    pairs = [(implementation, mode) for implementation in args.implementations for mode in args.modes
-             if not (implementation in BIDIRECTIONAL_ONLY and mode == "causal")
-             and not (implementation in CAUSAL_ONLY and mode != "causal")]
-    if not pairs:
+    if not any(runs_in_mode(implementation, mode) for implementation in args.implementations for mode in args.modes):
         raise SystemExit(
             f"hf-performer bench {args.benchmark}: error: none of --implementations {' '.join(args.implementations)} "
             f"runs in --modes {' '.join(args.modes)} ({', '.join(BIDIRECTIONAL_ONLY)} are bidirectional only, "

@@ -54,6 +54,7 @@ def run_settings(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from ..conversion.cache_budget import SERVING_SETTINGS_FILE, serving_settings_record
+    from ..favor_settings import resolve_favor_settings
     from ..recipes.arguments import RecipeError
     from ..recipes.linearize_inputs import check_causal_source, load_tokenizer
 
@@ -63,8 +64,9 @@ def run_settings(args: argparse.Namespace) -> int:
                             instead="an encoder keeps no decoding state (its window and tail are set at conversion)")
     except RecipeError as error:
         raise SystemExit(f"hf-performer settings: error: {error}") from None
-    stored = getattr(source_config, "favor_settings", None) or {}
-    if not stored.get("layer_windows") and all(stored.get(name) == value for name, value in changes.items()):
+    stored = getattr(source_config, "favor_settings", None)
+    current = resolve_favor_settings(stored) if stored is not None else {}  # (absent keys: their defaults)
+    if current and not current["layer_windows"] and all(current[name] == value for name, value in changes.items()):
         given = ", ".join(f"{name} {value}" for name, value in changes.items())
         raise SystemExit(f"hf-performer settings: error: {args.model} already has {given}: nothing to change, "
                          "nothing written")

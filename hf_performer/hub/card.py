@@ -22,7 +22,9 @@ from huggingface_hub.constants import REPOCARD_NAME
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
 
 from .capabilities import behaviour_rows
-from .describe import SETTING_MEANINGS, _citations, _map_kind, describe_map, setting_meanings
+from .describe import (
+    SETTING_MEANINGS, _citations, _map_kind, describe_map, setting_meanings, uses_feature_map,
+)
 from .folder import (
     _HUB_ID,
     ARCHITECTURES,
@@ -38,7 +40,7 @@ from .results import (
     normalize_results,
 )
 from .runs import cache_budget_context, linearize_context, serving_settings_context, transfer_context
-from .summary import LINEAR_KINDS, attention_context, speed_context, status_warning
+from .summary import attention_context, speed_context, status_warning
 
 TEMPLATE_NAME = "performer_card.md"
 CARD_FILE_NAME = REPOCARD_NAME  # README.md: the Hub reads a repository's card from this file
@@ -140,7 +142,7 @@ def card_tags(settings: dict, kinds: list[str], distilled: bool, linearized: boo
     """The tags of a card: :data:`REQUIRED_CARD_TAGS`, the feature map and ``linear-attention`` when a layer uses the
     map, the tag of each other attention kind, ``attention-transfer`` / ``linearized`` for those flows."""
     feature_map = settings.get("feature_map", "favor+")
-    uses_map = not kinds or any(kind in LINEAR_KINDS for kind in kinds)
+    uses_map = uses_feature_map(kinds)
     all_softmax = bool(kinds) and set(kinds) == {"softmax"}
     tags = ["performer", *([feature_map, "linear-attention"] if uses_map else []),
             *(ATTENTION_TAGS[kind] for kind in kinds if kind in ATTENTION_TAGS),
@@ -312,9 +314,8 @@ def build_model_card(
     paper, citations = _citations(feature_map, kinds, distilled=transfer_info is not None)
     meanings = setting_meanings(settings, geometry["head_dim"])
     clustered = settings.get("attention", "linear") != "linear"
-    uses_map = not kinds or any(kind in LINEAR_KINDS for kind in kinds)  # a window layer without a tail uses none
     shown = [key for key in settings if (not clustered or key in meanings)
-             and (uses_map or key not in MAP_ONLY_SETTINGS)]
+             and (uses_feature_map(kinds) or key not in MAP_ONLY_SETTINGS)]
     order = list(meanings) + [key for key in SETTING_MEANINGS if key not in meanings]
     columns, behaviours = behaviour_rows(kinds or ["linear"], is_causal)
     context = {

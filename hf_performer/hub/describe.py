@@ -13,6 +13,15 @@ import json
 from importlib.resources import files
 
 
+LINEAR_KINDS = ("linear", "window")
+"""Layer kinds that run the feature map (the others: no feature map, or none used)."""
+
+
+def uses_feature_map(kinds: list[str]) -> bool:
+    """Whether some layer of these kinds runs the feature map (no kinds: a plain linear-attention model)."""
+    return not kinds or any(kind in LINEAR_KINDS for kind in kinds)
+
+
 def _card_data(name: str) -> dict:
     """A JSON data file of ``hf_performer.model_cards`` (its ``_comment`` key dropped)."""
     data = json.loads((files("hf_performer.model_cards") / name).read_text(encoding="utf-8"))
@@ -217,8 +226,7 @@ def _citations(feature_map: str, kinds: list[str], distilled: bool) -> tuple[dic
     Citation section: the papers of its layer kinds and of its feature map (when a layer uses it), the Performer
     paper, and with attention transfer the Hedgehog paper."""
     kind_keys = [ATTENTION_PAPERS[kind] for kind in dict.fromkeys(kinds) if kind in ATTENTION_PAPERS]
-    uses_map = not kinds or any(kind in ("linear", "window") for kind in kinds)
-    map_key = FEATURE_MAP_PAPERS.get(feature_map) if uses_map else None
+    map_key = FEATURE_MAP_PAPERS.get(feature_map) if uses_feature_map(kinds) else None
     keys = [*kind_keys, *([map_key] if map_key else []), "choromanski2021", *(["zhang2024"] if distilled else [])]
     keys = list(dict.fromkeys(keys))
     shown = kind_keys[0] if kind_keys else map_key
@@ -234,7 +242,7 @@ def describe_map(feature_map: str, kinds: list[str], settings: dict, distilled: 
     init = options.get("init", _map_default(feature_map, "init"))
     clustered = any(layer in ("clustered", "improved-clustered") for layer in kinds)
     window = any(layer in ("window", "window-no-tail") for layer in kinds)
-    no_map = bool(kinds) and not any(layer in ("linear", "window") for layer in kinds)
+    no_map = not uses_feature_map(kinds)
     if no_map and not clustered:
         fidelity_note = (
             "These window layers have no linear tail: they attend exactly to their sinks, their window and (with a\n"

@@ -15,6 +15,7 @@ from ..window_state import window_state_bytes
 from .capabilities import LAYER_BEHAVIOURS, layer_kinds, layer_ranges
 from .describe import (
     FEATURE_MAP_DESCRIPTIONS,
+    LINEAR_KINDS,
     MEASURED_SPEED,
     _map_default,
     _map_kind,
@@ -22,10 +23,6 @@ from .describe import (
     map_title,
 )
 from .folder import _human_bytes
-
-LINEAR_KINDS = ("linear", "window")
-"""Layer kinds that run the feature map (the others: no feature map, or none used)."""
-
 
 def softmax_weight_mode(settings: dict) -> str:
     """``"calibrated"`` or ``"learned"`` (:func:`hf_performer.favor_settings.softmax_weight_mode`), or the recorded
