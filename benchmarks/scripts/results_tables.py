@@ -802,7 +802,8 @@ def gpu_results(root: str) -> str:
         lines.append(f"| {labels[stage].format(length=length, batch=batch)} | " + " | ".join(cells) + " |")
     info = model["machine"]
     lines += ["", f"Machine: {info['device_name']}, torch {info['torch']}, {info['date'][:16].replace('T', ' ')} UTC; "
-              "one process each (each figure's runs in its JSON). Linear backend: the portable kernels for the "
+              "one process each, measured once: the device was lent for one call, so these are not medians of "
+              "several runs (each figure's timed calls in its JSON). Linear backend: the portable kernels for the "
               "forward + backward table; flash-linear-attention's (0.6.0, Triton 3.6.0) for the forward-only table "
               "and the model's Hedgehog tail."]
     return "\n".join(lines)
