@@ -438,6 +438,7 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
             sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
             tail_cap=layer_tail_cap(settings, causal),
             tail_gate=tail_gate_for(module, layer_idx, settings, query.shape[1], query.device),
+            sparse_cache_selection=settings["sparse_cache_selection"],
         )
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
@@ -467,7 +468,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
                                       sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
-                                      softmax_weight=gamma,
+                                      softmax_weight=gamma, sparse_cache_selection=settings["sparse_cache_selection"],
                                       key_padding_mask=key_padding_mask, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
@@ -481,8 +482,11 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
                      key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, tail_cap=tail_cap,
-                     tail_gate=tail_gate, **common)
+                     tail_gate=tail_gate, sparse_cache_selection=settings["sparse_cache_selection"], **common)
     if causal and k_len > q_len:
+        if sparse_cache and settings["sparse_cache_selection"] == "attention":
+            raise LinearAttentionError(f"favor attention (layer {layer_idx}): a sparse cache that selects by attention "
+                                       "needs past queries, which a key/value cache lacks; use make_favor_cache(model)")
         # A cache holding full keys/values (the default layer): the queries are the last `q_len` positions; run
         # the operator over all keys with placeholder queries for the past ones (exact, O(L) per step).
         placeholder = query.new_zeros(query.shape[0], query.shape[1], k_len - q_len, query.shape[3])

@@ -18,6 +18,8 @@ DEFAULT_CHUNK_SIZE = 64
 on a 2-core CPU (FAVOR+, 12 heads; benchmarks/README.md, issue 17)."""
 
 SOFTMAX_WEIGHT_MODES = ("auto", "calibrated", "learned")
+SPARSE_CACHE_SELECTIONS = ("recall", "attention")
+"""The sparse cache's selection rules (``window_sparse_cache.SELECTIONS``, which the runtime checks)."""
 ATTENTION_KINDS = ("linear", "clustered", "improved-clustered")
 LEARNED_MAP_INITS = ("identity", "favor+")
 """Starting projections of the learned feature maps (``feature_map_options["init"]``)."""
@@ -71,6 +73,10 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
     FavorSetting("sparse_cache", int, 0,
                  "causal window layers: per key head, up to this many tokens older than the window stay exact, the ones "
                  "the linear tail would recall worst, chosen every chunk_size tokens (LoLA); 0 = none"),
+    FavorSetting("sparse_cache_selection", str, "recall",
+                 'how the sparse cache chooses its tokens: "recall" (the ones the linear tail would recall worst; '
+                 'without a tail, the farthest from the mean value) or "attention" (the ones the boundary\'s query '
+                 "attends to most, H2O / TOVA-style; not with assisted decoding)"),
     FavorSetting("tail_cap", int, 0,
                  "causal window layers: a query whose linear tail holds n > tail_cap tokens weighs it by tail_cap / n "
                  "(the tail's mean at the weight of tail_cap tokens), so that it stops taking normaliser mass from the "

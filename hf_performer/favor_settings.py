@@ -30,6 +30,7 @@ from .favor_schema import (  # the torch-free declaration (FAVOR_SETTINGS, FAVOR
     FAVOR_DEFAULTS,
     FAVOR_SETTINGS,
     SOFTMAX_WEIGHT_MODES,
+    SPARSE_CACHE_SELECTIONS,
     FavorSetting,
 )
 from .feature_maps import (
@@ -42,8 +43,8 @@ from .feature_maps import (
 )
 
 
-WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "tail_cap", "tail_gate", "softmax_weight", "layer_windows",
-                   "linear_tail")
+WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "sparse_cache_selection", "tail_cap", "tail_gate",
+                   "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
@@ -223,6 +224,9 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
     for name in LAYER_WINDOW_KEYS:
         if not (is_int(resolved[name]) and resolved[name] >= 0):
             raise ValueError(f"favor_settings[{name!r}] must be an int >= 0 (0 = none), got {resolved[name]!r}")
+    if resolved["sparse_cache_selection"] not in SPARSE_CACHE_SELECTIONS:
+        raise ValueError(f"favor_settings['sparse_cache_selection'] must be one of {SPARSE_CACHE_SELECTIONS}, got "
+                         f"{resolved['sparse_cache_selection']!r}")
     mode = resolved["softmax_weight"]
     if mode not in SOFTMAX_WEIGHT_MODES:
         raise ValueError(f"favor_settings['softmax_weight'] must be one of {SOFTMAX_WEIGHT_MODES}, got {mode!r}")

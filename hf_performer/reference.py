@@ -158,6 +158,7 @@ def reference_window_linear_attention(
     chunk_size: int = 128,
     tail_cap: int = 0,
     tail_gate: torch.Tensor | None = None,
+    sparse_cache_selection: str = "recall",
 ) -> torch.Tensor:
     """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64.
 
@@ -201,7 +202,8 @@ def reference_window_linear_attention(
     exact, tail = (exact & keep[:, None, :])[:, None], (tail & keep[:, None, :])[:, None]
     if sparse_cache:
         cached = reference_sparse_cache(key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
-                                        key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size)
+                                        key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size,
+                                        query=query if sparse_cache_selection == "attention" else None)
         cached = cached.repeat_interleave(q.shape[1] // key.shape[1], dim=1)  # [B, H, L, L]
         exact, tail = exact | cached, tail & ~cached
     scores = scale * q @ k.transpose(-1, -2)
@@ -235,6 +237,7 @@ def reference_sparse_cache(
     scaling: float | None = None,
     chunk_size: int = 64,
     eps: float = 1e-12,
+    query: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Which older keys each query sees exactly through the sparse cache, ``[B, Hkv, L, L]`` bool, one boundary at a
     time in float64.
@@ -245,10 +248,12 @@ def reference_sparse_cache(
     ``|| phi_j S / (phi_j . z) - v_j ||^2`` against the sums ``(S, z)`` of every folded key and every candidate
     (``phi = 1`` without a feature map); the ``sparse_cache`` largest stay (the older first on ties), the others
     fold. Query ``i`` sees the cache of its boundary ``b <= i`` and the keys waiting for the next selection,
-    ``b - window < j <= i - window``.
+    ``b - window < j <= i - window``. With ``query`` ``[B, H, L, d]`` (the attention selection) a candidate's score is
+    instead the sum over the key head's query heads ``h`` of ``softmax_j(s q_{h,b} . k_j)`` over the candidates.
     """
     k, v = key.to(torch.float64), value.to(torch.float64)
     batch, kv_heads, length, _ = k.shape
+    boundary_queries = query  # (the loop below names each query position `query`)
     if feature_map is None:
         phi = torch.ones(batch, kv_heads, length, 1, dtype=torch.float64)
     else:
@@ -271,11 +276,18 @@ def reference_sparse_cache(
                 candidates = cache + new
                 rows = torch.cat([v[row, head, candidates], torch.ones(len(candidates), 1, dtype=torch.float64)],
                                  dim=-1) if candidates else torch.zeros(0, v.shape[-1] + 1, dtype=torch.float64)
-                every = sums + phi[row, head, candidates].T @ rows
-                recalled = phi[row, head, candidates] @ every
-                denominator = recalled[:, -1:]
-                denominator = torch.where(denominator.abs() < eps, torch.full_like(denominator, eps), denominator)
-                error = ((recalled[:, :-1] / denominator - v[row, head, candidates]) ** 2).sum(-1).tolist()
+                if boundary_queries is None:
+                    every = sums + phi[row, head, candidates].T @ rows
+                    recalled = phi[row, head, candidates] @ every
+                    denominator = recalled[:, -1:]
+                    denominator = torch.where(denominator.abs() < eps, torch.full_like(denominator, eps), denominator)
+                    error = ((recalled[:, :-1] / denominator - v[row, head, candidates]) ** 2).sum(-1).tolist()
+                else:
+                    groups = boundary_queries.shape[1] // kv_heads
+                    asking = boundary_queries[row, head * groups:(head + 1) * groups, boundary].to(torch.float64)
+                    logits = (k.shape[-1] ** -0.5 if scaling is None else float(scaling)) * (
+                        asking @ k[row, head, candidates].T)
+                    error = torch.softmax(logits, dim=-1).sum(0).tolist() if candidates else []
                 ranked = sorted(range(len(candidates)), key=lambda index: (-error[index], index))
                 kept = sorted(ranked[:sparse_cache])
                 folded = [candidates[index] for index in range(len(candidates)) if index not in kept]

@@ -63,7 +63,7 @@ The bidirectional operator lives in :mod:`.window_bidirectional`, the causal one
 steps in :mod:`.window_decode`, the parallel path in :mod:`.window_parallel`. This module imports only ``torch`` and
 its siblings ``feature_maps``, ``linear_attention``, ``linear_attention_parallel``, ``window_bidirectional``,
 ``window_tail_cap``, ``window_segments``, ``window_block_operands``, ``window_parallel``, ``window_causal``,
-``window_decode`` and ``window_state``.
+``window_decode``, ``window_sparse_cache`` and ``window_state``.
 """
 
 from __future__ import annotations
@@ -85,6 +85,7 @@ from .window_causal import causal_window_attention, tail_features
 from .window_parallel import parallel_window_attention
 from .window_decode import can_decode_step, decode_step, exact_decode_step
 from .window_segments import CausalPlan, segmented_causal
+from .window_sparse_cache import check_selection
 from .window_state import (
     WindowAttentionState, state_tensors, with_key_copies, with_state_tensors, without_key_copies,
 )
@@ -234,6 +235,7 @@ def window_linear_attention(
     key_padding_mask: torch.Tensor | None = None,
     scaling: float | None = None,
     sparse_cache: int = 0,
+    sparse_cache_selection: str = "recall",
     tail_cap: int = 0,
     tail_gate: torch.Tensor | None = None,
     initial_state: WindowAttentionState | None = None,
@@ -267,6 +269,9 @@ def window_linear_attention(
             exact, the ones the tail would recall worst, chosen every ``chunk_size`` tokens
             (:mod:`.window_sparse_cache`); ``0`` (default): none. Without a feature map they are chosen by their
             distance to the mean value.
+        sparse_cache_selection: ``"recall"`` (default, the above) or ``"attention"``: keep the candidates the
+            boundary's own query attends to most (H2O / TOVA family, :mod:`.window_sparse_cache`); not with
+            ``max_rollback`` (a replayed boundary's query is not kept).
         tail_cap: ``M >= 0``, causal only: a query whose tail holds ``n > M`` tokens weighs it by ``M / n`` (the
             mean of its tokens at the weight of ``M``; :mod:`.window_tail_cap`), so that the tail's share of the
             normaliser stops growing past the lengths a layer was trained at; ``0`` (default): unbounded.
@@ -294,6 +299,7 @@ def window_linear_attention(
     _check_inputs(query, key, value, feature_map, True, key_padding_mask, None)
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
     _check_sparse_cache(sparse_cache, causal)
+    check_selection(sparse_cache_selection)
     check_tail_cap(tail_cap, causal, feature_map is not None)
     check_tail_gate(tail_gate, causal, feature_map is not None, query.shape[1])
     if feature_map is None and window == 0 and sinks == 0 and sparse_cache == 0:
@@ -302,6 +308,11 @@ def window_linear_attention(
     if stateful:
         max_rollback = _check_state_arguments(query, key, value, feature_map, window, sinks, sparse_cache, causal,
                                               initial_state, max_rollback, chunk_size)
+    by_attention = sparse_cache_selection == "attention" and sparse_cache > 0
+    if by_attention and stateful and (max_rollback or (initial_state is not None and (
+            initial_state.checkpoint is not None or initial_state.current is None))):
+        raise ValueError("sparse_cache_selection='attention' keeps no queries to replay a selection: it takes no "
+                         "max_rollback (assisted decoding); use 'recall' there")
     if not stateful:  # a call's cost is bounded by its input: more exact keys than it has tokens change nothing
         window, sparse_cache = min(window, key.shape[2]), min(sparse_cache, key.shape[2])
     parallel = attention_path(query) == "parallel"
@@ -316,9 +327,9 @@ def window_linear_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache, tail_cap=tail_cap,
             tail_gate=tail_gate, softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
-            eps=eps)
+            eps=eps, sparse_cache_selection=sparse_cache_selection)
     mask = _as_bool_mask(key_padding_mask)
-    if not stateful and parallel:
+    if not stateful and parallel and not by_attention:  # (the parallel selection kernel ranks by recall)
         out = parallel_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, causal=causal, softmax_weight=softmax_weight,
             key_padding_mask=mask, scaling=scaling, sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
@@ -327,19 +338,20 @@ def window_linear_attention(
             return out
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         step = None if feature_map is not None else exact_decode_step(
-            query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling, eps=eps)
+            query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling, eps=eps,
+            by_attention=by_attention)
         if step is not None:
             return step if return_state else step[0]
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
                                  key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap,
-                                 tail_gate=tail_gate)
+                                 tail_gate=tail_gate, by_attention=by_attention)
         return (out, state) if return_state else out
     if causal:
         return causal_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
             return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
-            tail_cap=tail_cap, tail_gate=tail_gate)
+            tail_cap=tail_cap, tail_gate=tail_gate, sparse_cache_selection=sparse_cache_selection)
     return bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)
@@ -362,7 +374,7 @@ def _segmented_for_gradients(query, key, value, feature_map, learned_weights, ca
 
 def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, tail_cap,
                                 tail_gate, softmax_weight, key_padding_mask, scaling, initial_state, return_state,
-                                max_rollback, chunk_size, eps):
+                                max_rollback, chunk_size, eps, sparse_cache_selection="recall"):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
@@ -377,7 +389,8 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
             softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
-            tail_cap=tail_cap, tail_gate=gate, initial_state=state, return_state=True, max_rollback=rollback,
+            sparse_cache_selection=sparse_cache_selection, tail_cap=tail_cap, tail_gate=gate, initial_state=state,
+            return_state=True, max_rollback=rollback,
             chunk_size=chunk_size, eps=eps)
 
     length = query.shape[2]

@@ -18,7 +18,7 @@ from .linear_attention import _with_ones_column
 from .linear_attention_parallel import attention_path
 from .window_block_operands import record_for_reuse, take_reused
 from .window_selection_kernel import kernel_applies, select_without_tail
-from .window_sparse_cache import empty_tail_sum, select_hard_keys
+from .window_sparse_cache import attention_scores, empty_tail_sum, select_hard_keys
 from .window_state import CommittedTail
 
 
@@ -50,8 +50,11 @@ def entering_tail(state, batch, kv_heads, head_dim, value_dim, features, dtype, 
 
 
 def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block, n_first, blocks, size,
-                capacity, selection_map, root, eps):
+                capacity, selection_map, root, eps, boundary_query=None):
     """The tail sums and sparse cache at each block's boundary, ``n_first .. n_first + blocks - 1``.
+
+    ``boundary_query``: ``None`` (the recall-error selection), or for the attention selection each block's boundary
+    query, scaled, ``[B, Hkv, g, blocks, d]`` (:func:`~.window_sparse_cache.attention_scores`).
 
     Returns ``tails`` ``(sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])`` and ``caches``, ``None`` without a
     cache, else ``(key, value_ones, position, valid)`` per block ``[B, Hkv, blocks, G, .]``. Rows whose committed
@@ -86,7 +89,8 @@ def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_ke
     if slots < capacity:  # a fresh state: empty slots
         index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
         valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
-    if selection_map is None and kernel_applies(pool_values) and attention_path(tile_key) == "parallel":
+    if (selection_map is None and boundary_query is None and kernel_applies(pool_values)
+            and attention_path(tile_key) == "parallel"):
         # Without a tail, every boundary in one kernel launch (the loop below is its reference).
         index, valid, sums = select_without_tail(pool_values, index, valid, entering_tail[0], candidate_keep, new_at,
                                                  slots=slots, capacity=capacity, size=size, eps=eps)
@@ -102,8 +106,10 @@ def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_ke
         candidate_valid = torch.cat([valid, candidate_keep[:, None, block - 1].expand(-1, kv_heads, -1)], dim=-1)
         gathered = [gather_slots(pool_features, candidates), None if pool_log_scale is None else
                     pool_log_scale.gather(2, candidates), gather_slots(pool_values, candidates)]
+        scores = None if boundary_query is None else attention_scores(
+            boundary_query[:, :, :, block], gather_slots(pool_keys, candidates), candidate_valid, 1.0)
         new_tail, kept, kept_valid = select_hard_keys(tail, gathered[0], gathered[1], gathered[2], candidate_valid,
-                                                      capacity, eps)
+                                                      capacity, eps, scores)
         active = new_at[:, block - 1]
         index = torch.where(active[:, None, None], candidates.gather(-1, kept), index)
         valid = torch.where(active[:, None, None], kept_valid, valid)

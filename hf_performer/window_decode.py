@@ -43,7 +43,7 @@ from .linear_attention import _no_autocast, _safe_denominator, _with_ones_column
 from .linear_attention_parallel import attention_path
 from .window_boundaries import tail_key_features
 from .window_causal import combine, exact_terms, rows_window
-from .window_sparse_cache import fold_into, select_hard_keys
+from .window_sparse_cache import attention_scores, fold_into, select_hard_keys
 from .window_state import EXACT_HEADROOM, CommittedTail, ExactKeys, buffer_capacity, last_tokens, row_sinks
 from .window_tail_cap import eligible_up_to, tail_log_weights, tail_tokens
 
@@ -54,11 +54,14 @@ def can_decode_step(state, length: int, max_rollback: int) -> bool:
             and state.checkpoint is None and (state.query_tail is not None or state.sparse_cache > 0))
 
 
-def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, eps: float = 1e-12):
+def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, eps: float = 1e-12,
+                      by_attention: bool = False):
     """:func:`decode_step` of a layer without a tail (no feature map; a ``softmax_weight`` cancels without a tail)
     and with a sparse cache: ``(out [B, H, 1, dv], state)``, or ``None`` when the step is not one it serves (module
-    docstring) and :func:`decode_step` runs instead. ``eps``: the selection's smallest denominator."""
-    packed = _exact_keys(state, query, key, value, key_padding_mask, eps)
+    docstring) and :func:`decode_step` runs instead. ``eps``: the selection's smallest denominator; ``by_attention``:
+    the cache selects by the boundary query's attention (:mod:`.window_sparse_cache`)."""
+    packed = _exact_keys(state, query, key, value, key_padding_mask, eps,
+                         _selection_query(query, key.shape[1], scaling) if by_attention else None)
     if packed is None:
         return None
     exact, state = packed
@@ -97,7 +100,14 @@ def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, ep
         exact_keys=exact._replace(start=start, parts=ExactKeys.parts_of(new_state)))
 
 
-def _exact_keys(state, query, key, value, key_padding_mask, eps):
+def _selection_query(query, kv_heads: int, scaling):
+    """The step's query ``[B, H, 1, d]`` as the attention selection takes it: ``[B, Hkv, g, d]``, scaled."""
+    batch, heads, _, head_dim = query.shape
+    scale = head_dim**-0.5 if scaling is None else float(scaling)
+    return query.reshape(batch, kv_heads, heads // kv_heads, head_dim) * scale
+
+
+def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query=None):
     """``(record, state)``: the :class:`~.window_state.ExactKeys` query ``state.seen`` writes to (the state's own
     record when it is the newest of its record and has a free slot, else the state packed into a new one) and the
     state it continues (at a row's boundary, the state after that boundary's selection); ``None`` when
@@ -122,7 +132,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps):
     if exact is not None and not exact.stands_for(state):
         exact = None
     if exact is not None and state.seen > exact.last_query:  # a boundary: the cache changes, a new record
-        state, exact = _after_selection(state, eps), None
+        state, exact = _after_selection(state, eps, selection_query), None
         current = state.current
     if exact is not None:
         if exact.written[0] == exact.start + size and exact.fixed + exact.start + size < exact.key.shape[2] and (
@@ -138,7 +148,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps):
         if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
             return None  # a row without tokens yet, or sink slots still to fill: decode_step's bookkeeping
         if state.seen > int(current.boundary.min()) + state.chunk_size - 1:
-            state = _after_selection(state, eps)
+            state = _after_selection(state, eps, selection_query)
             current = state.current
         last_query = int(current.boundary.min()) + state.chunk_size - 1
         cache_key, cache_value, cache_valid = current.cache_key, current.cache_value, current.cache_valid
@@ -160,7 +170,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps):
                      torch.ones(batch, 1, dtype=torch.bool, device=key.device)), state
 
 
-def _after_selection(state, eps):
+def _after_selection(state, eps, selection_query=None):
     """``state`` past the boundary its next query ``x = state.seen`` reaches in some rows (every row has a token and
     its sinks): their sparse cache selected from the cache and the ``C`` oldest buffer tokens (which left the window
     since the last boundary: :func:`_select_at_boundary`, without a feature map), their boundary moved to ``x``; what
@@ -173,13 +183,14 @@ def _after_selection(state, eps):
         return _tokens_at(state.buffer_key, state.buffer_value, state.buffer_keep, state.buffer_start, start, length)
 
     cache, (sums, tail_max) = _select_at_boundary(current, (current.tail_sums.to(dtype), current.tail_max), crossing,
-                                                  tokens, None, 1.0, x, size, w, state.sparse_cache, eps)
+                                                  tokens, None, 1.0, x, size, w, state.sparse_cache, eps,
+                                                  selection_query)
     return state._replace(current=cache._replace(boundary=torch.where(crossing, x, current.boundary), tail_sums=sums,
                                                  tail_max=tail_max), exact_keys=None)
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,
-                tail_gate=None):
+                tail_gate=None, by_attention=False):
     """Outputs ``[B, H, 1, dv]`` of one new token per row and the state after it (arguments as
     :func:`~.window_attention.window_linear_attention`, already validated; ``state`` passes
     :func:`can_decode_step`)."""
@@ -216,8 +227,9 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         starts = None if state.host is None else state.host.row_starts
         may_cross = starts is None or any((x - start) % size == 0 for start in starts)
         if may_cross and bool(crossing.any()):
-            cache, current_sums = _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x,
-                                                      size, w, capacity, eps)
+            cache, current_sums = _select_at_boundary(
+                current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps,
+                _selection_query(query.to(dtype), kv_heads, scaling) if by_attention else None)
         # Without a cache the tokens that left the window since the boundary are in the tail (the state keeps the last
         # query's tail sums); with one they wait exactly for the next selection, in the band.
         query_tail = None if capacity else _query_tail(state, current, crossing, known, tokens, feature_map, root, x,
@@ -290,9 +302,11 @@ def _tokens_at(key, value, keep, first: int, start: int, length: int):
     return rows_window(key, begin, length, 2), values.masked_fill(~kept[:, None, :, None], 0.0), kept
 
 
-def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps):
+def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps,
+                        selection_query=None):
     """The cache and tail sums of the rows at a boundary ``x`` (``crossing`` ``[B]``) after its selection; the other
-    rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer."""
+    rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer;
+    ``selection_query`` ``[B, Hkv, g, d]`` (scaled): select by its attention instead of the recall error."""
     batch, kv_heads = current.cache_valid.shape[:2]
     tile_key, tile_value_ones, tile_keep = tokens(x - size - w + 1, size)
     tile_features = tail_key_features(feature_map, tile_key, root)
@@ -307,9 +321,11 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
                      else torch.cat([cache_features.log_scale, tile_features.log_scale], dim=2))
         value_ones = torch.cat([_with_ones_column(current.cache_value.to(tile_key.dtype)), tile_value_ones], dim=2)
         valid = torch.cat([current.cache_valid, keep], dim=-1)
-        new_sums, kept, kept_valid = select_hard_keys(current_sums, features, log_scale, value_ones, valid, capacity,
-                                                      eps)
         keys = torch.cat([current.cache_key.to(tile_key.dtype), tile_key], dim=2)
+        scores = None if selection_query is None else attention_scores(selection_query.to(keys.dtype), keys, valid,
+                                                                       1.0)
+        new_sums, kept, kept_valid = select_hard_keys(current_sums, features, log_scale, value_ones, valid, capacity,
+                                                      eps, scores)
         positions = torch.cat([current.cache_position,
                                (x - size - w + 1 + torch.arange(size, device=keys.device)).expand(batch, kv_heads, -1)],
                               dim=-1)

@@ -15,6 +15,15 @@ exact, for the next selection (as in LoLA, whose window is chunked), so that the
 ``G >= L`` is exact softmax. ``G = 0`` is today's window hybrid: no cache, and the tokens that left the window go to
 the tail at once (its sums at ``b`` hold every key ``j <= b - w``, the later ones are added per query).
 
+With ``sparse_cache_selection="attention"`` (the H2O / TOVA family: keep the keys the queries attend to) the score is
+instead the attention the boundary's own query gives each candidate, its softmax over the candidates summed over the
+query heads that share the key head,
+
+    score_j = sum_h softmax_j(s q_{h,b} . k_j),    s the score scale,
+
+the first query that will read the new cache deciding what it holds (TOVA's rule at a chunk's granularity); the rest
+(what folds, ties, the waiting tokens) is the same. :data:`SELECTIONS` names the rules.
+
 Selection is not differentiated (the error is computed on detached tensors); the tail sums it returns are
 differentiable in the folded keys' features and values, and the kept tokens are returned as candidate indices, so
 that callers gather their keys and values with gradients.
@@ -30,6 +39,25 @@ from __future__ import annotations
 import torch
 
 from .window_tail import _fold_keys
+
+SELECTIONS = ("recall", "attention")
+"""The sparse cache's selection rules: the tail's recall error (LoLA, the default) or the boundary query's attention."""
+
+
+def check_selection(selection) -> None:
+    """Raise ``ValueError`` for a selection rule that is not one of :data:`SELECTIONS`."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"sparse_cache_selection must be one of {', '.join(map(repr, SELECTIONS))}; got "
+                         f"{selection!r}")
+
+
+def attention_scores(boundary_query, keys, candidate_valid, scaling: float):
+    """``score_j`` (module docstring) ``[B, Hkv, n]`` of candidates with keys ``[B, Hkv, n, d]`` for the boundary's
+    queries ``[B, Hkv, g, d]`` (the ``g`` query heads of each key head); 0 for invalid candidates."""
+    logits = torch.matmul(boundary_query, keys.transpose(-1, -2)) * scaling  # [B, Hkv, g, n]
+    logits = logits.masked_fill(~candidate_valid[:, :, None, :], float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # a row without a valid candidate: zeros
+    return weights.sum(-2)
 
 
 def empty_tail_sum(batch: int, heads: int, features: int, columns: int, like: torch.Tensor):
@@ -61,8 +89,9 @@ def recall_error(features, value_ones, tail, eps: float):
     return ((recalled[..., :-1] / denominator - value_ones[..., :-1]) ** 2).sum(-1)
 
 
-def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, capacity: int, eps: float):
-    """One boundary: keep the ``capacity`` candidates the tail would recall worst, fold the others.
+def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, capacity: int, eps: float, scores=None):
+    """One boundary: keep the ``capacity`` candidates the tail would recall worst (or with the largest ``scores``
+    ``[B, Hkv, n]``, e.g. :func:`attention_scores`), fold the others.
 
     Args:
         tail: the tail sum before the boundary (differentiable or not).
@@ -76,9 +105,12 @@ def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, cap
         added, and the kept candidates' indices (in candidate order, so older first; invalid slots point at 0).
     """
     with torch.no_grad():
-        every = fold_into((tail[0].detach(), tail[1]), features.detach(), None if log_scale is None else
-                          log_scale.detach(), value_ones.detach(), candidate_valid)
-        error = recall_error(features.detach(), value_ones.detach(), every, eps)
+        if scores is None:
+            every = fold_into((tail[0].detach(), tail[1]), features.detach(), None if log_scale is None else
+                              log_scale.detach(), value_ones.detach(), candidate_valid)
+            error = recall_error(features.detach(), value_ones.detach(), every, eps)
+        else:
+            error = scores.detach()
         error = error.masked_fill(~candidate_valid, float("-inf"))
         ranked = torch.sort(error, dim=-1, descending=True, stable=True).indices[..., :capacity]
         kept = ranked.sort(dim=-1).values

@@ -33,6 +33,7 @@ class LinearizeSettings:
     window: int = 64
     sinks: int = 4
     sparse_cache: int = 0
+    sparse_cache_selection: str = "recall"
     tail_cap: int | None = None
     tail_gate: bool = False
     linear_tail: bool = True
@@ -165,6 +166,8 @@ class LinearizeSettings:
             del identity["window_dropout"]
         if not self.tail_gate:  # nor before the tail gate
             del identity["tail_gate"]
+        if self.sparse_cache_selection == "recall":  # nor before the selection rule
+            del identity["sparse_cache_selection"]
         identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
         identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
         return identity
@@ -176,7 +179,8 @@ def conversion_arguments(settings: LinearizeSettings) -> dict:
     return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
                 feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
                 window=settings.window, sinks=settings.sinks, sparse_cache=settings.sparse_cache,
-                tail_cap=resolved_tail_cap(settings), tail_gate=settings.tail_gate or None,
+                sparse_cache_selection=settings.sparse_cache_selection, tail_cap=resolved_tail_cap(settings),
+                tail_gate=settings.tail_gate or None,
                 linear_tail=settings.linear_tail, softmax_weight="auto",
                 keep_softmax_layers=settings.softmax_layers)
 

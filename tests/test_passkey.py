@@ -142,7 +142,8 @@ def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config
     assert record["protocol"]["filler"] == "wiki.valid.raw" and record["protocol"]["context_lengths"] == [128, 256]
     assert [(cell["context_length"], cell["depth"]) for cell in record["cells"]] == [(128, 0), (128, 1), (256, 0),
                                                                                        (256, 1)]
-    assert set(record["metrics"]) == {"passkey_accuracy", "passkey_accuracy_128", "passkey_accuracy_256"}
+    assert set(record["metrics"]) == {"passkey_accuracy", "passkey_standard_error", "passkey_accuracy_128",
+                                      "passkey_accuracy_256"}
     assert "passkey context 256 depth 1: accuracy" in capsys.readouterr().out
     assert cli_main(arguments[:-1] + [str(tmp_path / "again.json")]) == 0
     again = json.loads((tmp_path / "again.json").read_text())

@@ -38,6 +38,27 @@ def test_update_favor_settings_equals_converting_with_the_sparse_cache(tiny_llam
     assert torch.equal(generated, again)
 
 
+@pytest.mark.parametrize("tail", [True, False])
+def test_the_attention_selection_converts_decodes_and_reports_its_weights(tiny_llama_lm, tail):
+    ids = torch.randint(5, 90, (2, 70), generator=torch.Generator().manual_seed(2))
+    settings = dict(feature_map="hedgehog", window=4, sinks=1, seed=0, sparse_cache=3, linear_tail=tail)
+    by_recall = convert_to_performer(tiny_llama_lm, **settings).eval()
+    by_attention = convert_to_performer(tiny_llama_lm, sparse_cache_selection="attention", **settings).eval()
+    assert by_attention.config.favor_settings["sparse_cache_selection"] == "attention"
+    assert by_recall.config.favor_settings["sparse_cache_selection"] == "recall"  # the default, recorded
+    assert (logits_of(by_attention, ids) - logits_of(by_recall, ids)).abs().max() > 1e-4  # other keys kept
+    assert update_favor_settings(by_recall, sparse_cache_selection="attention")["sparse_cache_selection"] == "attention"
+    torch.testing.assert_close(logits_of(by_recall, ids), logits_of(by_attention, ids))
+    with torch.no_grad():  # generate() with the model's cache selects what one pass selects
+        generated = by_attention.generate(ids[:1], max_new_tokens=12, do_sample=False)
+        again = by_attention.generate(ids[:1], max_new_tokens=12, do_sample=False, use_cache=False)
+        output = by_attention(ids, output_attentions=True)
+    assert torch.equal(generated, again)
+    assert all(torch.isfinite(weights).all() for weights in output.attentions)
+    with pytest.raises(ValueError, match="sparse_cache_selection'] must be one of"):
+        update_favor_settings(by_attention, sparse_cache_selection="largest")
+
+
 @pytest.mark.parametrize("changes, message", [
     (dict(sparse_cache=-1), "sparse_cache"),
     (dict(sparse_cache="many"), "sparse_cache"),
@@ -106,6 +127,11 @@ def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_lla
     tokenizer.save_pretrained(folder)
     assert cli_main(["settings", str(folder), str(served), "--window", "8", "--sparse-cache", "6"]) == 0
     assert "window 4 -> 8, sparse_cache 0 -> 6" in capsys.readouterr().out
+    by_attention = tmp_path / "by-attention"
+    assert cli_main(["settings", str(served), str(by_attention), "--sparse-cache-selection", "attention"]) == 0
+    assert "sparse_cache_selection recall -> attention" in capsys.readouterr().out
+    assert json.loads((by_attention / "config.json").read_text())["favor_settings"]["sparse_cache_selection"] == \
+        "attention"
     written = (served / "serving_settings.json").read_text()
     record = json.loads(written)
     assert str(tmp_path) not in written and record["command"] == "hf-performer settings hybrid served --window 8 " \
@@ -119,13 +145,15 @@ def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_lla
     assert json.loads((folder / "config.json").read_text())["favor_settings"]["window"] == 4  # the source unchanged
     text = str(SHARED / "wikitext-2-raw" / "wiki.test.raw")
     perplexities = []
-    for model, extra in ((served, []), (folder, ["--window", "8", "--sparse-cache", "6"])):
+    for model, extra in ((served, []), (folder, ["--window", "8", "--sparse-cache", "6"]), (by_attention, []),
+                         (folder, ["--window", "8", "--sparse-cache", "6", "--sparse-cache-selection", "attention"])):
         output = tmp_path / f"{model.name}.json"
         assert cli_main(["evaluate", str(model), "--task", "wikitext", "--text-file", text, "--max-chars", "600",
                          "--context-length", "48", "--stride", "24", "--no-progress", "--output", str(output),
                          *extra]) == 0
         perplexities.append(json.loads(output.read_text())["metrics"]["perplexity"])
     assert perplexities[0] == pytest.approx(perplexities[1], rel=1e-6)
+    assert perplexities[2] == pytest.approx(perplexities[3], rel=1e-6)  # (48 tokens: one boundary, the same keys)
     # bad input: one line, nothing written
     plain = tmp_path / "plain"
     source.save_pretrained(plain)

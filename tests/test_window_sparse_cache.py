@@ -175,3 +175,92 @@ def test_a_state_with_another_cache_size_is_refused():
     with pytest.raises(ValueError, match="built with window=2, sinks=0, sparse_cache=4") as error:
         window_linear_attention(q, k, v, fm, window=2, sparse_cache=8, initial_state=state)
     assert "\n" not in str(error.value)
+
+
+# ------------------------------------------------------------------ the attention selection (issue 49, H2O / TOVA)
+
+BY_ATTENTION = dict(sparse_cache_selection="attention")
+
+
+@pytest.mark.parametrize("name", ["hedgehog", "favor+", None])
+@pytest.mark.parametrize("capacity, window", [(1, 4), (3, 4), (3, 0)])
+def test_attention_selection_matches_the_float64_reference(name, capacity, window):
+    # The boundary query's softmax over the candidates, summed over the key head's query heads, ranks them.
+    q, k, v = small_qkv(seed=11)
+    fm, mask = (None if name is None else small_map(name)), padded_mask()
+    kwargs = dict(window=window, sinks=2, chunk_size=5, sparse_cache=capacity, key_padding_mask=mask)
+    out = window_linear_attention(q, k, v, fm, **kwargs, **BY_ATTENTION)
+    expected = reference_window_linear_attention(q, k, v, fm, **kwargs, **BY_ATTENTION)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(expected, mask), rtol=1e-10, atol=1e-10)
+    cached = reference_sparse_cache(k, v, fm, window=window, sinks=2, sparse_cache=capacity, key_padding_mask=mask,
+                                    chunk_size=5, query=q)
+    membership = sparse_cache_membership(k, v, fm, window=window, sinks=2, sparse_cache=capacity,
+                                         key_padding_mask=mask, scaling=None, chunk_size=5, selection_query=q)
+    assert torch.equal(membership, cached)
+    by_recall = reference_sparse_cache(k, v, fm, window=window, sinks=2, sparse_cache=capacity,
+                                       key_padding_mask=mask, chunk_size=5)
+    assert not torch.equal(cached, by_recall)  # another rule, other keys
+
+
+def test_attention_selection_keeps_the_key_the_boundary_query_looks_for():
+    q, k, v = small_qkv(batch=1, seed=12)
+    target = 3  # an old key (window 4, chunk 5) that the queries at the boundaries 10, 15, ... point at
+    for boundary in range(10, 41, 5):
+        q[0, :, boundary] = 8 * k[0, :, target].repeat_interleave(2, dim=0)
+    cached = sparse_cache_membership(k, v, None, window=4, sinks=1, sparse_cache=1, key_padding_mask=None,
+                                     scaling=None, chunk_size=5, selection_query=q)
+    assert bool(cached[0, :, 12:, target].all())  # every later query sees it exactly, in both key heads
+
+
+@pytest.mark.parametrize("name", ["hedgehog", None])
+@pytest.mark.parametrize("pieces", [[1] * 41, [9] + [1] * 32, [3, 7, 1, 12, 2, 1, 1, 14]])
+def test_attention_selection_in_prefill_and_decode_is_the_one_pass_selection(name, pieces):
+    q, k, v = small_qkv(seed=13)
+    fm, mask = (None if name is None else small_map(name)), padded_mask()
+    kwargs = dict(window=4, sinks=2, chunk_size=5, sparse_cache=3, **BY_ATTENTION)
+    one_pass = window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
+    out, _ = run_in_pieces(q, k, v, fm, pieces, mask, **kwargs)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(one_pass, mask), rtol=1e-10, atol=1e-10)
+    q32, k32, v32 = (t.float() for t in (q, k, v))  # float32: the exact decoding step (no tail) serves these
+    one_pass = window_linear_attention(q32, k32, v32, fm, key_padding_mask=mask, **kwargs)
+    with torch.no_grad():
+        out, _ = run_in_pieces(q32, k32, v32, fm, pieces, mask, **kwargs)
+    torch.testing.assert_close(on_tokens(out, mask), on_tokens(one_pass, mask), rtol=1e-5, atol=1e-5)
+
+
+def test_attention_selection_of_a_left_padded_row_and_its_output_attentions():
+    q, k, v = small_qkv(batch=2, seed=14)
+    fm, mask = small_map("hedgehog"), padded_mask(batch=2)
+    kwargs = dict(window=4, sinks=2, softmax_weight=GAMMA, chunk_size=5, sparse_cache=3, **BY_ATTENTION)
+    batched = window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
+    alone = window_linear_attention(q[1:, :, 7:], k[1:, :, 7:], v[1:, :, 7:], fm, **kwargs)
+    torch.testing.assert_close(batched[1:, :, 7:], alone, rtol=1e-10, atol=1e-10)
+    weights = window_attention_weights(q, k, v, fm, key_padding_mask=mask, **kwargs)
+    applied = weights @ v.repeat_interleave(2, dim=1)
+    torch.testing.assert_close(on_tokens(applied, mask), on_tokens(batched, mask), rtol=1e-10, atol=1e-10)
+
+
+def test_attention_selection_refuses_rollbacks_and_unknown_rules_in_one_line():
+    q, k, v = small_qkv(batch=1, dtype=torch.float32)
+    with pytest.raises(ValueError, match="keeps no queries to replay a selection") as error:
+        window_linear_attention(q, k, v, None, window=2, sparse_cache=4, return_state=True, max_rollback=3,
+                                **BY_ATTENTION)
+    assert "\n" not in str(error.value)
+    message = refusal(sparse_cache=2, sparse_cache_selection="largest")
+    assert "sparse_cache_selection must be one of 'recall', 'attention'" in message and "\n" not in message
+
+
+def test_attention_selection_trains_in_segments_with_the_reference_gradients():
+    from hf_performer.window_attention import CAUSAL_SEGMENT_LENGTH
+
+    generator = torch.Generator().manual_seed(15)
+    length = 2 * CAUSAL_SEGMENT_LENGTH + 37  # three recomputed segments
+    q, k, v = (torch.randn(1, heads, length, 16, dtype=torch.float64, generator=generator).requires_grad_()
+               for heads in (4, 2, 2))
+    kwargs = dict(window=8, sinks=2, sparse_cache=6, chunk_size=16, **BY_ATTENTION)
+    out = window_linear_attention(q, k, v, None, **kwargs)
+    expected = reference_window_linear_attention(q, k, v, None, **kwargs)
+    torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
+    for got, want in zip(torch.autograd.grad(out.square().sum(), (q, k, v)),
+                         torch.autograd.grad(expected.square().sum(), (q, k, v))):
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)

@@ -1,5 +1,6 @@
-"""``hf-performer evaluate``: task metrics (GLUE, IMDB), perplexity or the passkey probe of a model folder, printed
-and optionally written as JSON (the library: :mod:`hf_performer.tasks.evaluation`, :mod:`hf_performer.tasks.passkey`)."""
+"""``hf-performer evaluate``: task metrics (GLUE, IMDB), perplexity, the passkey probe or the synthetic retrieval tasks
+of a model folder, printed and optionally written as JSON (the library: :mod:`hf_performer.tasks.evaluation`,
+:mod:`hf_performer.tasks.passkey`, :mod:`hf_performer.tasks.synthetic_retrieval`)."""
 
 from __future__ import annotations
 
@@ -10,15 +11,20 @@ import os
 from . import add_verb_parser
 from ._output import check_output_file, portable_evaluation_record
 
+MODEL_CHANGES = ("sparse_cache", "sparse_cache_selection", "tail_cap", "window", "quantized_kv")
+RETRIEVAL = ("text_file", "max_chars", "context_lengths", "depths", "trials") + MODEL_CHANGES
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
-    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges", "sparse_cache",
-                   "tail_cap", "window"),
-    "passkey": ("text_file", "max_chars", "context_lengths", "depths", "trials", "sparse_cache", "tail_cap", "window"),
+    "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges") + MODEL_CHANGES,
+    "passkey": RETRIEVAL,
+    "needles": RETRIEVAL + ("needles", "needle_queries"),
+    "variable-tracking": RETRIEVAL + ("hops",),
 }
 """The flags each kind of evaluation reads; a flag of another kind is refused (it would be ignored)."""
 DEFAULTS = {"max_length": 128, "metrics_backend": "auto", "split": "test", "context_lengths": [1024, 2048],
-            "trials": 5}
+            "trials": 5, "needles": 4, "needle_queries": "one", "hops": 4}
+SYNTHETIC_TRIALS = 8
+"""The default trials of the synthetic tasks: a standard error of at most 0.18 a cell."""
 """The values of the task-specific flags whose parser default is ``None`` (so that a given flag is told apart)."""
 
 CLI_DESCRIPTION = """Evaluate a model folder (Performer or softmax) on a task and write its metrics.
@@ -39,6 +45,16 @@ Passkey retrieval (causal LMs):
   hf-performer evaluate MODEL --task passkey --context-lengths 1024 2048 --depths 0 0.25 0.5 0.75 1 --trials 5
   A 5-digit key hidden at each depth of a prompt of exactly each length (filler: the classic repeated sentences,
   or --text-file text from a seeded offset); accuracy = the greedy continuation is the key; seeded by --seed.
+
+Synthetic retrieval (causal LMs, RULER-style; default 8 trials a depth, each cell with its standard error):
+  hf-performer evaluate MODEL --task needles --needles 4 --needle-queries one --context-lengths 4096 8192
+  hf-performer evaluate MODEL --task variable-tracking --hops 4 --context-lengths 4096 8192
+  needles: 4 "special magic number for WORD" statements in the haystack, one (at each depth) or all asked for;
+  variable-tracking: a chain VAR A = 12345, VAR B = VAR A, ... from each depth to the end, a distractor chain beside.
+
+A softmax model's KV cache quantized (transformers' QuantizedCache, quanto backend: pip install optimum-quanto):
+  hf-performer evaluate SOURCE --task passkey --quantized-kv 4 --context-lengths 8192
+  the text runs through the cache 512 tokens at a time, as decoding sees it (the peer of a bounded-memory model).
 """
 
 
@@ -51,7 +67,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="model folder (or offline Hub name)")
     parser.add_argument("--task", required=True,
                         help="a GLUE task (cola, sst2, mrpc, qqp, stsb, mnli, qnli, rte, wnli), imdb, a causal-LM "
-                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity, or passkey (retrieval probe)")
+                             f"text dataset ({', '.join(LM_DATASETS)}) for perplexity, passkey (retrieval probe), "
+                             "needles or variable-tracking (synthetic retrieval)")
     parser.add_argument("--validation-file", default=None,
                         help="local evaluation file (TSV/CSV/JSON lines, .gz accepted) instead of the Hub split")
     parser.add_argument("--max-eval-samples", type=int, default=None,
@@ -82,11 +99,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--depths", nargs="+", type=float, default=None, metavar="FRACTION",
                         help="passkey: fractions of the filler before the key, in [0, 1] (default: 0 0.25 0.5 0.75 1)")
     parser.add_argument("--trials", type=int, default=None,
-                        help="passkey: prompts (seeded keys) per context length and depth (default: 5)")
+                        help="passkey / needles / variable-tracking: prompts (seeded) per context length and depth "
+                             f"(default: 5 for passkey, {SYNTHETIC_TRIALS} for the others)")
+    parser.add_argument("--needles", type=int, default=None, metavar="N",
+                        help="needles: key-value statements hidden in each prompt (default: 4)")
+    parser.add_argument("--needle-queries", choices=("one", "all"), default=None,
+                        help="needles: ask for the one at each depth (the others are distractors), or for all of them "
+                             "in one answer (default: one)")
+    parser.add_argument("--hops", type=int, default=None,
+                        help="variable-tracking: assignments after the first in the asked chain (default: 4)")
+    parser.add_argument("--quantized-kv", type=int, choices=(2, 4), default=None, metavar="BITS",
+                        help="perplexity / retrieval of a softmax causal LM decoding through a BITS-bit quantized KV "
+                             "cache (transformers' QuantizedCache, quanto backend; 512 tokens a call)")
     parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
                              "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
                              "model's own setting)")
+    parser.add_argument("--sparse-cache-selection", choices=("recall", "attention"), default=None,
+                        help="perplexity / retrieval of a window-hybrid causal LM: evaluate it with its sparse cache "
+                             "choosing by the tail's recall error or by the boundary query's attention (H2O / "
+                             "TOVA-style; default: the model's own setting)")
     parser.add_argument("--window", type=int, default=None, metavar="W",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a band of W exact "
                              "recent tokens in every window layer (default: the model's own setting; hf-performer "
@@ -114,9 +146,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
         EvaluationError, evaluate_classification_model, evaluate_perplexity_model,
     )
     from hf_performer.tasks.passkey import DEFAULT_DEPTHS, evaluate_passkey_model
+    from hf_performer.tasks.synthetic_retrieval import TASKS as SYNTHETIC_TASKS, evaluate_synthetic_model
 
     task = args.task.lower()
-    kind = ("passkey" if task == "passkey" else "perplexity" if task in LM_DATASETS else
+    kind = (task if task in ("passkey",) + SYNTHETIC_TASKS else "perplexity" if task in LM_DATASETS else
             "classification" if task.replace("-", "").replace("_", "") in TASKS or args.text_file is None
             else "perplexity")
     ignored = [name for other, names in TASK_FLAGS.items() if other != kind for name in names
@@ -126,25 +159,35 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-performer evaluate: error: {flags} would be ignored by --task {args.task} ({kind}); "
                          f"it reads {', '.join('--' + name.replace('_', '-') for name in TASK_FLAGS[kind])}")
     values = {name: DEFAULTS[name] if getattr(args, name) is None else getattr(args, name) for name in DEFAULTS}
+    if kind in SYNTHETIC_TASKS and args.trials is None:
+        values["trials"] = SYNTHETIC_TRIALS
     if args.output:
         check_output_file(args.output, "evaluate")
     try:
         check_source(args.model)
     except SourceError as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
-    favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "tail_cap")
+    favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "sparse_cache_selection",
+                                                            "tail_cap")
                      if getattr(args, name) is not None}
     try:
         if kind == "passkey":
             record = evaluate_passkey_model(
                 args.model, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
                 args.text_file, args.max_chars, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress, favor_changes=favor_changes)
+                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv)
+        elif kind in SYNTHETIC_TASKS:
+            record = evaluate_synthetic_model(
+                args.model, kind, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
+                args.text_file, args.max_chars, values["needles"], values["needle_queries"], values["hops"],
+                args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
+                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv)
         elif kind == "perplexity":
             record = evaluate_perplexity_model(
                 args.model, task, args.text_file, values["split"], args.max_chars, args.context_length,
                 args.stride, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress, position_ranges=args.position_ranges, favor_changes=favor_changes)
+                show_progress=not args.no_progress, position_ranges=args.position_ranges, favor_changes=favor_changes,
+                kv_bits=args.quantized_kv)
         else:
             record = evaluate_classification_model(
                 args.model, args.task, args.validation_file, args.max_eval_samples, args.seed, values["max_length"],
@@ -154,9 +197,10 @@ def run_evaluate(args: argparse.Namespace) -> int:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     for name, value in record["metrics"].items():
         print(f"{name}: {value:.6g}")
-    for cell in record.get("cells", ()):  # passkey: one line per (context length, depth)
-        print(f"passkey context {cell['context_length']} depth {cell['depth']:g}: accuracy {cell['accuracy']:.3g} "
-              f"({cell['trials']} trials), mean key log-likelihood {cell['key_log_likelihood_mean']:.4g}")
+    for cell in record.get("cells", ()):  # retrieval: one line per (context length, depth)
+        print(f"{kind} context {cell['context_length']} depth {cell['depth']:g}: accuracy {cell['accuracy']:.3g} "
+              f"+- {cell['standard_error']:.2g} ({cell['trials']} trials), mean answer log-likelihood "
+              f"{cell['key_log_likelihood_mean']:.4g}")
     if record.get("metrics_note"):
         print(f"note: {record['metrics_note']}")
     if args.output:

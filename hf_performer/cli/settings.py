@@ -31,6 +31,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--window", type=int, default=None, metavar="W", help="exact band of recent tokens")
     parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
                         help="hard keys kept exact per key head (0 = none)")
+    parser.add_argument("--sparse-cache-selection", choices=("recall", "attention"), default=None,
+                        help="how the sparse cache chooses its tokens: recall (the tail's recall error) or attention "
+                             "(the boundary query's attention, H2O / TOVA-style)")
     parser.add_argument("--tail-cap", type=int, default=None, metavar="N",
                         help="bound the linear tail to the weight of N tokens (0 = unbounded)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
@@ -40,13 +43,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_settings(args: argparse.Namespace) -> int:
     """Run ``hf-performer settings`` (see :func:`add_parser`). Returns the exit status."""
-    changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "tail_cap")
+    changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "sparse_cache_selection", "tail_cap")
                if getattr(args, name) is not None}
     if not changes:
-        raise SystemExit("hf-performer settings: error: nothing to change; give --window, --sparse-cache or "
-                         "--tail-cap")
+        raise SystemExit("hf-performer settings: error: nothing to change; give --window, --sparse-cache, "
+                         "--sparse-cache-selection or --tail-cap")
     for name, value in changes.items():
-        if value < 0:
+        if isinstance(value, int) and value < 0:
             raise SystemExit(f"hf-performer settings: error: --{name.replace('_', '-')} must be an int >= 0, got "
                              f"{value}")
     output = check_output_folder(args.output, args.overwrite, "settings", source=args.model)

@@ -401,9 +401,11 @@ def load_trained_model(auto_class, model_path: str, trust_remote_code: bool = Fa
     return model
 
 
-def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_changes: dict | None = None):
+def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_changes: dict | None = None,
+                   kv_bits: int | None = None):
     """A causal LM folder (:func:`load_trained_model`) with ``favor_changes`` made to its favor settings
-    (:func:`~hf_performer.favor_attention.update_favor_settings`, e.g. ``{"sparse_cache": 64}``).
+    (:func:`~hf_performer.favor_attention.update_favor_settings`, e.g. ``{"sparse_cache": 64}``), or with
+    ``kv_bits`` a softmax model run through a quantized KV cache (:mod:`.quantized_kv`).
 
     Raises:
         EvaluationError: missing weights, or changes the model does not take (a softmax model, an invalid value).
@@ -418,6 +420,13 @@ def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_chang
             update_favor_settings(model, **favor_changes)
         except ValueError as error:
             raise EvaluationError(f"{model_path}: cannot evaluate with {favor_changes}: {error}") from None
+    if kv_bits:
+        from .quantized_kv import QuantizedKVError, with_quantized_kv
+
+        try:
+            return with_quantized_kv(model, kv_bits, model_path)
+        except QuantizedKVError as error:
+            raise EvaluationError(str(error)) from None
     return model
 
 
@@ -496,19 +505,20 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
                               device: str | None = None, trust_remote_code: bool = False,
                               show_progress: bool = True,
                               position_ranges: Sequence[str | Sequence[int]] | None = None,
-                              favor_changes: dict | None = None) -> dict:
+                              favor_changes: dict | None = None, kv_bits: int | None = None) -> dict:
     """Perplexity of a causal LM folder on a text file or a Hub text dataset (see ``hf-performer evaluate
     --help``). Returns the metrics record written by the command; with ``position_ranges`` (see
     :func:`perplexity`) its metrics also hold ``perplexity_positions_START_END`` and the record
     ``position_ranges``; ``favor_changes`` (e.g. ``{"sparse_cache": 64}``) are applied to the loaded model
-    (:func:`load_causal_lm`) and recorded."""
+    (:func:`load_causal_lm`) and recorded; with ``kv_bits`` a softmax model decodes through a quantized KV cache
+    (:mod:`.quantized_kv`, recorded as ``kv_cache``)."""
     import torch
 
     from .. import modeling_performer  # noqa: F401
     from .data import load_lm_text, tokenize_lm_text
 
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
-    model = load_causal_lm(model_path, trust_remote_code, favor_changes)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     model.to(device)
     if context_length is None:
@@ -536,6 +546,8 @@ def evaluate_perplexity_model(model_path: str, task: str = "wikitext", text_file
     }
     if favor_changes:
         record["favor_settings_changed"] = dict(favor_changes)
+    if kv_bits:
+        record["kv_cache"] = model.kv_cache_description
     if ranges:
         record["position_ranges"] = result["position_ranges"]
     return record

@@ -144,7 +144,8 @@ def score_passkey_batch(model, tokenizer, prompts: list[dict]) -> list[dict]:
         prompts: :meth:`PasskeyPrompts.build` outputs with the same ``len(input_ids)`` and answer length.
 
     Returns:
-        per prompt ``{"correct", "key_log_likelihood", "greedy"}``.
+        per prompt ``{"correct", "key_log_likelihood", "greedy", "matches"}`` (``matches``: per answer token,
+        whether it is the argmax).
     """
     import torch
 
@@ -173,7 +174,7 @@ def score_passkey_batch(model, tokenizer, prompts: list[dict]) -> list[dict]:
         greedy_ids = prompt["answer_ids"][:wrong] + [int(greedy[row, wrong])]
         correct = wrong == answer_length and not _starts_with_digit(tokenizer, after_key)
         results.append({"correct": bool(correct), "key_log_likelihood": float(answer_log_probs[row].sum()),
-                        "greedy": tokenizer.decode(greedy_ids)})
+                        "greedy": tokenizer.decode(greedy_ids), "matches": matches})
     return results
 
 
@@ -207,24 +208,53 @@ def passkey_retrieval(model, tokenizer, context_lengths: Sequence[int], depths: 
         show_progress: a tqdm bar over prompts (on a terminal only).
 
     Returns:
-        ``{"cells": [{"context_length", "depth", "trials", "accuracy", "key_log_likelihood_mean", "keys",
-        "correct", "key_positions"}], "by_context_length": {length: accuracy}, "accuracy", "trials_total"}``.
+        ``{"cells": [{"context_length", "depth", "trials", "accuracy", "standard_error", "key_log_likelihood_mean",
+        "keys", "correct", "key_positions"}], "by_context_length": {length: accuracy}, "accuracy", "standard_error",
+        "trials_total"}`` (:func:`run_retrieval_cells`).
     """
     check_passkey_settings(context_lengths, depths, trials)
     builder = PasskeyPrompts(tokenizer, filler_text)
+
+    def make_prompt(context_length, depth_index, depth, trial):
+        key, offset = trial_settings(seed, context_length, depth_index, trial, len(builder.filler_ids),
+                                     builder.classic)
+        prompt = builder.build(context_length, depth, key, offset)
+        return prompt | {"record": {"keys": key, "key_positions": prompt["key_start"]}}
+
+    return run_retrieval_cells(model, tokenizer, make_prompt, context_lengths, depths, trials, batch_size,
+                               "passkey", show_progress)
+
+
+def standard_error(successes: int, trials: int) -> float:
+    """The standard error ``sqrt(p (1 - p) / n)`` of an accuracy of ``successes`` out of ``trials``."""
+    p = successes / trials
+    return math.sqrt(p * (1.0 - p) / trials)
+
+
+def run_retrieval_cells(model, tokenizer, make_prompt, context_lengths: Sequence[int], depths: Sequence[float],
+                        trials: int, batch_size: int, description: str, show_progress: bool = False,
+                        answer_spans: bool = False) -> dict:
+    """Score ``trials`` prompts per (context length, depth) with :func:`score_passkey_batch`: the loop of every
+    retrieval probe (passkey, :mod:`.synthetic_retrieval`).
+
+    Args:
+        make_prompt: ``(context_length, depth_index, depth, trial) -> prompt``, a dict with ``input_ids`` (exactly
+            ``context_length`` tokens), ``answer_ids`` and ``record`` (per-trial values listed in the cell, e.g. the
+            key), and with ``answer_spans`` ``spans``: ``[(start, end)]`` of the answer's parts (one per needle).
+        answer_spans: also report ``part_accuracy``, the fraction of answer parts whose every token is the argmax.
+
+    Returns:
+        ``{"cells", "by_context_length", "accuracy", "standard_error", "trials_total"}``: each cell holds
+        ``context_length``, ``depth``, ``trials``, ``accuracy``, its ``standard_error``, the mean answer
+        log-likelihood, ``correct``, ``greedy`` and the records' values as lists.
+    """
     was_training = model.training
     model.eval()
-    progress = _progress_bar(len(context_lengths) * len(depths) * trials, "passkey", show_progress)
+    progress = _progress_bar(len(context_lengths) * len(depths) * trials, description, show_progress)
     cells = []
     for context_length in context_lengths:
         for depth_index, depth in enumerate(depths):
-            prompts, keys = [], []
-            for trial in range(trials):
-                key, offset = trial_settings(seed, context_length, depth_index, trial, len(builder.filler_ids),
-                                             builder.classic)
-                prompts.append(builder.build(context_length, float(depth), key, offset))
-                keys.append(key)
-            scores = []
+            prompts = [make_prompt(int(context_length), depth_index, float(depth), trial) for trial in range(trials)]
             groups: dict[int, list[dict]] = {}  # answers of different token lengths cannot share a batch
             for prompt in prompts:
                 groups.setdefault(len(prompt["answer_ids"]), []).append(prompt)
@@ -236,30 +266,37 @@ def passkey_retrieval(model, tokenizer, context_lengths: Sequence[int], depths: 
                         by_prompt[id(prompt)] = score
                     progress.update(len(chunk))
             scores = [by_prompt[id(prompt)] for prompt in prompts]
-            cells.append({
-                "context_length": int(context_length), "depth": float(depth), "trials": trials,
-                "accuracy": sum(score["correct"] for score in scores) / trials,
-                "key_log_likelihood_mean": math.fsum(score["key_log_likelihood"] for score in scores) / trials,
-                "keys": keys, "correct": [score["correct"] for score in scores],
-                "greedy": [score["greedy"] for score in scores],
-                "key_positions": [prompt["key_start"] for prompt in prompts],
-            })
+            successes = sum(score["correct"] for score in scores)
+            cell = {"context_length": int(context_length), "depth": float(depth), "trials": trials,
+                    "accuracy": successes / trials, "standard_error": standard_error(successes, trials),
+                    "key_log_likelihood_mean": math.fsum(score["key_log_likelihood"] for score in scores) / trials,
+                    "correct": [score["correct"] for score in scores],
+                    "greedy": [score["greedy"] for score in scores]}
+            if answer_spans:
+                parts = [all(score["matches"][start:end]) for prompt, score in zip(prompts, scores)
+                         for start, end in prompt["spans"]]
+                cell["part_accuracy"] = sum(parts) / len(parts)
+            for name in prompts[0]["record"]:
+                cell[name] = [prompt["record"][name] for prompt in prompts]
+            cells.append(cell)
     progress.close()
     model.train(was_training)
     by_length = {}
     for context_length in context_lengths:
         mine = [cell for cell in cells if cell["context_length"] == context_length]
         by_length[str(int(context_length))] = sum(cell["accuracy"] for cell in mine) / len(mine)
-    return {"cells": cells, "by_context_length": by_length,
-            "accuracy": sum(cell["accuracy"] for cell in cells) / len(cells),
-            "trials_total": trials * len(cells)}
+    total = trials * len(cells)
+    successes = sum(sum(cell["correct"]) for cell in cells)
+    return {"cells": cells, "by_context_length": by_length, "accuracy": successes / total,
+            "standard_error": standard_error(successes, total), "trials_total": total}
 
 
 def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                            trials: int = 5, seed: int = 0, filler_file: str | None = None,
                            max_chars: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
                            device: str | None = None, trust_remote_code: bool = False,
-                           show_progress: bool = True, favor_changes: dict | None = None) -> dict:
+                           show_progress: bool = True, favor_changes: dict | None = None,
+                           kv_bits: int | None = None) -> dict:
     """The passkey probe on a causal LM folder (``hf-performer evaluate MODEL --task passkey``). Returns the record
     the command writes: ``metrics`` (overall accuracy and per context length), ``cells``, the ``protocol``.
     Paths are recorded by base name (the record may be shared)."""
@@ -271,7 +308,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
     check_passkey_settings(context_lengths, depths, trials)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     filler_text = load_lm_text(filler_file, max_chars=max_chars) if filler_file is not None else None
-    model = load_causal_lm(model_path, trust_remote_code, favor_changes)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits)
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     longest = max(context_lengths)
     if positions is not None and longest + KEY_DIGITS + 2 > positions:
@@ -282,7 +319,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
     start = time.perf_counter()
     result = passkey_retrieval(model, tokenizer, context_lengths, depths, trials, seed, filler_text, batch_size,
                                show_progress)
-    metrics = {"passkey_accuracy": result["accuracy"]}
+    metrics = {"passkey_accuracy": result["accuracy"], "passkey_standard_error": result["standard_error"]}
     metrics |= {f"passkey_accuracy_{length}": value for length, value in result["by_context_length"].items()}
     return {
         "task": "passkey",
@@ -298,7 +335,8 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                                 "log-likelihood of the key's tokens in nats"},
         "eval_seconds": round(time.perf_counter() - start, 3),
         "device": str(device),
-    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {})
+    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {}) | (
+        {"kv_cache": model.kv_cache_description} if kv_bits else {})
 
 
 __all__ = [
@@ -308,6 +346,8 @@ __all__ = [
     "check_passkey_settings",
     "evaluate_passkey_model",
     "passkey_retrieval",
+    "run_retrieval_cells",
     "score_passkey_batch",
+    "standard_error",
     "trial_settings",
 ]
