@@ -296,7 +296,7 @@ def main(argv=None) -> int:
                 "--contexts", *map(str, args.contexts), "--position-ranges", *args.position_ranges,
                 "--tasks", *args.tasks, "--retrieval-lengths", *map(str, args.retrieval_lengths),
                 "--depths", *map(str, args.depths),
-                f"--trials {args.trials}", f"--seed {args.seed}", f"--output {args.output}"]
+                f"--trials {args.trials}", f"--seed {args.seed}", f"--output {os.path.relpath(args.output)}"]
     result = {
         "what": "window-hybrid arms (ablations, sparse caches, budgets) against softmax with the same LoRA, at several "
                 "context lengths",

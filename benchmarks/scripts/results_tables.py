@@ -525,6 +525,79 @@ def smollm2_arms_table(root: str, name: str) -> str:
     return "\n".join(lines + ["", f"{_link(root, 'hybrid_arms_smollm2.json')}; " + machine(result)])
 
 
+LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall selection (ours)"),
+                     ("window512_G1024_attention", "window 512 + G 1024, attention selection (H2O / TOVA-style)"),
+                     ("streamingllm_window1536", "window 1536, no cache (StreamingLLM)"),
+                     ("quantized_kv_4bit", "full KV cache, 4-bit (transformers QuantizedCache, quanto)"),
+                     ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"))
+
+
+def _long_context_row(root: str) -> str:
+    """The README's row of the training-free long-context arms (``long_context_arms_smollm2.json``)."""
+    result = load("long_context_arms_smollm2.json")
+    baseline, arms = result["baseline"], result["arms"]
+    ours = arms["window512_G1024"]
+
+    def ratio(arm: dict, context: str = "8192") -> str:
+        return f"{arm['perplexity'][context] / baseline['perplexity'][context]:.3f}x"
+
+    def needles(arm: dict, length: str) -> str:
+        return f"{arm['needles_by_length'][length]:.2f}"
+
+    longest = str(result["protocol"]["retrieval_lengths"][-1])
+    peers = [f"{label} {ratio(arms[name])}" + (f", needles {needles(arms[name], longest)}"
+                                              if arms[name].get("needles_by_length") else "")
+             for name, label in (("streamingllm_window1536", "StreamingLLM (window 1536)"),
+                                 ("window512_G1024_attention", "attention selection"),
+                                 ("quantized_kv_4bit", "4-bit KV cache")) if name in arms]
+    if "quantized_kv_4bit" in arms:
+        grows = arms["quantized_kv_4bit"]["cache_bytes"]
+        peers[-1] += f" ({grows['8192'] / MIB:.1f} MiB at 8k, growing: {grows['16384'] / MIB:.1f} MiB at 16k)"
+    ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
+    return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
+            f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "
+            f"perplexity / softmax's {ratios}"
+            + f" at 2k / 4k / 8k, multi-needle {needles(ours, '4096')} / {needles(ours, longest)} at 4k / 8k (softmax "
+            f"{needles(baseline, '4096')} / {needles(baseline, longest)}, 16 prompts each); at 8k "
+            + "; ".join(peers) + f" | {_link(root, 'long_context_arms_smollm2.json', 'long context')} |")
+
+
+def smollm2_long_context(root: str) -> str:
+    """The training-free arms of SmolLM2-135M to its 8k positions (``long_context_arms_smollm2.json``): perplexity
+    / softmax's at each context, multi-needle accuracy with its standard error, decoding state at 8k and 16k."""
+    result = load("long_context_arms_smollm2.json")
+    baseline = result["baseline"]
+    contexts = [str(context) for context in result["protocol"]["contexts"]]
+    lengths = [str(length) for length in result["protocol"]["retrieval_lengths"]]
+
+    def needles(arm: dict) -> str:
+        scores, errors = arm.get("needles_by_length", {}), arm.get("needles_standard_error_by_length", {})
+        return " | ".join(f"{scores[n]:.2f} ± {errors[n]:.2f}" if n in scores else "-" for n in lengths)
+
+    def state(arm: dict) -> str:
+        sizes = [(arm["cache_bytes"][n], baseline["cache_bytes"][n]) for n in ("8192", "16384")]
+        return " | ".join(f"{mine / MIB:.1f} MiB ({mine / softmax:.0%})" for mine, softmax in sizes)
+
+    lines = ["| arm (no training) | " + " | ".join(f"perplexity {int(c) // 1024}k" for c in contexts)
+             + " | " + " | ".join(f"needles {round(int(n) / 1024)}k" for n in lengths) + " | state 8k | state 16k |",
+             "|---|" + "---:|" * (len(contexts) + len(lengths) + 2),
+             "| softmax (full KV cache) | " + " | ".join(f"{baseline['perplexity'][c]:.2f}" for c in contexts)
+             + f" | {needles(baseline)} | {state(baseline)} |"]
+    for name, label in LONG_CONTEXT_ARMS:
+        arm = result["arms"].get(name)
+        if arm is None:
+            continue
+        ratios = " | ".join(f"{arm['perplexity'][c] / baseline['perplexity'][c]:.3f}x" if c in arm["perplexity"]
+                            else "-" for c in contexts)
+        lines.append(f"| {label} | {ratios} | {needles(arm)} | {state(arm)} |")
+    protocol = result["protocol"]
+    return "\n".join(lines + ["", f"Perplexity: windows of each context every half window on the first "
+                              f"{protocol['max_chars']:,} characters of {protocol['text_file']} (softmax's absolute, "
+                              f"the arms' as ratios); needles: {protocol['trials']} prompts at each of the depths "
+                              f"{', '.join(f'{d:g}' for d in protocol['depths'])}, accuracy ± standard error; "
+                              f"{_link(root, 'long_context_arms_smollm2.json')}; " + machine(result)])
+
+
 RECOMMENDED_SERVING = (("window_G256", "window 64 + G 256 (as trained)"), ("window512_G512_load", "window 512 + G 512"),
                        ("window_G1024_load", "window 64 + G 1024"), ("window512_G1024_load", "window 512 + G 1024"))
 
@@ -653,6 +726,7 @@ def readme_headline(root: str) -> str:
         + " / ".join(f"{ratio:.3f}x" for ratio in no_tail['perplexity_ratio'].values())
         + f"; with a learned tail {trained4k['perplexity_ratio']['4096']:.3f}x at 4096 trained there | "
         f"{_link(root, 'hybrid_arms_smollm2.json', 'arms')} |",
+        _long_context_row(root),
         "",
         f"All measured on a {speed['machine']['cpu_count']}-core {speed['machine']['cpu']} CPU with torch "
         f"{speed['machine']['torch']}; each result records its machine, date and load.",
@@ -832,6 +906,7 @@ TABLES = {
     "launch-counts": launch_counts,
     "gpu-results": gpu_results,
     "smollm2-recommended": smollm2_recommended,
+    "smollm2-long-context": smollm2_long_context,
     **{name: functools.partial(smollm2_arms_table, name=name) for name in ARM_TABLES},
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""
