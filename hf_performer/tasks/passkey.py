@@ -291,6 +291,21 @@ def run_retrieval_cells(model, tokenizer, make_prompt, context_lengths: Sequence
             "standard_error": standard_error(successes, total), "trials_total": total}
 
 
+def retrieval_record(task: str, model_path: str, model, metrics: dict, cells: list, protocol: dict, seconds: float,
+                     device, favor_changes: dict | None, kv_bits: int | None) -> dict:
+    """The record a retrieval evaluation writes (the model by base name: the record may be shared)."""
+    return {
+        "task": task,
+        "model": os.path.basename(os.path.normpath(model_path)) if os.path.exists(model_path) else model_path,
+        "metrics": metrics,
+        "cells": cells,
+        "protocol": protocol,
+        "eval_seconds": round(seconds, 3),
+        "device": str(device),
+    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {}) | (
+        {"kv_cache": model.kv_cache_description} if kv_bits else {})
+
+
 def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
                            trials: int = 5, seed: int = 0, filler_file: str | None = None,
                            max_chars: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
@@ -321,22 +336,15 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                                show_progress)
     metrics = {"passkey_accuracy": result["accuracy"], "passkey_standard_error": result["standard_error"]}
     metrics |= {f"passkey_accuracy_{length}": value for length, value in result["by_context_length"].items()}
-    return {
-        "task": "passkey",
-        "model": os.path.basename(os.path.normpath(model_path)) if os.path.exists(model_path) else model_path,
-        "metrics": metrics,
-        "cells": result["cells"],
-        "protocol": {"context_lengths": [int(length) for length in context_lengths],
-                     "depths": [float(depth) for depth in depths], "trials": trials, "seed": seed,
-                     "filler": "classic repeated sentences" if filler_file is None else
-                     os.path.basename(os.fspath(filler_file)),
-                     "max_chars": max_chars, "key_digits": KEY_DIGITS,
-                     "scoring": "greedy continuation == key (teacher-forced argmax, no further digit); "
-                                "log-likelihood of the key's tokens in nats"},
-        "eval_seconds": round(time.perf_counter() - start, 3),
-        "device": str(device),
-    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {}) | (
-        {"kv_cache": model.kv_cache_description} if kv_bits else {})
+    protocol = {"context_lengths": [int(length) for length in context_lengths],
+                "depths": [float(depth) for depth in depths], "trials": trials, "seed": seed,
+                "filler": "classic repeated sentences" if filler_file is None else
+                os.path.basename(os.fspath(filler_file)),
+                "max_chars": max_chars, "key_digits": KEY_DIGITS,
+                "scoring": "greedy continuation == key (teacher-forced argmax, no further digit); "
+                           "log-likelihood of the key's tokens in nats"}
+    return retrieval_record("passkey", model_path, model, metrics, result["cells"], protocol,
+                            time.perf_counter() - start, device, favor_changes, kv_bits)
 
 
 __all__ = [
@@ -346,6 +354,7 @@ __all__ = [
     "check_passkey_settings",
     "evaluate_passkey_model",
     "passkey_retrieval",
+    "retrieval_record",
     "run_retrieval_cells",
     "score_passkey_batch",
     "standard_error",

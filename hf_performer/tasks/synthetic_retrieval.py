@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 
 from .evaluation import EvaluationError, _load_tokenizer, load_causal_lm
-from .passkey import PasskeyPrompts, _ids, check_passkey_settings, run_retrieval_cells
+from .passkey import PasskeyPrompts, _ids, check_passkey_settings, retrieval_record, run_retrieval_cells
 
 TASKS = ("needles", "variable-tracking")
 NEEDLE = " One of the special magic numbers for {word} is: {number}."
@@ -226,16 +226,8 @@ def evaluate_synthetic_model(model_path: str, task: str, context_lengths: Sequen
                 "scoring": "greedy continuation == the answer (teacher-forced argmax, no further digit); standard "
                            "error sqrt(p (1 - p) / trials)"}
     protocol |= ({"needles": needles, "queries": queries} if task == "needles" else {"hops": hops})
-    return {
-        "task": task,
-        "model": os.path.basename(os.path.normpath(model_path)) if os.path.exists(model_path) else model_path,
-        "metrics": metrics,
-        "cells": result["cells"],
-        "protocol": protocol,
-        "eval_seconds": round(time.perf_counter() - start, 3),
-        "device": str(device),
-    } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {}) | (
-        {"kv_cache": model.kv_cache_description} if kv_bits else {})
+    return retrieval_record(task, model_path, model, metrics, result["cells"], protocol, time.perf_counter() - start,
+                            device, favor_changes, kv_bits)
 
 
 __all__ = [
