@@ -71,6 +71,26 @@ def test_generated_tables_match_the_committed_results():
     assert [name for name in tables.TABLES if f"<!-- {name}:start -->" not in used] == []
 
 
+def test_every_committed_command_names_a_script_that_exists_or_the_commit_that_had_it():
+    """A result's recorded command is its reproduction: each benchmarks/scripts file it names is in the tree, or in
+    results_tables.REMOVED_SCRIPTS with the last commit that had it (and the results index says so)."""
+    import json
+    import re
+
+    tables = _load(REPO / "benchmarks" / "scripts" / "results_tables.py", "_results_tables_scripts")
+    scripts = REPO / "benchmarks" / "scripts"
+    missing = {}
+    for path in sorted((REPO / "benchmarks" / "results").glob("*.json")):
+        command = tables._command(json.loads(path.read_text())) or ""
+        for script in re.findall(r"benchmarks/scripts/([\w.-]+\.(?:py|sh))", command):
+            if not (scripts / script).is_file() and script not in tables.REMOVED_SCRIPTS:
+                missing[path.name] = script
+    assert not missing, f"commands naming a script that is neither present nor in REMOVED_SCRIPTS: {missing}"
+    assert not [script for script in tables.REMOVED_SCRIPTS if (scripts / script).exists()]
+    index = tables.results_index("../..")
+    assert "window_hybrid_smollm2_tail512" in index and "run it from a checkout of 72868fe" in index
+
+
 def test_readme_is_a_landing_page():
     """Under ~150 lines, its first bash block holding the two commands CI runs (.ci/run reads them)."""
     text = (REPO / "README.md").read_text()

@@ -564,51 +564,6 @@ def test_softmax_worst_beyond_the_layers_gives_a_one_line_error(tiny_models, tmp
     assert "--softmax-worst 3 is more than the 2 layers" in line and "\n" not in line
 
 
-def test_reuse_transfer_starts_a_run_after_another_runs_transfer(tiny_models, tmp_path):
-    """benchmarks/scripts/reuse_transfer.py: a --softmax-worst run continues from a finished run's transferred model
-    (same transfer settings) without training the tail again; other transfer settings are refused, naming them."""
-    import importlib.util
-    from pathlib import Path
-
-    from hf_performer.cli import main as cli_main
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "reuse_transfer.py"
-    spec = importlib.util.spec_from_file_location("_script_reuse_transfer", script)
-    reuse = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(reuse)
-
-    done = tmp_path / "done"
-    argv = _argv(tiny_models, "llama", done, *_hybrid_flags(steps=2))
-    assert cli_main([*argv, "--stop-after", "transfer"]) == 0
-    transferred = tmp_path / "transferred"
-    import shutil
-
-    shutil.copytree(tmp_path / ".done.linearize" / "transferred", transferred)
-    assert cli_main(argv) == 0
-
-    for name, flags, message in (
-            ("steps", [*_hybrid_flags(steps=3), "--softmax-worst", "1"], "transfer_steps 2 (new run 3)"),
-            ("start", [*_hybrid_flags(steps=2), "--feature-map-init", "favor+"],
-             "feature_map_init 'identity' (new run 'favor+')")):
-        assert cli_main([*_argv(tiny_models, "llama", tmp_path / name, *flags), "--stop-after", "convert"]) == 0
-        with pytest.raises(SystemExit) as failure:
-            reuse.main([str(tmp_path / f".{name}.linearize"), "--record", str(done / "linearize.json"),
-                        "--model", str(transferred)])
-        assert message in str(failure.value)
-
-    new = _argv(tiny_models, "llama", tmp_path / "new", *_hybrid_flags(steps=2), "--softmax-worst", "1")
-    assert cli_main([*new, "--stop-after", "convert"]) == 0
-    assert reuse.main([str(tmp_path / ".new.linearize"), "--record", str(done / "linearize.json"),
-                       "--model", str(transferred)]) == 0
-    assert cli_main(new) == 0
-    record = json.loads((tmp_path / "new" / "linearize.json").read_text())
-    finished = json.loads((done / "linearize.json").read_text())
-    transfer = record["stages"]["transfer"]
-    assert "reused_from" in transfer["details"]
-    assert transfer["tokens_seen"] == finished["stages"]["transfer"]["tokens_seen"]
-    assert record["stages"]["select"]["status"] == "done" and record["stages"]["lora"]["status"] == "done"
-
-
 def test_teacher_weight_adds_the_source_models_term_to_the_lora_loss(tiny_models, tmp_path):
     """--teacher-weight: the source (softmax) model teaches the LoRA stage, or --teacher-model's model. The same run without it has the same
     transfer and the same first LoRA batch, so its first loss is the language-modelling loss alone; the teacher's
@@ -655,9 +610,7 @@ def test_mixed_precision_bf16_runs_both_training_stages_under_autocast_and_keeps
     assert {tensor.dtype for tensor in _weights(output).values()} == {torch.float32}
 
 
-def test_feature_map_init_favor_starts_a_tail_of_any_size_and_the_tail_probe_collects_it(tiny_models, tmp_path):
-    import importlib.util
-
+def test_feature_map_init_favor_starts_a_tail_of_any_size(tiny_models, tmp_path):
     from hf_performer.favor_attention import FEATURE_MAP_ATTRIBUTE
 
     output = tmp_path / "hybrid"
@@ -672,22 +625,6 @@ def test_feature_map_init_favor_starts_a_tail_of_any_size_and_the_tail_probe_col
     weights = _weights(area / "transferred")
     projections = [tensor for name, tensor in weights.items() if f"{FEATURE_MAP_ATTRIBUTE}.query_weight" in name]
     assert projections and all(tensor.shape[-1] == 12 for tensor in projections)  # hedgehog: 24 = 2 x 12 features
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "collect_tail_probe.py"
-    spec = importlib.util.spec_from_file_location("_script_collect_tail_probe", script)
-    collect = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(collect)
-    result_file = tmp_path / "probe.json"
-    assert collect.main(["--probe", f"m24={area}", "--command", "test", "--output", str(result_file)]) == 0
-    probe = json.loads(result_file.read_text())["probes"]["m24"]
-    layer_losses = state["stages"]["select"]["details"]["layer_losses"]
-    assert probe["nb_features"] == 24 and probe["feature_map_init"] == "favor+" and probe["transfer"]["steps"] == 2
-    assert probe["layer_losses"] == pytest.approx(layer_losses, abs=1e-4) and probe["staging_area"] == area.name
-    assert (tmp_path / "probe.png").is_file() and str(tmp_path) not in result_file.read_text()
-    with pytest.raises(SystemExit, match="has no transfer and select stages"):
-        (tmp_path / "empty").mkdir()
-        (tmp_path / "empty" / "run.json").write_text(json.dumps({"stages": {}, "settings": {}}))
-        collect.main(["--probe", f"x={tmp_path / 'empty'}", "--command", "test", "--output", str(result_file)])
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from hf_performer import convert_to_performer
 from hf_performer.cli import main as cli_main
 from hf_performer.favor_attention import update_favor_settings
 
-from conftest import benchmark_script, forbid_new_evaluations, logits_of, save_tiny_hybrid_and_softmax
+from conftest import logits_of
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is absent (the GPT-2 tokenizer)")
@@ -189,29 +189,3 @@ def test_linearize_passes_the_sparse_cache_to_the_conversion():
     assert conversion_arguments(LinearizeSettings("source", ["train.txt"], sparse_cache=32))["sparse_cache"] == 32
     with pytest.raises(RecipeError, match="--sparse-cache must be an int >= 0"):
         LinearizeSettings("source", ["train.txt"], sparse_cache=-1).check()
-
-
-@needs_shared
-def test_the_sparse_cache_sweep_collector_writes_its_result(tmp_path, monkeypatch):
-    sweep = benchmark_script("sparse_cache_sweep")
-    save_tiny_hybrid_and_softmax(tmp_path, AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer"))
-    monkeypatch.chdir(tmp_path)
-    output = tmp_path / "results" / "sweep.json"
-    arguments = ["hybrid", "--baseline", "softmax", "--cache-sizes", "0", "8", "--text-file",
-                 str(SHARED / "wikitext-2-raw" / "wiki.test.raw"), "--max-chars", "600", "--context-length", "48",
-                 "--position-ranges", "0:24", "24:48", "--passkey-lengths", "128", "--depths", "0.5", "--trials", "1",
-                 "--work-dir", str(tmp_path / "work"), "--no-progress", "--output", "results/sweep.json"]
-    assert sweep.main(arguments) == 0
-    result = json.loads(output.read_text())
-    assert (tmp_path / "results" / "sweep.png").is_file()
-    assert set(result["runs"]) == {"0", "8"} and result["baseline"]["perplexity"] > 1
-    assert result["runs"]["8"]["perplexity"] != result["runs"]["0"]["perplexity"]
-    assert set(result["runs"]["0"]["perplexity_by_position"]) == {"0:24", "24:48"}
-    assert result["runs"]["0"]["perplexity_ratio"] == pytest.approx(
-        result["runs"]["0"]["perplexity"] / result["baseline"]["perplexity"])
-    assert str(tmp_path) not in output.read_text()
-    forbid_new_evaluations(monkeypatch)  # resumed from the work dir: nothing is evaluated again
-    assert sweep.main(arguments) == 0
-    assert json.loads(output.read_text())["runs"] == result["runs"]
-    with pytest.raises(SystemExit, match="--cache-sizes must be >= 0"):
-        sweep.main([*arguments[:4], "-1", *arguments[5:]])

@@ -86,7 +86,7 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
             position_ranges=ranges, favor_changes=changes, kv_bits=kv_bits))
         summary["perplexity"][str(context)] = record["metrics"]["perplexity"]
         summary["eval_seconds"] += record["eval_seconds"]
-        if ranges:
+        if ranges and record.get("position_ranges"):  # (a kept record of a later context has none)
             summary["perplexity_by_position"] = {f"{r['start']}:{r['end']}": r["perplexity"]
                                                  for r in record["position_ranges"]}
     lengths = lengths or args.retrieval_lengths

@@ -24,6 +24,13 @@ RESULTS_LINK = "benchmarks/results"  # the results folder as pages link it, from
 MIB = 2 ** 20
 RECOVERY_FILES = ("recovery_sst2.json", "recovery_stsb.json", "recovery_imdb.json")
 RECOVERY_COMMAND = "python benchmarks/scripts/update_readme_results.py"
+# One-experiment pipelines and collectors removed from benchmarks/scripts (issue 50) once the product's own commands
+# (`hf-performer linearize / evaluate`, hybrid_arms.py) did their work: the results they wrote stay committed, and
+# their commands run from a checkout of the last commit that had the script.
+REMOVED_SCRIPTS = dict.fromkeys(
+    ("smollm2_window_hybrid.sh", "collect_window_hybrid.py", "reuse_transfer.py", "smollm2_transfer.sh",
+     "collect_lm_transfer.py", "greedy_samples.py", "tail_error_probe.py", "collect_tail_probe.py",
+     "sparse_cache_sweep.py"), "72868fe")
 
 
 def load(name: str) -> dict:
@@ -776,8 +783,11 @@ def results_index(root: str) -> str:
         plot = path.with_suffix(".png")
         date = (result.get("machine") or {}).get("date", "")[:10] or "-"
         command = _command(result)
+        removed = sorted({commit for script, commit in REMOVED_SCRIPTS.items() if script in (command or "")})
         if command and not command.startswith("one per run"):
             command = "`" + command.replace("|", "\\|") + "`"
+        if removed:
+            command += f" (its script was removed: run it from a checkout of {', '.join(removed)})"
         lines.append(f"| {_link(root, path.name, path.stem)} | "
                      f"{_link(root, plot.name, 'PNG') if plot.exists() else '-'} | {date} | "
                      f"{command or 'not recorded: see the research log'} |")
