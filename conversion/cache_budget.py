@@ -5,7 +5,10 @@ Each causal window layer of a converted model can keep a sparse cache of ``G`` h
 (``favor_settings["layer_windows"][layer]["sparse_cache"]``) or go back to exact softmax attention (its key/value
 cache grows with the context). What an option buys is measured, not guessed: every layer's attention output error
 against exact softmax (the attention transfer's loss, teacher forcing, :func:`measure_option_errors`) for each
-candidate ``G``; exact softmax has none. What an option costs is the bytes of the layer's decoding state for one
+candidate ``G``; exact softmax has none. Or, by default in ``hf-performer budget``, by the end metric
+(:func:`measure_option_losses`): how much the model's next-token loss on the measurement text rises when that one
+layer keeps ``G`` hard keys and every other window layer keeps all of them, which also sees what a dropped token
+costs the layers after it. What an option costs is the bytes of the layer's decoding state for one
 sequence at the budget's context length (:func:`~hf_performer.window_state.window_state_bytes`; a softmax layer's
 keys and values at that length). :func:`allocate_cache_budget` then picks one option per layer that minimises the
 summed error under the budget (a multiple-choice knapsack solved exactly by dynamic programming over the budget in
@@ -23,6 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
+import torch
 from torch import nn
 
 from hf_performer.cache import linear_state_bytes
@@ -52,6 +56,16 @@ _BYTE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000 ** 2, "gb": 1000 ** 3, "kib
                "gib": 1024 ** 3}
 _TOKEN_UNITS = ("tokens", "token", "tok")
 
+
+MEASURED_NAMES = {"exact": "every key kept (exact)", "allocation": "this allocation",
+                  "uniform": "one G for every layer"}
+"""The configurations :func:`measure_allocation_losses` measures, as the table names them."""
+METRICS = {
+    "loss": "the rise of the model's mean next-token loss on the measurement text when only that layer keeps G hard "
+            "keys (every other window layer keeping all of them)",
+    "error": "mean squared error of each layer's attention output against exact softmax (teacher forcing)",
+}
+"""What an allocation minimises (``hf-performer budget --metric``), as its record and card say it."""
 
 NO_TAIL_NOTE = (
     "these window layers have no linear tail: a token a layer's cache does not keep is lost to every later token, "
@@ -252,13 +266,92 @@ def measure_option_errors(model: nn.Module, batches: Iterable[dict], cache_sizes
     return errors
 
 
+def window_layers_of(model: nn.Module) -> list[int]:
+    """The causal window layers of ``model`` (the layers a budget allocates)."""
+    return [geometry.layer for geometry in layer_geometries(model) if geometry.kind == "window"]
+
+
+def exact_sparse_caches(model: nn.Module, layers: Sequence[int], length: int) -> dict[int, int]:
+    """Per window layer, the sparse cache that keeps every key of a ``length``-token sequence its sinks and window do
+    not (the layer is then exact softmax on such sequences)."""
+    settings = model.config.favor_settings
+    return {layer: max(1, length - sum(layer_window(settings, layer))) for layer in layers}
+
+
+def mean_token_loss(model: nn.Module, batches: Sequence[dict], sparse_caches: dict[int, int] | None = None) -> float:
+    """``model``'s mean next-token loss over ``batches`` (no cache), with the window layers of ``sparse_caches`` given
+    those sparse-cache sizes for the measurement only (the model's settings are restored after)."""
+    recorded = model.config.favor_settings.get("layer_windows") or {}
+    original = {layer: dict(values) for layer, values in recorded.items()}
+    if sparse_caches:
+        overrides = {layer: dict(values) for layer, values in original.items()}
+        for layer, size in sparse_caches.items():
+            overrides.setdefault(str(layer), {})["sparse_cache"] = int(size)
+        update_favor_settings(model, layer_windows=overrides)
+    try:
+        with torch.no_grad():
+            losses = [float(model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss)
+                      for batch in batches]
+    finally:
+        if sparse_caches:
+            update_favor_settings(model, layer_windows=original)
+    return sum(losses) / len(losses)
+
+
+def measure_option_losses(model: nn.Module, batches: Iterable[dict], cache_sizes: Sequence[int] = CACHE_SIZES,
+                          progress=None) -> tuple[dict[int, dict[int, float]], float]:
+    """``({layer: {G: loss rise}}, exact loss)``: for every causal window layer and size ``G``, the model's mean
+    next-token loss on ``batches`` with that layer keeping ``G`` hard keys and every other window layer keeping every
+    key it has seen (a cache as long as the sequences: exact softmax), minus the loss with all of them exact. One
+    forward pass per layer and size; ``progress(done, total)`` is called after each.
+
+    Raises:
+        CacheBudgetError: sequences shorter than twice the largest ``G``, or no window layer.
+    """
+    batches = list(batches)
+    length = min(batch["input_ids"].shape[-1] for batch in batches)
+    if 2 * max(cache_sizes) > length:
+        raise CacheBudgetError(
+            f"a sparse cache of {max(cache_sizes)} keys needs measurement sequences of at least {2 * max(cache_sizes)} "
+            f"tokens (given {length}): a cache holding most of a sequence is exact there and not at longer contexts")
+    layers = window_layers_of(model)
+    if not layers:
+        raise CacheBudgetError("the model has no causal window layer: the cache budget allocates the sparse cache of "
+                               "window-hybrid layers")
+    exact = exact_sparse_caches(model, layers, length)
+    exact_loss = mean_token_loss(model, batches, exact)
+    sizes = sorted(set(int(size) for size in cache_sizes))
+    rises: dict[int, dict[int, float]] = {}
+    for index, (layer, size) in enumerate((layer, size) for layer in layers for size in sizes):
+        rises.setdefault(layer, {})[size] = mean_token_loss(model, batches, {**exact, layer: size}) - exact_loss
+        if progress is not None:
+            progress(index + 1, len(layers) * len(sizes))
+    return rises, exact_loss
+
+
+def measure_allocation_losses(model: nn.Module, batches: Sequence[dict], allocation: "CacheAllocation",
+                              exact_loss: float) -> dict:
+    """The end metric of the chosen allocation beside the best single ``G`` within the same budget, measured (not
+    the sum of per-layer estimates the allocation minimised): mean next-token loss and perplexity on ``batches``.
+    A layer put back on softmax is measured as a cache as long as the sequences (the same outputs)."""
+    exact = exact_sparse_caches(model, list(allocation.layers), min(batch["input_ids"].shape[-1] for batch in batches))
+    chosen = {layer: exact[layer] if entry["option"] == SOFTMAX else entry["option"]
+              for layer, entry in allocation.layers.items()}
+    measured = {"exact": exact_loss, "allocation": mean_token_loss(model, batches, chosen)}
+    if allocation.uniform is not None:
+        measured["uniform"] = mean_token_loss(model, batches, dict.fromkeys(allocation.layers,
+                                                                            allocation.uniform["sparse_cache"]))
+    return {name: {"loss": loss, "perplexity": math.exp(loss)} for name, loss in measured.items()}
+
+
 @dataclass
 class CacheAllocation:
     """The chosen option of every layer, what it costs and what the measurement says it buys.
 
     ``layers`` maps each layer index to ``{"option": G or "softmax", "bytes": ..., "error": ...}``; ``errors`` holds
-    every measured option per layer; ``uniform`` the best single ``G`` for all window layers within the same budget
-    (the configuration without an allocator), for comparison."""
+    every measured option per layer (what ``metric`` of :data:`METRICS` says); ``uniform`` the best single ``G`` for
+    all window layers within the same budget (the configuration without an allocator), for comparison; ``measured``
+    the end metric of both (:func:`measure_allocation_losses`), where it was measured."""
 
     budget_bytes: int
     context: int
@@ -270,6 +363,8 @@ class CacheAllocation:
     uniform: dict | None = None
     softmax_bytes: int = 0
     notes: list[str] = field(default_factory=list)
+    metric: str = "error"
+    measured: dict | None = None
 
     @property
     def sparse_cache_by_layer(self) -> dict[int, int]:
@@ -316,7 +411,7 @@ def _solve(costs: list[list[int]], errors: list[list[float]], budget: int) -> li
 
 
 def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]], budget_bytes: int, context: int, *,
-                          dtype_bytes: int = 4, allow_softmax: bool = True) -> CacheAllocation:
+                          dtype_bytes: int = 4, allow_softmax: bool = True, metric: str = "error") -> CacheAllocation:
     """Spend ``budget_bytes`` of decoding state for one sequence of ``context`` tokens: per causal window layer one
     sparse-cache size among those measured in ``errors`` (:func:`measure_option_errors`), or exact softmax
     (``allow_softmax``), minimising the summed measured error. Layers without a window (linear, or already softmax)
@@ -361,10 +456,11 @@ def allocate_cache_budget(model: nn.Module, errors: dict[int, dict[int, float]],
         uniform=_best_uniform(errors, allocated, geometries, fixed, budget_bytes, context, dtype_bytes),
         softmax_bytes=sum(softmax_cache_bytes(g.kv_heads, g.head_dim, dtype_bytes, context)
                           for g in geometries.values()),
-        notes=[f"error: mean squared error of each layer's attention output against exact softmax (teacher forcing), "
-               f"summed over the {len(allocated)} allocated layers; bytes: decoding state of one sequence at "
-               f"{context} tokens, {dtype_bytes}-byte keys and values"]
-        + ([NO_TAIL_NOTE] if any(not geometries[layer].linear_tail for layer in allocated) else []))
+        notes=[f"error: {METRICS[metric]}, summed over the {len(allocated)} allocated layers; bytes: decoding state of "
+               f"one sequence at {context} tokens, {dtype_bytes}-byte keys and values"]
+        + ([NO_TAIL_NOTE] if metric == "error" and any(not geometries[layer].linear_tail for layer in allocated)
+           else []),
+        metric=metric)
 
 
 def _best_uniform(errors, allocated, geometries, fixed, budget_bytes, context, dtype_bytes) -> dict | None:
@@ -410,6 +506,9 @@ def allocation_table(allocation: CacheAllocation) -> str:
     if allocation.uniform is not None:
         total += (f"; one G = {allocation.uniform['sparse_cache']} for every layer within the budget: "
                   f"{allocation.uniform['error']:.4g}")
+    if allocation.measured:
+        total += "\nMeasured perplexity on the measurement text: " + ", ".join(
+            f"{MEASURED_NAMES[name]} {entry['perplexity']:.3f}" for name, entry in allocation.measured.items())
     return "\n".join(lines + [total] + [f"\nNote: {note}" for note in allocation.notes[1:]])
 
 

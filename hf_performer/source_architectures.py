@@ -67,6 +67,13 @@ SELECTIVE_LAYER_TYPES = ("indexed_attention", "compressed_sparse_attention", "he
                          "minimax_m3_sparse")
 """``config.layer_types`` entries of sparse attention layers (DeepSeek's indexer, compressed keys): refused."""
 
+SCORE_BIAS_ARCHITECTURES = {
+    "doge": "its attention adds a learned, input-dependent bias to the attention scores (Doge's dynamic mask "
+            "attention, computed from the values) and keeps the top keys of that bias",
+}
+"""Model types whose attention modules build a bias on the scores themselves, before the attention registry is
+called (so no mask the registry receives can say it): refused, with what the bias is."""
+
 MODALITY_WORDS = ("vision", "audio", "image", "video", "speech")
 """A sub-config whose name holds one of these makes a model multimodal (a vision or audio tower beside the text)."""
 
@@ -115,7 +122,8 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
     ``ALL_ATTENTION_FUNCTIONS`` (:func:`dispatches_attention_registry`, where "favor" is registered). Rejected:
     encoder-decoder models (their decoder-only causal-LM classes, e.g. ``BartForCausalLM``, are accepted: their
     config says ``is_encoder_decoder=False``), multimodal wrappers (their text model is accepted), sparse layer types
-    (:data:`SELECTIVE_LAYER_TYPES`) and models whose every layer has a bounded attention span
+    (:data:`SELECTIVE_LAYER_TYPES`), attention that biases its own scores (:data:`SCORE_BIAS_ARCHITECTURES`) and
+    models whose every layer has a bounded attention span
     (:func:`bounded_attention_layers`: nothing would be converted).
     """
     model_type = getattr(config, "model_type", None)
@@ -157,6 +165,11 @@ def check_source_architecture(config: PreTrainedConfig) -> None:
         raise PerformerConfigError(
             f"source architecture {model_type!r} has {', '.join(selective)} layers, whose queries attend to keys picked "
             "or compressed by an indexer (sparse attention), which linear attention cannot express"
+        )
+    if model_type in SCORE_BIAS_ARCHITECTURES:
+        raise PerformerConfigError(
+            f"source architecture {model_type!r} cannot be converted: {SCORE_BIAS_ARCHITECTURES[model_type]}, which "
+            "linear attention cannot express"
         )
     bounded = bounded_attention_layers(config)
     num_layers = getattr(config, "num_hidden_layers", None)

@@ -19,6 +19,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from hf_performer.cache import is_favor_cache_layer
 from hf_performer.configuration_performer import PerformerConfigError, check_source_architecture
 from hf_performer.conversion import ConversionError, convert_to_performer
 from hf_performer.cli import convert as convert_cli
+
+REPO = Path(__file__).resolve().parents[1]
 
 logging.set_verbosity_error()
 
@@ -160,7 +163,7 @@ def test_older_additive_masks_are_padding_masks():
         (lambda: tiny("MistralConfig", "MistralForCausalLM", num_key_value_heads=2, sliding_window=16),
          "every layer of source architecture 'mistral' attends over a sliding window of 16 tokens.*sliding_window=None"),
         (lambda: tiny("DogeConfig", "DogeForCausalLM", num_key_value_heads=2),
-         "doge cannot be converted: the converted model cannot run"),
+         "'doge' cannot be converted: its attention adds a learned, input-dependent bias to the attention scores"),
         (lambda: tiny("DiffLlamaConfig", "DiffLlamaForCausalLM", num_key_value_heads=2),
          "diffllama cannot be converted: cached decoding of the converted model does not reproduce its full forward"),
         (lambda: tiny("BartConfig", "BartForConditionalGeneration", d_model=32, decoder_layers=1, encoder_layers=1,
@@ -266,3 +269,40 @@ def test_position_tables_are_extended_with_their_class_and_buffers():
         assert torch.isfinite(logits).all()
     extended = convert_to_performer(bigcode, nb_features=16, max_position_embeddings=100)
     assert torch.equal(extended.source_model.transformer.bias, torch.ones(100, 100, dtype=torch.bool).tril())
+
+
+@pytest.mark.parametrize("model_type", ["dbrx", "lfm2_moe", "longcat_flash", "cohere_compass_text", "blt"])
+def test_the_tester_values_give_the_sweep_a_tiny_source_that_runs(model_type):
+    """benchmarks/scripts/tiny_source_models.py: the values read from transformers' own testers (TESTER_VALUES) make
+    architectures whose shrunk defaults cannot run build and run alone."""
+    from conftest import benchmark_script
+
+    from hf_performer.favor_attention import is_attention_module
+
+    tiny_sources = benchmark_script("tiny_source_models")
+    if model_type not in transformers.models.auto.configuration_auto.CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {transformers.__version__} has no {model_type}")
+    source = tiny_sources.tiny_source_model(model_type, "causal-lm", is_attention_module)
+    assert tiny_sources.own_run_error(source) is None
+
+
+def test_the_sweep_tells_a_refusal_by_mechanism_from_a_plain_error():
+    """A refusal whose reason is a plain Python error raised inside the converted model is counted apart, and the
+    share the issue targets counts only working architectures and refusals that name their mechanism."""
+    from conftest import benchmark_script
+
+    sweep = benchmark_script("compatibility_sweep")
+
+    def entry(status, reason=None):
+        variant = {"status": status, **({"reason": reason} if reason else {})}
+        return {"multimodal": False, "status": status, "heads": {"causal-lm": {"variants": {"favor+": variant}}}}
+
+    architectures = {
+        "a": entry("works"), "b": entry("refused", "b cannot be converted: it has indexed_attention layers"),
+        "c": entry("refused", "c cannot be converted: the converted model cannot run: IndexError: too many indices"),
+        "d": entry("works"),
+    }
+    summary = sweep.totals(architectures)
+    assert summary["refused_without_mechanism"] == ["c"] and summary["working_or_refused_by_mechanism_share"] == 0.75
+    committed = json.loads((REPO / "benchmarks" / "results" / "compatibility.json").read_text())["totals"]
+    assert committed["refused_without_mechanism"] == [] and committed["working_or_refused_by_mechanism_share"] >= 0.9

@@ -3,6 +3,7 @@ budget, its application to a model, `hf-performer budget` and `hf-performer line
 
 import itertools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -162,7 +163,7 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
     text.write_text(" ".join(f"word{i % 37} and {i % 11}." for i in range(400)))
     bytes_g4 = sum(option_bytes(g, 4, 2048, 4) for g in layer_geometries(hybrid))
     assert cli_main(["budget", str(model_dir), str(output), "--cache-budget", str(bytes_g4), "--context", "2048",
-                     "--text-file", str(text), "--cache-sizes", "0", "4", "16", "--length", "64"]) == 0
+                     "--text-file", str(text), "--cache-sizes", "0", "4", "16", "--length", "64", "--metric", "error"]) == 0
     written = (output / "cache_budget.json").read_text()
     record = json.loads(written)
     assert record["total_bytes"] <= bytes_g4 and record["measured_on"]["text_file"] == "train.txt"
@@ -182,6 +183,43 @@ def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_
         cli_main(["budget", str(model_dir), str(tmp_path / "other"), "--cache-budget", "1KiB",
                   "--text-file", str(text), "--length", "64"])
     assert "\n" not in str(failure.value) and not (tmp_path / "other").exists()
+
+
+def test_budget_by_the_end_metric_measures_the_choice_beside_one_g_for_every_layer(tmp_path, tiny_llama_config):
+    """--metric loss (the default): each layer's options cost the rise of the model's next-token loss with every
+    other window layer exact; the chosen allocation and the best single G are then measured, and the card says so.
+    The measurement leaves the model's own settings as they were."""
+    from transformers import AutoTokenizer
+
+    from hf_performer.conversion.cache_budget import measure_option_losses, mean_token_loss
+
+    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
+    hybrid = convert_to_performer(source, window=4, sinks=1, linear_tail=False, seed=0, chunk_size=16)
+    ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(0))
+    before = dict(hybrid.config.favor_settings)
+    rises, exact = measure_option_losses(hybrid, [{"input_ids": ids}], (0, 8, 32))
+    assert hybrid.config.favor_settings == before and set(rises) == {0, 1} and set(rises[0]) == {0, 8, 32}
+    # every other layer exact: a layer keeping every older key (G = 64 - 5) adds nothing
+    assert mean_token_loss(hybrid, [{"input_ids": ids}], {0: 59, 1: 59}) == pytest.approx(exact, abs=1e-6)
+    assert rises[0][0] != pytest.approx(0.0, abs=1e-6)  # a layer that drops every older key changes the loss
+
+    model_dir, output = tmp_path / "hybrid", tmp_path / "budgeted"
+    hybrid.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    text = tmp_path / "train.txt"
+    text.write_text(" ".join(f"word{i % 37} and {i % 11}." for i in range(400)))
+    budget = sum(option_bytes(g, 8, 2048, 4) for g in layer_geometries(hybrid))
+    assert cli_main(["budget", str(model_dir), str(output), "--cache-budget", str(budget), "--context", "2048",
+                     "--text-file", str(text), "--cache-sizes", "0", "8", "16", "--length", "64"]) == 0
+    record = json.loads((output / "cache_budget.json").read_text())
+    assert record["metric"] == "loss" and "--metric loss" in record["command"] and record["total_bytes"] <= budget
+    assert set(record["measured"]) == {"exact", "allocation", "uniform"} and record["uniform"]["sparse_cache"] == 8
+    assert all(entry["perplexity"] == pytest.approx(math.exp(entry["loss"])) for entry in record["measured"].values())
+    card = (output / "README.md").read_text()
+    assert "the measured rise of the model's next-token loss" in card and "Summed measured loss rise" in card
+    assert f"this allocation {record['measured']['allocation']['perplexity']:.3f}" in card
 
 
 @needs_shared
@@ -225,6 +263,10 @@ def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
     assert arms.main(arguments) == 0
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         arms.main([*arguments[:5], "oops", *arguments[5:]])
+    for setting, flag in (("contexts=4096", "--contexts"), ("retrieval=8", "--retrieval-lengths")):
+        with pytest.raises(SystemExit, match=f"{setting} must name some of {flag}"):
+            arms.main([*arguments[:5], setting, *arguments[5:]])
+    assert json.loads(output.read_text())["protocol"]["target_ratio"] == 1.05
 
 
 @pytest.mark.parametrize("verb,arguments", [("settings", ["--sparse-cache", "4"]),

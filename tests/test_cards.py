@@ -301,6 +301,23 @@ def test_kept_softmax_layers_are_their_own_column_and_grow_a_cache(sources, tmp_
     assert [layer["kind"] for layer in report["layers"]] == ["linear", "softmax"]
 
 
+def test_a_sparse_cache_chosen_by_attention_is_carded_without_assisted_decoding(sources, tmp_path):
+    """The assisted-decoding cell follows sparse_cache_selection: the attention rule cannot replay its boundaries,
+    and generate(prompt_lookup_num_tokens=...) refuses it as the card says."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_performer.hub.capabilities import ATTENTION_SELECTION_ROLLBACK
+
+    flags = ["--window", "4", "--sinks", "1", "--sparse-cache", "2", "--no-linear-tail"]
+    text, _, _ = _convert(sources, tmp_path, "llama", *flags, "--sparse-cache-selection", "attention")
+    assert f"| prompt lookup / assisted decoding | {ATTENTION_SELECTION_ROLLBACK} |" in text
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    with pytest.raises(Exception, match="max_rollback|assisted|roll"):  # noqa: B017 - the one-line refusal
+        model.generate(_ids(), max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=2)
+    recall, _, _ = _convert(sources, tmp_path, "llama", *flags)
+    assert "| prompt lookup / assisted decoding | supported (rejected candidates are rolled back" in recall
+
+
 def test_layers_of_several_kinds_are_listed_one_by_one(sources, tmp_path):
     text, _, _ = _convert(sources, tmp_path, "llama", "--nb-features", "16", "--window", "8", "--sinks", "1",
                           "--layer-windows", '{"1": {"window": 0, "sinks": 0}}')

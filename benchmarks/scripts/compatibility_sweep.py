@@ -37,6 +37,7 @@ import copy
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -341,12 +342,24 @@ def run_sweep(model_types: list[str], workdir: str) -> dict:
     return architectures
 
 
+UNEXPLAINED = re.compile(r"cannot run: (IndexError|KeyError|TypeError|AttributeError|RuntimeError|ValueError)\b")
+"""A refusal whose reason is a plain Python error raised inside the converted model, not a named mechanism."""
+
+
+def refused_without_mechanism(entry: dict) -> bool:
+    """Whether a refused architecture's reason, for some head, is an unexplained error (:data:`UNEXPLAINED`)."""
+    return any(UNEXPLAINED.search(summarise_head(result)[1] or "") for result in entry["heads"].values()
+               if summarise_head(result)[0] == "refused")
+
+
 def totals(architectures: dict) -> dict:
     text = {name: entry for name, entry in architectures.items() if not entry["multimodal"]}
     by_status: dict[str, list[str]] = {}
     for name, entry in text.items():
         by_status.setdefault(entry["status"], []).append(name)
     converting = len(by_status.get("works", [])) + len(by_status.get("partial", []))
+    unexplained = sorted(name for name in by_status.get("refused", []) if refused_without_mechanism(text[name]))
+    accounted = converting + len(by_status.get("refused", [])) - len(unexplained)
     tested = len(text) - len(by_status.get("no tiny source", []))
     pairs = [summarise_head(result)[0] for entry in text.values() for result in entry["heads"].values()]
     return {
@@ -355,6 +368,8 @@ def totals(architectures: dict) -> dict:
         "converting_share": round(converting / len(text), 4) if text else None,
         "tested_architectures": tested,
         "converting_share_of_tested": round(converting / tested, 4) if tested else None,
+        "refused_without_mechanism": unexplained,
+        "working_or_refused_by_mechanism_share": round(accounted / len(text), 4) if text else None,
         "text_heads": len(pairs),
         "text_heads_by_status": {status: pairs.count(status) for status in sorted(set(pairs))},
         "multimodal_by_status": {name: entry["status"] for name, entry in architectures.items() if entry["multimodal"]},
@@ -378,7 +393,10 @@ def write_table(result: dict, path: str) -> None:
         + ", ".join(f"{len(names)} {status}" for status, names in summary["by_status"].items())
         + f". {summary['converting_share']:.1%} of them convert, run, generate and reload (every head, or every head "
         f"not refused); {summary['converting_share_of_tested']:.1%} of the {summary['tested_architectures']} that "
-        "had a tiny source. Heads: "
+        f"had a tiny source. Working, or refused by a named mechanism: "
+        f"{summary['working_or_refused_by_mechanism_share']:.1%} of the {summary['text_architectures']}"
+        + (f" (refused by a plain error, not a mechanism: {', '.join(summary['refused_without_mechanism'])})"
+           if summary["refused_without_mechanism"] else "") + ". Heads: "
         + ", ".join(f"{count} {status}" for status, count in summary["text_heads_by_status"].items()) + ".",
         "",
         "works: every step passed; refused: `hf-performer convert` stops with the one-line reason shown, before "

@@ -36,17 +36,15 @@ def _parse_changes(items: list[str], contexts: list[int], lengths: list[int]) ->
         key, _, text = item.partition("=")
         if not key or not text:
             raise SystemExit(f"hybrid_arms: --arm settings are KEY=VALUE (e.g. sparse_cache=256), got {item!r}")
-        if key == "contexts":
+        if key in ("contexts", "retrieval"):
+            among, flag = (contexts, "--contexts") if key == "contexts" else (lengths, "--retrieval-lengths")
             subset = [int(value) for value in text.split(",") if value.strip().isdigit()]
-            if not subset or not set(subset) <= set(contexts):
-                raise SystemExit(f"hybrid_arms: contexts={text} must name some of --contexts {contexts}")
-            contexts = subset
-            continue
-        if key == "retrieval":
-            subset = [int(value) for value in text.split(",") if value.strip().isdigit()]
-            if not subset or not set(subset) <= set(lengths):
-                raise SystemExit(f"hybrid_arms: retrieval={text} must name some of --retrieval-lengths {lengths}")
-            lengths = subset
+            if not subset or not set(subset) <= set(among):
+                raise SystemExit(f"hybrid_arms: {key}={text} must name some of {flag} {among}")
+            if key == "contexts":
+                contexts = subset
+            else:
+                lengths = subset
             continue
         if key == "passkey":
             passkey = text.lower() != "false"
@@ -200,7 +198,8 @@ def _plot(result: dict, path: str) -> None:
                          yerr=[errors[str(lengths[i])] for i in shown] if errors else None)
         memory_axis.plot([int(n) for n in arm["cache_bytes"]], [b / 2 ** 20 for b in arm["cache_bytes"].values()],
                          "-o", label=name, color=colour)
-    ppl_axis.axhline(1.1, color="grey", lw=0.8, ls=":", label="1.10x (target)")
+    target = result["protocol"].get("target_ratio", 1.05)
+    ppl_axis.axhline(target, color="grey", lw=0.8, ls=":", label=f"{target:.2f}x (target)")
     ppl_axis.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel=f"perplexity / {baseline_name}'s",
                  title="perplexity ratio")
     ppl_axis.set_xticks(contexts, [str(c) for c in contexts])
@@ -240,6 +239,8 @@ def main(argv=None) -> int:
     parser.add_argument("--trials", type=int, default=4, help="retrieval prompts per length and depth (default: 4)")
     parser.add_argument("--memory-lengths", type=int, nargs="+", default=[1024, 2048, 4096, 16384, 65536])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--target-ratio", type=float, default=1.05,
+                        help="the perplexity ratio drawn as the target (default: issue 49's %(default)s)")
     parser.add_argument("--batch-size", type=int, default=2, help="windows / prompts per forward (default: 2)")
     parser.add_argument("--work-dir", default=None, help="where each finished evaluation is kept (default: a folder "
                                                          "in the system's temp dir named after the output)")
@@ -304,7 +305,7 @@ def main(argv=None) -> int:
                      "contexts": args.contexts, "stride": "half the context", "position_ranges": args.position_ranges,
                      "tasks": args.tasks, "retrieval_lengths": args.retrieval_lengths, "depths": args.depths,
                      "trials": args.trials,
-                     "seed": args.seed, "memory_lengths": args.memory_lengths},
+                     "seed": args.seed, "memory_lengths": args.memory_lengths, "target_ratio": args.target_ratio},
         "baseline_model": os.path.relpath(args.baseline), "baseline_name": args.baseline_name, "baseline": baseline,
         "arms": results,
         "source_geometry": _source_geometry(args.baseline),

@@ -536,7 +536,9 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                      ("window512_G1024_attention", "window 512 + G 1024, attention selection (H2O / TOVA-style)"),
                      ("streamingllm_window1536", "window 1536, no cache (StreamingLLM)"),
                      ("quantized_kv_4bit", "full KV cache, 4-bit (transformers QuantizedCache, quanto)"),
-                     ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"))
+                     ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"),
+                     ("window256_G512", "window 256 + G 512, recall selection (half the bytes)"))
+LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
 
 
 def _long_context_row(root: str) -> str:
@@ -603,6 +605,31 @@ def smollm2_long_context(root: str) -> str:
                               f"the arms' as ratios); needles: {protocol['trials']} prompts at each of the depths "
                               f"{', '.join(f'{d:g}' for d in protocol['depths'])}, accuracy ± standard error; "
                               f"{_link(root, 'long_context_arms_smollm2.json')}; " + machine(result)])
+
+
+def smollm2_long_context_passkey(root: str) -> str:
+    """Passkey retrieval at 8k of the training-free arms (:data:`LONG_CONTEXT_PASSKEY`): accuracy ± standard error
+    beside each arm's perplexity ratio at 8k and its constant state."""
+    result = load(LONG_CONTEXT_PASSKEY)
+    baseline, protocol = result["baseline"], result["protocol"]
+    length = str(protocol["retrieval_lengths"][-1])
+
+    def passkey(arm: dict) -> str:
+        return f"{arm['passkey_by_length'][length]:.2f} ± {arm['passkey_standard_error_by_length'][length]:.2f}"
+
+    lines = [f"| arm (no training) | passkey {round(int(length) / 1024)}k | perplexity 8k | state 16k |",
+             "|---|---:|---:|---:|",
+             f"| softmax (full KV cache) | {passkey(baseline)} | {baseline['perplexity']['8192']:.2f} | "
+             f"{baseline['cache_bytes']['16384'] / MIB:.1f} MiB |"]
+    for name, label in LONG_CONTEXT_ARMS:
+        arm = result["arms"].get(name)
+        if arm is not None:
+            lines.append(f"| {label} | {passkey(arm)} | "
+                         f"{arm['perplexity']['8192'] / baseline['perplexity']['8192']:.3f}x | "
+                         f"{arm['cache_bytes']['16384'] / MIB:.1f} MiB |")
+    return "\n".join(lines + ["", f"Passkey: {protocol['trials']} prompts of {int(length):,} tokens at each of the "
+                              f"depths {', '.join(f'{d:g}' for d in protocol['depths'])}; perplexity as in the table "
+                              f"above; {_link(root, LONG_CONTEXT_PASSKEY)}; " + machine(result)])
 
 
 RECOMMENDED_SERVING = (("window_G256", "window 64 + G 256 (as trained)"), ("window512_G512_load", "window 512 + G 512"),
@@ -917,6 +944,7 @@ TABLES = {
     "gpu-results": gpu_results,
     "smollm2-recommended": smollm2_recommended,
     "smollm2-long-context": smollm2_long_context,
+    "smollm2-long-context-passkey": smollm2_long_context_passkey,
     **{name: functools.partial(smollm2_arms_table, name=name) for name in ARM_TABLES},
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""

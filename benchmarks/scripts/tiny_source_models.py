@@ -44,6 +44,28 @@ TINY_SIZES = {
 """Size fields of a config and their tiny values (a field is set only if the config class has it), and the one structure
 field that decides whether a hybrid model has attention at all."""
 
+TESTER_VALUES = {
+    "dbrx": {"attn_config": {"rope_theta": 500000, "clip_qkv": 8}},  # DbrxAttention reads both; no defaults
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},  # (no default: the modeling code indexes it)
+    "longcat_flash": {"head_dim": 8},  # the rotary part of each head: qk_rope_head_dim
+    "blt": {"encoder_hash_byte_group_vocab": 64, "encoder_hash_byte_group_size": [2, 3], "patch_in_forward": False,
+            "cross_attn_k": 2, "decoder_config": {"hidden_size_global": 128}, "encoder_config": {"hidden_size_global": 128},
+            "global_config": {"hidden_size": 128, "num_attention_heads": 8}},
+    "dots3_note_text": {"layer_types": ["indexed_attention", "sliding_attention"],  # both kinds of the default
+                        "swa_num_attention_heads": 4, "swa_num_key_value_heads": 4, "swa_q_lora_rank": 16,
+                        "swa_kv_lora_rank": 16, "swa_head_dim": 16, "swa_qk_nope_head_dim": 8, "swa_v_head_dim": 16},
+    "inkling2_text": {"unpadded_vocab_size": VOCAB_SIZE},
+    "inkling2_loop_text": {"unpadded_vocab_size": VOCAB_SIZE},
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16, "indexer_budget": 8,
+                       "indexer_compress_ratio": 4},  # (None by default, read by its QSA indexer)
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+}
+"""Per model type, values of transformers' own tester (``tests/models/<type>/test_modeling_<type>.py``, read through
+the search tool's file look-up) that the shrunk defaults lack; dicts are merged into the sub-config of that name."""
+
+TESTER_ATTRIBUTES = {"blt": {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}}
+"""Attributes a tester sets on the built config (its class does not take them as arguments)."""
+
 LAYER_FIELDS = ("num_hidden_layers", "encoder_layers", "decoder_layers", "num_layers", "num_decoder_layers")
 LAYER_COUNTS = (2, 4, 8, None)
 """Layer counts tried in turn (``None``: the default config's own count)."""
@@ -96,8 +118,11 @@ def head_class(model_type: str, head: str) -> type:
 
 
 def is_multimodal(model_type: str) -> bool:
+    """A wrapper word in a sub-config's name, or in the name of a sub-config's own sub-config (T5Gemma2's encoder holds
+    its vision tower)."""
     sub_configs = getattr(configuration_auto.CONFIG_MAPPING[model_type], "sub_configs", None) or {}
-    return any(word in name for name in sub_configs for word in WRAPPER_WORDS)
+    names = [*sub_configs, *(name for sub in sub_configs.values() for name in getattr(sub, "sub_configs", None) or {})]
+    return any(word in name for name in names for word in WRAPPER_WORDS)
 
 
 def _field_names(config_class) -> set[str]:
@@ -125,6 +150,8 @@ def _tiny_kwargs(config_class, layers: int | None, variation: dict) -> dict:
                 kwargs[name] = tiny_config_of_class(sub_class, layers, variation).to_dict()
             except Exception:  # noqa: BLE001 - the parent's defaults for this part
                 pass
+    for name, value in TESTER_VALUES.get(getattr(config_class, "model_type", None), {}).items():
+        kwargs[name] = {**kwargs.get(name, {}), **value} if isinstance(value, dict) else value
     return kwargs
 
 
@@ -144,6 +171,8 @@ def tiny_config_of_class(config_class, layers: int | None = 2, variation: dict |
                 if index == len(VARIATIONS) - 1:
                     return tiny_config_of_class(config_class, layers, VARIATIONS[0])
     config = config_class(**_tiny_kwargs(config_class, layers, variation))
+    for name, value in TESTER_ATTRIBUTES.get(getattr(config_class, "model_type", None), {}).items():
+        setattr(config, name, value)
     vocab = getattr(config, "vocab_size", None)
     if hasattr(config, "pad_token_id") and getattr(config, "pad_token_id", None) is None:
         config.pad_token_id = 0  # sequence classification of decoders finds the last token through it

@@ -15,13 +15,16 @@ CLI_DESCRIPTION = """Spend one decoding-memory budget where a window hybrid need
   hf-performer budget MODEL OUTPUT --cache-budget 16MiB --context 16384 \\
       --text-file ../shared/data/wikitext-2-raw/wiki.valid.raw
 
-Each causal window layer's attention output error against exact softmax is measured (teacher forcing) on
---sequences x --length tokens of --text-file for every --cache-sizes G, then one option per layer (a sparse cache of
-G hard keys per key head, or exact softmax unless --no-softmax) is chosen to minimise the summed error while the
-decoding state of one sequence at --context tokens stays within --cache-budget (bytes with a unit: 16MiB, 20MB;
-or '2048tokens': what the model's softmax key/value cache holds for 2048 tokens). No weight changes: OUTPUT is
-MODEL with the per-layer settings, its card and cache_budget.json (every layer's measured errors, the choice, the
-bytes, and the best single G within the same budget for comparison).
+For every causal window layer and every --cache-sizes G, what keeping G hard keys costs is measured on
+--sequences x --length tokens of --text-file: by default (--metric loss) the rise of the model's next-token loss when
+only that layer keeps G keys and the others keep every key (what a dropped token costs the layers after it too); with
+--metric error the layer's attention output error against exact softmax (teacher forcing). Then one option per layer
+(a sparse cache of G hard keys per key head, or exact softmax unless --no-softmax) is chosen to minimise the sum while
+the decoding state of one sequence at --context tokens stays within --cache-budget (bytes with a unit: 16MiB, 20MB;
+or '2048tokens': what the model's softmax key/value cache holds for 2048 tokens), and (--metric loss) the perplexity
+of the choice is measured beside the best single G for every layer within the same budget. No weight changes:
+OUTPUT is MODEL with the per-layer settings, its card and cache_budget.json (every measured option, the choice, the
+bytes, the best single G and the measured perplexities).
 """
 
 
@@ -39,6 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--cache-sizes", nargs="+", type=int, default=None, metavar="G",
                         help="sparse-cache sizes to measure (default: 0 32 64 128 256 512)")
     parser.add_argument("--no-softmax", action="store_true", help="never put a layer back on exact softmax")
+    parser.add_argument("--metric", choices=("loss", "error"), default="loss",
+                        help="what an option costs: the model's next-token loss rise (one forward per layer and G; "
+                             "default) or the layer's attention output error")
     parser.add_argument("--sequences", type=int, default=2, help="measurement sequences (default: 2)")
     parser.add_argument("--length", type=int, default=1024, help="tokens per measurement sequence (default: 1024)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the sequences' order (default: 0)")
@@ -63,7 +69,7 @@ def run_budget(args: argparse.Namespace) -> int:
     from ..conversion.cache_budget import (
         CACHE_BUDGET_FILE, CACHE_SIZES, CacheBudgetError, allocate_cache_budget, allocation_table,
         apply_cache_allocation, check_budget_reachable, check_measurement_length, measure_option_errors,
-        parse_cache_budget, softmax_token_bytes, torch_dtype_bytes,
+        measure_allocation_losses, measure_option_losses, parse_cache_budget, softmax_token_bytes, torch_dtype_bytes,
     )
     from ..recipes.arguments import RecipeError
     from ..recipes.linearize import transfer_batches
@@ -90,9 +96,14 @@ def run_budget(args: argparse.Namespace) -> int:
         text = read_training_text([args.text_file])
         token_ids = tokenizer(text)["input_ids"]
         batches = transfer_batches(token_ids, args.length, 1, args.seed)[:args.sequences]
-        errors = measure_option_errors(model, batches, cache_sizes)
+        if args.metric == "loss":
+            errors, exact_loss = measure_option_losses(model, batches, cache_sizes, progress=_progress)
+        else:
+            errors = measure_option_errors(model, batches, cache_sizes)
         allocation = allocate_cache_budget(model, errors, budget, args.context, dtype_bytes=dtype_bytes,
-                                           allow_softmax=not args.no_softmax)
+                                           allow_softmax=not args.no_softmax, metric=args.metric)
+        if args.metric == "loss":
+            allocation.measured = measure_allocation_losses(model, batches, allocation, exact_loss)
         apply_cache_allocation(model, allocation)
     except (CacheBudgetError, RecipeError) as error:
         raise SystemExit(f"hf-performer budget: error: {error}") from None
@@ -105,9 +116,16 @@ def run_budget(args: argparse.Namespace) -> int:
         ["hf-performer budget", record["model"], os.path.basename(os.path.normpath(output)),
          f"--cache-budget {args.cache_budget}", f"--context {args.context}",
          f"--text-file {os.path.basename(args.text_file)}", "--cache-sizes", *map(str, cache_sizes),
-         *(["--no-softmax"] if args.no_softmax else []), f"--sequences {args.sequences}", f"--length {args.length}",
+         *(["--no-softmax"] if args.no_softmax else []), f"--metric {args.metric}", f"--sequences {args.sequences}",
+         f"--length {args.length}",
          f"--seed {args.seed}"])
     write_reconfigured_model(output, args.model, model, tokenizer, CACHE_BUDGET_FILE, record)
     print(allocation_table(allocation))
     print(f"\nwrote {output}")
     return 0
+
+
+def _progress(done: int, total: int) -> None:
+    """One line per measured option on stderr, rewritten in place (a forward pass each)."""
+    print(f"\rmeasured {done}/{total} options (one forward pass each)", end="\n" if done == total else "",
+          file=sys.stderr, flush=True)

@@ -101,9 +101,18 @@ def layer_ranges(layers: list[int], num_layers: int) -> str:
     return f"layer{'s' if len(layers) > 1 else ''} {text}"
 
 
-def behaviour_rows(kinds: list[str], is_causal: bool) -> tuple[list[str], list[dict]]:
+ATTENTION_SELECTION_ROLLBACK = ("refused: the sparse cache chosen by attention scores cannot replay its boundaries "
+                                "(`sparse_cache_selection=\"recall\"` can)")
+"""The assisted-decoding cell of window layers whose sparse cache is chosen by attention (their boundary queries are
+not kept, so rejected candidates cannot be rolled back)."""
+
+
+def behaviour_rows(kinds: list[str], is_causal: bool, settings: dict | None = None) -> tuple[list[str], list[dict]]:
     """The card's "What the attention supports" table for the kinds present: ``(column titles, rows)``, each row
-    ``{"name": ..., "cells": [...]}`` in the columns' order."""
+    ``{"name": ..., "cells": [...]}`` in the columns' order. ``settings`` (the recorded ``favor_settings``) says
+    whether window layers choose their sparse cache by attention (:data:`ATTENTION_SELECTION_ROLLBACK`)."""
+    from ..favor_settings import layer_sparse_cache
+
     present = list(dict.fromkeys(kinds))
     behaviours = [LAYER_BEHAVIOURS[kind] for kind in present]
 
@@ -127,7 +136,11 @@ def behaviour_rows(kinds: list[str], is_causal: bool) -> tuple[list[str], list[d
         rows.append({"name": "decoding cache (`generate`)", "cells": [
             f"`{b.cache_layer}`, " + ("constant size" if b.constant_cache else "grows with every token")
             for b in behaviours]})
+        settings = settings or {}
+        selected = settings.get("sparse_cache_selection") == "attention" and any(
+            layer_sparse_cache(settings, layer) for layer, kind in enumerate(kinds) if kind.startswith("window"))
         rows.append({"name": "prompt lookup / assisted decoding", "cells": [
+            ATTENTION_SELECTION_ROLLBACK if selected and kind.startswith("window") else
             yes_no(b.assisted_decoding, "supported (rejected candidates are rolled back; a linear-attention "
-                   "assistant model is refused)", "not supported") for b in behaviours]})
+                   "assistant model is refused)", "not supported") for kind, b in zip(present, behaviours)]})
     return [LAYER_BEHAVIOURS[kind].title for kind in present], rows

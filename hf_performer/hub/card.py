@@ -317,7 +317,7 @@ def build_model_card(
     shown = [key for key in settings if (not clustered or key in meanings)
              and (uses_feature_map(kinds) or key not in MAP_ONLY_SETTINGS)]
     order = list(meanings) + [key for key in SETTING_MEANINGS if key not in meanings]
-    columns, behaviours = behaviour_rows(kinds or ["linear"], is_causal)
+    columns, behaviours = behaviour_rows(kinds or ["linear"], is_causal, settings)
     context = {
         "model_name": model_name,
         "repo_id": repo_id or model_name,

@@ -118,6 +118,8 @@ def cache_budget_context(record: dict, where: str) -> dict:
         "error": f"{record['total_error']:.4g}",
         "uniform": {"size": uniform["sparse_cache"], "error": f"{uniform['error']:.4g}"} if uniform else None,
         "command": record.get("command"),
+        "by_loss": record.get("metric") == "loss",
+        "measured": {name: f"{entry['perplexity']:.3f}" for name, entry in (record.get("measured") or {}).items()},
     }
 
 
