@@ -62,7 +62,7 @@ MEASURED_NAMES = {"exact": "every key kept (exact)", "allocation": "this allocat
 """The configurations :func:`measure_allocation_losses` measures, as the table names them."""
 METRICS = {
     "loss": "the rise of the model's mean next-token loss on the measurement text when only that layer keeps G hard "
-            "keys (every other window layer keeping all of them)",
+            "keys (every other window layer on exact softmax)",
     "error": "mean squared error of each layer's attention output against exact softmax (teacher forcing)",
 }
 """What an allocation minimises (``hf-performer budget --metric``), as its record and card say it."""
@@ -271,39 +271,42 @@ def window_layers_of(model: nn.Module) -> list[int]:
     return [geometry.layer for geometry in layer_geometries(model) if geometry.kind == "window"]
 
 
-def exact_sparse_caches(model: nn.Module, layers: Sequence[int], length: int) -> dict[int, int]:
-    """Per window layer, the sparse cache that keeps every key of a ``length``-token sequence its sinks and window do
-    not (the layer is then exact softmax on such sequences)."""
-    settings = model.config.favor_settings
-    return {layer: max(1, length - sum(layer_window(settings, layer))) for layer in layers}
-
-
-def mean_token_loss(model: nn.Module, batches: Sequence[dict], sparse_caches: dict[int, int] | None = None) -> float:
-    """``model``'s mean next-token loss over ``batches`` (no cache), with the window layers of ``sparse_caches`` given
-    those sparse-cache sizes for the measurement only (the model's settings are restored after)."""
-    recorded = model.config.favor_settings.get("layer_windows") or {}
-    original = {layer: dict(values) for layer, values in recorded.items()}
+def mean_token_loss(model: nn.Module, batches: Sequence[dict], sparse_caches: dict[int, int] | None = None,
+                    softmax_layers: Iterable[int] = ()) -> float:
+    """``model``'s mean next-token loss over ``batches`` (no cache), for the measurement only (the model's settings
+    are restored after) with the window layers of ``sparse_caches`` given those sparse-cache sizes and the layers of
+    ``softmax_layers`` on exact softmax attention."""
+    before = model.config.favor_settings
+    changes = {}
     if sparse_caches:
-        overrides = {layer: dict(values) for layer, values in original.items()}
+        overrides = {layer: dict(values) for layer, values in (before.get("layer_windows") or {}).items()}
         for layer, size in sparse_caches.items():
             overrides.setdefault(str(layer), {})["sparse_cache"] = int(size)
-        update_favor_settings(model, layer_windows=overrides)
+        changes["layer_windows"] = overrides
+    softmax_layers = sorted(set(softmax_layers) | set(before.get("softmax_layers") or ()))
+    if softmax_layers != sorted(before.get("softmax_layers") or ()):
+        changes["softmax_layers"] = softmax_layers
+    # (restored by assignment: once every layer runs softmax, update_favor_settings finds no favor layer to change)
+    configs = [module.config for _, module in find_attention_modules(model)] + [model.config]
+    saved = [(config, config.favor_settings) for config in configs if getattr(config, "favor_settings", None)]
+    if changes:
+        update_favor_settings(model, **changes)
     try:
         with torch.no_grad():
             losses = [float(model(input_ids=batch["input_ids"], labels=batch["input_ids"], use_cache=False).loss)
                       for batch in batches]
     finally:
-        if sparse_caches:
-            update_favor_settings(model, layer_windows=original)
+        for config, settings in saved:
+            config.favor_settings = settings
     return sum(losses) / len(losses)
 
 
 def measure_option_losses(model: nn.Module, batches: Iterable[dict], cache_sizes: Sequence[int] = CACHE_SIZES,
                           progress=None) -> tuple[dict[int, dict[int, float]], float]:
     """``({layer: {G: loss rise}}, exact loss)``: for every causal window layer and size ``G``, the model's mean
-    next-token loss on ``batches`` with that layer keeping ``G`` hard keys and every other window layer keeping every
-    key it has seen (a cache as long as the sequences: exact softmax), minus the loss with all of them exact. One
-    forward pass per layer and size; ``progress(done, total)`` is called after each.
+    next-token loss on ``batches`` with that layer keeping ``G`` hard keys and every other window layer on exact
+    softmax, minus the loss with all of them on softmax. One forward pass per layer and size; ``progress(done,
+    total)`` is called after each.
 
     Raises:
         CacheBudgetError: sequences shorter than twice the largest ``G``, or no window layer.
@@ -318,12 +321,12 @@ def measure_option_losses(model: nn.Module, batches: Iterable[dict], cache_sizes
     if not layers:
         raise CacheBudgetError("the model has no causal window layer: the cache budget allocates the sparse cache of "
                                "window-hybrid layers")
-    exact = exact_sparse_caches(model, layers, length)
-    exact_loss = mean_token_loss(model, batches, exact)
+    exact_loss = mean_token_loss(model, batches, softmax_layers=layers)
     sizes = sorted(set(int(size) for size in cache_sizes))
     rises: dict[int, dict[int, float]] = {}
     for index, (layer, size) in enumerate((layer, size) for layer in layers for size in sizes):
-        rises.setdefault(layer, {})[size] = mean_token_loss(model, batches, {**exact, layer: size}) - exact_loss
+        others = [other for other in layers if other != layer]
+        rises.setdefault(layer, {})[size] = mean_token_loss(model, batches, {layer: size}, others) - exact_loss
         if progress is not None:
             progress(index + 1, len(layers) * len(sizes))
     return rises, exact_loss
@@ -332,12 +335,10 @@ def measure_option_losses(model: nn.Module, batches: Iterable[dict], cache_sizes
 def measure_allocation_losses(model: nn.Module, batches: Sequence[dict], allocation: "CacheAllocation",
                               exact_loss: float) -> dict:
     """The end metric of the chosen allocation beside the best single ``G`` within the same budget, measured (not
-    the sum of per-layer estimates the allocation minimised): mean next-token loss and perplexity on ``batches``.
-    A layer put back on softmax is measured as a cache as long as the sequences (the same outputs)."""
-    exact = exact_sparse_caches(model, list(allocation.layers), min(batch["input_ids"].shape[-1] for batch in batches))
-    chosen = {layer: exact[layer] if entry["option"] == SOFTMAX else entry["option"]
-              for layer, entry in allocation.layers.items()}
-    measured = {"exact": exact_loss, "allocation": mean_token_loss(model, batches, chosen)}
+    the sum of per-layer estimates the allocation minimised): mean next-token loss and perplexity on ``batches``."""
+    chosen = {layer: entry["option"] for layer, entry in allocation.layers.items() if entry["option"] != SOFTMAX}
+    measured = {"exact": exact_loss,
+                "allocation": mean_token_loss(model, batches, chosen, allocation.softmax_layers)}
     if allocation.uniform is not None:
         measured["uniform"] = mean_token_loss(model, batches, dict.fromkeys(allocation.layers,
                                                                             allocation.uniform["sparse_cache"]))

@@ -17,7 +17,7 @@ CLI_DESCRIPTION = """Spend one decoding-memory budget where a window hybrid need
 
 For every causal window layer and every --cache-sizes G, what keeping G hard keys costs is measured on
 --sequences x --length tokens of --text-file: by default (--metric loss) the rise of the model's next-token loss when
-only that layer keeps G keys and the others keep every key (what a dropped token costs the layers after it too); with
+only that layer keeps G keys and the others run exact softmax (what a dropped token costs the layers after it too); with
 --metric error the layer's attention output error against exact softmax (teacher forcing). Then one option per layer
 (a sparse cache of G hard keys per key head, or exact softmax unless --no-softmax) is chosen to minimise the sum while
 the decoding state of one sequence at --context tokens stays within --cache-budget (bytes with a unit: 16MiB, 20MB;
