@@ -563,6 +563,11 @@ def _long_context_row(root: str) -> str:
         grows = arms["quantized_kv_4bit"]["cache_bytes"]
         peers[-1] += f" ({grows['8192'] / MIB:.1f} MiB at 8k, growing: {grows['16384'] / MIB:.1f} MiB at 16k)"
     ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
+    passkey = load(LONG_CONTEXT_PASSKEY)
+    length = str(passkey["protocol"]["retrieval_lengths"][-1])
+    peers.append(f"passkey at {round(int(length) / 1024)}k ours "
+                 f"{passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f} against softmax's "
+                 f"{passkey['baseline']['passkey_by_length'][length]:.2f}")
     return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
             f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "
             f"perplexity / softmax's {ratios}"
