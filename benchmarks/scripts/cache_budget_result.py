@@ -26,8 +26,12 @@ def _plot(result: dict, path: str) -> None:
     for size in sizes:
         error_axis.plot([int(layer) for layer in layers], [result["errors"][layer][size] for layer in layers], "-o",
                         ms=3, label=f"G = {size}")
-    error_axis.set(yscale="log", xlabel="layer", ylabel="attention output MSE vs softmax",
-                   title="measured error per layer (teacher forcing)")
+    if result.get("metric") == "loss":  # (a rise can be negative: no log scale)
+        error_axis.set(yscale="symlog", xlabel="layer", ylabel="next-token loss rise (nats)",
+                       title="loss rise with only this layer cached (others exact softmax)")
+    else:
+        error_axis.set(yscale="log", xlabel="layer", ylabel="attention output MSE vs softmax",
+                       title="measured error per layer (teacher forcing)")
     error_axis.legend(fontsize=7)
     chosen = [result["layers"][layer]["option"] for layer in layers]
     heights = [float(option) if option != "softmax" else 0.0 for option in chosen]

@@ -637,6 +637,30 @@ def smollm2_long_context_passkey(root: str) -> str:
                               f"above; {_link(root, LONG_CONTEXT_PASSKEY)}; " + machine(result)])
 
 
+def smollm2_budget_by_loss(root: str) -> str:
+    """``hf-performer budget --metric loss`` on the zero-shot SmolLM2 window hybrid
+    (``cache_budget_smollm2_loss.json``): the measured perplexity of the allocation beside the best single G within the same budget and exact softmax."""
+    result = load("cache_budget_smollm2_loss.json")
+    measured, uniform = result["measured"], result["uniform"]
+    options = sorted({str(entry["option"]) for entry in result["layers"].values()}, key=lambda o: (o == "softmax", o))
+    counts = ", ".join(f"G {option}: {sum(str(e['option']) == option for e in result['layers'].values())} layers"
+                       for option in sorted(options, key=lambda o: int(o) if o.isdigit() else 10 ** 9))
+    rows = [("every window layer on exact softmax (reference)", measured["exact"], None),
+            (f"the allocation ({counts})", measured["allocation"], result["total_bytes"]),
+            (f"one G = {uniform['sparse_cache']} for every layer (the largest that fits)", measured["uniform"],
+             uniform["bytes"])]
+    lines = ["| configuration | perplexity | / exact | state at 8k |", "|---|---:|---:|---:|"]
+    for label, entry, size in rows:
+        ratio = entry["perplexity"] / measured["exact"]["perplexity"]
+        lines.append(f"| {label} | {entry['perplexity']:.3f} | {ratio:.3f}x | "
+                     f"{f'{size / MIB:.1f} MiB' if size else '-'} |")
+    on = result["measured_on"]
+    return "\n".join(lines + ["", f"Budget {result['budget_bytes'] / MIB:.0f} MiB at {result['context']:,} tokens; "
+                              f"measured on {on['sequences']} x {on['length']} tokens of {on['text_file']} (the same "
+                              f"text the options were measured on); `{result['command']}`; "
+                              f"{_link(root, 'cache_budget_smollm2_loss.json')}; " + machine(result)])
+
+
 RECOMMENDED_SERVING = (("window_G256", "window 64 + G 256 (as trained)"), ("window512_G512_load", "window 512 + G 512"),
                        ("window_G1024_load", "window 64 + G 1024"), ("window512_G1024_load", "window 512 + G 1024"))
 
@@ -950,6 +974,7 @@ TABLES = {
     "smollm2-recommended": smollm2_recommended,
     "smollm2-long-context": smollm2_long_context,
     "smollm2-long-context-passkey": smollm2_long_context_passkey,
+    "smollm2-budget-by-loss": smollm2_budget_by_loss,
     **{name: functools.partial(smollm2_arms_table, name=name) for name in ARM_TABLES},
 }
 """Each generated block by the name its markers carry (``<!-- NAME:start -->`` / ``<!-- NAME:end -->``)."""
