@@ -242,6 +242,21 @@ def check_budget_reachable(model: nn.Module, budget_bytes: int, context: int, ca
             f"accepted: >= {_mib(smallest)}")
 
 
+def _measurement_batches(batches: Iterable[dict], cache_sizes: Sequence[int]) -> list[dict]:
+    """``batches`` as a list, after checking their sequences are at least twice the largest ``G`` long.
+
+    Raises:
+        CacheBudgetError: a shorter sequence.
+    """
+    batches = list(batches)
+    length = min(batch["input_ids"].shape[-1] for batch in batches)
+    if 2 * max(cache_sizes) > length:
+        raise CacheBudgetError(
+            f"a sparse cache of {max(cache_sizes)} keys needs measurement sequences of at least {2 * max(cache_sizes)} "
+            f"tokens (given {length}): a cache holding most of a sequence is exact there and not at longer contexts")
+    return batches
+
+
 def measure_option_errors(model: nn.Module, batches: Iterable[dict], cache_sizes: Sequence[int] = CACHE_SIZES,
                           ) -> dict[int, dict[int, float]]:
     """``{layer: {G: error}}`` for every causal window layer: the mean squared error of its attention output against
@@ -253,12 +268,7 @@ def measure_option_errors(model: nn.Module, batches: Iterable[dict], cache_sizes
     """
     from .attention_transfer import measure_transfer_losses
 
-    batches = list(batches)
-    length = min(batch["input_ids"].shape[-1] for batch in batches)
-    if 2 * max(cache_sizes) > length:
-        raise CacheBudgetError(
-            f"a sparse cache of {max(cache_sizes)} keys needs measurement sequences of at least {2 * max(cache_sizes)} "
-            f"tokens (given {length}): a cache holding most of a sequence is exact there and not at longer contexts")
+    batches = _measurement_batches(batches, cache_sizes)
     errors: dict[int, dict[int, float]] = {}
     for size in sorted(set(int(size) for size in cache_sizes)):
         for layer, entry in measure_transfer_losses(model, batches, sparse_cache=size).items():
@@ -311,12 +321,7 @@ def measure_option_losses(model: nn.Module, batches: Iterable[dict], cache_sizes
     Raises:
         CacheBudgetError: sequences shorter than twice the largest ``G``, or no window layer.
     """
-    batches = list(batches)
-    length = min(batch["input_ids"].shape[-1] for batch in batches)
-    if 2 * max(cache_sizes) > length:
-        raise CacheBudgetError(
-            f"a sparse cache of {max(cache_sizes)} keys needs measurement sequences of at least {2 * max(cache_sizes)} "
-            f"tokens (given {length}): a cache holding most of a sequence is exact there and not at longer contexts")
+    batches = _measurement_batches(batches, cache_sizes)
     layers = window_layers_of(model)
     if not layers:
         raise CacheBudgetError("the model has no causal window layer: the cache budget allocates the sparse cache of "

@@ -148,22 +148,30 @@ def test_the_applied_allocation_is_what_the_model_and_its_cache_run(hybrid, erro
     torch.testing.assert_close(torch.cat([prefill, *steps], 1), one_pass, rtol=1e-4, atol=1e-4)
 
 
-@needs_shared
-def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_llama_config):
+def _saved_window_hybrid(tmp_path, tiny_llama_config, **conversion):
+    """A tiny Llama converted to a window hybrid (window 4, 1 sink), saved with the GPT-2 tokenizer, and a training
+    text: ``(hybrid, tokenizer, model folder, output folder, text file)``."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
     torch.manual_seed(0)
     source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
-    hybrid = convert_to_performer(source, feature_map="hedgehog", window=4, sinks=1, seed=0, chunk_size=16)
+    hybrid = convert_to_performer(source, window=4, sinks=1, seed=0, chunk_size=16, **conversion)
     model_dir, output = tmp_path / "hybrid", tmp_path / "budgeted"
     hybrid.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     text = tmp_path / "train.txt"
     text.write_text(" ".join(f"word{i % 37} and {i % 11}." for i in range(400)))
+    return hybrid, tokenizer, model_dir, output, text
+
+
+@needs_shared
+def test_budget_command_writes_a_loadable_folder_with_its_record(tmp_path, tiny_llama_config):
+    hybrid, _, model_dir, output, text = _saved_window_hybrid(tmp_path, tiny_llama_config, feature_map="hedgehog")
     bytes_g4 = sum(option_bytes(g, 4, 2048, 4) for g in layer_geometries(hybrid))
     assert cli_main(["budget", str(model_dir), str(output), "--cache-budget", str(bytes_g4), "--context", "2048",
-                     "--text-file", str(text), "--cache-sizes", "0", "4", "16", "--length", "64", "--metric", "error"]) == 0
+                     "--text-file", str(text), "--cache-sizes", "0", "4", "16", "--length", "64",
+                     "--metric", "error"]) == 0
     written = (output / "cache_budget.json").read_text()
     record = json.loads(written)
     assert record["total_bytes"] <= bytes_g4 and record["measured_on"]["text_file"] == "train.txt"
@@ -189,14 +197,9 @@ def test_budget_by_the_end_metric_measures_the_choice_beside_one_g_for_every_lay
     """--metric loss (the default): each layer's options cost the rise of the model's next-token loss with every
     other window layer exact; the chosen allocation and the best single G are then measured, and the card says so.
     The measurement leaves the model's own settings as they were."""
-    from transformers import AutoTokenizer
-
     from hf_performer.conversion.cache_budget import measure_option_losses, mean_token_loss
 
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
-    torch.manual_seed(0)
-    source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
-    hybrid = convert_to_performer(source, window=4, sinks=1, linear_tail=False, seed=0, chunk_size=16)
+    hybrid, tokenizer, model_dir, output, text = _saved_window_hybrid(tmp_path, tiny_llama_config, linear_tail=False)
     ids = torch.randint(0, len(tokenizer), (1, 64), generator=torch.Generator().manual_seed(0))
     before = dict(hybrid.config.favor_settings)
     rises, exact = measure_option_losses(hybrid, [{"input_ids": ids}], (0, 8, 32))
@@ -205,11 +208,6 @@ def test_budget_by_the_end_metric_measures_the_choice_beside_one_g_for_every_lay
     assert mean_token_loss(hybrid, [{"input_ids": ids}], {0: 59, 1: 59}) == pytest.approx(exact, abs=1e-6)
     assert rises[0][0] != pytest.approx(0.0, abs=1e-6)  # a layer that drops every older key changes the loss
 
-    model_dir, output = tmp_path / "hybrid", tmp_path / "budgeted"
-    hybrid.save_pretrained(model_dir)
-    tokenizer.save_pretrained(model_dir)
-    text = tmp_path / "train.txt"
-    text.write_text(" ".join(f"word{i % 37} and {i % 11}." for i in range(400)))
     budget = sum(option_bytes(g, 8, 2048, 4) for g in layer_geometries(hybrid))
     assert cli_main(["budget", str(model_dir), str(output), "--cache-budget", str(budget), "--context", "2048",
                      "--text-file", str(text), "--cache-sizes", "0", "8", "16", "--length", "64"]) == 0

@@ -348,8 +348,8 @@ UNEXPLAINED = re.compile(r"cannot run: (IndexError|KeyError|TypeError|AttributeE
 
 def refused_without_mechanism(entry: dict) -> bool:
     """Whether a refused architecture's reason, for some head, is an unexplained error (:data:`UNEXPLAINED`)."""
-    return any(UNEXPLAINED.search(summarise_head(result)[1] or "") for result in entry["heads"].values()
-               if summarise_head(result)[0] == "refused")
+    summaries = [summarise_head(result) for result in entry["heads"].values()]
+    return any(status == "refused" and UNEXPLAINED.search(detail or "") for status, detail in summaries)
 
 
 def totals(architectures: dict) -> dict:
