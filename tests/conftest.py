@@ -2,6 +2,7 @@
 
 import os
 import sys
+from pathlib import Path
 
 # Without a GPU, Triton kernels run in Triton's interpreter on CPU tensors (the parallel path's selection kernel,
 # tests/test_parallel_path.py); it must be on before anything imports triton.
@@ -77,8 +78,6 @@ def tiny_llama_config(**overrides):
 def benchmark_script(name: str):
     """The module of ``benchmarks/scripts/NAME.py`` (not a package: loaded from its file), for collector tests."""
     import importlib.util
-    from pathlib import Path
-
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"_script_{name}", script)
     module = importlib.util.module_from_spec(spec)
@@ -137,6 +136,51 @@ def tiny_gpt2_config_builder():
 def tiny_llama_config_builder():
     """:func:`tiny_llama_config`: call it with overrides, e.g. ``tiny_llama_config(pad_token_id=0)``."""
     return tiny_llama_config
+
+
+# --------------------------------------------------------------------------------------------
+# Tiny tokenizers: real tokenizer classes over small vocabularies (nothing downloaded), and the GPT-2 tokenizer of
+# ../shared/data for the retrieval tasks' prompts.
+# --------------------------------------------------------------------------------------------
+
+BERT_SPECIAL_TOKENS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def word_piece_tokenizer(folder, words, save_to=None):
+    """A ``BertTokenizer`` over :data:`BERT_SPECIAL_TOKENS` followed by ``words`` (duplicates of the special tokens
+    are dropped), its ``vocab.txt`` written into ``folder``; saved into ``save_to`` too when given."""
+    from transformers import BertTokenizer
+
+    tokens = [*BERT_SPECIAL_TOKENS, *(word for word in words if word not in BERT_SPECIAL_TOKENS)]
+    vocab_file = Path(folder) / "vocab.txt"
+    vocab_file.parent.mkdir(parents=True, exist_ok=True)
+    vocab_file.write_text("\n".join(tokens) + "\n")
+    tokenizer = BertTokenizer(str(vocab_file))
+    if save_to is not None:
+        tokenizer.save_pretrained(save_to)
+    return tokenizer
+
+
+def word_level_tokenizer(words):
+    """A fast word-level tokenizer over ``<unk>``, ``<eos>`` and ``words`` split on whitespace (``<eos>`` pads)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {word: index for index, word in enumerate(dict.fromkeys(["<unk>", "<eos>", *words]))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+
+
+@pytest.fixture(scope="session")
+def gpt2_tokenizer():
+    """The GPT-2 tokenizer of ``../shared/data`` (the test is skipped where that folder is absent)."""
+    if not (SHARED_DATA / "gpt2-tokenizer").is_dir():
+        pytest.skip("../shared/data is absent (the GPT-2 tokenizer)")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(SHARED_DATA / "gpt2-tokenizer")
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,7 @@ import torch
 from transformers import (
     AutoModel,
     AutoModelForCausalLM,
-    AutoTokenizer,
     BertModel,
-    BertTokenizer,
     GPT2LMHeadModel,
     LlamaForCausalLM,
 )
@@ -43,12 +41,11 @@ from hf_performer.conversion.attention_transfer import (
 )
 from hf_performer.feature_maps import FeatureMap, Features, HedgehogFeatureMap, T2RFeatureMap
 from hf_performer.reference import softmax_attention
-from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config, word_piece_tokenizer
 
 logging.set_verbosity_error()
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
-GPT2_TOKENIZER = SHARED / "gpt2-tokenizer"
 
 WORDS = (
     "the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
@@ -486,8 +483,7 @@ SENTENCES = [
 @pytest.fixture(scope="module")
 def bert_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("distill") / "bert"
-    (folder.parent / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
-    BertTokenizer(str(folder.parent / "vocab.txt")).save_pretrained(folder)
+    word_piece_tokenizer(folder.parent, VOCAB_TOKENS, save_to=folder)
     bert_source().save_pretrained(folder)
     sst2 = folder.parent / "train.tsv"
     sst2.write_text("sentence\tlabel\n" + "".join(f"{s}\t{i % 2}\n" for i, s in enumerate(SENTENCES)))
@@ -557,9 +553,8 @@ def test_distill_refuses_an_existing_output_and_a_map_without_parameters(bert_fo
     assert "keep.txt" not in os.listdir(existing) and "attention_transfer.json" in os.listdir(existing)
 
 
-@pytest.mark.skipif(not GPT2_TOKENIZER.is_dir(), reason="../shared/data/gpt2-tokenizer is absent")
-def test_distill_a_gpt2_on_raw_text(tmp_path, capsys):
-    tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
+def test_distill_a_gpt2_on_raw_text(tmp_path, capsys, gpt2_tokenizer):
+    tokenizer = gpt2_tokenizer
     source = tmp_path / "gpt2"
     torch.manual_seed(0)
     GPT2LMHeadModel(tiny_gpt2_config(vocab_size=len(tokenizer), initializer_range=0.3)).save_pretrained(source)

@@ -221,11 +221,9 @@ def test_budget_by_the_end_metric_measures_the_choice_beside_one_g_for_every_lay
 
 
 @needs_shared
-def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch):
-    from transformers import AutoTokenizer
-
+def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch, gpt2_tokenizer):
     arms = benchmark_script("hybrid_arms")
-    save_tiny_hybrid_and_softmax(tmp_path, AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer"))
+    save_tiny_hybrid_and_softmax(tmp_path, gpt2_tokenizer)
     stages = {"convert": {"status": "done", "wall_time_s": 1.0}, "transfer": {"status": "done", "wall_time_s": 20.5},
               "select": {"status": "skipped"}, "lora": {"status": "done", "wall_time_s": 7.25}}
     (tmp_path / "hybrid" / "linearize.json").write_text(json.dumps({"stages": stages}))  # as linearize writes it

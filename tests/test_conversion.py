@@ -60,7 +60,7 @@ from hf_performer.conversion import (
 from hf_performer.cli import convert as convert_cli
 from hf_performer.feature_maps import FeatureMap
 from hf_performer.hub import TOKENIZER_FILES
-from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config, word_piece_tokenizer
 
 logging.set_verbosity_error()
 
@@ -75,9 +75,7 @@ VOCAB = len(VOCAB_TOKENS)
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """A real WordPiece tokenizer over a tiny vocabulary (written to a file, nothing downloaded)."""
-    folder = tmp_path_factory.mktemp("tokenizer")
-    (folder / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
-    return BertTokenizer(str(folder / "vocab.txt"))
+    return word_piece_tokenizer(tmp_path_factory.mktemp("tokenizer"), VOCAB_TOKENS)
 
 
 # The shared tiny configurations (conftest) over this file's vocabulary.

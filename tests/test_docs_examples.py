@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import tiny_bert_config, tiny_llama_config
+from conftest import tiny_bert_config, tiny_llama_config, word_level_tokenizer, word_piece_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
@@ -182,24 +182,17 @@ def _write_text_data(root: Path) -> None:
 def sandbox(tmp_path_factory) -> Path:
     """A folder with the tiny models under the pages' Hub ids and the data files (see the module docstring)."""
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import BertModel, BertTokenizer, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import BertModel, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("docs-sandbox")
     torch.manual_seed(0)
     minilm = root / "sentence-transformers" / "all-MiniLM-L6-v2"
     minilm.mkdir(parents=True)
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
-    (minilm / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertTokenizer(str(minilm / "vocab.txt")).save_pretrained(minilm)
-    BertModel(tiny_bert_config(vocab_size=len(vocab), max_position_embeddings=128)).save_pretrained(minilm)
+    vocab = len(word_piece_tokenizer(minilm, WORDS, save_to=minilm))
+    BertModel(tiny_bert_config(vocab_size=vocab, max_position_embeddings=128)).save_pretrained(minilm)
 
     smollm2 = root / "HuggingFaceTB" / "SmolLM2-135M"
-    backend = Tokenizer(models.WordLevel({word: i for i, word in enumerate(["<unk>", "<eos>", *WORDS])},
-                                         unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>",
-                                        pad_token="<eos>")
+    tokenizer = word_level_tokenizer(WORDS)
     config = tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=4096, eos_token_id=1,
                                pad_token_id=1, bos_token_id=1)
     LlamaForCausalLM(config).save_pretrained(smollm2)

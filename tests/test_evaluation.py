@@ -13,8 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import BertForSequenceClassification, BertTokenizer, GPT2LMHeadModel
+from transformers import BertForSequenceClassification, GPT2LMHeadModel
 from transformers.utils import logging
+
+from conftest import word_piece_tokenizer
 
 from hf_performer.tasks import evaluation
 from hf_performer.cli import build_parser as cli_build_parser
@@ -247,11 +249,9 @@ def test_a_byte_order_mark_is_ignored_by_every_text_reader(tmp_path):
 
 
 def test_evaluate_command_classification(tmp_path, capsys, tiny_bert_config):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie", "film"]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
+    tokenizer = word_piece_tokenizer(tmp_path, ["good", "bad", "movie", "film"])
     torch.manual_seed(0)
-    source = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))).eval()
+    source = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(tokenizer))).eval()
     folder = tmp_path / "performer"
     convert_to_performer(source, nb_features=16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -295,10 +295,8 @@ def test_classification_progress_bar_on_a_terminal_only(tmp_path, monkeypatch, t
     from torch.utils.data import DataLoader
     from transformers import DataCollatorWithPadding
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    tokenizer = BertTokenizer(str(tmp_path / "vocab.txt"))
-    model = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab)))
+    tokenizer = word_piece_tokenizer(tmp_path, ["good", "bad", "movie"])
+    model = BertForSequenceClassification(tiny_bert_config(num_hidden_layers=1, vocab_size=len(tokenizer)))
     (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\nmovie\t1\n")
     data = tokenize_task_dataset(load_task_file(tmp_path / "dev.tsv", "sst2"), tokenizer, "sst2")
     loader = DataLoader(data, batch_size=2, collate_fn=DataCollatorWithPadding(tokenizer))
@@ -317,14 +315,13 @@ def test_evaluate_refuses_a_model_without_trained_task_head(tmp_path, capsys, ti
     """A base encoder folder loads as a classifier whose head transformers initialises randomly: no accuracy."""
     from transformers import BertModel
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    config = tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))
+    tokenizer = word_piece_tokenizer(tmp_path, ["good", "bad", "movie"])
+    config = tiny_bert_config(num_hidden_layers=1, vocab_size=len(tokenizer))
     for name, model in (("bert-base", BertModel(config)),
                         ("performer-base", convert_to_performer(BertModel(config), nb_features=16))):
         folder = tmp_path / name
         model.save_pretrained(folder)
-        BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
         (tmp_path / "dev.tsv").write_text("sentence\tlabel\ngood movie\t1\nbad movie\t0\n")
         with pytest.raises(EvaluationError, match=r"no trained weights for .*classifier\.weight"):
             evaluation.evaluate_classification_model(str(folder), "sst2", str(tmp_path / "dev.tsv"))
@@ -345,10 +342,8 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
     from hf_performer.cli.convert import main as convert_main
 
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "bad", "movie"]
-    (tmp_path / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    BertModel(tiny_bert_config(num_hidden_layers=1, vocab_size=len(vocab))).save_pretrained(tmp_path / "base")
-    BertTokenizer(str(tmp_path / "vocab.txt")).save_pretrained(tmp_path / "base")
+    tokenizer = word_piece_tokenizer(tmp_path, ["good", "bad", "movie"], save_to=tmp_path / "base")
+    BertModel(tiny_bert_config(num_hidden_layers=1, vocab_size=len(tokenizer))).save_pretrained(tmp_path / "base")
     folder = tmp_path / "converted"
     assert convert_main([str(tmp_path / "base"), str(folder), "--task", "sequence-classification",
                          "--nb-features", "16"]) == 0
@@ -362,10 +357,8 @@ def test_evaluate_refuses_a_converted_folder_whose_new_head_was_never_trained(tm
 
 
 @needs_shared
-def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt2, tiny_gpt2_config):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+def test_evaluate_command_perplexity_on_wikitext_file(tmp_path, capsys, tiny_gpt2, tiny_gpt2_config, gpt2_tokenizer):
+    tokenizer = gpt2_tokenizer
     torch.manual_seed(0)
     folder = tmp_path / "gpt2"
     GPT2LMHeadModel(tiny_gpt2_config(n_layer=1, vocab_size=len(tokenizer))).save_pretrained(folder)

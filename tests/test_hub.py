@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from huggingface_hub import EvalResult, ModelCard, constants, metadata_load
 from huggingface_hub.repocard_data import eval_results_to_model_index, model_index_to_eval_results
-from transformers import BertForSequenceClassification, BertTokenizer
+from transformers import BertForSequenceClassification
 from transformers.utils import logging
 
 from hf_performer import PerformerConfig, PerformerForSequenceClassification, hub
@@ -45,7 +45,7 @@ from hf_performer.hub import (
     write_model_card,
 )
 from hf_performer.hub.folder import TOKENIZER_FILES
-from conftest import tiny_bert_config
+from conftest import tiny_bert_config, word_piece_tokenizer
 
 logging.set_verbosity_error()
 
@@ -76,10 +76,9 @@ def converted(tmp_path_factory):
     """A tiny BERT sequence classifier converted by ``hf-performer convert`` (which writes the card)."""
     root = tmp_path_factory.mktemp("hub")
     source = root / "source"
-    (root / "vocab.txt").write_text("\n".join(VOCAB_TOKENS) + "\n")
     config = tiny_bert_config(vocab_size=len(VOCAB_TOKENS), max_position_embeddings=64)
     BertForSequenceClassification(config).save_pretrained(source)
-    BertTokenizer(str(root / "vocab.txt")).save_pretrained(source)
+    word_piece_tokenizer(root, VOCAB_TOKENS, save_to=source)
     output = root / "tiny-performer"
     assert convert_cli.main([str(source), str(output), "--nb-features", "16", "--task", "sequence-classification",
                              "--text", "the quick brown fox", "--text", "a lazy dog", "--keep-position-table"]) == 0

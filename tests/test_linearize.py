@@ -79,20 +79,14 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config  # noqa: E402
+from conftest import tiny_bert_config, tiny_gpt2_config, tiny_llama_config, word_level_tokenizer  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over lazy dog a cat sat on mat good bad movie film great awful was is and "
          "attention tokens sequence linear memory rain weekend letters box . ,").split()
 
 
 def _tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {word: index for index, word in enumerate(["<unk>", "<eos>", *WORDS])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>", pad_token="<eos>")
+    return word_level_tokenizer(WORDS)
 
 
 def _text(words: int, seed: int) -> str:

@@ -22,10 +22,8 @@ pytestmark = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is a
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+def tokenizer(gpt2_tokenizer):
+    return gpt2_tokenizer
 
 
 class InductionCopier(torch.nn.Module):

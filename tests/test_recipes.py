@@ -20,7 +20,6 @@ from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
     BertForSequenceClassification,
-    BertTokenizer,
     GPT2LMHeadModel,
 )
 from transformers.utils import logging
@@ -28,12 +27,12 @@ from transformers.utils import logging
 from hf_performer.recipes import arguments as recipe_arguments, results as recipe_results, train as training
 from hf_performer.recipes import selection as recipe_selection
 from hf_performer.recipes.arguments import RecipeError
+from conftest import word_piece_tokenizer
 
 logging.set_verbosity_error()
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
-GPT2_TOKENIZER = SHARED / "gpt2-tokenizer"
 WIKI_VALID = SHARED / "wikitext-2-raw" / "wiki.valid.raw"
 
 WORDS = "the quick brown fox jumps over lazy dog a cat sat on mat movie film was is and".split()
@@ -58,8 +57,7 @@ def workdir(tmp_path_factory, tiny_bert_config):
     root = tmp_path_factory.mktemp("recipes")
     model_dir = root / "bert"
     model_dir.mkdir()
-    (model_dir / "vocab.txt").write_text("\n".join(VOCAB) + "\n")
-    BertTokenizer(str(model_dir / "vocab.txt")).save_pretrained(model_dir)
+    word_piece_tokenizer(model_dir, VOCAB, save_to=model_dir)
     config = tiny_bert_config(vocab_size=len(VOCAB), max_position_embeddings=64)
     torch.manual_seed(0)
     BertForSequenceClassification(config).save_pretrained(model_dir)
@@ -660,12 +658,12 @@ def test_recipe_scripts_help_lists_the_flags(capsys, monkeypatch):
         assert f"recipes/{script}" in out
 
 
-@pytest.mark.skipif(not (GPT2_TOKENIZER.is_dir() and WIKI_VALID.is_file()), reason="../shared/data is absent")
-def test_causal_lm_recipe_on_wikitext_text(tmp_path, tiny_gpt2_config):
+@pytest.mark.skipif(not WIKI_VALID.is_file(), reason="../shared/data is absent")
+def test_causal_lm_recipe_on_wikitext_text(tmp_path, tiny_gpt2_config, gpt2_tokenizer):
     """A tiny random GPT-2 (real GPT-2 tokenizer) converted on the fly, fine-tuned on the first characters of
     WikiText-2 valid; perplexity with the documented protocol is reported and the loss falls."""
     model_dir = tmp_path / "gpt2"
-    tokenizer = AutoTokenizer.from_pretrained(GPT2_TOKENIZER)
+    tokenizer = gpt2_tokenizer
     torch.manual_seed(0)
     GPT2LMHeadModel(tiny_gpt2_config(n_positions=128, vocab_size=len(tokenizer))).save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)

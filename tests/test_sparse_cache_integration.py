@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 from hf_performer import convert_to_performer
 from hf_performer.cli import main as cli_main
@@ -83,8 +83,8 @@ def test_a_sparse_cache_on_a_linear_model_is_refused(tiny_llama_lm):
 
 
 @needs_shared
-def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_config):
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_config, gpt2_tokenizer):
+    tokenizer = gpt2_tokenizer
     torch.manual_seed(0)
     source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
     folder = tmp_path / "hybrid"
@@ -114,12 +114,12 @@ def test_evaluate_with_a_sparse_cache_records_the_change(tmp_path, tiny_llama_co
 
 
 @needs_shared
-def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_llama_config, capsys):
+def test_settings_writes_the_model_served_with_other_settings(tmp_path, tiny_llama_config, capsys, gpt2_tokenizer):
     """`hf-performer settings` writes the same weights with another window / sparse cache (a loadable folder and its
     record, no local paths), which evaluates as `hf-performer evaluate --window --sparse-cache` on the original."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+    tokenizer = gpt2_tokenizer
     torch.manual_seed(0)
     source = LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=256))
     folder, served = tmp_path / "hybrid", tmp_path / "served"

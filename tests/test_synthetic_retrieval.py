@@ -25,10 +25,8 @@ pytestmark = pytest.mark.skipif(not SHARED.is_dir(), reason="../shared/data is a
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(SHARED / "gpt2-tokenizer")
+def tokenizer(gpt2_tokenizer):
+    return gpt2_tokenizer
 
 
 def test_needle_prompts_have_the_length_the_needles_and_the_asked_one_at_its_depth(tokenizer):
