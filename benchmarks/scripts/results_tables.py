@@ -537,7 +537,8 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                      ("streamingllm_window1536", "window 1536, no cache (StreamingLLM)"),
                      ("quantized_kv_4bit", "full KV cache, 4-bit (transformers QuantizedCache, quanto)"),
                      ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"),
-                     ("window256_G512", "window 256 + G 512, recall selection (half the bytes)"))
+                     ("half_bytes_36MiB", "window 512, G 0 / 256 / 1024 per layer by `budget --metric loss` (half the "
+                      "bytes)"))
 LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
 
 
