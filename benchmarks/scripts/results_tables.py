@@ -559,6 +559,7 @@ def _long_context_row(root: str) -> str:
                                               if arms[name].get("needles_by_length") else "")
              for name, label in (("streamingllm_window1536", "StreamingLLM (window 1536)"),
                                  ("window512_G1024_attention", "attention selection"),
+                                 ("half_bytes_36MiB", "half the bytes by `budget`"),
                                  ("quantized_kv_4bit", "4-bit KV cache")) if name in arms]
     if "quantized_kv_4bit" in arms:
         grows = arms["quantized_kv_4bit"]["cache_bytes"]
@@ -566,9 +567,11 @@ def _long_context_row(root: str) -> str:
     ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
     passkey = load(LONG_CONTEXT_PASSKEY)
     length = str(passkey["protocol"]["retrieval_lengths"][-1])
-    peers.append(f"passkey at {round(int(length) / 1024)}k ours "
-                 f"{passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f} against softmax's "
-                 f"{passkey['baseline']['passkey_by_length'][length]:.2f}")
+    scores = sorted({arm["passkey_by_length"][length] for arm in passkey["arms"].values()})
+    peers.append(f"passkey at {round(int(length) / 1024)}k "
+                 + (f"{scores[0]:.2f} for every bounded arm" if len(scores) == 1 else
+                    f"ours {passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f}")
+                 + f" against softmax's {passkey['baseline']['passkey_by_length'][length]:.2f}")
     return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
             f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "
             f"perplexity / softmax's {ratios}"
