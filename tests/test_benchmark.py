@@ -184,7 +184,7 @@ def test_each_speed_point_keeps_every_timed_call_beside_its_median():
 def test_processes_give_each_point_the_median_of_whole_runs_in_fresh_processes(monkeypatch):
     """``--processes N``: N whole runs, each in its own process; a point's seconds is the median of the runs' medians,
     and every run's figure and timed calls stay in the record."""
-    from hf_performer.bench import attention
+    from hf_performer.bench import attention, machine
 
     seen = []
 
@@ -197,7 +197,7 @@ def test_processes_give_each_point_the_median_of_whole_runs_in_fresh_processes(m
         return {"settings": {"repeats": 2}, "machine": {"date": f"run {run}", "load_average": [0.1, 0.1, 0.1]},
                 "records": records}
 
-    monkeypatch.setattr(attention, "run_in_fresh_process", fake_fresh_process)
+    monkeypatch.setattr(machine, "run_in_fresh_process", fake_fresh_process)
     result = attention.run_speed_benchmark_in_processes(3, lengths=[32], implementations=["favor", "sdpa"])
     assert seen == [("hf_performer.bench.attention:run_speed_benchmark", False)] * 3
     favor = next(r for r in result["records"] if r["implementation"] == "favor")

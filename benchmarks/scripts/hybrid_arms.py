@@ -1,8 +1,8 @@
 """Window-hybrid arms against softmax at several context lengths: perplexity, passkey and decoding memory.
 
 Each ``--arm NAME FOLDER [KEY=VALUE ...]`` is a trained causal LM folder, optionally with favor settings changed at
-load time (``sparse_cache=256``, ``linear_tail=false``: :func:`hf_performer.favor_attention.update_favor_settings`)
-and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only (``retrieval=8176``: its
+load time (``sparse_cache=256``, ``linear_tail=false``, JSON for per-layer ones: ``layer_windows={"4":
+{"sparse_cache":2048}}``; :func:`hf_performer.favor_attention.update_favor_settings`) and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only (``retrieval=8176``: its
 retrieval tasks at a subset of ``--retrieval-lengths``), ``passkey=false`` to skip its retrieval tasks; ``kv_bits=2`` (or 4) makes a softmax folder the quantized-KV peer (transformers'
 ``QuantizedCache``: :mod:`hf_performer.tasks.quantized_kv`).
 Every arm and the ``--baseline`` (softmax after the same LoRA, or the source model for training-free arms:
@@ -49,7 +49,8 @@ def _parse_changes(items: list[str], contexts: list[int], lengths: list[int]) ->
         if key == "passkey":
             passkey = text.lower() != "false"
             continue
-        changes[key] = json.loads(text.lower()) if text.lower() in ("true", "false") or text.isdigit() else text
+        json_value = text.lower() in ("true", "false") or text.isdigit() or text[0] in "{["  # layer_windows={...}
+        changes[key] = json.loads(text.lower() if text[0] not in "{[" else text) if json_value else text
     return changes, contexts, passkey, lengths
 
 

@@ -30,7 +30,8 @@ RECOVERY_COMMAND = "python benchmarks/scripts/update_readme_results.py"
 REMOVED_SCRIPTS = dict.fromkeys(
     ("smollm2_window_hybrid.sh", "collect_window_hybrid.py", "reuse_transfer.py", "smollm2_transfer.sh",
      "collect_lm_transfer.py", "greedy_samples.py", "tail_error_probe.py", "collect_tail_probe.py",
-     "sparse_cache_sweep.py"), "72868fe")
+     "sparse_cache_sweep.py"), "72868fe") | dict.fromkeys(
+    ("generation_floor.py", "packed_window_speed.py", "lora_step_speed.py"), "705cf19")
 
 
 def load(name: str) -> dict:
@@ -44,7 +45,8 @@ def machine(result: dict) -> str:
     parts = [f"{info['cpu_count']}-core {info.get('cpu') or info['device_name']}",
              f"torch {info['torch']}", f"{info['torch_threads']} thread{'s' if info['torch_threads'] > 1 else ''}",
              info["date"][:16].replace("T", " ") + " UTC"]
-    load_average = info.get("load_average") or (info.get("load_average_1_5_15min") or {}).get("start")
+    load_average = info.get("load_average") or info.get("load_average_1_5_15min") or {}
+    load_average = load_average.get("start") if isinstance(load_average, dict) else load_average
     if load_average:
         parts.append(f"load average {load_average[0]:.1f} at the start")
     if result.get("matmul_gflops_per_s"):
@@ -94,6 +96,14 @@ def _speedup_text(result: dict, mode: str, implementation: str, length: int, bol
     if len(sdpa.get("process_seconds", ())) > 1:
         ratios = [a / b for a, b in zip(sdpa["process_seconds"], other["process_seconds"])]
         text += f" (runs: {min(ratios):.1f}-{max(ratios):.1f}x)"
+    return text
+
+
+def _ratio_text(value: float, by_run: list[float] | None, digits: int = 2, bold: bool = False) -> str:
+    """``"3.45x"`` (bold if asked) with the range of the runs' own ratios when there are several."""
+    text = f"**{value:.{digits}f}x**" if bold else f"{value:.{digits}f}x"
+    if by_run and len(by_run) > 1:
+        text += f" (runs: {min(by_run):.{digits}f}-{max(by_run):.{digits}f}x)"
     return text
 
 
@@ -295,15 +305,25 @@ def _decode_table(result: dict, label: str) -> tuple[list[str], str]:
     return lines, break_even(as_speed, "decode", "favor", baseline="softmax")
 
 
+def _runs(result: dict, by_run: list[float] | None, what: str) -> str:
+    """How many whole runs a result's figures are the median of, with each run's value of ``what``."""
+    processes = result["settings"].get("processes", 1)
+    if processes <= 1 or not by_run:
+        return "one run"
+    return f"median of {processes} fresh-process runs ({what}, by run: {', '.join(f'{v:.2f}x' for v in by_run)})"
+
+
 def decode(root: str) -> str:
     result = load("decode.json")
     settings = result["settings"]
     table, crossover = _decode_table(result, "FAVOR+")
     model = settings["model"]
+    at_longest = result["summary"]["softmax_over_favor_latency_at_longest"]
     lines = [f"One decode step (one new token per sequence through the whole model, cache update, LM head), "
              f"{model['architecture']}: {model['n_layer']} layers, {model['n_head']} heads, width {model['n_embd']}; "
-             f"batch {settings['batch']}, {settings['dtype']}, median of {settings['repeats']} interleaved steps "
-             f"({_link(root, 'decode.json')}):", "", *table, "",
+             f"batch {settings['batch']}, {settings['dtype']}, median of {settings['repeats']} interleaved steps, "
+             + _runs(result, at_longest.get("by_process"), f"softmax / FAVOR+ at {at_longest['context']:,}")
+             + f" ({_link(root, 'decode.json')}):", "", *table, "",
              f"Break-even against softmax + KV cache: {crossover}. {machine(result)}"]
     return "\n".join(lines)
 
@@ -313,14 +333,56 @@ def decode_window(root: str) -> str:
     settings = result["settings"]
     table, crossover = _decode_table(result, "window layers")
     lengths = settings["context_lengths"]
+    at_longest = result["summary"]["softmax_over_favor_latency_at_longest"]
     lines = [f"SmolLM2-135M converted to the window hybrid (window {settings['favor_settings']['window']}, "
              f"{settings['favor_settings']['sinks']} sinks, hedgehog tail in all "
              f"{len(settings['model']['window_layers'])} layers, `WindowCacheLayer`) against the same weights on "
              f"SDPA + `DynamicCache`, batch {settings['batch']}, {settings['dtype']}, median of "
-             f"{settings['repeats']} interleaved steps ({_link(root, 'decode_window_smollm2.json')}):", "", *table, "",
+             f"{settings['repeats']} interleaved steps, "
+             f"{_runs(result, at_longest.get('by_process'), f'softmax / window layers at {lengths[-1]:,}')} "
+             f"({_link(root, 'decode_window_smollm2.json')}):", "", *table, "",
              f"Break-even against softmax + KV cache: {crossover}, interpolated between the only two contexts measured "
              f"({lengths[0]:,} and {lengths[-1]:,}); below it the window model decodes slower (many small ops per "
              f"layer), above it faster, and its cache never grows. {machine(result)}"]
+    return "\n".join(lines)
+
+
+GENERATION_FILES = ("generation_floor_smollm2_window_g256.json", "generation_floor_smollm2_window_g256_batch8.json")
+
+
+def generation(root: str) -> str:
+    """The recommended SmolLM2 conversion decoding and prefilling against softmax and no attention at all."""
+    lines = ["| batch | work | window layers | softmax (sdpa) | no attention | softmax / window layers | by run | "
+             "softmax / no attention |", "|---:|---|---:|---:|---:|---:|---|---:|"]
+    results = [load(name) for name in GENERATION_FILES]
+    for result in results:
+        summary = result["summary"]
+        for record in result["decode"]:
+            row = summary[f"decode_context_{record['context']}_batch_{record['batch']}"]
+            by_run = ", ".join(f"{value:.2f}x" for value in row.get("favor_speedup_by_process", [])) or "one run"
+            lines.append(f"| {record['batch']} | decode at {record['context']:,} (ms/step) | "
+                         + " | ".join(f"{record['mean_ms'][name]:.1f}" for name in ("favor", "softmax", "floor"))
+                         + f" | **{row['favor_speedup']:.2f}x** | {by_run} | {row['floor_speedup']:.2f}x |")
+        if result["prefill"] is not None:
+            record = result["prefill"]
+            row = summary[f"prefill_{record['length']}"]
+            by_run = ", ".join(f"{run['softmax'] / run['favor']:.2f}x" for run in record.get("process_median_s", []))
+            lines.append(f"| 1 | prefill of {record['length']:,} (s) | "
+                         + " | ".join(f"{record['median_s'][name]:.2f}" for name in ("favor", "softmax", "floor"))
+                         + f" | **{row['favor_speedup']:.2f}x** | {by_run or 'one run'} | {row['floor_speedup']:.2f}x |")
+    first = results[0]
+    state = max(first["decode"], key=lambda record: record["context"])["cache_bytes"]
+    runs = []
+    for name, result in zip(GENERATION_FILES, results):
+        processes = result["settings"].get("processes", 1)
+        runs.append(f"batch {result['settings']['batch']} ({_link(root, name)}): "
+                    + (f"each figure the median of {processes} fresh-process runs, each run's speedup beside it"
+                       if processes > 1 else "one run") + f"; {machine(result)}")
+    lines += ["", f"Decode: the mean step over {first['settings']['repeats']} rounds (one selection cycle of the sparse "
+              f"cache: what `generate()`'s tokens per second see); prefill: the median of "
+              f"{first['settings']['prefill_repeats']} forwards. State at the longest context: "
+              f"{state['favor'] / MIB:.1f} MiB per sequence against softmax's {state['softmax'] / MIB:.1f} MiB.", "",
+              *[f"- {line}" for line in runs]]
     return "\n".join(lines)
 
 
@@ -725,6 +787,10 @@ def _best_ratio(name: str, arm: str = "hybrid_lora") -> float:
     return _ppl(arms[arm]) / _ppl(arms["softmax_lora"])
 
 
+def _generation_text(row: dict, digits: int = 2) -> str:
+    return _ratio_text(row["favor_speedup"], row.get("favor_speedup_by_process"), digits)
+
+
 def readme_headline(root: str) -> str:
     speed, memory = load("attention_speed_chunked.json"), load("attention_memory.json")
     decode_result, window_decode = load("decode.json"), load("decode_window_smollm2.json")
@@ -732,12 +798,16 @@ def readme_headline(root: str) -> str:
     low, high = _memory_ratio_range(memory, "favor")
     longest = max(speed["settings"]["lengths"])
     decode_summary, window_summary = decode_result["summary"], window_decode["summary"]
-    decode_context = decode_summary["softmax_over_favor_latency_at_longest"]["context"]
+    decode_at_longest = decode_summary["softmax_over_favor_latency_at_longest"]
+    window_at_longest = window_summary["softmax_over_favor_latency_at_longest"]
+    decode_context = decode_at_longest["context"]
     window_break_even = _decode_table(window_decode, "window layers")[1]
     generation_result = load("generation_floor_smollm2_window_g256.json")
     generation = generation_result["summary"]
     generation_bytes = max(generation_result["decode"], key=lambda record: record["context"])["cache_bytes"]
-    generation_batch8 = load("generation_floor_smollm2_window_g256_batch8.json")["summary"]
+    generation_batch8_result = load("generation_floor_smollm2_window_g256_batch8.json")
+    generation_batch8 = generation_batch8_result["summary"]
+    generation_batch8_runs = generation_batch8_result["settings"].get("processes", 1)
     worst10 = load("window_hybrid_smollm2_lora_lr1e-3_worst10.json")
     arms_result = load("hybrid_arms_smollm2.json")
     arms = arms_result["arms"]
@@ -752,20 +822,22 @@ def readme_headline(root: str) -> str:
         f"| its extra peak memory, 4k-32k tokens | {low:.2f}-{high:.2f}x SDPA's | "
         f"{_link(root, 'attention_memory.json', 'memory')} |",
         f"| decoding at a {decode_context // 1024}k context, GPT-2-small geometry | "
-        f"**{decode_summary['softmax_over_favor_latency_at_longest']['value']:.1f}x** faster than softmax + KV cache, "
+        f"{_ratio_text(decode_at_longest['value'], decode_at_longest.get('by_process'), 1, True)} faster than softmax "
+        "+ KV cache, "
         f"cache {decode_summary['cache_bytes_at_longest']['favor'] / MIB:.1f} MiB against "
         f"{decode_summary['cache_bytes_at_longest']['softmax'] / MIB:,.0f} MiB | {_link(root, 'decode.json', 'decoding')} |",
         "| SmolLM2-135M window hybrid as recommended (window 64 + the 256 hardest older keys per head, no tail), "
-        f"decoding | {generation['decode_context_16384_batch_1']['favor_speedup']:.2f}x softmax's speed at 16k "
+        f"decoding | {_generation_text(generation['decode_context_16384_batch_1'])} softmax's speed at 16k "
         f"(with no attention work at all: {generation['decode_context_16384_batch_1']['floor_speedup']:.2f}x), "
-        f"{generation['decode_context_512_batch_1']['favor_speedup']:.2f}x at 512; batch 8: "
-        f"{generation_batch8['decode_context_512_batch_8']['favor_speedup']:.2f}x at 512, "
-        f"{generation_batch8['decode_context_16384_batch_8']['favor_speedup']:.1f}x at 16k; prefill of 4k tokens "
+        f"{_generation_text(generation['decode_context_512_batch_1'])} at 512; batch 8"
+        f"{'' if generation_batch8_runs > 1 else ' (one run)'}: "
+        f"{_generation_text(generation_batch8['decode_context_512_batch_8'])} at 512, "
+        f"{_generation_text(generation_batch8['decode_context_16384_batch_8'], 1)} at 16k; prefill of 4k tokens "
         f"{generation['prefill_4096']['favor_speedup']:.2f}x (floor "
         f"{generation['prefill_4096']['floor_speedup']:.2f}x); state {generation_bytes['favor'] / MIB:.1f} MiB at any "
         f"context (softmax's KV cache {arms_result['baseline']['cache_bytes']['16384'] / MIB:,.0f} MiB at 16k); "
         f"with a tail: "
-        f"{window_summary['softmax_over_favor_latency_at_longest']['value']:.2f}x at 16k, "
+        f"{_ratio_text(window_at_longest['value'], window_at_longest.get('by_process'))} at 16k, "
         f"{window_summary['softmax_over_favor_latency']['512']:.2f}x at 512 (break-even {window_break_even}) | "
         f"{_link(root, 'generation_floor_smollm2_window_g256.json', 'generation')}, "
         f"{_link(root, 'decode_window_smollm2.json', 'with a tail')} |",
@@ -965,6 +1037,7 @@ TABLES = {
     "model-speed": model_speed,
     "decode": decode,
     "decode-window": decode_window,
+    "generation": generation,
     "clustered-zero-shot": clustered_zero_shot,
     "encoder-hybrid": encoder_hybrid,
     "smollm2-transfer": smollm2_transfer,

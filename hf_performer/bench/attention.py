@@ -56,6 +56,7 @@ from .machine import (
     load_average,
     machine_info,
     matmul_gflops,
+    median_of_fresh_processes,
     peak_resident_bytes,
     reset_peak_resident,
     resident_bytes,
@@ -325,25 +326,14 @@ def run_speed_benchmark(
 
 
 def run_speed_benchmark_in_processes(processes: int, **arguments) -> dict:
-    """:func:`run_speed_benchmark` in ``processes`` fresh processes, one after the other (a process's allocator and
-    caches, or a noisy neighbour during one run, do not decide a figure): each point's ``seconds`` is the median of
-    the processes' medians, ``process_seconds`` those medians (the spread between runs), ``runs`` every timed call."""
-    results = [run_in_fresh_process("hf_performer.bench.attention:run_speed_benchmark",
-                                    **{**arguments, "progress": False}) for _ in range(processes)]
-    merged = results[0]
-    by_point = {}
-    for result in results:
-        for record in result["records"]:
-            by_point.setdefault((record["length"], record["mode"], record["implementation"]), []).append(record)
+    """:func:`run_speed_benchmark` in ``processes`` fresh processes (:func:`.machine.median_of_fresh_processes`):
+    each point's ``seconds`` is the median of the processes' medians, ``process_seconds`` those medians (the spread
+    between runs), ``runs`` every timed call."""
+    merged = median_of_fresh_processes("hf_performer.bench.attention:run_speed_benchmark", processes,
+                                       {"records": ("seconds",)}, ("length", "mode", "implementation"),
+                                       pooled=("runs",), **arguments)
     for record in merged["records"]:
-        points = by_point[(record["length"], record["mode"], record["implementation"])]
-        record["process_seconds"] = [point["seconds"] for point in points]
-        record["seconds"] = statistics.median(record["process_seconds"])
         record["gflops_per_s"] = record["flops"] / record["seconds"] / 1e9
-        record["runs"] = [t for point in points for t in point["runs"]]
-    merged["settings"]["processes"] = processes
-    merged["machine"]["runs"] = [{"date": result["machine"]["date"], "load_average": result["machine"]["load_average"]}
-                                 for result in results]
     merged["summary"] = summarize_speed(merged)
     return merged
 

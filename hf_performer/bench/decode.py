@@ -74,7 +74,7 @@ import time
 import torch
 
 from .defaults import DECODE_IMPLEMENTATIONS, FULL_CONTEXT_LENGTHS
-from .machine import PeakMemoryGrowth, load_average, machine_info, synchronize
+from .machine import PeakMemoryGrowth, load_average, machine_info, median_of_fresh_processes, synchronize
 from .report import summarize_decode
 
 ATTN_IMPLEMENTATIONS = {"favor": "favor", "softmax": "sdpa"}
@@ -524,3 +524,17 @@ def decode_result(settings: dict, device: torch.device, load_start, verification
     }
     result["summary"] = summarize_decode(result)
     return result
+
+
+DECODE_MEDIAN_FIELDS = ("seconds_per_token", "tokens_per_s", "paired_ratio_to_shortest", "paired_ratio_to_favor")
+
+
+def run_decode_benchmark_in_processes(target: str, processes: int, **arguments) -> dict:
+    """A decode benchmark (``target``: :func:`run_decode_benchmark` or
+    :func:`.decode_converted.run_converted_decode_benchmark`) in ``processes`` fresh processes: each record's step
+    time, tokens per second and paired ratios the median over the runs (their values in ``process_*``), every timed
+    step in ``seconds_all`` (:func:`.machine.median_of_fresh_processes`)."""
+    merged = median_of_fresh_processes(target, processes, {"records": DECODE_MEDIAN_FIELDS},
+                                       ("context", "implementation"), pooled=("seconds_all",), **arguments)
+    merged["summary"] = summarize_decode(merged)
+    return merged

@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -221,3 +222,44 @@ def run_in_fresh_process(target: str, **arguments):
         lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
         raise FreshProcessError(lines[-1] if lines else f"exit code {result.returncode}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _median_of(values: list):
+    """The median of numbers, or of dicts of numbers key by key."""
+    if isinstance(values[0], dict):
+        return {key: _median_of([value[key] for value in values]) for key in values[0]}
+    return statistics.median(values)
+
+
+def median_of_fresh_processes(target: str, processes: int, record_lists: dict[str, tuple], key: tuple[str, ...],
+                              pooled: tuple[str, ...] = (), **arguments) -> dict:
+    """``target`` (``module:function`` returning a benchmark result) run in ``processes`` fresh processes, one after
+    the other, merged into the first run's result: in each list ``record_lists`` names, every field it names becomes
+    the median over the runs (numbers, or dicts of numbers key by key), the runs' values kept beside it as
+    ``process_FIELD`` (the spread between runs); the list fields ``pooled`` names (every timed call) are joined over
+    the runs. Records are matched by the fields ``key`` (a name whose value is one record, not a list, is that
+    record; ``None`` is skipped); the settings record ``processes``, the machine every run's date and load average.
+    A noisy neighbour during one run, or one process's allocator, then does not decide a figure."""
+    results = [run_in_fresh_process(target, **{**arguments, "progress": False}) for _ in range(processes)]
+    merged = results[0]
+    for list_name, fields in record_lists.items():
+        if merged[list_name] is None:
+            continue
+        single = isinstance(merged[list_name], dict)  # one record, not a list
+        for record in [merged[list_name]] if single else merged[list_name]:
+            points = [result[list_name] if single else
+                      next(other for other in result[list_name] if all(other[k] == record[k] for k in key))
+                      for result in results]
+            for field in fields:
+                if field in record:
+                    record[f"process_{field}"] = [point[field] for point in points]
+                    record[field] = _median_of(record[f"process_{field}"])
+            for field in pooled:
+                if field in record:
+                    record[field] = [value for point in points for value in point[field]]
+    merged["settings"]["processes"] = processes
+    merged["machine"]["runs"] = [
+        {"date": result["machine"]["date"],
+         "load_average": result["machine"].get("load_average", result["machine"].get("load_average_1_5_15min"))}
+        for result in results]
+    return merged

@@ -1,5 +1,5 @@
-"""``hf-performer bench attention | memory | approximation | decode``: the parsers of the benchmarks of
-:mod:`hf_performer.bench` and the functions that run them (print the table, write NAME.json and NAME.png).
+"""``hf-performer bench attention | memory | approximation | decode | generation | model``: the parsers of the
+benchmarks of :mod:`hf_performer.bench` and the functions that run them (print the table, write NAME.json and NAME.png).
 
 ``bench approximation --nb-features`` is a sweep (a comma-separated list), not the favor setting. The parsers import
 no torch (``--help`` is fast); the sizes and the device are checked before any measurement, each bad one in one line
@@ -9,6 +9,7 @@ naming its flag.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
@@ -35,9 +36,9 @@ from .arguments import add_favor_arguments, comma_separated_ints
 
 POSITIVE_SIZES = ("lengths", "context_lengths", "nb_features", "batch", "heads", "head_dim", "chunk_size", "repeats",
                   "processes", "seeds", "length", "clusters", "topk", "bucket_size", "prefill_chunk", "n_layer",
-                  "n_head", "n_embd", "vocab_size")
+                  "n_head", "n_embd", "vocab_size", "prefill_repeats")
 """Arguments of the benchmarks that count something: each must be >= 1 (a list: non-empty, every entry >= 1)."""
-NON_NEGATIVE_SIZES = ("window", "sinks", "warmup", "verify_context", "eager_max_length")
+NON_NEGATIVE_SIZES = ("window", "sinks", "warmup", "verify_context", "eager_max_length", "prefill_length")
 
 
 def check_sizes(args) -> None:
@@ -149,22 +150,38 @@ def run_decode(args) -> int:
     check_sizes(args)
     _warn_if_loaded()
     if args.model is not None:
-        from ..bench.decode_converted import run_converted_decode_benchmark
-
-        result = run_converted_decode_benchmark(
-            args.model, context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype,
-            repeats=args.repeats, warmup=args.warmup, prefill_chunk=args.prefill_chunk, device=args.device,
-            verify_context=args.verify_context,
-        )
-        return _print_and_write(args, result, report.format_decode_table(result), report.plot_decode)
-    favor_settings = {} if args.nb_features is None else {"nb_features": args.nb_features}
-    result = decode.run_decode_benchmark(
-        context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
-        warmup=args.warmup, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
-        vocab_size=args.vocab_size, favor_settings=favor_settings, device=args.device,
-        verify_context=args.verify_context,
-    )
+        target = "hf_performer.bench.decode_converted:run_converted_decode_benchmark"
+        arguments = dict(model_path=str(args.model), prefill_chunk=args.prefill_chunk)
+    else:
+        target = "hf_performer.bench.decode:run_decode_benchmark"
+        arguments = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, vocab_size=args.vocab_size,
+                         favor_settings={} if args.nb_features is None else {"nb_features": args.nb_features})
+    arguments.update(context_lengths=args.context_lengths, batch=args.batch, dtype=args.dtype, repeats=args.repeats,
+                     warmup=args.warmup, device=args.device, verify_context=args.verify_context)
+    if args.processes > 1:
+        result = decode.run_decode_benchmark_in_processes(target, args.processes, **arguments)
+    else:
+        module, function = target.rsplit(":", 1)
+        result = getattr(importlib.import_module(module), function)(**arguments)
     return _print_and_write(args, result, report.format_decode_table(result), report.plot_decode)
+
+
+def run_generation(args) -> int:
+    """``hf-performer bench generation``: decode and prefill of a converted model, window layers vs softmax vs no
+    attention (:mod:`hf_performer.bench.generation`)."""
+    from ..bench import generation
+
+    check_sizes(args)
+    if not (Path(args.model) / "config.json").is_file():
+        raise SystemExit(f"hf-performer bench generation: error: {args.model} is not a model folder (no config.json)")
+    _warn_if_loaded()
+    arguments = dict(model_path=str(args.model), contexts=args.context_lengths, batch=args.batch,
+                     prefill_length=args.prefill_length, repeats=args.repeats, prefill_repeats=args.prefill_repeats)
+    if args.processes > 1:
+        result = generation.run_generation_benchmark_in_processes(args.processes, **arguments)
+    else:
+        result = generation.run_generation_benchmark(**arguments)
+    return _print_and_write(args, result, generation.format_generation_table(result), generation.plot_generation)
 
 
 def run_model(args) -> int:
@@ -178,9 +195,15 @@ def run_model(args) -> int:
     return _print_and_write(args, result, model_speed.format_model_speed_table(result), model_speed.plot_model_speed)
 
 
+def _add_processes_argument(parser) -> None:
+    parser.add_argument("--processes", type=int, default=1,
+                        help="whole runs, each in a fresh process, one after the other; a figure is the median of the "
+                             "runs' figures, each run's kept beside it (default: 1, in this process)")
+
+
 def add_parser(subparsers) -> None:
-    """Add the ``bench`` subcommand (``attention``, ``memory``, ``approximation``, ``decode``, ``model``) to
-    ``subparsers``."""
+    """Add the ``bench`` subcommand (``attention``, ``memory``, ``approximation``, ``decode``, ``generation``,
+    ``model``) to ``subparsers``."""
     bench = add_verb_parser(subparsers, "bench", "Benchmarks of the attention kernels (see benchmarks/README.md).")
     kinds = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
 
@@ -220,9 +243,7 @@ def add_parser(subparsers) -> None:
     speed.add_argument("--device", default="cpu")
     speed.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     speed.add_argument("--repeats", type=int, default=3, help="timed calls per point (median), after a warm-up")
-    speed.add_argument("--processes", type=int, default=1,
-                       help="whole runs, each in a fresh process, one after the other; a point is the median of the "
-                            "runs' medians (default: 1, in this process)")
+    _add_processes_argument(speed)
     speed.add_argument("--forward-only", action="store_true", help="time the forward pass only")
     speed.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     speed.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
@@ -247,6 +268,7 @@ def add_parser(subparsers) -> None:
     approx.set_defaults(func=run_approximation)
 
     _add_decode_parser(kinds)
+    _add_generation_parser(kinds)
     _add_model_parser(kinds)
 
 
@@ -311,6 +333,7 @@ def _add_decode_parser(kinds) -> None:
     decode_parser.add_argument("--repeats", type=int, default=3,
                                help="timed decode steps per point (median); full run: 10")
     decode_parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps before the timed ones")
+    _add_processes_argument(decode_parser)
     add_favor_arguments(decode_parser, ("nb_features",),
                         helps={"nb_features": "FAVOR+ features m per head (None: FAVOR_DEFAULTS)"})
     decode_parser.add_argument("--model", default=None, metavar="FOLDER",
@@ -328,6 +351,30 @@ def _add_decode_parser(kinds) -> None:
     decode_parser.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
     decode_parser.add_argument("--name", default="decode", help="file stem of the outputs")
     decode_parser.set_defaults(func=run_decode)
+
+
+def _add_generation_parser(kinds) -> None:
+    """Add ``generation`` to the ``hf-performer bench`` subcommands (``kinds``: their subparsers object)."""
+    generation = kinds.add_parser(
+        "generation", help="decode and prefill of a converted causal LM: window layers vs softmax vs no attention",
+        description="Decode steps and a prompt prefill of a converted causal LM (hf-performer convert --window W "
+                    "--sinks S) with its window layers and their constant-size cache, with softmax (sdpa + "
+                    "DynamicCache) and with no attention work at all (the floor: the most any attention could buy), "
+                    "in turn in one process. Decode: the mean step over --repeats rounds (64: one selection cycle of "
+                    "the sparse cache) at each context; prefill: the median of --prefill-repeats forwards.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    generation.add_argument("model", metavar="FOLDER", help="a converted causal-LM folder with window layers")
+    generation.add_argument("--context-lengths", type=comma_separated_ints, default=[512, 16384],
+                            help="comma-separated decode contexts")
+    generation.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    generation.add_argument("--prefill-length", type=int, default=4096, help="prompt tokens (0: no prefill)")
+    generation.add_argument("--repeats", type=int, default=64, help="decode rounds (64: one selection cycle)")
+    generation.add_argument("--prefill-repeats", type=int, default=3, help="prefill rounds")
+    _add_processes_argument(generation)
+    generation.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
+    generation.add_argument("--name", default="generation", help="file stem of the outputs")
+    generation.set_defaults(func=run_generation)
 
 
 def _add_model_parser(kinds) -> None:
