@@ -220,6 +220,21 @@ def test_budget_by_the_end_metric_measures_the_choice_beside_one_g_for_every_lay
     assert f"this allocation {record['measured']['allocation']['perplexity']:.3f}" in card
 
 
+def test_hybrid_arms_takes_per_layer_settings_as_json_and_records_them_runnable():
+    """``layer_windows={...}`` is parsed as JSON, and the recorded command gives it back shell-quoted, so that
+    the command in the result runs as it reads."""
+    import shlex
+
+    arms = benchmark_script("hybrid_arms")
+    item = 'layer_windows={"3":{"sparse_cache":2048},"7":{"sparse_cache":0}}'
+    changes, contexts, passkey, lengths = arms._parse_changes([item, "sparse_cache=256", "linear_tail=false"],
+                                                              [8192], [8176])
+    assert changes == {"layer_windows": {"3": {"sparse_cache": 2048}, "7": {"sparse_cache": 0}},
+                       "sparse_cache": 256, "linear_tail": False}
+    recorded = " ".join(arms._setting_text(key, value) for key, value in changes.items())
+    assert arms._parse_changes(shlex.split(recorded), [8192], [8176])[0] == changes
+
+
 @needs_shared
 def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch, gpt2_tokenizer):
     arms = benchmark_script("hybrid_arms")

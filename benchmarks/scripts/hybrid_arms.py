@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 import tempfile
 
@@ -52,6 +53,13 @@ def _parse_changes(items: list[str], contexts: list[int], lengths: list[int]) ->
         json_value = text.lower() in ("true", "false") or text.isdigit() or text[0] in "{["  # layer_windows={...}
         changes[key] = json.loads(text.lower() if text[0] not in "{[" else text) if json_value else text
     return changes, contexts, passkey, lengths
+
+
+def _setting_text(key: str, value) -> str:
+    """``KEY=VALUE`` as the command line gave it: booleans and per-layer dicts as (shell-quoted) JSON."""
+    if isinstance(value, (dict, list)):
+        return shlex.quote(f"{key}={json.dumps(value, separators=(',', ':'))}")
+    return f"{key}={json.dumps(value) if isinstance(value, bool) else value}"
 
 
 def _kept(work_dir: str, name: str, compute) -> dict:
@@ -293,7 +301,7 @@ def main(argv=None) -> int:
             ([] if lengths == args.retrieval_lengths else [f"retrieval={','.join(map(str, lengths))}"]) + \
             ([] if passkey else ["passkey=false"])
         command.append(" ".join(["--arm", name, os.path.relpath(folder), *subset,
-                                 *(f"{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in changes.items())]))
+                                 *(_setting_text(k, v) for k, v in changes.items())]))
     command += [f"--text-file {os.path.relpath(args.text_file)}", f"--max-chars {args.max_chars}",
                 "--contexts", *map(str, args.contexts), "--position-ranges", *args.position_ranges,
                 "--tasks", *args.tasks, "--retrieval-lengths", *map(str, args.retrieval_lengths),

@@ -600,7 +600,9 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                      ("quantized_kv_4bit", "full KV cache, 4-bit (transformers QuantizedCache, quanto)"),
                      ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"),
                      ("half_bytes_36MiB", "window 512, G 0 / 256 / 1024 per layer by `budget --metric loss` (half the "
-                      "bytes)"))
+                      "bytes)"),
+                     ("middle_layers_G2048", "window 512, G 2048 in layers 2-12 and 256-1024 elsewhere (the same "
+                      "bytes, chosen from the passkey probe)"))
 LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
 
 
