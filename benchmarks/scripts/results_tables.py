@@ -90,13 +90,9 @@ def _speedup(result: dict, mode: str, implementation: str, length: int) -> float
 def _speedup_text(result: dict, mode: str, implementation: str, length: int, bold: bool = False) -> str:
     """``"9.5x"`` (bold if asked), with the range of the runs' own ratios when the result holds several processes'."""
     records = _speed_records(result)
-    value = f"{_speedup(result, mode, implementation, length):.1f}x"
-    text = f"**{value}**" if bold else value
     sdpa, other = records[(mode, "sdpa", length)], records[(mode, implementation, length)]
-    if len(sdpa.get("process_seconds", ())) > 1:
-        ratios = [a / b for a, b in zip(sdpa["process_seconds"], other["process_seconds"])]
-        text += f" (runs: {min(ratios):.1f}-{max(ratios):.1f}x)"
-    return text
+    by_run = [a / b for a, b in zip(sdpa.get("process_seconds", ()), other.get("process_seconds", ()))]
+    return _ratio_text(_speedup(result, mode, implementation, length), by_run, 1, bold)
 
 
 def _ratio_text(value: float, by_run: list[float] | None, digits: int = 2, bold: bool = False) -> str:
@@ -806,6 +802,7 @@ def readme_headline(root: str) -> str:
     window_break_even = _decode_table(window_decode, "window layers")[1]
     generation_result = load("generation_floor_smollm2_window_g256.json")
     generation = generation_result["summary"]
+    prefill_by_run = [run["softmax"] / run["favor"] for run in generation_result["prefill"].get("process_median_s", [])]
     generation_bytes = max(generation_result["decode"], key=lambda record: record["context"])["cache_bytes"]
     generation_batch8_result = load("generation_floor_smollm2_window_g256_batch8.json")
     generation_batch8 = generation_batch8_result["summary"]
@@ -835,7 +832,7 @@ def readme_headline(root: str) -> str:
         f"{'' if generation_batch8_runs > 1 else ' (one run)'}: "
         f"{_generation_text(generation_batch8['decode_context_512_batch_8'])} at 512, "
         f"{_generation_text(generation_batch8['decode_context_16384_batch_8'], 1)} at 16k; prefill of 4k tokens "
-        f"{generation['prefill_4096']['favor_speedup']:.2f}x (floor "
+        f"{_ratio_text(generation['prefill_4096']['favor_speedup'], prefill_by_run)} (floor "
         f"{generation['prefill_4096']['floor_speedup']:.2f}x); state {generation_bytes['favor'] / MIB:.1f} MiB at any "
         f"context (softmax's KV cache {arms_result['baseline']['cache_bytes']['16384'] / MIB:,.0f} MiB at 16k); "
         f"with a tail: "
