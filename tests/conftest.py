@@ -85,6 +85,19 @@ def benchmark_script(name: str):
     return module
 
 
+def save_tiny_llama(folder, tokenizer, max_positions: int):
+    """A seeded tiny Llama causal LM with ``tokenizer``'s vocabulary and ``max_positions`` positions, saved with the
+    tokenizer in ``folder`` (what ``hf-performer evaluate`` loads); returns ``folder``."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=max_positions)
+                     ).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def save_tiny_hybrid_and_softmax(folder, tokenizer) -> None:
     """``folder/hybrid`` (a tiny Llama converted to window 4 + 1 sink with a hedgehog tail) and ``folder/softmax``
     (its source), each with ``tokenizer``: the two models a collector of window-hybrid results compares."""

@@ -235,6 +235,18 @@ def test_hybrid_arms_takes_per_layer_settings_as_json_and_records_them_runnable(
     assert arms._parse_changes(shlex.split(recorded), [8192], [8176])[0] == changes
 
 
+def test_hybrid_arms_takes_a_snapkv_peer_for_retrieval_only():
+    arms = benchmark_script("hybrid_arms")
+    changes, contexts, passkey, lengths = arms._parse_changes(["contexts=none", "snapkv=1024", "snapkv_window=256"],
+                                                              [2048, 8192], [8176])
+    assert contexts == [] and passkey and lengths == [8176]
+    assert arms._snapkv(changes) == {"keys": 1024, "window": 256, "sinks": 4} and changes == {}
+    with pytest.raises(SystemExit, match="need snapkv=KEYS"):
+        arms._snapkv({"snapkv_sinks": 2})
+    with pytest.raises(SystemExit, match="give it contexts=none"):
+        arms._evaluate(None, "snap", "folder", {"snapkv": 16}, [2048])
+
+
 @needs_shared
 def test_the_hybrid_arms_collector_writes_its_result(tmp_path, monkeypatch, gpt2_tokenizer):
     arms = benchmark_script("hybrid_arms")

@@ -14,6 +14,7 @@ from hf_performer.tasks.evaluation import EvaluationError
 from hf_performer.tasks.passkey import (
     CLASSIC_FILLER, PasskeyPrompts, passkey_retrieval, score_passkey_batch, trial_settings,
 )
+from conftest import save_tiny_llama
 
 logging.set_verbosity_error()
 
@@ -124,12 +125,8 @@ def test_scores_of_a_random_model_and_a_digit_after_the_key(tokenizer, tiny_gpt2
     assert not score_passkey_batch(CopierThenDigit(len(tokenizer)), tokenizer, [prompt])[0]["correct"]
 
 
-def test_evaluate_command_passkey(tmp_path, capsys, tokenizer, tiny_llama_config):
-    torch.manual_seed(0)
-    folder = tmp_path / "llama"
-    LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=512)).save_pretrained(
-        folder)
-    tokenizer.save_pretrained(folder)
+def test_evaluate_command_passkey(tmp_path, capsys, tokenizer):
+    folder = save_tiny_llama(tmp_path / "llama", tokenizer, max_positions=512)
     output = tmp_path / "passkey.json"
     arguments = ["evaluate", str(folder), "--task", "passkey", "--context-lengths", "128", "256", "--depths", "0",
                  "1", "--trials", "2", "--text-file", str(SHARED / "wikitext-2-raw" / "wiki.valid.raw"),

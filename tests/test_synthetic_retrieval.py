@@ -17,6 +17,7 @@ from hf_performer.cli import main as cli_main
 from hf_performer.tasks.evaluation import EvaluationError
 from hf_performer.tasks.passkey import standard_error
 from hf_performer.tasks.synthetic_retrieval import SyntheticPrompts, synthetic_retrieval
+from conftest import save_tiny_llama
 
 logging.set_verbosity_error()
 
@@ -94,13 +95,8 @@ def test_bad_settings_are_refused_in_one_line(tokenizer, kwargs, message):
         SyntheticPrompts(tokenizer, **kwargs)
 
 
-def test_evaluate_command_needles_variable_tracking_and_a_quantized_kv_cache(tmp_path, capsys, tokenizer,
-                                                                             tiny_llama_config):
-    torch.manual_seed(0)
-    folder = tmp_path / "llama"
-    LlamaForCausalLM(tiny_llama_config(vocab_size=len(tokenizer), max_position_embeddings=1100)).save_pretrained(
-        folder)
-    tokenizer.save_pretrained(folder)
+def test_evaluate_command_needles_variable_tracking_and_a_quantized_kv_cache(tmp_path, capsys, tokenizer):
+    folder = save_tiny_llama(tmp_path / "llama", tokenizer, max_positions=1100)
     for task, extra in (("needles", ["--needles", "2", "--needle-queries", "all"]),
                         ("variable-tracking", ["--hops", "2"])):
         output = tmp_path / f"{task}.json"

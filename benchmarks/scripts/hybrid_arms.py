@@ -4,7 +4,9 @@ Each ``--arm NAME FOLDER [KEY=VALUE ...]`` is a trained causal LM folder, option
 load time (``sparse_cache=256``, ``linear_tail=false``, JSON for per-layer ones: ``layer_windows={"4":
 {"sparse_cache":2048}}``; :func:`hf_performer.favor_attention.update_favor_settings`) and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only (``retrieval=8176``: its
 retrieval tasks at a subset of ``--retrieval-lengths``), ``passkey=false`` to skip its retrieval tasks; ``kv_bits=2`` (or 4) makes a softmax folder the quantized-KV peer (transformers'
-``QuantizedCache``: :mod:`hf_performer.tasks.quantized_kv`).
+``QuantizedCache``: :mod:`hf_performer.tasks.quantized_kv`); ``snapkv=1024 snapkv_window=512 snapkv_sinks=4`` the
+peer whose KV cache is cut after the prompt (:mod:`hf_performer.tasks.snapkv`; retrieval only: give it
+``contexts=none``).
 Every arm and the ``--baseline`` (softmax after the same LoRA, or the source model for training-free arms:
 ``--baseline-name``) get the one protocol of the window-hybrid results: perplexity with windows of each
 ``--contexts`` length every half window on the first ``--max-chars`` characters of ``--text-file`` (the first context
@@ -37,6 +39,9 @@ def _parse_changes(items: list[str], contexts: list[int], lengths: list[int]) ->
         key, _, text = item.partition("=")
         if not key or not text:
             raise SystemExit(f"hybrid_arms: --arm settings are KEY=VALUE (e.g. sparse_cache=256), got {item!r}")
+        if key == "contexts" and text == "none":
+            contexts = []
+            continue
         if key in ("contexts", "retrieval"):
             among, flag = (contexts, "--contexts") if key == "contexts" else (lengths, "--retrieval-lengths")
             subset = [int(value) for value in text.split(",") if value.strip().isdigit()]
@@ -83,7 +88,10 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
     from hf_performer.tasks.synthetic_retrieval import evaluate_synthetic_model
 
     changes = dict(changes)
-    kv_bits = changes.pop("kv_bits", None)
+    kv_bits, snapkv = changes.pop("kv_bits", None), _snapkv(changes)
+    if snapkv and contexts:
+        raise SystemExit(f"hybrid_arms: arm {name}: snapkv cuts the cache after a prompt, which a perplexity stream "
+                         "does not have; give it contexts=none")
     summary = {"perplexity": {}, "eval_seconds": 0.0}
     for context in contexts:
         ranges = args.position_ranges if context == args.contexts[0] else None
@@ -106,11 +114,11 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
         if task == "passkey":
             record = _kept(args.work_dir, f"{name}_passkey", lambda: evaluate_passkey_model(
                 folder, lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
-                show_progress=not args.no_progress, favor_changes=changes, kv_bits=kv_bits))
+                show_progress=not args.no_progress, favor_changes=changes, kv_bits=kv_bits, snapkv=snapkv))
         else:
             record = _kept(args.work_dir, f"{name}{suffix}", lambda: evaluate_synthetic_model(
                 folder, task, lengths, args.depths, args.trials, args.seed, batch_size=args.batch_size,
-                show_progress=not args.no_progress, favor_changes=changes, kv_bits=kv_bits))
+                show_progress=not args.no_progress, favor_changes=changes, kv_bits=kv_bits, snapkv=snapkv))
         summary[f"{key}_by_length"] = {
             length: value for length, value in ((name.rsplit("_", 1)[1], value) for name, value in
                                                 record["metrics"].items() if name.startswith(f"{key}_accuracy_"))
@@ -118,6 +126,18 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
         summary[f"{key}_standard_error_by_length"] = _standard_errors(record)
         summary["eval_seconds"] = round(summary["eval_seconds"] + record["eval_seconds"], 1)
     return summary
+
+
+def _snapkv(changes: dict) -> dict | None:
+    """The SnapKV peer's settings popped from an arm's ``changes`` (``snapkv=KEYS``, ``snapkv_window``,
+    ``snapkv_sinks``), or ``None``."""
+    keys, window, sinks = (changes.pop(name, None) for name in ("snapkv", "snapkv_window", "snapkv_sinks"))
+    if keys is None:
+        if window is not None or sinks is not None:
+            raise SystemExit("hybrid_arms: snapkv_window / snapkv_sinks need snapkv=KEYS")
+        return None
+    return {"keys": int(keys), "window": int(512 if window is None else window), "sinks": int(4 if sinks is None
+                                                                                            else sinks)}
 
 
 def _standard_errors(record: dict) -> dict:
@@ -149,12 +169,18 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
     from hf_performer.conversion.cache_budget import model_state_bytes, softmax_token_bytes, torch_dtype_bytes
     from hf_performer.favor_attention import update_favor_settings
     from hf_performer.tasks.quantized_kv import quantized_kv_state_bytes
+    from hf_performer.tasks.snapkv import snapkv_state_bytes
 
     changes = dict(changes)
-    kv_bits = changes.pop("kv_bits", None)
+    kv_bits, snapkv = changes.pop("kv_bits", None), _snapkv(changes)
     model = AutoModelForCausalLM.from_pretrained(folder)
     info: dict = {}
-    if kv_bits:
+    if snapkv:
+        info["cache_bytes"] = {str(length): snapkv_state_bytes(model.config, snapkv["keys"], snapkv["window"],
+                                                               snapkv["sinks"], torch_dtype_bytes(model))
+                               for length in lengths}
+        info["kv_cache"] = {"class": "SnapKV (cut after the prompt)", **snapkv}
+    elif kv_bits:
         info["cache_bytes"] = {str(length): quantized_kv_state_bytes(model.config, length, kv_bits,
                                                                      torch_dtype_bytes(model)) for length in lengths}
     elif getattr(model.config, "favor_settings", None) is not None:
@@ -297,7 +323,7 @@ def main(argv=None) -> int:
     command = ["python benchmarks/scripts/hybrid_arms.py", f"--baseline {os.path.relpath(args.baseline)}",
                f"--baseline-name '{args.baseline_name}'"]
     for name, (folder, changes, contexts, passkey, lengths) in arms.items():
-        subset = ([] if contexts == args.contexts else [f"contexts={','.join(map(str, contexts))}"]) + \
+        subset = ([] if contexts == args.contexts else [f"contexts={','.join(map(str, contexts)) or 'none'}"]) + \
             ([] if lengths == args.retrieval_lengths else [f"retrieval={','.join(map(str, lengths))}"]) + \
             ([] if passkey else ["passkey=false"])
         command.append(" ".join(["--arm", name, os.path.relpath(folder), *subset,

@@ -12,7 +12,8 @@ from . import add_verb_parser
 from ._output import check_output_file, portable_evaluation_record
 
 MODEL_CHANGES = ("sparse_cache", "sparse_cache_selection", "tail_cap", "window", "quantized_kv")
-RETRIEVAL = ("text_file", "max_chars", "context_lengths", "depths", "trials") + MODEL_CHANGES
+SNAPKV_FLAGS = ("snapkv", "snapkv_window", "snapkv_sinks")
+RETRIEVAL = ("text_file", "max_chars", "context_lengths", "depths", "trials") + MODEL_CHANGES + SNAPKV_FLAGS
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
     "perplexity": ("text_file", "split", "max_chars", "context_length", "stride", "position_ranges") + MODEL_CHANGES,
@@ -55,6 +56,10 @@ Synthetic retrieval (causal LMs, RULER-style; default 8 trials a depth, each cel
 A softmax model's KV cache quantized (transformers' QuantizedCache, quanto backend: pip install optimum-quanto):
   hf-performer evaluate SOURCE --task passkey --quantized-kv 4 --context-lengths 8192
   the text runs through the cache 512 tokens at a time, as decoding sees it (the peer of a bounded-memory model).
+
+A softmax model's KV cache cut after the prompt (SnapKV: sinks + window + the KEYS older tokens the prompt's last 32
+queries attend to most, per layer and key head; retrieval tasks only):
+  hf-performer evaluate SOURCE --task passkey --snapkv 1024 --snapkv-window 512 --snapkv-sinks 4 --context-lengths 8192
 """
 
 
@@ -111,6 +116,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--quantized-kv", type=int, choices=(2, 4), default=None, metavar="BITS",
                         help="perplexity / retrieval of a softmax causal LM decoding through a BITS-bit quantized KV "
                              "cache (transformers' QuantizedCache, quanto backend; 512 tokens a call)")
+    parser.add_argument("--snapkv", type=int, default=None, metavar="KEYS",
+                        help="retrieval of a softmax causal LM whose KV cache is cut after the prompt to the sinks, "
+                             "the window and the KEYS older tokens the prompt's last queries attend to most (SnapKV)")
+    parser.add_argument("--snapkv-window", type=int, default=None, metavar="W",
+                        help="with --snapkv: the latest prompt tokens always kept (default: 512)")
+    parser.add_argument("--snapkv-sinks", type=int, default=None, metavar="S",
+                        help="with --snapkv: the first prompt tokens always kept (default: 4)")
     parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
                              "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
@@ -136,6 +148,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="no progress bar (it is shown only when stderr is a terminal)")
     parser.set_defaults(func=run_evaluate)
     return parser
+
+
+def _snapkv_settings(args: argparse.Namespace) -> dict | None:
+    """``--snapkv`` and its window and sinks as :func:`~hf_performer.tasks.evaluation.load_causal_lm` takes them."""
+    if args.snapkv is None:
+        if args.snapkv_window is not None or args.snapkv_sinks is not None:
+            raise SystemExit("hf-performer evaluate: error: --snapkv-window / --snapkv-sinks need --snapkv KEYS")
+        return None
+    if args.quantized_kv is not None:
+        raise SystemExit("hf-performer evaluate: error: --snapkv and --quantized-kv are two peers; give one")
+    settings = {"keys": args.snapkv, "window": 512 if args.snapkv_window is None else args.snapkv_window,
+                "sinks": 4 if args.snapkv_sinks is None else args.snapkv_sinks}
+    if min(settings.values()) < 0:
+        raise SystemExit(f"hf-performer evaluate: error: --snapkv, --snapkv-window and --snapkv-sinks must be ints >= "
+                         f"0, got {settings}")
+    return settings
 
 
 def run_evaluate(args: argparse.Namespace) -> int:
@@ -167,6 +195,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
         check_source(args.model)
     except SourceError as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
+    snapkv = _snapkv_settings(args)
     favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "sparse_cache_selection",
                                                             "tail_cap")
                      if getattr(args, name) is not None}
@@ -175,13 +204,15 @@ def run_evaluate(args: argparse.Namespace) -> int:
             record = evaluate_passkey_model(
                 args.model, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
                 args.text_file, args.max_chars, args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv)
+                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv,
+                snapkv=snapkv)
         elif kind in SYNTHETIC_TASKS:
             record = evaluate_synthetic_model(
                 args.model, kind, values["context_lengths"], args.depths or DEFAULT_DEPTHS, values["trials"], args.seed,
                 args.text_file, args.max_chars, values["needles"], values["needle_queries"], values["hops"],
                 args.batch_size, args.tokenizer, args.device, args.trust_remote_code,
-                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv)
+                show_progress=not args.no_progress, favor_changes=favor_changes, kv_bits=args.quantized_kv,
+                snapkv=snapkv)
         elif kind == "perplexity":
             record = evaluate_perplexity_model(
                 args.model, task, args.text_file, values["split"], args.max_chars, args.context_length,

@@ -292,8 +292,9 @@ def run_retrieval_cells(model, tokenizer, make_prompt, context_lengths: Sequence
 
 
 def retrieval_record(task: str, model_path: str, model, metrics: dict, cells: list, protocol: dict, seconds: float,
-                     device, favor_changes: dict | None, kv_bits: int | None) -> dict:
-    """The record a retrieval evaluation writes (the model by base name: the record may be shared)."""
+                     device, favor_changes: dict | None) -> dict:
+    """The record a retrieval evaluation writes (the model by base name: the record may be shared; a KV-cache peer,
+    :mod:`.quantized_kv` or :mod:`.snapkv`, by its ``kv_cache_description``)."""
     return {
         "task": task,
         "model": os.path.basename(os.path.normpath(model_path)) if os.path.exists(model_path) else model_path,
@@ -303,7 +304,7 @@ def retrieval_record(task: str, model_path: str, model, metrics: dict, cells: li
         "eval_seconds": round(seconds, 3),
         "device": str(device),
     } | ({"favor_settings_changed": dict(favor_changes)} if favor_changes else {}) | (
-        {"kv_cache": model.kv_cache_description} if kv_bits else {})
+        {"kv_cache": model.kv_cache_description} if hasattr(model, "kv_cache_description") else {})
 
 
 def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
@@ -311,7 +312,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                            max_chars: int | None = None, batch_size: int = 1, tokenizer_path: str | None = None,
                            device: str | None = None, trust_remote_code: bool = False,
                            show_progress: bool = True, favor_changes: dict | None = None,
-                           kv_bits: int | None = None) -> dict:
+                           kv_bits: int | None = None, snapkv: dict | None = None) -> dict:
     """The passkey probe on a causal LM folder (``hf-performer evaluate MODEL --task passkey``). Returns the record
     the command writes: ``metrics`` (overall accuracy and per context length), ``cells``, the ``protocol``.
     Paths are recorded by base name (the record may be shared)."""
@@ -323,7 +324,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
     check_passkey_settings(context_lengths, depths, trials)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     filler_text = load_lm_text(filler_file, max_chars=max_chars) if filler_file is not None else None
-    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits, snapkv=snapkv)
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     longest = max(context_lengths)
     if positions is not None and longest + KEY_DIGITS + 2 > positions:
@@ -344,7 +345,7 @@ def evaluate_passkey_model(model_path: str, context_lengths: Sequence[int], dept
                 "scoring": "greedy continuation == key (teacher-forced argmax, no further digit); "
                            "log-likelihood of the key's tokens in nats"}
     return retrieval_record("passkey", model_path, model, metrics, result["cells"], protocol,
-                            time.perf_counter() - start, device, favor_changes, kv_bits)
+                            time.perf_counter() - start, device, favor_changes)
 
 
 __all__ = [

@@ -186,7 +186,8 @@ def evaluate_synthetic_model(model_path: str, task: str, context_lengths: Sequen
                              max_chars: int | None = None, needles: int = DEFAULT_NEEDLES, queries: str = "one",
                              hops: int = DEFAULT_HOPS, batch_size: int = 1, tokenizer_path: str | None = None,
                              device: str | None = None, trust_remote_code: bool = False, show_progress: bool = True,
-                             favor_changes: dict | None = None, kv_bits: int | None = None) -> dict:
+                             favor_changes: dict | None = None, kv_bits: int | None = None,
+                             snapkv: dict | None = None) -> dict:
     """``task`` on a causal LM folder (``hf-performer evaluate MODEL --task needles|variable-tracking``). Returns the
     record the command writes: ``metrics`` (accuracy, its standard error, per context length), ``cells``,
     ``protocol``. Paths are recorded by base name."""
@@ -201,7 +202,7 @@ def evaluate_synthetic_model(model_path: str, task: str, context_lengths: Sequen
     check_synthetic_settings(needles, queries, hops)
     tokenizer = _load_tokenizer(tokenizer_path or model_path)
     filler_text = load_lm_text(filler_file, max_chars=max_chars) if filler_file is not None else None
-    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits)
+    model = load_causal_lm(model_path, trust_remote_code, favor_changes, kv_bits=kv_bits, snapkv=snapkv)
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     longest = max(context_lengths)
     answer_room = needles * (NUMBER_DIGITS + 2) if task == "needles" and queries == "all" else NUMBER_DIGITS + 2
@@ -227,7 +228,7 @@ def evaluate_synthetic_model(model_path: str, task: str, context_lengths: Sequen
                            "error sqrt(p (1 - p) / trials)"}
     protocol |= ({"needles": needles, "queries": queries} if task == "needles" else {"hops": hops})
     return retrieval_record(task, model_path, model, metrics, result["cells"], protocol, time.perf_counter() - start,
-                            device, favor_changes, kv_bits)
+                            device, favor_changes)
 
 
 __all__ = [
