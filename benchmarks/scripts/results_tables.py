@@ -87,12 +87,13 @@ def _speedup(result: dict, mode: str, implementation: str, length: int) -> float
     return records[(mode, "sdpa", length)]["seconds"] / records[(mode, implementation, length)]["seconds"]
 
 
-def _speedup_text(result: dict, mode: str, implementation: str, length: int, bold: bool = False) -> str:
+def _speedup_text(result: dict, mode: str, implementation: str, length: int, bold: bool = False,
+                  digits: int = 1) -> str:
     """``"9.5x"`` (bold if asked), with the range of the runs' own ratios when the result holds several processes'."""
     records = _speed_records(result)
     sdpa, other = records[(mode, "sdpa", length)], records[(mode, implementation, length)]
     by_run = [a / b for a, b in zip(sdpa.get("process_seconds", ()), other.get("process_seconds", ()))]
-    return _ratio_text(_speedup(result, mode, implementation, length), by_run, 1, bold)
+    return _ratio_text(_speedup(result, mode, implementation, length), by_run, digits, bold)
 
 
 def _ratio_text(value: float, by_run: list[float] | None, digits: int = 2, bold: bool = False) -> str:
@@ -101,6 +102,13 @@ def _ratio_text(value: float, by_run: list[float] | None, digits: int = 2, bold:
     if by_run and len(by_run) > 1:
         text += f" (runs: {min(by_run):.{digits}f}-{max(by_run):.{digits}f}x)"
     return text
+
+
+def _medians_text(settings: dict) -> str:
+    """``"median of 3 runs (fresh processes) of 5 calls each"``, or ``"median of 5"`` for a single run."""
+    if settings.get("processes", 1) > 1:
+        return f"median of {settings['processes']} runs (fresh processes) of {settings['repeats']} calls each"
+    return f"median of {settings['repeats']}"
 
 
 def _link(root: str, name: str, text: str | None = None) -> str:
@@ -118,10 +126,8 @@ def attention_speed(root: str) -> str:
     by_key = _speed_records(current)
     lines = ["Today's kernel (chunked, features recomputed in the backward), forward + backward of one call, B=1, "
              f"H={current['settings']['heads']}, d={current['settings']['head_dim']}, "
-             f"m={current['settings']['nb_features']}, float32, median of "
-             + (f"{current['settings']['processes']} runs (fresh processes) of {current['settings']['repeats']} calls "
-                "each" if current["settings"].get("processes", 1) > 1 else f"{current['settings']['repeats']}")
-             + f" ({_link(root, 'attention_speed_chunked.json')}):", "",
+             f"m={current['settings']['nb_features']}, float32, {_medians_text(current['settings'])} "
+             f"({_link(root, 'attention_speed_chunked.json')}):", "",
              "| mode | L | FAVOR+ (s) | SDPA (s) | SDPA / FAVOR+ | FAVOR+ GFLOP/s |", "|---|---:|---:|---:|---:|---:|"]
     for mode in ("bidirectional", "causal"):
         for length in current["settings"]["lengths"]:
@@ -181,13 +187,13 @@ def window_speed(root: str) -> str:
     settings, by_key = result["settings"], _speed_records(result)
     lines = [f"Causal forward + backward of `window_linear_attention` (window {settings['window']}, "
              f"{settings['sinks']} sinks, a {settings['window_feature_map']} tail of {settings['window_nb_features']} "
-             f"features, learned gamma), B=1, H={settings['heads']}, d={settings['head_dim']}, float32, median of "
-             f"{settings['repeats']} ({_link(root, 'attention_speed_window.json')}):", "",
+             f"features, learned gamma), B=1, H={settings['heads']}, d={settings['head_dim']}, float32, "
+             f"{_medians_text(settings)} ({_link(root, 'attention_speed_window.json')}):", "",
              "| L | window (s) | SDPA (s) | SDPA / window |", "|---:|---:|---:|---:|"]
     for length in settings["lengths"]:
         window, sdpa = by_key[("causal", "window", length)], by_key[("causal", "sdpa", length)]
         lines.append(f"| {length} | {window['seconds']:.3f} | {sdpa['seconds']:.3f} | "
-                     f"**{sdpa['seconds'] / window['seconds']:.2f}x** |")
+                     f"{_speedup_text(result, 'causal', 'window', length, True, 2)} |")
     lines += ["", f"Break-even: {break_even(result['records'], 'causal', 'window')}. {machine(result)}"]
     return "\n".join(lines)
 
@@ -209,22 +215,24 @@ def clustered_speed(root: str) -> str:
     result = load("clustered_speed.json")
     settings, by_key = result["settings"], _speed_records(result)
     lines = [f"Forward of one bidirectional call, B=1, H={settings['heads']}, d={settings['head_dim']}, float32, "
-             f"median of {settings['repeats']}: clustered attention with C={settings['clusters']} clusters, improved "
+             f"{_medians_text(settings)}: clustered attention with C={settings['clusters']} clusters, improved "
              f"with top-{settings['topk']} keys, FAVOR+ (m={settings['nb_features']}), a shared-QK LSH attention "
-             f"(bucket {settings['bucket_size']}), against SDPA; time (SDPA time / time) "
+             f"(bucket {settings['bucket_size']}), against SDPA; time: SDPA's time / time "
              f"({_link(root, 'clustered_speed.json')}):", "",
              "| L | SDPA (s) | " + " | ".join(label for _, label in CLUSTERED_IMPLEMENTATIONS) + " |",
              "|---:|---:|" + "---:|" * len(CLUSTERED_IMPLEMENTATIONS)]
     for length in settings["lengths"]:
         sdpa = by_key[("bidirectional", "sdpa", length)]["seconds"]
-        cells = [f"{by_key[('bidirectional', name, length)]['seconds']:.2f} s "
-                 f"({sdpa / by_key[('bidirectional', name, length)]['seconds']:.2f}x)"
+        cells = [f"{by_key[('bidirectional', name, length)]['seconds']:.2f} s: "
+                 f"{_speedup_text(result, 'bidirectional', name, length, digits=2)}"
                  for name, _ in CLUSTERED_IMPLEMENTATIONS]
         lines.append(f"| {length} | {sdpa:.2f} | " + " | ".join(cells) + " |")
     crossovers = ", ".join(f"{label} {break_even(result['records'], 'bidirectional', name)}"
                            for name, label in CLUSTERED_IMPLEMENTATIONS[:3])
-    lines += ["", f"Break-even against SDPA: {crossovers}. {machine(result)} A heavily loaded machine: absolute "
-              "times are 10-20x the idle ones; read only the same-run ratios."]
+    loaded = "" if "load_average" in result["machine"] else (
+        " A heavily loaded machine (load average ~15, not recorded then): absolute times are 10-20x the idle ones; "
+        "read only the same-run ratios.")
+    lines += ["", f"Break-even against SDPA: {crossovers}. {machine(result)}{loaded}"]
     return "\n".join(lines)
 
 
@@ -598,8 +606,11 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                      ("half_bytes_36MiB", "window 512, G 0 / 256 / 1024 per layer by `budget --metric loss` (half the "
                       "bytes)"),
                      ("middle_layers_G2048", "window 512, G 2048 in layers 2-12 and 256-1024 elsewhere (the same "
-                      "bytes, chosen from the passkey probe)"))
+                      "bytes, chosen from the passkey probe)"),
+                     ("snapkv_window512_K1024", "SnapKV: 4 sinks + window 512 + the 1,024 keys the prompt's last 32 "
+                      "queries attend to most, cut after the prompt (full KV cache while reading it; retrieval only)"))
 LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
+SNAPKV_ARM = "snapkv_window512_K1024"
 
 
 def _long_context_row(root: str) -> str:
@@ -615,11 +626,13 @@ def _long_context_row(root: str) -> str:
         return f"{arm['needles_by_length'][length]:.2f}"
 
     longest = str(result["protocol"]["retrieval_lengths"][-1])
-    peers = [f"{label} {ratio(arms[name])}" + (f", needles {needles(arms[name], longest)}"
-                                              if arms[name].get("needles_by_length") else "")
+    peers = [f"{label} " + ", ".join(([ratio(arms[name])] if "8192" in arms[name]["perplexity"] else [])
+                                     + ([f"needles {needles(arms[name], longest)}"]
+                                        if arms[name].get("needles_by_length") else []))
              for name, label in (("streamingllm_window1536", "StreamingLLM (window 1536)"),
                                  ("window512_G1024_attention", "attention selection"),
                                  ("half_bytes_36MiB", "half the bytes by `budget`"),
+                                 (SNAPKV_ARM, "SnapKV (same bytes, cut after the prompt)"),
                                  ("quantized_kv_4bit", "4-bit KV cache")) if name in arms]
     if "quantized_kv_4bit" in arms:
         grows = arms["quantized_kv_4bit"]["cache_bytes"]
@@ -627,10 +640,12 @@ def _long_context_row(root: str) -> str:
     ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
     passkey = load(LONG_CONTEXT_PASSKEY)
     length = str(passkey["protocol"]["retrieval_lengths"][-1])
-    scores = sorted({arm["passkey_by_length"][length] for arm in passkey["arms"].values()})
+    online = sorted({arm["passkey_by_length"][length] for name, arm in passkey["arms"].items() if name != SNAPKV_ARM})
+    snapkv = passkey["arms"].get(SNAPKV_ARM)
     peers.append(f"passkey at {round(int(length) / 1024)}k "
-                 + (f"{scores[0]:.2f} for every bounded arm" if len(scores) == 1 else
+                 + (f"{online[0]:.2f} for every arm that selects while reading" if len(online) == 1 else
                     f"ours {passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f}")
+                 + (f", SnapKV {snapkv['passkey_by_length'][length]:.2f}" if snapkv else "")
                  + f" against softmax's {passkey['baseline']['passkey_by_length'][length]:.2f}")
     return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
             f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "
@@ -693,8 +708,9 @@ def smollm2_long_context_passkey(root: str) -> str:
     for name, label in LONG_CONTEXT_ARMS:
         arm = result["arms"].get(name)
         if arm is not None:
-            lines.append(f"| {label} | {passkey(arm)} | "
-                         f"{arm['perplexity']['8192'] / baseline['perplexity']['8192']:.3f}x | "
+            perplexity = arm["perplexity"].get("8192")
+            ratio = "-" if perplexity is None else f"{perplexity / baseline['perplexity']['8192']:.3f}x"
+            lines.append(f"| {label} | {passkey(arm)} | {ratio} | "
                          f"{arm['cache_bytes']['16384'] / MIB:.1f} MiB |")
     return "\n".join(lines + ["", f"Passkey: {protocol['trials']} prompts of {int(length):,} tokens at each of the "
                               f"depths {', '.join(f'{d:g}' for d in protocol['depths'])}; perplexity as in the table "
@@ -892,8 +908,10 @@ def break_even_lengths(root: str) -> str:
         rows.append(f"| {what} | SDPA + KV cache | {_decode_table(result, 'FAVOR+')[1]} | {_link(root, name)}, "
                     f"{result['machine']['date'][:10]} |")
     return "\n".join(["| kind | against | break-even length | measured |", "|---|---|---|---|", *rows, "",
-                      "All on the project's 2-core AMD EPYC CPU; the clustered row was measured under a load average "
-                      "of ~15 (ratios only). The results pages give each table with its machine."])
+                      "All on the project's 2-core AMD EPYC CPU"
+                      + ("" if "load_average" in load("clustered_speed.json")["machine"] else
+                         "; the clustered row was measured under a load average of ~15 (ratios only)")
+                      + ". The results pages give each table with its machine."])
 
 
 def _command(result: dict) -> str | None:

@@ -198,7 +198,7 @@ def run_model(args) -> int:
 def _add_processes_argument(parser) -> None:
     parser.add_argument("--processes", type=int, default=1,
                         help="whole runs, each in a fresh process, one after the other; a figure is the median of the "
-                             "runs' figures, each run's kept beside it (default: 1, in this process)")
+                             "runs' figures, each run's kept beside it (1: in this process)")
 
 
 def add_parser(subparsers) -> None:
