@@ -131,13 +131,17 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
 def _snapkv(changes: dict) -> dict | None:
     """The SnapKV peer's settings popped from an arm's ``changes`` (``snapkv=KEYS``, ``snapkv_window``,
     ``snapkv_sinks``), or ``None``."""
+    from hf_performer.tasks.snapkv import SnapKVError, snapkv_settings
+
     keys, window, sinks = (changes.pop(name, None) for name in ("snapkv", "snapkv_window", "snapkv_sinks"))
     if keys is None:
         if window is not None or sinks is not None:
             raise SystemExit("hybrid_arms: snapkv_window / snapkv_sinks need snapkv=KEYS")
         return None
-    return {"keys": int(keys), "window": int(512 if window is None else window), "sinks": int(4 if sinks is None
-                                                                                            else sinks)}
+    try:
+        return snapkv_settings(keys, window, sinks)
+    except SnapKVError as error:
+        raise SystemExit(f"hybrid_arms: {error}") from None
 
 
 def _standard_errors(record: dict) -> dict:
@@ -169,7 +173,7 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
     from hf_performer.conversion.cache_budget import model_state_bytes, softmax_token_bytes, torch_dtype_bytes
     from hf_performer.favor_attention import update_favor_settings
     from hf_performer.tasks.quantized_kv import quantized_kv_state_bytes
-    from hf_performer.tasks.snapkv import snapkv_state_bytes
+    from hf_performer.tasks.snapkv import snapkv_description, snapkv_state_bytes
 
     changes = dict(changes)
     kv_bits, snapkv = changes.pop("kv_bits", None), _snapkv(changes)
@@ -179,7 +183,7 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
         info["cache_bytes"] = {str(length): snapkv_state_bytes(model.config, snapkv["keys"], snapkv["window"],
                                                                snapkv["sinks"], torch_dtype_bytes(model))
                                for length in lengths}
-        info["kv_cache"] = {"class": "SnapKV (cut after the prompt)", **snapkv}
+        info["kv_cache"] = snapkv_description(**snapkv)
     elif kv_bits:
         info["cache_bytes"] = {str(length): quantized_kv_state_bytes(model.config, length, kv_bits,
                                                                      torch_dtype_bytes(model)) for length in lengths}

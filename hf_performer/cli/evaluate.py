@@ -158,12 +158,12 @@ def _snapkv_settings(args: argparse.Namespace) -> dict | None:
         return None
     if args.quantized_kv is not None:
         raise SystemExit("hf-performer evaluate: error: --snapkv and --quantized-kv are two peers; give one")
-    settings = {"keys": args.snapkv, "window": 512 if args.snapkv_window is None else args.snapkv_window,
-                "sinks": 4 if args.snapkv_sinks is None else args.snapkv_sinks}
-    if min(settings.values()) < 0:
-        raise SystemExit(f"hf-performer evaluate: error: --snapkv, --snapkv-window and --snapkv-sinks must be ints >= "
-                         f"0, got {settings}")
-    return settings
+    from hf_performer.tasks.snapkv import SnapKVError, snapkv_settings
+
+    try:
+        return snapkv_settings(args.snapkv, args.snapkv_window, args.snapkv_sinks)
+    except SnapKVError as error:
+        raise SystemExit(f"hf-performer evaluate: error: {error}") from None
 
 
 def run_evaluate(args: argparse.Namespace) -> int:

@@ -23,10 +23,33 @@ OBSERVATION = 32
 """The prompt's last tokens whose attention chooses the kept keys (SnapKV's observation window)."""
 POOL = 7
 """Keys a kept key's score is averaged over (SnapKV's pooling kernel)."""
+DEFAULT_WINDOW, DEFAULT_SINKS = 512, 4
+"""The window and sinks kept when only the number of selected keys is given."""
 
 
 class SnapKVError(ValueError):
     """A SnapKV evaluation this module cannot run (one line: what is wrong, what is accepted)."""
+
+
+def snapkv_settings(keys: int, window: int | None = None, sinks: int | None = None) -> dict:
+    """``{"keys", "window", "sinks"}`` with the defaults filled in, checked (before any model is loaded).
+
+    Raises:
+        SnapKVError: a negative count, or a window shorter than the :data:`OBSERVATION` tokens.
+    """
+    settings = {"keys": int(keys), "window": int(DEFAULT_WINDOW if window is None else window),
+                "sinks": int(DEFAULT_SINKS if sinks is None else sinks)}
+    if min(settings.values()) < 0 or settings["window"] < OBSERVATION:
+        raise SnapKVError(f"SnapKV needs keys >= 0, sinks >= 0 and a window >= its {OBSERVATION} observation "
+                          f"tokens; got keys {settings['keys']}, window {settings['window']}, sinks "
+                          f"{settings['sinks']}")
+    return settings
+
+
+def snapkv_description(keys: int, window: int, sinks: int) -> dict:
+    """What a result records of the peer (``kv_cache``): its counts and the fixed observation and pooling."""
+    return {"class": "SnapKV (cut after the prompt)", "keys": keys, "window": window, "sinks": sinks,
+            "observation": OBSERVATION, "pool": POOL}
 
 
 def snapkv_state_bytes(config, keys: int, window: int, sinks: int, dtype_bytes: int = 4) -> int:
@@ -60,12 +83,9 @@ class SnapKVCausalLM(torch.nn.Module):
 
     def __init__(self, model, keys: int, window: int, sinks: int):
         super().__init__()
-        if min(keys, window, sinks) < 0 or window < OBSERVATION:
-            raise SnapKVError(f"SnapKV needs keys >= 0, sinks >= 0 and a window >= its {OBSERVATION} observation "
-                              f"tokens; got keys {keys}, window {window}, sinks {sinks}")
-        self.model, self.keys, self.window, self.sinks = model, keys, window, sinks
-        self.kv_cache_description = {"class": "SnapKV (cut after the prompt)", "keys": keys, "window": window,
-                                     "sinks": sinks, "observation": OBSERVATION, "pool": POOL}
+        settings = snapkv_settings(keys, window, sinks)
+        self.model, self.keys, self.window, self.sinks = model, *settings.values()
+        self.kv_cache_description = snapkv_description(**settings)
 
     @property
     def config(self):
@@ -120,5 +140,5 @@ def with_snapkv(model, keys: int, window: int, sinks: int, model_path: str):
     return SnapKVCausalLM(model, keys, window, sinks)
 
 
-__all__ = ["OBSERVATION", "POOL", "SnapKVCausalLM", "SnapKVError", "select_kept_positions", "snapkv_state_bytes",
-           "with_snapkv"]
+__all__ = ["DEFAULT_SINKS", "DEFAULT_WINDOW", "OBSERVATION", "POOL", "SnapKVCausalLM", "SnapKVError",
+           "select_kept_positions", "snapkv_description", "snapkv_settings", "snapkv_state_bytes", "with_snapkv"]
