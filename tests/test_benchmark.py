@@ -248,28 +248,6 @@ def test_memory_table_and_plot_without_an_sdpa_point(tmp_path):
     plot_memory(result, tmp_path / "memory.png")
 
 
-def test_throughput_bound_splits_the_counted_flops_and_refuses_bad_input(capsys):
-    """benchmarks/scripts/favor_throughput_bound.py: its FLOPs by kind of product add up to attention_flops (what the
-    achieved figure divides), its exp count is per feature computed, and bad lengths get a one-line error."""
-    import importlib.util
-    from pathlib import Path
-
-    from hf_performer.bench.attention import attention_flops
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "scripts" / "favor_throughput_bound.py"
-    spec = importlib.util.spec_from_file_location("favor_throughput_bound", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    for mode, chunk in (("bidirectional", 128), ("causal", 64)):
-        for length in (4096, 8192):
-            split = script.flops_by_kind(mode, length, chunk)
-            assert sum(split.values()) == pytest.approx(attention_flops("favor", mode, length, 12, 64, 256,
-                                                                        chunk_size=chunk))
-    assert script.exp_count("bidirectional", 8192, 128) == 12 * 4 * 8192 * 256
-    assert script.main(["--lengths", "8k"]) == 2
-    assert "comma-separated integers" in capsys.readouterr().err
-
-
 def test_memory_benchmark_takes_the_median_of_fresh_processes(monkeypatch):
     import hf_performer.bench.attention as attention
 

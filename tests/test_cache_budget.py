@@ -240,7 +240,8 @@ def test_hybrid_arms_takes_a_snapkv_peer_for_retrieval_only():
     changes, contexts, passkey, lengths = arms._parse_changes(["contexts=none", "snapkv=1024", "snapkv_window=256"],
                                                               [2048, 8192], [8176])
     assert contexts == [] and passkey and lengths == [8176]
-    assert arms._snapkv(changes) == {"keys": 1024, "window": 256, "sinks": 4} and changes == {}
+    assert arms._snapkv(changes) == {"keys": 1024, "window": 256, "sinks": 4, "pool": 7} and changes == {}
+    assert arms._snapkv({"snapkv": 8, "snapkv_pool": 31})["pool"] == 31
     with pytest.raises(SystemExit, match="need snapkv=KEYS"):
         arms._snapkv({"snapkv_sinks": 2})
     with pytest.raises(SystemExit, match="give it contexts=none"):

@@ -54,6 +54,24 @@ def test_cli_writes_records_ratios_and_the_command(llama_pair, tmp_path, monkeyp
     assert str(tmp_path) not in (tmp_path / "speed.json").read_text() and (tmp_path / "speed.png").stat().st_size
 
 
+def test_several_runs_give_each_point_the_median_of_its_runs(llama_pair, monkeypatch):
+    softmax, favor = llama_pair
+    timings = iter([3.0, 1.0, 9.0, 2.0, 5.0, 1.5])  # (softmax, favor) in run 1, 2, 3
+
+    def fake_point(folder, length, batch, backward, repeats):
+        return {"seconds": next(timings), "peak_memory_bytes": 100, "attention": "a", "parameters": 1}
+
+    monkeypatch.setattr(model_speed, "_measure_in_fresh_process", fake_point)
+    result = model_speed.run_model_benchmark([str(softmax), str(favor)], lengths=[32], processes=3, progress=False)
+    softmax_record, favor_record = result["records"]
+    assert softmax_record["process_seconds"] == [3.0, 9.0, 5.0] and softmax_record["seconds"] == 5.0
+    assert favor_record["process_seconds"] == [1.0, 2.0, 1.5] and favor_record["seconds"] == 1.5
+    assert result["settings"]["processes"] == 3 and len(result["machine"]["runs"]) == 3
+    assert "medians of 3 runs" in model_speed.format_model_speed_table(result)
+    with pytest.raises(model_speed.ModelBenchmarkError, match="--processes"):
+        model_speed.run_model_benchmark([str(softmax)], lengths=[8], processes=0)
+
+
 def test_bad_inputs_are_one_line_errors(llama_pair, tmp_path, tiny_bert_config):
     from transformers import BertModel
 

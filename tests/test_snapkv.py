@@ -63,6 +63,16 @@ def test_selection_keeps_sinks_window_and_the_best_scored_neighbourhood():
     assert short[0, 0].tolist() == list(range(12))  # everything fits: everything is kept
 
 
+def test_a_wider_pool_keeps_a_whole_span_over_its_single_sharpest_key():
+    scores = torch.zeros(1, 1, 100)
+    scores[0, 0, 30] = 1.0  # one sharp key
+    scores[0, 0, 60:65] = 0.5  # a five-token span (a number), each token less attended than the sharp key
+    narrow = select_kept_positions(scores, keys=5, window=10, sinks=0, pool=1)[0, 0].tolist()
+    wide = select_kept_positions(scores, keys=5, window=10, sinks=0, pool=5)[0, 0].tolist()
+    assert 30 in narrow and not set(range(60, 65)) <= set(narrow)
+    assert set(range(60, 65)) <= set(wide) and 30 not in wide
+
+
 def test_bytes_refusals_and_a_converted_model(model):
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -76,6 +86,8 @@ def test_bytes_refusals_and_a_converted_model(model):
         snap(input_ids=ids, attention_mask=torch.ones_like(ids), logits_to_keep=3)
     with pytest.raises(SnapKVError, match="window >= its 32 observation"):
         SnapKVCausalLM(model, keys=8, window=8, sinks=1)
+    with pytest.raises(SnapKVError, match="an odd pool >= 1; .* pool 4"):
+        SnapKVCausalLM(model, keys=8, window=OBSERVATION, sinks=1, pool=4)
     from hf_performer.conversion import convert_to_performer
 
     converted = convert_to_performer(model, window=8, sinks=1)
@@ -91,13 +103,15 @@ def test_evaluate_command_runs_a_snapkv_peer_and_refuses_what_it_cannot_read(tmp
     folder = save_tiny_llama(tmp_path / "llama", gpt2_tokenizer, max_positions=400)
     output = tmp_path / "snapkv.json"
     assert cli_main(["evaluate", str(folder), "--task", "passkey", "--context-lengths", "300", "--depths", "0.5",
-                     "--trials", "2", "--snapkv", "16", "--snapkv-window", "64", "--batch-size", "2",
-                     "--no-progress", "--output", str(output)]) == 0
+                     "--trials", "2", "--snapkv", "16", "--snapkv-window", "64", "--snapkv-pool", "3",
+                     "--batch-size", "2", "--no-progress", "--output", str(output)]) == 0
     record = json.loads(output.read_text())
-    assert record["kv_cache"]["keys"] == 16 and record["kv_cache"]["window"] == 64 and record["kv_cache"]["sinks"] == 4
+    assert {name: record["kv_cache"][name] for name in ("keys", "window", "sinks", "pool")} == {
+        "keys": 16, "window": 64, "sinks": 4, "pool": 3}
     assert len(record["cells"][0]["correct"]) == 2
     for extra, message in ((["--task", "wikitext", "--text-file", str(output), "--snapkv", "16"], "would be ignored"),
                            (["--task", "passkey", "--snapkv-window", "64"], "need --snapkv KEYS"),
+                           (["--task", "passkey", "--snapkv-pool", "5"], "need --snapkv KEYS"),
                            (["--task", "passkey", "--snapkv", "16", "--quantized-kv", "4"], "two peers")):
         with pytest.raises(SystemExit, match=message):
             cli_main(["evaluate", str(folder), *extra])

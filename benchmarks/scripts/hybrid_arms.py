@@ -4,8 +4,8 @@ Each ``--arm NAME FOLDER [KEY=VALUE ...]`` is a trained causal LM folder, option
 load time (``sparse_cache=256``, ``linear_tail=false``, JSON for per-layer ones: ``layer_windows={"4":
 {"sparse_cache":2048}}``; :func:`hf_performer.favor_attention.update_favor_settings`) and ``contexts=1024,2048`` to evaluate its perplexity at a subset of ``--contexts`` only (``retrieval=8176``: its
 retrieval tasks at a subset of ``--retrieval-lengths``), ``passkey=false`` to skip its retrieval tasks; ``kv_bits=2`` (or 4) makes a softmax folder the quantized-KV peer (transformers'
-``QuantizedCache``: :mod:`hf_performer.tasks.quantized_kv`); ``snapkv=1024 snapkv_window=512 snapkv_sinks=4`` the
-peer whose KV cache is cut after the prompt (:mod:`hf_performer.tasks.snapkv`; retrieval only: give it
+``QuantizedCache``: :mod:`hf_performer.tasks.quantized_kv`); ``snapkv=1024 snapkv_window=512 snapkv_sinks=4
+snapkv_pool=7`` the peer whose KV cache is cut after the prompt (:mod:`hf_performer.tasks.snapkv`; retrieval only: give it
 ``contexts=none``).
 Every arm and the ``--baseline`` (softmax after the same LoRA, or the source model for training-free arms:
 ``--baseline-name``) get the one protocol of the window-hybrid results: perplexity with windows of each
@@ -130,16 +130,17 @@ def _evaluate(args, name: str, folder: str, changes: dict, contexts: list[int], 
 
 def _snapkv(changes: dict) -> dict | None:
     """The SnapKV peer's settings popped from an arm's ``changes`` (``snapkv=KEYS``, ``snapkv_window``,
-    ``snapkv_sinks``), or ``None``."""
+    ``snapkv_sinks``, ``snapkv_pool``), or ``None``."""
     from hf_performer.tasks.snapkv import SnapKVError, snapkv_settings
 
-    keys, window, sinks = (changes.pop(name, None) for name in ("snapkv", "snapkv_window", "snapkv_sinks"))
+    keys, window, sinks, pool = (changes.pop(name, None) for name in
+                                 ("snapkv", "snapkv_window", "snapkv_sinks", "snapkv_pool"))
     if keys is None:
-        if window is not None or sinks is not None:
-            raise SystemExit("hybrid_arms: snapkv_window / snapkv_sinks need snapkv=KEYS")
+        if (window, sinks, pool) != (None, None, None):
+            raise SystemExit("hybrid_arms: snapkv_window / snapkv_sinks / snapkv_pool need snapkv=KEYS")
         return None
     try:
-        return snapkv_settings(keys, window, sinks)
+        return snapkv_settings(keys, window, sinks, pool)
     except SnapKVError as error:
         raise SystemExit(f"hybrid_arms: {error}") from None
 

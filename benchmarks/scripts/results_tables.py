@@ -31,7 +31,8 @@ REMOVED_SCRIPTS = dict.fromkeys(
     ("smollm2_window_hybrid.sh", "collect_window_hybrid.py", "reuse_transfer.py", "smollm2_transfer.sh",
      "collect_lm_transfer.py", "greedy_samples.py", "tail_error_probe.py", "collect_tail_probe.py",
      "sparse_cache_sweep.py"), "72868fe") | dict.fromkeys(
-    ("generation_floor.py", "packed_window_speed.py", "lora_step_speed.py"), "705cf19")
+    ("generation_floor.py", "packed_window_speed.py", "lora_step_speed.py"), "705cf19") | dict.fromkeys(
+    ("collect_encoder_window.py", "stsb_window_hybrid.sh", "favor_throughput_bound.py"), "6fa08f8")
 
 
 def load(name: str) -> dict:
@@ -282,11 +283,15 @@ def model_speed(root: str) -> str:
         records = {(r["model"], r["length"]): r for r in result["records"]}
         for index, length in enumerate(result["settings"]["lengths"]):
             softmax, favor = records[(softmax_label, length)], records[(favor_label, length)]
+            by_run = [a / b for a, b in zip(softmax.get("process_seconds", ()), favor.get("process_seconds", ()))]
             lines.append(f"| {label if index == 0 else ''} | {length} | {softmax['seconds']:.1f} | "
-                         f"{favor['seconds']:.1f} | **{softmax['seconds'] / favor['seconds']:.2f}x** | "
+                         f"{favor['seconds']:.1f} | "
+                         f"{_ratio_text(softmax['seconds'] / favor['seconds'], by_run, bold=True)} | "
                          f"{softmax['peak_memory_bytes'] / MIB:.0f} | {favor['peak_memory_bytes'] / MIB:.0f} | "
                          f"{favor['peak_memory_bytes'] / softmax['peak_memory_bytes']:.2f}x |")
-        machines.append(f"{_link(root, name)}: {machine(result)[len('Machine: '):]}")
+        runs = result["settings"].get("processes", 1)
+        machines.append(f"{_link(root, name)} ({f'median of {runs} runs' if runs > 1 else 'one run'} of "
+                        f"{result['settings']['repeats']} timed call a point): {machine(result)[len('Machine: '):]}")
     return "\n".join(lines + ["", "Machines: " + " ".join(machines)])
 
 
@@ -608,9 +613,12 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                      ("middle_layers_G2048", "window 512, G 2048 in layers 2-12 and 256-1024 elsewhere (the same "
                       "bytes, chosen from the passkey probe)"),
                      ("snapkv_window512_K1024", "SnapKV: 4 sinks + window 512 + the 1,024 keys the prompt's last 32 "
-                      "queries attend to most, cut after the prompt (full KV cache while reading it; retrieval only)"))
+                      "queries attend to most (each score averaged over 7 neighbours, the paper's), cut after the "
+                      "prompt (full KV cache while reading it; retrieval only)"),
+                     ("snapkv_window512_K1024_pool31", "SnapKV as above, each score averaged over 31 neighbours "
+                      "(whole spans)"))
 LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
-SNAPKV_ARM = "snapkv_window512_K1024"
+SNAPKV_ARM, SNAPKV_SPANS_ARM = "snapkv_window512_K1024", "snapkv_window512_K1024_pool31"
 
 
 def _long_context_row(root: str) -> str:
@@ -633,6 +641,7 @@ def _long_context_row(root: str) -> str:
                                  ("window512_G1024_attention", "attention selection"),
                                  ("half_bytes_36MiB", "half the bytes by `budget`"),
                                  (SNAPKV_ARM, "SnapKV (same bytes, cut after the prompt)"),
+                                 (SNAPKV_SPANS_ARM, "SnapKV pooled over 31 keys"),
                                  ("quantized_kv_4bit", "4-bit KV cache")) if name in arms]
     if "quantized_kv_4bit" in arms:
         grows = arms["quantized_kv_4bit"]["cache_bytes"]
@@ -640,12 +649,14 @@ def _long_context_row(root: str) -> str:
     ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
     passkey = load(LONG_CONTEXT_PASSKEY)
     length = str(passkey["protocol"]["retrieval_lengths"][-1])
-    online = sorted({arm["passkey_by_length"][length] for name, arm in passkey["arms"].items() if name != SNAPKV_ARM})
-    snapkv = passkey["arms"].get(SNAPKV_ARM)
+    online = sorted({arm["passkey_by_length"][length] for name, arm in passkey["arms"].items()
+                     if name not in (SNAPKV_ARM, SNAPKV_SPANS_ARM)})
+    snapkv, spans = passkey["arms"].get(SNAPKV_ARM), passkey["arms"].get(SNAPKV_SPANS_ARM)
     peers.append(f"passkey at {round(int(length) / 1024)}k "
                  + (f"{online[0]:.2f} for every arm that selects while reading" if len(online) == 1 else
                     f"ours {passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f}")
                  + (f", SnapKV {snapkv['passkey_by_length'][length]:.2f}" if snapkv else "")
+                 + (f" ({spans['passkey_by_length'][length]:.2f} pooled over 31 keys)" if spans else "")
                  + f" against softmax's {passkey['baseline']['passkey_by_length'][length]:.2f}")
     return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
             f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "

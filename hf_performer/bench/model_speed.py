@@ -7,6 +7,9 @@ lengths), warmed up on a short input, then the peak resident set is reset and on
 calls run at the full length: an inference forward, or a forward + backward of ``last_hidden_state.sum()`` with
 ``--backward`` (training memory: activations kept for the backward; the parameters' gradients count too, the same
 for every model of a geometry). Memory is the growth of the peak resident set beyond the loaded model, on CPU.
+With ``processes`` > 1 the whole interleaved sweep runs that many times, one run after the other; each point's
+seconds and memory are the median over the runs, each run's figure kept beside it (``process_seconds``,
+``process_peak_memory_bytes``), so that a noisy neighbour during one run does not decide a ratio.
 """
 
 from __future__ import annotations
@@ -133,7 +136,7 @@ def check_same_architecture(folders: list[str], labels: list[str]) -> None:
 
 
 def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward: bool = False, repeats: int = 1,
-                        labels=None, progress: bool = True) -> dict:
+                        labels=None, progress: bool = True, processes: int = 1) -> dict:
     """Time and extra peak memory of each model folder at each length, interleaved (length by length, every model
     in turn); the first folder is the baseline of the ratios (normally the softmax source).
 
@@ -141,6 +144,7 @@ def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward
         folders: model folders (a softmax source and its converted models), loadable with ``AutoModel``.
         lengths: tokens per sequence.
         labels: names of the models in the records (default: the folders' base names).
+        processes: whole runs of the sweep (each point always in a fresh process); figures are their medians.
     """
     from tqdm.auto import tqdm
 
@@ -153,25 +157,42 @@ def run_model_benchmark(folders, lengths=(8192, 16384), batch: int = 1, backward
     labels = list(labels) if labels is not None else [os.path.basename(os.path.normpath(f)) for f in folders]
     if len(labels) != len(folders) or len(set(labels)) != len(labels):
         raise ModelBenchmarkError(f"need one distinct label per folder, got {labels}")
-    if batch < 1 or repeats < 1 or not lengths or min(lengths) < 1:
-        raise ModelBenchmarkError("--batch, --repeats and every length must be >= 1")
+    if batch < 1 or repeats < 1 or processes < 1 or not lengths or min(lengths) < 1:
+        raise ModelBenchmarkError("--batch, --repeats, --processes and every length must be >= 1")
     check_same_architecture(folders, labels)
-    records = []
-    jobs = [(length, label, folder) for length in lengths for label, folder in zip(labels, folders)]
-    for length, label, folder in tqdm(jobs, desc="model benchmark", disable=not progress):
-        point = _measure_in_fresh_process(folder, length, batch, backward, repeats)
-        records.append(dict(model=label, length=length, **point))
+    jobs = [(run, length, label, folder) for run in range(processes) for length in lengths
+            for label, folder in zip(labels, folders)]
+    points: dict = {}
+    runs = []
+    for run, length, label, folder in tqdm(jobs, desc="model benchmark", disable=not progress):
+        if len(runs) == run:
+            runs.append({"date": machine_info(torch.device("cpu"))["date"], "load_average": load_average()})
+        points.setdefault((label, length), []).append(_measure_in_fresh_process(folder, length, batch, backward,
+                                                                               repeats))
+    records = [_merged_point(label, length, points[(label, length)]) for length in lengths for label in labels]
     result = {
         "benchmark": "model_speed",
         "settings": dict(models=labels, lengths=list(lengths), batch=batch, backward=backward, repeats=repeats,
+                         processes=processes,
                          measured="backbone (AutoModel, no task head); " + (
                              "forward + backward of last_hidden_state.sum()" if backward else "inference forward"),
                          memory="growth of the peak resident set (VmHWM) of a fresh process beyond the loaded model"),
-        "machine": {**machine_info(torch.device("cpu")), "load_average": load_average()},
+        "machine": {**machine_info(torch.device("cpu")), "load_average": runs[0]["load_average"]}
+        | ({"runs": runs} if processes > 1 else {}),
         "records": records,
     }
     result["summary"] = summarize_model_speed(result)
     return result
+
+
+def _merged_point(label: str, length: int, runs: list[dict]) -> dict:
+    """One (model, length) record from its runs: the median seconds and memory, each run's kept when several."""
+    record = dict(model=label, length=length, **runs[0])
+    if len(runs) > 1:
+        for field in ("seconds", "peak_memory_bytes"):
+            record[f"process_{field}"] = [run[field] for run in runs]
+            record[field] = statistics.median(record[f"process_{field}"])
+    return record
 
 
 def summarize_model_speed(result: dict) -> dict:
@@ -195,8 +216,9 @@ def format_model_speed_table(result: dict) -> str:
     """The records of :func:`run_model_benchmark` as a table with the ratios to the baseline."""
     settings = result["settings"]
     ratios = {(r["model"], r["length"]): r for r in result["summary"]["ratios"]}
+    runs = settings.get("processes", 1)
     lines = [f"{settings['measured']}, batch {settings['batch']}, {result['machine']['device_name']}; "
-             f"ratios against {result['summary']['baseline']}",
+             f"ratios against {result['summary']['baseline']}" + (f"; medians of {runs} runs" if runs > 1 else ""),
              f"{'model':<24} {'tokens':>7} {'seconds':>9} {'peak MiB':>9} {'speedup':>8} {'memory':>7}"]
     for record in result["records"]:
         ratio = ratios.get((record["model"], record["length"]), {})

@@ -191,7 +191,8 @@ def run_model(args) -> int:
     check_sizes(args)
     _warn_if_loaded()
     result = model_speed.run_model_benchmark(args.folders, lengths=args.lengths, batch=args.batch,
-                                             backward=args.backward, repeats=args.repeats, labels=args.labels)
+                                             backward=args.backward, repeats=args.repeats, labels=args.labels,
+                                             processes=args.processes)
     return _print_and_write(args, result, model_speed.format_model_speed_table(result), model_speed.plot_model_speed)
 
 
@@ -395,6 +396,9 @@ def _add_model_parser(kinds) -> None:
     model.add_argument("--backward", action="store_true",
                        help="forward + backward of last_hidden_state.sum() (training) instead of an inference forward")
     model.add_argument("--repeats", type=int, default=1, help="timed calls per point (median), after one untimed")
+    model.add_argument("--processes", type=int, default=1,
+                       help="whole runs of the sweep, one after the other (every point is always a fresh process); a "
+                            "figure is the median of the runs', each run's kept beside it")
     model.add_argument("--output-dir", type=Path, default=None, help="write NAME.json and NAME.png here")
     model.add_argument("--name", default="model_speed", help="file stem of the outputs")
     model.set_defaults(func=run_model)

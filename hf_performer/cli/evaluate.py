@@ -12,7 +12,7 @@ from . import add_verb_parser
 from ._output import check_output_file, portable_evaluation_record
 
 MODEL_CHANGES = ("sparse_cache", "sparse_cache_selection", "tail_cap", "window", "quantized_kv")
-SNAPKV_FLAGS = ("snapkv", "snapkv_window", "snapkv_sinks")
+SNAPKV_FLAGS = ("snapkv", "snapkv_window", "snapkv_sinks", "snapkv_pool")
 RETRIEVAL = ("text_file", "max_chars", "context_lengths", "depths", "trials") + MODEL_CHANGES + SNAPKV_FLAGS
 TASK_FLAGS = {
     "classification": ("validation_file", "max_eval_samples", "max_length", "metrics_backend"),
@@ -123,6 +123,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="with --snapkv: the latest prompt tokens always kept (default: 512)")
     parser.add_argument("--snapkv-sinks", type=int, default=None, metavar="S",
                         help="with --snapkv: the first prompt tokens always kept (default: 4)")
+    parser.add_argument("--snapkv-pool", type=int, default=None, metavar="N",
+                        help="with --snapkv: each key's score averaged over the N keys centred on it, odd (default: 7, "
+                             "the paper's; wider keeps whole spans)")
     parser.add_argument("--sparse-cache", type=int, default=None, metavar="G",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a sparse cache of G "
                              "hard keys per key head in every window layer (no retraining, as LoLA; default: the "
@@ -153,15 +156,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _snapkv_settings(args: argparse.Namespace) -> dict | None:
     """``--snapkv`` and its window and sinks as :func:`~hf_performer.tasks.evaluation.load_causal_lm` takes them."""
     if args.snapkv is None:
-        if args.snapkv_window is not None or args.snapkv_sinks is not None:
-            raise SystemExit("hf-performer evaluate: error: --snapkv-window / --snapkv-sinks need --snapkv KEYS")
+        if any(getattr(args, flag) is not None for flag in SNAPKV_FLAGS[1:]):
+            raise SystemExit("hf-performer evaluate: error: --snapkv-window / --snapkv-sinks / --snapkv-pool need "
+                             "--snapkv KEYS")
         return None
     if args.quantized_kv is not None:
         raise SystemExit("hf-performer evaluate: error: --snapkv and --quantized-kv are two peers; give one")
     from hf_performer.tasks.snapkv import SnapKVError, snapkv_settings
 
     try:
-        return snapkv_settings(args.snapkv, args.snapkv_window, args.snapkv_sinks)
+        return snapkv_settings(args.snapkv, args.snapkv_window, args.snapkv_sinks, args.snapkv_pool)
     except SnapKVError as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
 

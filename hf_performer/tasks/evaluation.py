@@ -406,7 +406,7 @@ def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_chang
     """A causal LM folder (:func:`load_trained_model`) with ``favor_changes`` made to its favor settings
     (:func:`~hf_performer.favor_attention.update_favor_settings`, e.g. ``{"sparse_cache": 64}``), or with
     ``kv_bits`` a softmax model run through a quantized KV cache (:mod:`.quantized_kv`), or with ``snapkv``
-    (``{"keys", "window", "sinks"}``) through a KV cache cut after the prompt (:mod:`.snapkv`).
+    (``{"keys", "window", "sinks", "pool"}``) through a KV cache cut after the prompt (:mod:`.snapkv`).
 
     Raises:
         EvaluationError: missing weights, or changes the model does not take (a softmax model, an invalid value).
@@ -429,10 +429,11 @@ def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_chang
         except QuantizedKVError as error:
             raise EvaluationError(str(error)) from None
     if snapkv:
-        from .snapkv import SnapKVError, with_snapkv
+        from .snapkv import POOL, SnapKVError, with_snapkv
 
         try:
-            return with_snapkv(model, snapkv["keys"], snapkv["window"], snapkv["sinks"], model_path)
+            return with_snapkv(model, snapkv["keys"], snapkv["window"], snapkv["sinks"], model_path,
+                               snapkv.get("pool", POOL))
         except SnapKVError as error:
             raise EvaluationError(str(error)) from None
     return model

@@ -9,9 +9,10 @@ key before any later token is seen.
 last ``logits_to_keep - 1``, the answer's) is prefilled with sdpa into a ``DynamicCache`` except its last
 :data:`OBSERVATION` tokens, which run with eager attention to return their attention to every prompt key; per layer
 and key head the older keys (after the sinks, before the window) are scored by that attention summed over the
-observation queries and the query heads of the group, smoothed over :data:`POOL` neighbouring keys (a kept key keeps
-its neighbours: a number spans several tokens), and the ``keys`` best kept; the answer tokens then run through the cut
-cache at their true positions. Retrieval tasks only: a perplexity stream has no prompt to cut after.
+observation queries and the query heads of the group, smoothed over ``pool`` neighbouring keys (default
+:data:`POOL`, the paper's; a kept key keeps its neighbours: a number spans several tokens, and on SmolLM2 at 8k a pool
+of 31 is what makes the cut answer as the full cache does), and the ``keys`` best kept; the answer tokens then run
+through the cut cache at their true positions. Retrieval tasks only: a perplexity stream has no prompt to cut after.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 OBSERVATION = 32
 """The prompt's last tokens whose attention chooses the kept keys (SnapKV's observation window)."""
 POOL = 7
-"""Keys a kept key's score is averaged over (SnapKV's pooling kernel)."""
+"""Keys a kept key's score is averaged over by default (SnapKV's pooling kernel); an odd count, centred on the key."""
 DEFAULT_WINDOW, DEFAULT_SINKS = 512, 4
 """The window and sinks kept when only the number of selected keys is given."""
 
@@ -31,25 +32,25 @@ class SnapKVError(ValueError):
     """A SnapKV evaluation this module cannot run (one line: what is wrong, what is accepted)."""
 
 
-def snapkv_settings(keys: int, window: int | None = None, sinks: int | None = None) -> dict:
-    """``{"keys", "window", "sinks"}`` with the defaults filled in, checked (before any model is loaded).
+def snapkv_settings(keys: int, window: int | None = None, sinks: int | None = None, pool: int | None = None) -> dict:
+    """``{"keys", "window", "sinks", "pool"}`` with the defaults filled in, checked (before any model is loaded).
 
     Raises:
-        SnapKVError: a negative count, or a window shorter than the :data:`OBSERVATION` tokens.
+        SnapKVError: a negative count, a window shorter than the :data:`OBSERVATION` tokens, or an even pool.
     """
     settings = {"keys": int(keys), "window": int(DEFAULT_WINDOW if window is None else window),
-                "sinks": int(DEFAULT_SINKS if sinks is None else sinks)}
-    if min(settings.values()) < 0 or settings["window"] < OBSERVATION:
-        raise SnapKVError(f"SnapKV needs keys >= 0, sinks >= 0 and a window >= its {OBSERVATION} observation "
-                          f"tokens; got keys {settings['keys']}, window {settings['window']}, sinks "
-                          f"{settings['sinks']}")
+                "sinks": int(DEFAULT_SINKS if sinks is None else sinks), "pool": int(POOL if pool is None else pool)}
+    if min(settings.values()) < 0 or settings["window"] < OBSERVATION or settings["pool"] % 2 == 0:
+        raise SnapKVError(f"SnapKV needs keys >= 0, sinks >= 0, a window >= its {OBSERVATION} observation tokens "
+                          f"and an odd pool >= 1; got keys {settings['keys']}, window {settings['window']}, sinks "
+                          f"{settings['sinks']}, pool {settings['pool']}")
     return settings
 
 
-def snapkv_description(keys: int, window: int, sinks: int) -> dict:
-    """What a result records of the peer (``kv_cache``): its counts and the fixed observation and pooling."""
+def snapkv_description(keys: int, window: int, sinks: int, pool: int = POOL) -> dict:
+    """What a result records of the peer (``kv_cache``): its counts, its pooling and the fixed observation."""
     return {"class": "SnapKV (cut after the prompt)", "keys": keys, "window": window, "sinks": sinks,
-            "observation": OBSERVATION, "pool": POOL}
+            "observation": OBSERVATION, "pool": pool}
 
 
 def snapkv_state_bytes(config, keys: int, window: int, sinks: int, dtype_bytes: int = 4) -> int:
@@ -60,15 +61,16 @@ def snapkv_state_bytes(config, keys: int, window: int, sinks: int, dtype_bytes: 
     return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype_bytes * (sinks + window + keys)
 
 
-def select_kept_positions(scores: torch.Tensor, keys: int, window: int, sinks: int) -> torch.Tensor:
+def select_kept_positions(scores: torch.Tensor, keys: int, window: int, sinks: int, pool: int = POOL) -> torch.Tensor:
     """Positions to keep, ``[B, KV, n]`` sorted, from ``scores`` ``[B, KV, P]`` (the observation's attention to each
-    of ``P`` prompt keys): the first ``sinks``, the last ``window`` and the ``keys`` best of the rest after pooling.
+    of ``P`` prompt keys): the first ``sinks``, the last ``window`` and the ``keys`` best of the rest after averaging
+    each score over the ``pool`` keys centred on it.
     Every position is kept when ``P <= sinks + window + keys``."""
     batch, kv_heads, length = scores.shape
     if length <= sinks + window + keys:
         return torch.arange(length, device=scores.device).expand(batch, kv_heads, length)
     middle = scores[..., sinks:length - window]
-    pooled = F.avg_pool1d(middle.reshape(batch * kv_heads, 1, -1), POOL, stride=1, padding=POOL // 2,
+    pooled = F.avg_pool1d(middle.reshape(batch * kv_heads, 1, -1), pool, stride=1, padding=pool // 2,
                           count_include_pad=False).reshape(batch, kv_heads, -1)
     chosen = pooled.topk(keys, dim=-1).indices + sinks
     fixed = torch.cat([torch.arange(sinks), torch.arange(length - window, length)]).to(scores.device)
@@ -81,10 +83,10 @@ class SnapKVCausalLM(torch.nn.Module):
     mask) and ``logits_to_keep`` (the answer's length + 1: what tells the prompt from the answer); returns an object
     with ``logits``."""
 
-    def __init__(self, model, keys: int, window: int, sinks: int):
+    def __init__(self, model, keys: int, window: int, sinks: int, pool: int = POOL):
         super().__init__()
-        settings = snapkv_settings(keys, window, sinks)
-        self.model, self.keys, self.window, self.sinks = model, *settings.values()
+        settings = snapkv_settings(keys, window, sinks, pool)
+        self.model, self.keys, self.window, self.sinks, self.pool = model, *settings.values()
         self.kv_cache_description = snapkv_description(**settings)
 
     @property
@@ -120,7 +122,7 @@ class SnapKVCausalLM(torch.nn.Module):
         for layer, attention in zip(cache.layers, observed.attentions):
             batch, kv_heads, length, head_dim = layer.keys.shape
             scores = attention.float().sum(dim=2).reshape(batch, kv_heads, -1, length).mean(dim=2)  # [B, KV, P]
-            kept = select_kept_positions(scores, self.keys, self.window, self.sinks)[..., None]
+            kept = select_kept_positions(scores, self.keys, self.window, self.sinks, self.pool)[..., None]
             layer.keys = layer.keys.gather(2, kept.expand(-1, -1, -1, head_dim))
             layer.values = layer.values.gather(2, kept.expand(-1, -1, -1, layer.values.shape[-1]))
         pieces = [observed.logits[:, -1:]]
@@ -130,14 +132,14 @@ class SnapKVCausalLM(torch.nn.Module):
         return type("SnapKVOutput", (), {"logits": torch.cat(pieces, dim=1)})()
 
 
-def with_snapkv(model, keys: int, window: int, sinks: int, model_path: str):
+def with_snapkv(model, keys: int, window: int, sinks: int, model_path: str, pool: int = POOL):
     """``model`` wrapped in :class:`SnapKVCausalLM`; a converted (Performer) model is refused: its attention keeps no
     KV cache to cut."""
     from ..configuration_performer import PERFORMER_MODEL_TYPE
 
     if getattr(model.config, "model_type", "") == PERFORMER_MODEL_TYPE:
         raise SnapKVError(f"{model_path} is a converted model: SnapKV cuts a softmax model's KV cache")
-    return SnapKVCausalLM(model, keys, window, sinks)
+    return SnapKVCausalLM(model, keys, window, sinks, pool)
 
 
 __all__ = ["DEFAULT_SINKS", "DEFAULT_WINDOW", "OBSERVATION", "POOL", "SnapKVCausalLM", "SnapKVError",

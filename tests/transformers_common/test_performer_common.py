@@ -2,10 +2,10 @@
 Performer classes built from tiny BERT, GPT-2 and Llama sources (issue 16).
 
 Opt-in: skipped unless ``HF_PERFORMER_TRANSFORMERS_TESTS`` names the ``tests/`` folder that
-``benchmarks/scripts/get_transformers_tests.sh DEST`` assembles (``DEST/tests``) for the installed transformers
+``tests/transformers_common/get_transformers_tests.sh DEST`` assembles (``DEST/tests``) for the installed transformers
 version. transformers' files are imported from there, never copied into this repository::
 
-    TRANSFORMERS_GIT=/path/to/transformers/.git benchmarks/scripts/get_transformers_tests.sh /tmp/transformers-tests
+    TRANSFORMERS_GIT=/path/to/transformers/.git tests/transformers_common/get_transformers_tests.sh /tmp/transformers-tests
     HF_PERFORMER_TRANSFORMERS_TESTS=/tmp/transformers-tests/tests python -m pytest -q tests/transformers_common
 
 The model testers follow transformers' own (``BertModelTester``, ``GPT2ModelTester``, ``LlamaModelTester``): a
@@ -33,7 +33,7 @@ _tests_folder = os.environ.get(TESTS_ENV)
 if not _tests_folder:
     pytest.skip(
         f"transformers' common tests are opt-in: set {TESTS_ENV}=DEST/tests after running "
-        "benchmarks/scripts/get_transformers_tests.sh DEST",
+        "tests/transformers_common/get_transformers_tests.sh DEST",
         allow_module_level=True,
     )
 
@@ -80,7 +80,7 @@ def _import_transformers_tests(folder: str):
     if not (tests_path / "test_modeling_common.py").is_file():
         raise FileNotFoundError(
             f"{TESTS_ENV}={folder}: no test_modeling_common.py there; point it at DEST/tests made by "
-            "benchmarks/scripts/get_transformers_tests.sh DEST"
+            "tests/transformers_common/get_transformers_tests.sh DEST"
         )
     dependencies = tests_path.parent / "_deps"  # `parameterized`, installed there by the script
     if dependencies.is_dir() and str(dependencies) not in sys.path:

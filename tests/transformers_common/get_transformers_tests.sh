@@ -2,7 +2,7 @@
 # Assemble transformers' own common model tests, for the INSTALLED transformers version, in a folder outside this
 # repository, for the opt-in harness tests/transformers_common/ (run it with HF_PERFORMER_TRANSFORMERS_TESTS=DEST).
 #
-#   benchmarks/scripts/get_transformers_tests.sh DEST [SDIST]
+#   tests/transformers_common/get_transformers_tests.sh DEST [SDIST]
 #
 # DEST   the folder to create; it receives DEST/tests/{test_modeling_common,test_configuration_common,...}.py
 # SDIST  transformers-<version>.tar.gz already on disk; without it the sdist of the installed version is fetched from
