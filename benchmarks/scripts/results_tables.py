@@ -289,9 +289,9 @@ def model_speed(root: str) -> str:
                          f"{_ratio_text(softmax['seconds'] / favor['seconds'], by_run, bold=True)} | "
                          f"{softmax['peak_memory_bytes'] / MIB:.0f} | {favor['peak_memory_bytes'] / MIB:.0f} | "
                          f"{favor['peak_memory_bytes'] / softmax['peak_memory_bytes']:.2f}x |")
-        runs = result["settings"].get("processes", 1)
-        machines.append(f"{_link(root, name)} ({f'median of {runs} runs' if runs > 1 else 'one run'} of "
-                        f"{result['settings']['repeats']} timed call a point): {machine(result)[len('Machine: '):]}")
+        runs, calls = result["settings"].get("processes", 1), result["settings"]["repeats"]
+        machines.append(f"{_link(root, name)} ({f'median of {runs} runs' if runs > 1 else 'one run'} of {calls} "
+                        f"timed call{'s' if calls > 1 else ''} a point): {machine(result)[len('Machine: '):]}")
     return "\n".join(lines + ["", "Machines: " + " ".join(machines)])
 
 

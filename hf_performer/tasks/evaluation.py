@@ -429,11 +429,10 @@ def load_causal_lm(model_path: str, trust_remote_code: bool = False, favor_chang
         except QuantizedKVError as error:
             raise EvaluationError(str(error)) from None
     if snapkv:
-        from .snapkv import POOL, SnapKVError, with_snapkv
+        from .snapkv import SnapKVError, with_snapkv
 
         try:
-            return with_snapkv(model, snapkv["keys"], snapkv["window"], snapkv["sinks"], model_path,
-                               snapkv.get("pool", POOL))
+            return with_snapkv(model, model_path=model_path, **snapkv)
         except SnapKVError as error:
             raise EvaluationError(str(error)) from None
     return model
