@@ -43,7 +43,7 @@ CACHE_BUDGET_FILE = "cache_budget.json"
 """The allocation's record in the folder ``hf-performer budget`` writes (:meth:`CacheAllocation.to_dict`)."""
 SERVING_SETTINGS_FILE = "serving_settings.json"
 """The record of a folder ``hf-performer settings`` wrote (:func:`serving_settings_record`)."""
-SERVING_SETTINGS = ("window", "sparse_cache", "sparse_cache_selection", "tail_cap")
+SERVING_SETTINGS = ("window", "sparse_cache", "sparse_cache_selection", "sparse_cache_span", "tail_cap")
 """The window settings a trained model can be served with other values of (no weight change)."""
 SERVING_CONTEXTS = (1024, 2048, 4096, 16384, 65536)
 """The context lengths a serving record gives the decoding state at."""

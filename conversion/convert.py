@@ -241,6 +241,7 @@ def convert_to_performer(
     sinks: int | None = None,
     sparse_cache: int | None = None,
     sparse_cache_selection: str | None = None,
+    sparse_cache_span: int | None = None,
     tail_cap: int | None = None,
     tail_gate: bool | None = None,
     softmax_weight: str | None = None,
@@ -275,6 +276,8 @@ def convert_to_performer(
             would recall worst (``favor_settings["sparse_cache"]``); ``None``: 0. Refused for bidirectional models.
         sparse_cache_selection: ``"recall"`` (that rule) or ``"attention"`` (the tokens the boundary's query attends
             to most: ``favor_settings["sparse_cache_selection"]``); ``None``: recall.
+        sparse_cache_span: odd; the selection ranks each token by its score averaged over this many neighbouring
+            candidates (whole spans: ``favor_settings["sparse_cache_span"]``); ``None``: 1.
         tail_cap: causal window layers weigh a tail of ``n > tail_cap`` tokens by ``tail_cap / n`` (the bounded tail:
             ``favor_settings["tail_cap"]``), e.g. the most tokens the tail held in training; ``None``: 0 (unbounded).
         tail_gate: ``True``: causal window layers get a learned tail gate (``favor_tail_gate``, an exponent per head
@@ -338,8 +341,8 @@ def convert_to_performer(
     optional = dict(nb_features=nb_features, seed=seed, orthogonal=orthogonal, row_norms=row_norms,
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
-                    sparse_cache=sparse_cache, sparse_cache_selection=sparse_cache_selection, tail_cap=tail_cap,
-                    tail_gate=tail_gate, softmax_weight=softmax_weight,
+                    sparse_cache=sparse_cache, sparse_cache_selection=sparse_cache_selection,
+                    sparse_cache_span=sparse_cache_span, tail_cap=tail_cap, tail_gate=tail_gate, softmax_weight=softmax_weight,
                     layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})

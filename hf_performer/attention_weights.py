@@ -201,6 +201,7 @@ def window_attention_weights(
     tail_cap: int = 0,
     tail_gate: torch.Tensor | None = None,
     sparse_cache_selection: str = "recall",
+    sparse_cache_span: int = 1,
 ) -> torch.Tensor:
     """The combined weights of sink + sliding-window softmax with a linear tail, ``[B, H, L, L]`` in
     ``query.dtype``: what :func:`~.window_attention.window_linear_attention` (same arguments) applies, so that
@@ -245,7 +246,8 @@ def window_attention_weights(
         cached = sparse_cache_membership(key.to(dtype), value.to(dtype), feature_map, window=window, sinks=sinks,
                                          sparse_cache=sparse_cache, key_padding_mask=key_padding_mask,
                                          scaling=scaling, chunk_size=chunk_size, eps=eps,
-                                         selection_query=q if sparse_cache_selection == "attention" else None)
+                                         selection_query=q if sparse_cache_selection == "attention" else None,
+                                         span=sparse_cache_span)
         cached = _repeat_kv(cached, groups)  # [B, H, L, L]
         exact, tail = exact | cached, tail & ~cached
     scores = torch.matmul(q, k.transpose(-1, -2)) * scaling

@@ -438,8 +438,7 @@ def _window_attention_forward(module, query, key, value, feature_map, key_paddin
             sparse_cache=layer_sparse_cache(settings, layer_idx), chunk_size=common["chunk_size"],
             tail_cap=layer_tail_cap(settings, causal),
             tail_gate=tail_gate_for(module, layer_idx, settings, query.shape[1], query.device),
-            sparse_cache_selection=settings["sparse_cache_selection"],
-        )
+            **{name: settings[name] for name in ("sparse_cache_selection", "sparse_cache_span")})
         out = apply_attention_weights(weights, value)
     return out.transpose(1, 2).contiguous(), weights
 
@@ -454,6 +453,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
     gamma = None if tail_map is None else softmax_weight_for(module, layer_idx, settings, query.shape[1],
                                                               query.device)
     tail_gate = tail_gate_for(module, layer_idx, settings, query.shape[1], query.device)
+    rule = {name: settings[name] for name in ("sparse_cache_selection", "sparse_cache_span")}
     if tail_map is not None and module.training and getattr(module, WINDOW_DROPPED_ATTRIBUTE, False):
         window, sparse_cache = 0, 0  # sliding-window dropout: the sinks and the tail only
     q_len, k_len = query.shape[2], key.shape[2]
@@ -468,8 +468,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         with no_redraw(feature_map, active=cache_layer.state is not None):
             return cache_layer.attend(query, key, value, tail_map, window=window, sinks=sinks,
                                       sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
-                                      softmax_weight=gamma, sparse_cache_selection=settings["sparse_cache_selection"],
-                                      key_padding_mask=key_padding_mask, **common)
+                                      softmax_weight=gamma, key_padding_mask=key_padding_mask, **rule, **common)
     sinks = min(sinks, k_len)  # a sequence shorter than `sinks` has all its tokens as sinks
     if key_padding_mask is not None and key_padding_mask.shape[-1] != k_len:
         raise FavorMaskError(
@@ -482,7 +481,7 @@ def _window_attention_output(module, query, key, value, feature_map, key_padding
         )
     arguments = dict(window=window, sinks=sinks, causal=causal, softmax_weight=gamma,
                      key_padding_mask=key_padding_mask, sparse_cache=sparse_cache, tail_cap=tail_cap,
-                     tail_gate=tail_gate, sparse_cache_selection=settings["sparse_cache_selection"], **common)
+                     tail_gate=tail_gate, **rule, **common)
     if causal and k_len > q_len:
         if sparse_cache and settings["sparse_cache_selection"] == "attention":
             raise LinearAttentionError(f"favor attention (layer {layer_idx}): a sparse cache that selects by attention "

@@ -77,6 +77,10 @@ FAVOR_SETTINGS: tuple[FavorSetting, ...] = (
                  'how the sparse cache chooses its tokens: "recall" (the ones the linear tail would recall worst; '
                  'without a tail, the farthest from the mean value) or "attention" (the ones the boundary\'s query '
                  "attends to most, H2O / TOVA-style; not with assisted decoding)"),
+    FavorSetting("sparse_cache_span", int, 1,
+                 "odd; the sparse cache ranks each token by its score averaged over this many neighbouring candidates, "
+                 "so that whole runs of tokens (a fact to copy) stay rather than their sharpest keys (SnapKV's "
+                 "pooling); 1 = each token on its own score"),
     FavorSetting("tail_cap", int, 0,
                  "causal window layers: a query whose linear tail holds n > tail_cap tokens weighs it by tail_cap / n "
                  "(the tail's mean at the weight of tail_cap tokens), so that it stops taking normaliser mass from the "

@@ -43,8 +43,8 @@ from .feature_maps import (
 )
 
 
-WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "sparse_cache_selection", "tail_cap", "tail_gate",
-                   "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_SETTINGS = ("window", "sinks", "sparse_cache", "sparse_cache_selection", "sparse_cache_span", "tail_cap",
+                   "tail_gate", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window keys (:func:`layer_window`), recorded for every map kind."""
 LAYER_WINDOW_KEYS = ("window", "sinks", "sparse_cache")
 CLUSTERED_SETTINGS = ("attention", "clusters", "topk")
@@ -227,6 +227,10 @@ def _check_window_settings(resolved: dict, kind: str) -> None:
     if resolved["sparse_cache_selection"] not in SPARSE_CACHE_SELECTIONS:
         raise ValueError(f"favor_settings['sparse_cache_selection'] must be one of {SPARSE_CACHE_SELECTIONS}, got "
                          f"{resolved['sparse_cache_selection']!r}")
+    span = resolved["sparse_cache_span"]
+    if not (is_int(span) and span >= 1 and span % 2 == 1):
+        raise ValueError(f"favor_settings['sparse_cache_span'] must be an odd int >= 1 (1 = each token on its own), "
+                         f"got {span!r}")
     mode = resolved["softmax_weight"]
     if mode not in SOFTMAX_WEIGHT_MODES:
         raise ValueError(f"favor_settings['softmax_weight'] must be one of {SOFTMAX_WEIGHT_MODES}, got {mode!r}")

@@ -159,6 +159,7 @@ def reference_window_linear_attention(
     tail_cap: int = 0,
     tail_gate: torch.Tensor | None = None,
     sparse_cache_selection: str = "recall",
+    sparse_cache_span: int = 1,
 ) -> torch.Tensor:
     """Sink + window softmax with a linear tail, dense ``[B, H, L, L]`` in float64.
 
@@ -203,7 +204,8 @@ def reference_window_linear_attention(
     if sparse_cache:
         cached = reference_sparse_cache(key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
                                         key_padding_mask=key_padding_mask, scaling=scaling, chunk_size=chunk_size,
-                                        query=query if sparse_cache_selection == "attention" else None)
+                                        query=query if sparse_cache_selection == "attention" else None,
+                                        span=sparse_cache_span)
         cached = cached.repeat_interleave(q.shape[1] // key.shape[1], dim=1)  # [B, H, L, L]
         exact, tail = exact | cached, tail & ~cached
     scores = scale * q @ k.transpose(-1, -2)
@@ -238,6 +240,7 @@ def reference_sparse_cache(
     chunk_size: int = 64,
     eps: float = 1e-12,
     query: torch.Tensor | None = None,
+    span: int = 1,
 ) -> torch.Tensor:
     """Which older keys each query sees exactly through the sparse cache, ``[B, Hkv, L, L]`` bool, one boundary at a
     time in float64.
@@ -250,6 +253,8 @@ def reference_sparse_cache(
     fold. Query ``i`` sees the cache of its boundary ``b <= i`` and the keys waiting for the next selection,
     ``b - window < j <= i - window``. With ``query`` ``[B, H, L, d]`` (the attention selection) a candidate's score is
     instead the sum over the key head's query heads ``h`` of ``softmax_j(s q_{h,b} . k_j)`` over the candidates.
+    With ``span`` the scores are then averaged, each over the candidates ``span // 2`` before and after it in the
+    list (fewer at its ends), before the ranking.
     """
     k, v = key.to(torch.float64), value.to(torch.float64)
     batch, kv_heads, length, _ = k.shape
@@ -288,6 +293,9 @@ def reference_sparse_cache(
                     logits = (k.shape[-1] ** -0.5 if scaling is None else float(scaling)) * (
                         asking @ k[row, head, candidates].T)
                     error = torch.softmax(logits, dim=-1).sum(0).tolist() if candidates else []
+                half = span // 2
+                neighbours = [error[max(0, index - half):index + half + 1] for index in range(len(error))]
+                error = [sum(near) / len(near) for near in neighbours]
                 ranked = sorted(range(len(candidates)), key=lambda index: (-error[index], index))
                 kept = sorted(ranked[:sparse_cache])
                 folded = [candidates[index] for index in range(len(candidates)) if index not in kept]

@@ -85,7 +85,7 @@ from .window_causal import causal_window_attention, tail_features
 from .window_parallel import parallel_window_attention
 from .window_decode import can_decode_step, decode_step, exact_decode_step
 from .window_segments import CausalPlan, segmented_causal
-from .window_sparse_cache import check_selection
+from .window_sparse_cache import check_selection, check_span
 from .window_state import (
     WindowAttentionState, state_tensors, with_key_copies, with_state_tensors, without_key_copies,
 )
@@ -236,6 +236,7 @@ def window_linear_attention(
     scaling: float | None = None,
     sparse_cache: int = 0,
     sparse_cache_selection: str = "recall",
+    sparse_cache_span: int = 1,
     tail_cap: int = 0,
     tail_gate: torch.Tensor | None = None,
     initial_state: WindowAttentionState | None = None,
@@ -272,6 +273,9 @@ def window_linear_attention(
         sparse_cache_selection: ``"recall"`` (default, the above) or ``"attention"``: keep the candidates the
             boundary's own query attends to most (H2O / TOVA family, :mod:`.window_sparse_cache`); not with
             ``max_rollback`` (a replayed boundary's query is not kept).
+        sparse_cache_span: odd ``s >= 1``: each candidate's score (either rule) is averaged over its ``s`` nearest
+            candidates before ranking, so that whole runs of tokens stay rather than their sharpest keys
+            (:func:`~.window_sparse_cache.span_mean`); ``1`` (default): each token on its own score.
         tail_cap: ``M >= 0``, causal only: a query whose tail holds ``n > M`` tokens weighs it by ``M / n`` (the
             mean of its tokens at the weight of ``M``; :mod:`.window_tail_cap`), so that the tail's share of the
             normaliser stops growing past the lengths a layer was trained at; ``0`` (default): unbounded.
@@ -300,6 +304,7 @@ def window_linear_attention(
     _check_window_arguments(query, key, window, sinks, causal, softmax_weight, chunk_size, stateful)
     _check_sparse_cache(sparse_cache, causal)
     check_selection(sparse_cache_selection)
+    check_span(sparse_cache_span)
     check_tail_cap(tail_cap, causal, feature_map is not None)
     check_tail_gate(tail_gate, causal, feature_map is not None, query.shape[1])
     if feature_map is None and window == 0 and sinks == 0 and sparse_cache == 0:
@@ -327,9 +332,10 @@ def window_linear_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache, tail_cap=tail_cap,
             tail_gate=tail_gate, softmax_weight=softmax_weight, key_padding_mask=key_padding_mask, scaling=scaling,
             initial_state=initial_state, return_state=return_state, max_rollback=max_rollback, chunk_size=chunk_size,
-            eps=eps, sparse_cache_selection=sparse_cache_selection)
+            eps=eps, sparse_cache_selection=sparse_cache_selection, sparse_cache_span=sparse_cache_span)
     mask = _as_bool_mask(key_padding_mask)
-    if not stateful and parallel and not by_attention:  # (the parallel selection kernel ranks by recall)
+    # (The parallel path's selection kernel ranks single tokens by recall.)
+    if not stateful and parallel and not by_attention and (sparse_cache_span == 1 or not sparse_cache):
         out = parallel_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, causal=causal, softmax_weight=softmax_weight,
             key_padding_mask=mask, scaling=scaling, sparse_cache=sparse_cache, tail_cap=tail_cap, tail_gate=tail_gate,
@@ -339,19 +345,20 @@ def window_linear_attention(
     if causal and can_decode_step(initial_state, query.shape[2], max_rollback or 0):
         step = None if feature_map is not None else exact_decode_step(
             query, key, value, state=initial_state, key_padding_mask=mask, scaling=scaling, eps=eps,
-            by_attention=by_attention)
+            by_attention=by_attention, span=sparse_cache_span)
         if step is not None:
             return step if return_state else step[0]
         out, state = decode_step(query, key, value, feature_map, state=initial_state, softmax_weight=softmax_weight,
                                  key_padding_mask=mask, scaling=scaling, eps=eps, tail_cap=tail_cap,
-                                 tail_gate=tail_gate, by_attention=by_attention)
+                                 tail_gate=tail_gate, by_attention=by_attention, span=sparse_cache_span)
         return (out, state) if return_state else out
     if causal:
         return causal_window_attention(
             query, key, value, feature_map, window=window, sinks=sinks, sparse_cache=sparse_cache,
             softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling, initial_state=initial_state,
             return_state=return_state, max_rollback=max_rollback or 0, chunk_size=chunk_size, eps=eps,
-            tail_cap=tail_cap, tail_gate=tail_gate, sparse_cache_selection=sparse_cache_selection)
+            tail_cap=tail_cap, tail_gate=tail_gate, sparse_cache_selection=sparse_cache_selection,
+            sparse_cache_span=sparse_cache_span)
     return bidirectional_window_attention(query, key, value, feature_map, window=window, sinks=sinks,
                                            softmax_weight=softmax_weight, key_padding_mask=mask, scaling=scaling,
                                            chunk_size=chunk_size, eps=eps)
@@ -374,7 +381,7 @@ def _segmented_for_gradients(query, key, value, feature_map, learned_weights, ca
 
 def _segmented_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, tail_cap,
                                 tail_gate, softmax_weight, key_padding_mask, scaling, initial_state, return_state,
-                                max_rollback, chunk_size, eps, sparse_cache_selection="recall"):
+                                max_rollback, chunk_size, eps, sparse_cache_selection="recall", sparse_cache_span=1):
     """A causal call that needs gradients, as consecutive segments of :data:`CAUSAL_SEGMENT_LENGTH` tokens, each
     continuing the previous one's :class:`WindowAttentionState` (the outputs of one pass, as decoding with a
     state gives them), run by :func:`~.window_segments.segmented_causal`: no graph in the forward, the small states
@@ -389,7 +396,8 @@ def _segmented_window_attention(query, key, value, feature_map, *, window, sinks
         return window_linear_attention(
             segment_query, segment_key, segment_value, feature_map, window=window, sinks=sinks, causal=True,
             softmax_weight=gamma, key_padding_mask=segment_mask, scaling=scaling, sparse_cache=sparse_cache,
-            sparse_cache_selection=sparse_cache_selection, tail_cap=tail_cap, tail_gate=gate, initial_state=state,
+            sparse_cache_selection=sparse_cache_selection, sparse_cache_span=sparse_cache_span, tail_cap=tail_cap,
+            tail_gate=gate, initial_state=state,
             return_state=True, max_rollback=rollback,
             chunk_size=chunk_size, eps=eps)
 

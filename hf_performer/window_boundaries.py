@@ -50,11 +50,12 @@ def entering_tail(state, batch, kv_heads, head_dim, value_dim, features, dtype, 
 
 
 def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block, n_first, blocks, size,
-                capacity, selection_map, root, eps, boundary_query=None):
+                capacity, selection_map, root, eps, boundary_query=None, span=1):
     """The tail sums and sparse cache at each block's boundary, ``n_first .. n_first + blocks - 1``.
 
     ``boundary_query``: ``None`` (the recall-error selection), or for the attention selection each block's boundary
-    query, scaled, ``[B, Hkv, g, blocks, d]`` (:func:`~.window_sparse_cache.attention_scores`).
+    query, scaled, ``[B, Hkv, g, blocks, d]`` (:func:`~.window_sparse_cache.attention_scores`); ``span``: each score
+    averaged over that many candidates before ranking (:func:`~.window_sparse_cache.span_mean`).
 
     Returns ``tails`` ``(sums [B, Hkv, blocks, m, dv + 1], K [B, Hkv, blocks])`` and ``caches``, ``None`` without a
     cache, else ``(key, value_ones, position, valid)`` per block ``[B, Hkv, blocks, G, .]``. Rows whose committed
@@ -89,7 +90,7 @@ def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_ke
     if slots < capacity:  # a fresh state: empty slots
         index = torch.cat([index, index.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
         valid = torch.cat([valid, valid.new_zeros(batch, kv_heads, capacity - slots)], dim=-1)
-    if (selection_map is None and boundary_query is None and kernel_applies(pool_values)
+    if (selection_map is None and boundary_query is None and span == 1 and kernel_applies(pool_values)
             and attention_path(tile_key) == "parallel"):
         # Without a tail, every boundary in one kernel launch (the loop below is its reference).
         index, valid, sums = select_without_tail(pool_values, index, valid, entering_tail[0], candidate_keep, new_at,
@@ -109,7 +110,7 @@ def boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_ke
         scores = None if boundary_query is None else attention_scores(
             boundary_query[:, :, :, block], gather_slots(pool_keys, candidates), candidate_valid, 1.0)
         new_tail, kept, kept_valid = select_hard_keys(tail, gathered[0], gathered[1], gathered[2], candidate_valid,
-                                                      capacity, eps, scores)
+                                                      capacity, eps, scores, span)
         active = new_at[:, block - 1]
         index = torch.where(active[:, None, None], candidates.gather(-1, kept), index)
         valid = torch.where(active[:, None, None], kept_valid, valid)

@@ -111,10 +111,10 @@ class _Call(NamedTuple):
 
 
 def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cache, key_padding_mask, scaling, state,
-                  chunk_size, eps, selection_query=None) -> _Call:
+                  chunk_size, eps, selection_query=None, span=1) -> _Call:
     """Sinks, rows, blocks, the layout and every boundary's tail sums and sparse cache for the next ``length``
     tokens ``key`` / ``value`` (module docstring); ``selection_query``: the call's queries when the sparse cache
-    selects by attention (``None``: by the tail's recall error)."""
+    selects by attention (``None``: by the tail's recall error); ``span``: the selection's ``sparse_cache_span``."""
     batch, kv_heads, _, head_dim = key.shape
     size, w = chunk_size, window
     scale = head_dim**-0.5 if scaling is None else float(scaling)
@@ -178,7 +178,7 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
         picked = selection_query.to(dtype).gather(2, at[:, None, :, None].expand(-1, heads, -1, head_dim))
         boundary_query = picked.view(batch, kv_heads, heads // kv_heads, blocks, head_dim) * scale
     tails, caches = boundary_states(entering, tile_features, tile_value_ones, tile_keep, tile_key, commit_block,
-                                    n_first, blocks, size, sparse_cache, feature_map, root, eps, boundary_query)
+                                    n_first, blocks, size, sparse_cache, feature_map, root, eps, boundary_query, span)
     return _Call(seen, length, (sink_key, sink_value, sink_position, sink_valid), row_start, offset, entering,
                  last_block, n_first, n_query, n_last, local, kept_before, layout, (tile_features, tile_value_ones, tile_keep),
                  tails, caches, uniform_offset)
@@ -186,7 +186,7 @@ def _prepare_call(key, value, feature_map, *, length, window, sinks, sparse_cach
 
 def causal_window_attention(query, key, value, feature_map, *, window, sinks, sparse_cache, softmax_weight,
                             key_padding_mask, scaling, initial_state, return_state, max_rollback, chunk_size, eps,
-                            tail_cap=0, tail_gate=None, sparse_cache_selection="recall"):
+                            tail_cap=0, tail_gate=None, sparse_cache_selection="recall", sparse_cache_span=1):
     """The causal operator (see :func:`~.window_attention.window_linear_attention`, already validated): ``out``
     ``[B, H, L, dv]`` in ``value.dtype``, and the new :class:`~.window_state.WindowAttentionState` if
     ``return_state``."""
@@ -196,7 +196,8 @@ def causal_window_attention(query, key, value, feature_map, *, window, sinks, sp
         call = _prepare_call(key, value, feature_map, length=query.shape[2], window=window, sinks=sinks,
                              sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling,
                              state=initial_state, chunk_size=chunk_size, eps=eps,
-                             selection_query=query if sparse_cache_selection == "attention" else None)
+                             selection_query=query if sparse_cache_selection == "attention" else None,
+                             span=sparse_cache_span)
         gamma = None if softmax_weight is None else softmax_weight.to(dtype)
         tail_weight = (tail_cap, None if tail_gate is None else tail_gate.to(dtype))
         out = _attend_blocks(query.to(dtype), feature_map, scaling, gamma, eps, call, chunk_size, window, sparse_cache,
@@ -208,15 +209,16 @@ def causal_window_attention(query, key, value, feature_map, *, window, sinks, sp
 
 
 def sparse_cache_membership(key, value, feature_map, *, window, sinks, sparse_cache, key_padding_mask, scaling,
-                            chunk_size, eps=1e-12, selection_query=None) -> torch.Tensor:
+                            chunk_size, eps=1e-12, selection_query=None, span=1) -> torch.Tensor:
     """Which older keys each query sees exactly through its sparse cache in one causal pass, ``[B, Hkv, L, L]`` bool:
     the kept keys of its boundary (the operator's own selection) and the keys waiting for the next one (for
-    ``output_attentions``); ``selection_query``: the queries ``[B, H, L, d]`` when the cache selects by attention."""
+    ``output_attentions``); ``selection_query``: the queries ``[B, H, L, d]`` when the cache selects by attention;
+    ``span``: the selection's ``sparse_cache_span``."""
     batch, kv_heads, length, _ = key.shape
     with torch.no_grad(), _no_autocast(key.device.type):
         call = _prepare_call(key, value, feature_map, length=length, window=window, sinks=sinks,
                              sparse_cache=sparse_cache, key_padding_mask=key_padding_mask, scaling=scaling, state=None,
-                             chunk_size=chunk_size, eps=eps, selection_query=selection_query)
+                             chunk_size=chunk_size, eps=eps, selection_query=selection_query, span=span)
         _, _, slot_index, valid = call.caches
         positions = _slot_positions(slot_index, call.entering, call.n_first, chunk_size, call.offset, window)
         query_position = torch.arange(length, device=key.device)

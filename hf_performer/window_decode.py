@@ -55,13 +55,14 @@ def can_decode_step(state, length: int, max_rollback: int) -> bool:
 
 
 def exact_decode_step(query, key, value, *, state, key_padding_mask, scaling, eps: float = 1e-12,
-                      by_attention: bool = False):
+                      by_attention: bool = False, span: int = 1):
     """:func:`decode_step` of a layer without a tail (no feature map; a ``softmax_weight`` cancels without a tail)
     and with a sparse cache: ``(out [B, H, 1, dv], state)``, or ``None`` when the step is not one it serves (module
     docstring) and :func:`decode_step` runs instead. ``eps``: the selection's smallest denominator; ``by_attention``:
-    the cache selects by the boundary query's attention (:mod:`.window_sparse_cache`)."""
+    the cache selects by the boundary query's attention (:mod:`.window_sparse_cache`); ``span``: its
+    ``sparse_cache_span``."""
     packed = _exact_keys(state, query, key, value, key_padding_mask, eps,
-                         _selection_query(query, key.shape[1], scaling) if by_attention else None)
+                         _selection_query(query, key.shape[1], scaling) if by_attention else None, span)
     if packed is None:
         return None
     exact, state = packed
@@ -107,7 +108,7 @@ def _selection_query(query, kv_heads: int, scaling):
     return query.reshape(batch, kv_heads, heads // kv_heads, head_dim) * scale
 
 
-def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query=None):
+def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query=None, span=1):
     """``(record, state)``: the :class:`~.window_state.ExactKeys` query ``state.seen`` writes to (the state's own
     record when it is the newest of its record and has a free slot, else the state packed into a new one) and the
     state it continues (at a row's boundary, the state after that boundary's selection); ``None`` when
@@ -132,7 +133,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query
     if exact is not None and not exact.stands_for(state):
         exact = None
     if exact is not None and state.seen > exact.last_query:  # a boundary: the cache changes, a new record
-        state, exact = _after_selection(state, eps, selection_query), None
+        state, exact = _after_selection(state, eps, selection_query, span), None
         current = state.current
     if exact is not None:
         if exact.written[0] == exact.start + size and exact.fixed + exact.start + size < exact.key.shape[2] and (
@@ -148,7 +149,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query
         if not (bool((state.row_start >= 0).all()) and bool(state.sink_valid.all())):
             return None  # a row without tokens yet, or sink slots still to fill: decode_step's bookkeeping
         if state.seen > int(current.boundary.min()) + state.chunk_size - 1:
-            state = _after_selection(state, eps, selection_query)
+            state = _after_selection(state, eps, selection_query, span)
             current = state.current
         last_query = int(current.boundary.min()) + state.chunk_size - 1
         cache_key, cache_value, cache_valid = current.cache_key, current.cache_value, current.cache_valid
@@ -170,7 +171,7 @@ def _exact_keys(state, query, key, value, key_padding_mask, eps, selection_query
                      torch.ones(batch, 1, dtype=torch.bool, device=key.device)), state
 
 
-def _after_selection(state, eps, selection_query=None):
+def _after_selection(state, eps, selection_query=None, span=1):
     """``state`` past the boundary its next query ``x = state.seen`` reaches in some rows (every row has a token and
     its sinks): their sparse cache selected from the cache and the ``C`` oldest buffer tokens (which left the window
     since the last boundary: :func:`_select_at_boundary`, without a feature map), their boundary moved to ``x``; what
@@ -184,13 +185,13 @@ def _after_selection(state, eps, selection_query=None):
 
     cache, (sums, tail_max) = _select_at_boundary(current, (current.tail_sums.to(dtype), current.tail_max), crossing,
                                                   tokens, None, 1.0, x, size, w, state.sparse_cache, eps,
-                                                  selection_query)
+                                                  selection_query, span)
     return state._replace(current=cache._replace(boundary=torch.where(crossing, x, current.boundary), tail_sums=sums,
                                                  tail_max=tail_max), exact_keys=None)
 
 
 def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_padding_mask, scaling, eps, tail_cap=0,
-                tail_gate=None, by_attention=False):
+                tail_gate=None, by_attention=False, span=1):
     """Outputs ``[B, H, 1, dv]`` of one new token per row and the state after it (arguments as
     :func:`~.window_attention.window_linear_attention`, already validated; ``state`` passes
     :func:`can_decode_step`)."""
@@ -229,7 +230,7 @@ def decode_step(query, key, value, feature_map, *, state, softmax_weight, key_pa
         if may_cross and bool(crossing.any()):
             cache, current_sums = _select_at_boundary(
                 current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps,
-                _selection_query(query.to(dtype), kv_heads, scaling) if by_attention else None)
+                _selection_query(query.to(dtype), kv_heads, scaling) if by_attention else None, span)
         # Without a cache the tokens that left the window since the boundary are in the tail (the state keeps the last
         # query's tail sums); with one they wait exactly for the next selection, in the band.
         query_tail = None if capacity else _query_tail(state, current, crossing, known, tokens, feature_map, root, x,
@@ -303,10 +304,11 @@ def _tokens_at(key, value, keep, first: int, start: int, length: int):
 
 
 def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, root, x, size, w, capacity, eps,
-                        selection_query=None):
+                        selection_query=None, span=1):
     """The cache and tail sums of the rows at a boundary ``x`` (``crossing`` ``[B]``) after its selection; the other
     rows keep theirs. Candidates: the cache slots and the tokens ``x - C - w < j <= x - w`` of the buffer;
-    ``selection_query`` ``[B, Hkv, g, d]`` (scaled): select by its attention instead of the recall error."""
+    ``selection_query`` ``[B, Hkv, g, d]`` (scaled): select by its attention instead of the recall error; ``span``:
+    each score averaged over that many candidates first."""
     batch, kv_heads = current.cache_valid.shape[:2]
     tile_key, tile_value_ones, tile_keep = tokens(x - size - w + 1, size)
     tile_features = tail_key_features(feature_map, tile_key, root)
@@ -325,7 +327,7 @@ def _select_at_boundary(current, current_sums, crossing, tokens, feature_map, ro
         scores = None if selection_query is None else attention_scores(selection_query.to(keys.dtype), keys, valid,
                                                                        1.0)
         new_sums, kept, kept_valid = select_hard_keys(current_sums, features, log_scale, value_ones, valid, capacity,
-                                                      eps, scores)
+                                                      eps, scores, span)
         positions = torch.cat([current.cache_position,
                                (x - size - w + 1 + torch.arange(size, device=keys.device)).expand(batch, kv_heads, -1)],
                               dim=-1)

@@ -24,6 +24,12 @@ query heads that share the key head,
 the first query that will read the new cache deciding what it holds (TOVA's rule at a chunk's granularity); the rest
 (what folds, ties, the waiting tokens) is the same. :data:`SELECTIONS` names the rules.
 
+With ``sparse_cache_span = s > 1`` (odd) either score is first averaged over each candidate's ``(s - 1) / 2`` nearest
+valid candidates on each side in candidate order (fewer at the ends; :func:`span_mean`), as SnapKV pools its
+attention before ranking: a retrieved fact is a run of tokens, and ranking single tokens keeps a few of its sharpest
+keys but not the run a copy needs. Candidates are in position order (the cache's older tokens, then the ones that
+left the window), so the neighbours are the nearest tokens still candidates.
+
 Selection is not differentiated (the error is computed on detached tensors); the tail sums it returns are
 differentiable in the folded keys' features and values, and the kept tokens are returned as candidate indices, so
 that callers gather their keys and values with gradients.
@@ -42,6 +48,28 @@ from .window_tail import _fold_keys
 
 SELECTIONS = ("recall", "attention")
 """The sparse cache's selection rules: the tail's recall error (LoLA, the default) or the boundary query's attention."""
+
+
+def check_span(span) -> None:
+    """Raise ``ValueError`` for a ``sparse_cache_span`` that is not an odd int >= 1."""
+    if isinstance(span, bool) or not isinstance(span, int) or span < 1 or span % 2 == 0:
+        raise ValueError(f"sparse_cache_span must be an odd int >= 1 (1 = each token on its own score); got {span!r}")
+
+
+def span_mean(scores, candidate_valid, span: int):
+    """``scores`` ``[B, Hkv, n]`` of the valid candidates averaged over each one's ``span // 2`` nearest valid
+    candidates on each side in candidate order (fewer at the ends); invalid candidates' values are meaningless."""
+    if span == 1 or scores.shape[-1] == 0:
+        return scores
+    order = torch.sort((~candidate_valid).to(torch.uint8), dim=-1, stable=True).indices  # the valid ones first
+    valid = candidate_valid.gather(-1, order).to(scores.dtype)
+    compact = (scores.gather(-1, order) * valid).nan_to_num(0.0, 0.0, 0.0)
+    kernel = scores.new_ones(1, 1, span)
+    flat = lambda t: t.reshape(-1, 1, t.shape[-1])  # noqa: E731
+    total = torch.nn.functional.conv1d(flat(compact), kernel, padding=span // 2)
+    count = torch.nn.functional.conv1d(flat(valid), kernel, padding=span // 2)
+    pooled = (total / count.clamp_min(1.0)).reshape(scores.shape)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled)
 
 
 def check_selection(selection) -> None:
@@ -89,9 +117,11 @@ def recall_error(features, value_ones, tail, eps: float):
     return ((recalled[..., :-1] / denominator - value_ones[..., :-1]) ** 2).sum(-1)
 
 
-def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, capacity: int, eps: float, scores=None):
+def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, capacity: int, eps: float, scores=None,
+                     span: int = 1):
     """One boundary: keep the ``capacity`` candidates the tail would recall worst (or with the largest ``scores``
-    ``[B, Hkv, n]``, e.g. :func:`attention_scores`), fold the others.
+    ``[B, Hkv, n]``, e.g. :func:`attention_scores`), each score first averaged over ``span`` candidates
+    (:func:`span_mean`), fold the others.
 
     Args:
         tail: the tail sum before the boundary (differentiable or not).
@@ -111,7 +141,7 @@ def select_hard_keys(tail, features, log_scale, value_ones, candidate_valid, cap
             error = recall_error(features.detach(), value_ones.detach(), every, eps)
         else:
             error = scores.detach()
-        error = error.masked_fill(~candidate_valid, float("-inf"))
+        error = span_mean(error, candidate_valid, span).masked_fill(~candidate_valid, float("-inf"))
         ranked = torch.sort(error, dim=-1, descending=True, stable=True).indices[..., :capacity]
         kept = ranked.sort(dim=-1).values
         kept_valid = candidate_valid.gather(-1, kept)

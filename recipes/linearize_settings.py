@@ -34,6 +34,7 @@ class LinearizeSettings:
     sinks: int = 4
     sparse_cache: int = 0
     sparse_cache_selection: str = "recall"
+    sparse_cache_span: int = 1
     tail_cap: int | None = None
     tail_gate: bool = False
     linear_tail: bool = True
@@ -86,6 +87,9 @@ class LinearizeSettings:
         for name in ("window", "sinks", "sparse_cache", "transfer_steps", "lora_steps", "softmax_worst"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"--{name.replace('_', '-')} must be an int >= 0, got {getattr(self, name)}")
+        if self.sparse_cache_span < 1 or self.sparse_cache_span % 2 == 0:
+            raise RecipeError(f"--sparse-cache-span must be an odd int >= 1 (1 = each token on its own), got "
+                              f"{self.sparse_cache_span}")
         for name in ("transfer_length", "transfer_batch_size", "block_size", "batch_size", "eval_context",
                      "eval_batch_size", "gradient_accumulation_steps", "lora_r", "lora_alpha"):
             if getattr(self, name) < 1:
@@ -168,6 +172,8 @@ class LinearizeSettings:
             del identity["tail_gate"]
         if self.sparse_cache_selection == "recall":  # nor before the selection rule
             del identity["sparse_cache_selection"]
+        if self.sparse_cache_span == 1:  # nor before the span
+            del identity["sparse_cache_span"]
         identity["train_data_fingerprint"] = file_fingerprint(self.train_files)
         identity["eval_data_fingerprint"] = file_fingerprint(self.eval_file) if self.eval_file else None
         return identity
@@ -179,7 +185,8 @@ def conversion_arguments(settings: LinearizeSettings) -> dict:
     return dict(feature_map=settings.feature_map, nb_features=settings.nb_features, seed=settings.seed,
                 feature_map_options={**FEATURE_MAP_OPTIONS, "init": settings.feature_map_init},
                 window=settings.window, sinks=settings.sinks, sparse_cache=settings.sparse_cache,
-                sparse_cache_selection=settings.sparse_cache_selection, tail_cap=resolved_tail_cap(settings),
+                sparse_cache_selection=settings.sparse_cache_selection,
+                sparse_cache_span=settings.sparse_cache_span, tail_cap=resolved_tail_cap(settings),
                 tail_gate=settings.tail_gate or None,
                 linear_tail=settings.linear_tail, softmax_weight="auto",
                 keep_softmax_layers=settings.softmax_layers)

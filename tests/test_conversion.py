@@ -161,7 +161,7 @@ def test_conversion_with_a_deterministic_feature_map():
     assert performer.config.favor_settings == {
         "feature_map": "elu+1", "chunk_size": DEFAULT_CHUNK_SIZE, "softmax_layers": [], "feature_map_options": {},
         # the sink + window keys are recorded for every map kind
-        "window": 0, "sinks": 0, "sparse_cache": 0, "sparse_cache_selection": "recall",
+        "window": 0, "sinks": 0, "sparse_cache": 0, "sparse_cache_selection": "recall", "sparse_cache_span": 1,
         "tail_cap": 0, "tail_gate": False,
         "softmax_weight": "auto", "layer_windows": {},
         "linear_tail": True,

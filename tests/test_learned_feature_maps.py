@@ -406,7 +406,7 @@ def test_performer_config_with_hedgehog_round_trips(tmp_path, tiny_bert_config):
     )
     expected = {"feature_map": "hedgehog", "nb_features": None, "seed": 4, "chunk_size": config.chunk_size,
                 "softmax_layers": [], "feature_map_options": {"init": "favor+"},
-                "window": 0, "sinks": 0, "sparse_cache": 0, "sparse_cache_selection": "recall",
+                "window": 0, "sinks": 0, "sparse_cache": 0, "sparse_cache_selection": "recall", "sparse_cache_span": 1,
                 "tail_cap": 0, "tail_gate": False,
                 "softmax_weight": "auto", "layer_windows": {},
                 "linear_tail": True}

@@ -212,12 +212,14 @@ def test_attention_selection_keeps_the_key_the_boundary_query_looks_for():
     assert bool(cached[0, :, 12:, target].all())  # every later query sees it exactly, in both key heads
 
 
+@pytest.mark.parametrize("rule", [BY_ATTENTION, dict(sparse_cache_span=3), dict(sparse_cache_span=5, **BY_ATTENTION)])
 @pytest.mark.parametrize("name", ["hedgehog", None])
 @pytest.mark.parametrize("pieces", [[1] * 41, [9] + [1] * 32, [3, 7, 1, 12, 2, 1, 1, 14]])
-def test_attention_selection_in_prefill_and_decode_is_the_one_pass_selection(name, pieces):
+def test_each_rule_selects_in_prefill_and_decode_what_one_pass_selects(rule, name, pieces):
+    # (the attention rule, and either rule over spans: test_sparse_cache_span.py)
     q, k, v = small_qkv(seed=13)
     fm, mask = (None if name is None else small_map(name)), padded_mask()
-    kwargs = dict(window=4, sinks=2, chunk_size=5, sparse_cache=3, **BY_ATTENTION)
+    kwargs = dict(window=4, sinks=2, chunk_size=5, sparse_cache=3, **rule)
     one_pass = window_linear_attention(q, k, v, fm, key_padding_mask=mask, **kwargs)
     out, _ = run_in_pieces(q, k, v, fm, pieces, mask, **kwargs)
     torch.testing.assert_close(on_tokens(out, mask), on_tokens(one_pass, mask), rtol=1e-10, atol=1e-10)

@@ -193,7 +193,8 @@ def _memory_and_training(folder: str, changes: dict, lengths: list[int]) -> dict
             update_favor_settings(model, **changes)
         info["favor_settings"] = {key: model.config.favor_settings[key] for key in
                                   ("feature_map", "nb_features", "chunk_size", "window", "sinks", "sparse_cache",
-                                   "tail_cap", "linear_tail", "layer_windows", "softmax_layers")}
+                                   "sparse_cache_selection", "sparse_cache_span", "tail_cap", "linear_tail",
+                                   "layer_windows", "softmax_layers")}
         info["cache_bytes"] = {str(length): model_state_bytes(model, length) for length in lengths}
     else:
         per_token = softmax_token_bytes(model.config, torch_dtype_bytes(model))

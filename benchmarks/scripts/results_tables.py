@@ -604,12 +604,17 @@ def smollm2_arms_table(root: str, name: str) -> str:
 
 
 LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall selection (ours)"),
+                     ("window512_G1024_span31", "**window 512 + G 1024**, recall selection over 31-token spans (ours, "
+                      "`--sparse-cache-span 31`)"),
+                     ("window1024_G512_span31", "window 1024 + G 512, recall selection over 31-token spans (the same "
+                      "bytes, more of them recent)"),
                      ("window512_G1024_attention", "window 512 + G 1024, attention selection (H2O / TOVA-style)"),
                      ("streamingllm_window1536", "window 1536, no cache (StreamingLLM)"),
                      ("quantized_kv_4bit", "full KV cache, 4-bit (transformers QuantizedCache, quanto)"),
                      ("quantized_kv_2bit", "full KV cache, 2-bit (transformers QuantizedCache, quanto)"),
                      ("half_bytes_36MiB", "window 512, G 0 / 256 / 1024 per layer by `budget --metric loss` (half the "
                       "bytes)"),
+                     ("half_bytes_window448_G256_span31", "window 448 + G 256 over 31-token spans (half the bytes)"),
                      ("middle_layers_G2048", "window 512, G 2048 in layers 2-12 and 256-1024 elsewhere (the same "
                       "bytes, chosen from the passkey probe)"),
                      ("snapkv_window512_K1024", "SnapKV: 4 sinks + window 512 + the 1,024 keys the prompt's last 32 "
@@ -619,13 +624,15 @@ LONG_CONTEXT_ARMS = (("window512_G1024", "**window 512 + G 1024**, recall select
                       "(whole spans)"))
 LONG_CONTEXT_PASSKEY = "long_context_passkey_smollm2.json"
 SNAPKV_ARM, SNAPKV_SPANS_ARM = "snapkv_window512_K1024", "snapkv_window512_K1024_pool31"
+SPANS_ARM = "window512_G1024_span31"
 
 
 def _long_context_row(root: str) -> str:
-    """The README's row of the training-free long-context arms (``long_context_arms_smollm2.json``)."""
+    """The README's row of the training-free long-context arms (``long_context_arms_smollm2.json``): the recommended
+    configuration (window 512 + G 1024 over 31-token spans) against softmax, per-token selection and the peers."""
     result = load("long_context_arms_smollm2.json")
     baseline, arms = result["baseline"], result["arms"]
-    ours = arms["window512_G1024"]
+    ours = arms[SPANS_ARM]
 
     def ratio(arm: dict, context: str = "8192") -> str:
         return f"{arm['perplexity'][context] / baseline['perplexity'][context]:.3f}x"
@@ -634,12 +641,19 @@ def _long_context_row(root: str) -> str:
         return f"{arm['needles_by_length'][length]:.2f}"
 
     longest = str(result["protocol"]["retrieval_lengths"][-1])
+    passkey = load(LONG_CONTEXT_PASSKEY)
+    length = str(passkey["protocol"]["retrieval_lengths"][-1])
+    keys = {name: arm["passkey_by_length"][length] for name, arm in passkey["arms"].items()}
     peers = [f"{label} " + ", ".join(([ratio(arms[name])] if "8192" in arms[name]["perplexity"] else [])
                                      + ([f"needles {needles(arms[name], longest)}"]
-                                        if arms[name].get("needles_by_length") else []))
-             for name, label in (("streamingllm_window1536", "StreamingLLM (window 1536)"),
+                                        if arms[name].get("needles_by_length") else [])
+                                     + ([f"passkey {keys[name]:.2f}"] if name in keys else []))
+             for name, label in (("window1024_G512_span31", "window 1024 + G 512 over spans (the same bytes)"),
+                                 ("window512_G1024", "per-token selection"),
+                                 ("streamingllm_window1536", "StreamingLLM (window 1536)"),
                                  ("window512_G1024_attention", "attention selection"),
                                  ("half_bytes_36MiB", "half the bytes by `budget`"),
+                                 ("half_bytes_window448_G256_span31", "half the bytes as window 448 + G 256 over spans"),
                                  (SNAPKV_ARM, "SnapKV (same bytes, cut after the prompt)"),
                                  (SNAPKV_SPANS_ARM, "SnapKV pooled over 31 keys"),
                                  ("quantized_kv_4bit", "4-bit KV cache")) if name in arms]
@@ -647,22 +661,12 @@ def _long_context_row(root: str) -> str:
         grows = arms["quantized_kv_4bit"]["cache_bytes"]
         peers[-1] += f" ({grows['8192'] / MIB:.1f} MiB at 8k, growing: {grows['16384'] / MIB:.1f} MiB at 16k)"
     ratios = " / ".join(ratio(ours, c) for c in ("2048", "4096", "8192"))
-    passkey = load(LONG_CONTEXT_PASSKEY)
-    length = str(passkey["protocol"]["retrieval_lengths"][-1])
-    online = sorted({arm["passkey_by_length"][length] for name, arm in passkey["arms"].items()
-                     if name not in (SNAPKV_ARM, SNAPKV_SPANS_ARM)})
-    snapkv, spans = passkey["arms"].get(SNAPKV_ARM), passkey["arms"].get(SNAPKV_SPANS_ARM)
-    peers.append(f"passkey at {round(int(length) / 1024)}k "
-                 + (f"{online[0]:.2f} for every arm that selects while reading" if len(online) == 1 else
-                    f"ours {passkey['arms']['window512_G1024']['passkey_by_length'][length]:.2f}")
-                 + (f", SnapKV {snapkv['passkey_by_length'][length]:.2f}" if snapkv else "")
-                 + (f" ({spans['passkey_by_length'][length]:.2f} pooled over 31 keys)" if spans else "")
-                 + f" against softmax's {passkey['baseline']['passkey_by_length'][length]:.2f}")
-    return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 (constant "
-            f"{ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache methods a user would pick instead | "
-            f"perplexity / softmax's {ratios}"
-            + f" at 2k / 4k / 8k, multi-needle {needles(ours, '4096')} / {needles(ours, longest)} at 4k / 8k (softmax "
-            f"{needles(baseline, '4096')} / {needles(baseline, longest)}, 16 prompts each); at 8k "
+    return ("| SmolLM2-135M to its 8k positions with no training: window 512 + G 1024 selected over 31-token spans "
+            f"(`--sparse-cache-span 31`, constant {ours['cache_bytes']['16384'] / MIB:.1f} MiB) against the KV-cache "
+            f"methods a user would pick instead | perplexity / softmax's {ratios} at 2k / 4k / 8k, multi-needle "
+            f"{needles(ours, '4096')} / {needles(ours, longest)} at 4k / 8k (softmax {needles(baseline, '4096')} / "
+            f"{needles(baseline, longest)}, 16 prompts each), passkey {keys[SPANS_ARM]:.2f} at "
+            f"{round(int(length) / 1024)}k (softmax {passkey['baseline']['passkey_by_length'][length]:.2f}); at 8k "
             + "; ".join(peers) + f" | {_link(root, 'long_context_arms_smollm2.json', 'long context')} |")
 
 

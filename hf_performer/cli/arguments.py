@@ -70,6 +70,7 @@ FAVOR_FLAGS: dict[str, FavorFlag] = {flag.setting: flag for flag in (
     FavorFlag("sinks", "--sinks", {"type": int, "metavar": "S"}),
     FavorFlag("sparse_cache", "--sparse-cache", {"type": int, "metavar": "G"}),
     FavorFlag("sparse_cache_selection", "--sparse-cache-selection", {"choices": SPARSE_CACHE_SELECTIONS}),
+    FavorFlag("sparse_cache_span", "--sparse-cache-span", {"type": int, "metavar": "S"}),
     FavorFlag("tail_cap", "--tail-cap", {"type": int, "metavar": "N"}),
     FavorFlag("tail_gate", "--tail-gate", {"action": "store_const", "const": True}),
     FavorFlag("softmax_weight", "--softmax-weight", {"choices": SOFTMAX_WEIGHT_MODES}),
@@ -88,8 +89,8 @@ sets ``feature_map_options["init"]`` (learned maps); ``--layer-windows`` takes J
 OLD_SPELLINGS = {"linear_tail": "--no-linear-tail"}
 """Deprecated spellings of favor flags, still accepted (with a warning) wherever the flag is declared."""
 
-WINDOW_FLAG_SETTINGS = ("window", "sinks", "sparse_cache", "sparse_cache_selection", "tail_cap", "tail_gate",
-                        "softmax_weight", "layer_windows", "linear_tail")
+WINDOW_FLAG_SETTINGS = ("window", "sinks", "sparse_cache", "sparse_cache_selection", "sparse_cache_span", "tail_cap",
+                        "tail_gate", "softmax_weight", "layer_windows", "linear_tail")
 """The sink + sliding-window flags, declared together by the verbs that convert (convert, distill, recipes)."""
 
 CLUSTERED_FLAG_SETTINGS = ("attention", "clusters", "topk")

@@ -11,7 +11,7 @@ import os
 from . import add_verb_parser
 from ._output import check_output_file, portable_evaluation_record
 
-MODEL_CHANGES = ("sparse_cache", "sparse_cache_selection", "tail_cap", "window", "quantized_kv")
+MODEL_CHANGES = ("sparse_cache", "sparse_cache_selection", "sparse_cache_span", "tail_cap", "window", "quantized_kv")
 SNAPKV_FLAGS = ("snapkv", "snapkv_window", "snapkv_sinks", "snapkv_pool")
 RETRIEVAL = ("text_file", "max_chars", "context_lengths", "depths", "trials") + MODEL_CHANGES + SNAPKV_FLAGS
 TASK_FLAGS = {
@@ -134,6 +134,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="perplexity / retrieval of a window-hybrid causal LM: evaluate it with its sparse cache "
                              "choosing by the tail's recall error or by the boundary query's attention (H2O / "
                              "TOVA-style; default: the model's own setting)")
+    parser.add_argument("--sparse-cache-span", type=int, default=None, metavar="S",
+                        help="perplexity / retrieval of a window-hybrid causal LM: evaluate it with its sparse cache "
+                             "ranking each token by its score averaged over S neighbouring candidates, odd (whole "
+                             "spans rather than their sharpest keys; default: the model's own setting, 1 = none)")
     parser.add_argument("--window", type=int, default=None, metavar="W",
                         help="perplexity / passkey of a window-hybrid causal LM: evaluate it with a band of W exact "
                              "recent tokens in every window layer (default: the model's own setting; hf-performer "
@@ -172,6 +176,7 @@ def _snapkv_settings(args: argparse.Namespace) -> dict | None:
 
 def run_evaluate(args: argparse.Namespace) -> int:
     """Run ``hf-performer evaluate`` (see :func:`add_parser`). Returns the exit status."""
+    from hf_performer.conversion.cache_budget import SERVING_SETTINGS
     from hf_performer.conversion.source import SourceError, check_source
     from hf_performer.tasks.data import LM_DATASETS, TASKS, DataError
     from hf_performer.tasks.evaluation import (
@@ -200,9 +205,7 @@ def run_evaluate(args: argparse.Namespace) -> int:
     except SourceError as error:
         raise SystemExit(f"hf-performer evaluate: error: {error}") from None
     snapkv = _snapkv_settings(args)
-    favor_changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "sparse_cache_selection",
-                                                            "tail_cap")
-                     if getattr(args, name) is not None}
+    favor_changes = {name: getattr(args, name) for name in SERVING_SETTINGS if getattr(args, name) is not None}
     try:
         if kind == "passkey":
             record = evaluate_passkey_model(

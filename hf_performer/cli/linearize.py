@@ -49,7 +49,7 @@ STAGING_SUFFIX = ".linearize"
 """The staging area of OUTPUT is the hidden folder ``.NAME.linearize`` beside it."""
 
 CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", "sinks", "sparse_cache",
-                    "sparse_cache_selection", "tail_cap",
+                    "sparse_cache_selection", "sparse_cache_span", "tail_cap",
                     "tail_gate", "no_tail",
                     "softmax_layers",
                     "softmax_worst", "cache_budget", "budget_context", "transfer_steps", "transfer_length",
@@ -57,7 +57,7 @@ CONVERSION_FLAGS = ("feature_map", "nb_features", "feature_map_init", "window", 
 """Flags that --baseline softmax (no conversion, no transfer) refuses."""
 
 DEFAULTS = {"feature_map": "hedgehog", "feature_map_init": "identity", "window": 64, "sinks": 4, "sparse_cache": 0,
-            "sparse_cache_selection": "recall",
+            "sparse_cache_selection": "recall", "sparse_cache_span": 1,
             "transfer_steps": 200,
             "transfer_length": 1024, "transfer_batch_size": 8, "transfer_learning_rate": 1e-2,
             "transfer_schedule": "constant", "softmax_layers": [], "softmax_worst": 0, "cache_budget": None,
@@ -92,7 +92,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
     hybrid = parser.add_argument_group("conversion and attention transfer (not with --baseline)")
     add_favor_arguments(hybrid, ("feature_map", "nb_features", "window", "sinks", "sparse_cache",
-                                 "sparse_cache_selection", "tail_cap", "tail_gate"), helps={
+                                 "sparse_cache_selection", "sparse_cache_span", "tail_cap", "tail_gate"), helps={
         "feature_map": "learned feature map of the tail (default: hedgehog, identity init, separate q / k maps)",
         "nb_features": "features per head (default: the map's own, 2 x head_dim for hedgehog)",
         "window": "exact-softmax keys per query: the last W tokens (default: 64)",
@@ -102,6 +102,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "sparse_cache_selection": "how the sparse cache chooses: recall (the tokens the tail would recall worst; "
                                   "without a tail, the farthest from the mean value) or attention (the ones the "
                                   "boundary's query attends to most, H2O / TOVA-style; default: recall)",
+        "sparse_cache_span": "odd; rank each candidate by its score averaged over S neighbouring candidates, so that "
+                             "whole spans stay rather than their sharpest keys (default: 1, each token on its own)",
         "tail_cap": "a query whose tail holds n > N tokens weighs it by N / n, so that contexts longer than training "
                     "never weigh the tail more than training did (0 = unbounded; default: the most tokens a tail "
                     "held at the training length)",

@@ -12,7 +12,7 @@ from ._output import check_output_folder, write_reconfigured_model
 
 CLI_DESCRIPTION = """Serve a trained window hybrid with another window, sparse cache or tail bound.
 
-  hf-performer settings MODEL OUTPUT --window 512 --sparse-cache 1024
+  hf-performer settings MODEL OUTPUT --window 512 --sparse-cache 1024 --sparse-cache-span 31
 
 The settings a model was trained with are not the only ones it can be served with: a larger window or sparse cache
 keeps more tokens exact (benchmarks/README.md, issue 33 round 5: the SmolLM2 hybrid trained with window 64 + G 256,
@@ -34,6 +34,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sparse-cache-selection", choices=("recall", "attention"), default=None,
                         help="how the sparse cache chooses its tokens: recall (the tail's recall error) or attention "
                              "(the boundary query's attention, H2O / TOVA-style)")
+    parser.add_argument("--sparse-cache-span", type=int, default=None, metavar="S",
+                        help="rank each candidate by its score averaged over S neighbouring candidates, odd: whole "
+                             "spans stay rather than their sharpest keys (1 = each token on its own)")
     parser.add_argument("--tail-cap", type=int, default=None, metavar="N",
                         help="bound the linear tail to the weight of N tokens (0 = unbounded)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
@@ -43,11 +46,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_settings(args: argparse.Namespace) -> int:
     """Run ``hf-performer settings`` (see :func:`add_parser`). Returns the exit status."""
-    changes = {name: getattr(args, name) for name in ("window", "sparse_cache", "sparse_cache_selection", "tail_cap")
-               if getattr(args, name) is not None}
+    from ..conversion.cache_budget import SERVING_SETTINGS
+
+    changes = {name: getattr(args, name) for name in SERVING_SETTINGS if getattr(args, name) is not None}
     if not changes:
-        raise SystemExit("hf-performer settings: error: nothing to change; give --window, --sparse-cache, "
-                         "--sparse-cache-selection or --tail-cap")
+        flags = [f"--{name.replace('_', '-')}" for name in SERVING_SETTINGS]
+        raise SystemExit(f"hf-performer settings: error: nothing to change; give {', '.join(flags[:-1])} or "
+                         f"{flags[-1]}")
     for name, value in changes.items():
         if isinstance(value, int) and value < 0:
             raise SystemExit(f"hf-performer settings: error: --{name.replace('_', '-')} must be an int >= 0, got "

@@ -37,6 +37,10 @@ WINDOW_SETTING_MEANINGS = {
     "`learned`: a trained gamma per head; `auto`: learned for learned maps)",
     "sparse_cache": "causal window layers: per key head, this many older tokens stay exact, the ones the linear tail "
                     "would recall worst (LoLA); 0: none",
+    "sparse_cache_selection": "how the sparse cache chooses its tokens (`recall`: the ones the linear tail would recall "
+                              "worst; `attention`: the ones the boundary's query attends to most)",
+    "sparse_cache_span": "each candidate of the sparse cache ranked by its score averaged over this many neighbouring "
+                         "candidates (whole spans; 1: each token on its own)",
     "tail_cap": "causal window layers: a linear tail of n > tail_cap tokens is weighed by tail_cap / n; 0: unbounded",
     "tail_gate": "causal window layers: a learned exponent alpha per head weighs a linear tail of n tokens by "
                  "n ** -alpha (`favor_tail_gate`)",
