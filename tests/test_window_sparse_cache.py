@@ -252,14 +252,15 @@ def test_attention_selection_refuses_rollbacks_and_unknown_rules_in_one_line():
     assert "sparse_cache_selection must be one of 'recall', 'attention'" in message and "\n" not in message
 
 
-def test_attention_selection_trains_in_segments_with_the_reference_gradients():
+@pytest.mark.parametrize("rule", [BY_ATTENTION, dict(sparse_cache_span=5)])
+def test_each_rule_trains_in_segments_with_the_reference_gradients(rule):
     from hf_performer.window_attention import CAUSAL_SEGMENT_LENGTH
 
     generator = torch.Generator().manual_seed(15)
     length = 2 * CAUSAL_SEGMENT_LENGTH + 37  # three recomputed segments
     q, k, v = (torch.randn(1, heads, length, 16, dtype=torch.float64, generator=generator).requires_grad_()
                for heads in (4, 2, 2))
-    kwargs = dict(window=8, sinks=2, sparse_cache=6, chunk_size=16, **BY_ATTENTION)
+    kwargs = dict(window=8, sinks=2, sparse_cache=6, chunk_size=16, **rule)
     out = window_linear_attention(q, k, v, None, **kwargs)
     expected = reference_window_linear_attention(q, k, v, None, **kwargs)
     torch.testing.assert_close(out, expected, rtol=1e-10, atol=1e-10)
