@@ -342,7 +342,8 @@ def convert_to_performer(
                     redraw_interval=redraw_interval, chunk_size=chunk_size,
                     feature_map_options=feature_map_options or None, window=window, sinks=sinks,
                     sparse_cache=sparse_cache, sparse_cache_selection=sparse_cache_selection,
-                    sparse_cache_span=sparse_cache_span, tail_cap=tail_cap, tail_gate=tail_gate, softmax_weight=softmax_weight,
+                    sparse_cache_span=sparse_cache_span, tail_cap=tail_cap, tail_gate=tail_gate,
+                    softmax_weight=softmax_weight,
                     layer_windows=layer_windows or None, linear_tail=linear_tail,
                     attention=attention, clusters=clusters, topk=topk)
     settings.update({key: value for key, value in optional.items() if value is not None})

@@ -62,12 +62,12 @@ def span_mean(scores, candidate_valid, span: int):
     if span == 1 or scores.shape[-1] == 0:
         return scores
     order = torch.sort((~candidate_valid).to(torch.uint8), dim=-1, stable=True).indices  # the valid ones first
-    valid = candidate_valid.gather(-1, order).to(scores.dtype)
-    compact = (scores.gather(-1, order) * valid).nan_to_num(0.0, 0.0, 0.0)
+    valid = candidate_valid.gather(-1, order)
+    compact = scores.gather(-1, order).masked_fill(~valid, 0.0)
     kernel = scores.new_ones(1, 1, span)
     flat = lambda t: t.reshape(-1, 1, t.shape[-1])  # noqa: E731
     total = torch.nn.functional.conv1d(flat(compact), kernel, padding=span // 2)
-    count = torch.nn.functional.conv1d(flat(valid), kernel, padding=span // 2)
+    count = torch.nn.functional.conv1d(flat(valid.to(scores.dtype)), kernel, padding=span // 2)
     pooled = (total / count.clamp_min(1.0)).reshape(scores.shape)
     return torch.empty_like(pooled).scatter_(-1, order, pooled)
 
